@@ -1,0 +1,6 @@
+"""Paper Table 4, 2m: resformer."""
+from resformer_jax.config import paper_config
+
+
+def get_config():
+    return paper_config("2m", "resformer")

@@ -1,0 +1,276 @@
+"""Config schema: defaults, paper sizes, validation with clear errors.
+
+Every run is described by one ml_collections ConfigDict. `base_config()` holds
+every field with its default; `paper_config(size, variant)` fills paper
+Table 4; `validate(cfg)` stops on an impossible config with one message that
+names the field and the fix.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
+REMAT_POLICIES = ("none", "dots", "full")
+ATTENTION_IMPLS = ("auto", "pallas", "cudnn", "xla", "reference")
+
+# Paper Table 4: layers, heads, d_model, ffn.
+PAPER_SIZES = {
+    "2m": (4, 2, 16, 56),
+    "82m": (8, 8, 512, 1792),
+    "180m": (12, 12, 768, 2688),
+    "468m": (24, 16, 1024, 3584),
+}
+
+# Paper Table 2 domain proportions (SlimPajama 20B sample).
+PAPER_MIXTURE = {
+    "RedPajamaCommonCrawl": 0.5,
+    "RedPajamaC4": 0.2,
+    "RedPajamaGithub": 0.1,
+    "RedPajamaBook": 0.05,
+    "RedPajamaArXiv": 0.05,
+    "RedPajamaWikipedia": 0.05,
+    "RedPajamaStackExchange": 0.05,
+}
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent config; the message names field and fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    c.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 50277
+    m.num_layers = 8
+    m.num_heads = 8
+    m.num_kv_heads = 0  # 0: same as num_heads (MHA); fewer for GQA/MQA.
+    m.d_model = 512
+    m.ffn_dim = 1792
+    m.max_seq_len = 2048
+    m.rope_theta = 10000.0
+    m.norm_eps = 1e-5
+    m.init_std = 0.02
+    m.value_residual = "none"
+    m.resformer_lambdas = "fixed"  # fixed | learnable | learnable_plus | sparse
+    m.lambda_init = (0.5, 0.5)  # (l1 on the earlier value, l2 on V_n), Eq. 7.
+    m.sparse_layers = ()  # 1-based layers where l1 != 0 for `sparse`.
+    m.sparse_lambda = 5.0
+    m.neutreno_lambda = -1.0  # <0: paper default (0.4 alone, 0.2 with resformer).
+    m.value_source = "first"  # first | previous | mean_of_previous (Fig. 8)
+    m.residual_on = "v"  # v | q | k (Fig. 6)
+    m.mapping = "attention"  # attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
+    m.denseformer = False
+    m.cla_share_every = 1  # 2 = CLA2: layers reuse the previous layer's K/V.
+    m.cla_share = "kv"  # kv | k | v (Fig. 4)
+    m.svformer_anchors = ()  # 1-based layers that recompute the shared value.
+    m.svformer_share = "v"  # v | q | k (Fig. 13)
+    m.dtype = "float32"  # compute dtype; params are always float32.
+    m.scan_layers = True
+    m.remat = "none"
+    m.attention_impl = "auto"
+
+    c.data = d = ml_collections.ConfigDict()
+    d.source = "synthetic"  # synthetic | array_record | tfds | demo
+    d.path = ""
+    d.seq_len = 2048
+    d.mixture = ml_collections.ConfigDict()  # domain -> weight; empty: paper mixture.
+    d.seed = 0
+    d.num_threads = 2
+    d.prefetch = 4
+    d.tokenizer_hash = ""  # filled at start from metadata.json, checked on resume.
+
+    c.train = t = ml_collections.ConfigDict()
+    t.global_batch = 1024  # sequences per optimizer step
+    t.microbatch = 0  # sequences per microbatch (0: no accumulation)
+    t.steps = 10000
+    t.peak_lr = 6e-4
+    t.init_lr = 1e-7
+    t.final_lr_ratio = 0.1
+    t.warmup_steps = 120
+    t.b1 = 0.9
+    t.b2 = 0.95
+    t.eps = 1e-8
+    t.weight_decay = 0.1
+    t.grad_clip = 1.0
+    t.seed = 0
+    t.log_every = 10
+    t.eval_every = 500
+    t.eval_batches = 4
+    t.skip_nonfinite_steps = False
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+    # Logical axis -> mesh axes. Parameters shard their `embed` axis over fsdp.
+    c.mesh.rules = (
+        ("batch", ("data", "fsdp")),
+        ("embed", "fsdp"),
+        ("vocab", None),
+        ("mlp", None),
+        ("q_heads", None),
+        ("kv_heads", None),
+        ("head_dim", None),
+        ("layers", None),
+        ("seq", None),
+    )
+    c.mesh.device_memory_limit_gb = 0.0  # >0: refuse steps needing more per device.
+
+    c.checkpoint = k = ml_collections.ConfigDict()
+    k.every_steps = 1000
+    k.max_to_keep = 3
+    k.keep_period = 0  # >0: also keep every K-th step for the record.
+    k.async_save = True
+
+    return c
+
+
+def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
+    """A paper model (Table 4) with the paper's training setup (Sec. 4.1.1)."""
+    c = base_config()
+    layers, heads, d_model, ffn = PAPER_SIZES[size]
+    c.model.num_layers = layers
+    c.model.num_heads = heads
+    c.model.d_model = d_model
+    c.model.ffn_dim = ffn
+    c.model.value_residual = variant
+    c.model.dtype = "bfloat16"
+    c.data.seq_len = 2048
+    c.data.source = "array_record"
+    return c
+
+
+def tiny_config(variant: str = "resformer") -> ml_collections.ConfigDict:
+    """A model small enough for tests: several steps a second on 2 CPU cores."""
+    c = base_config()
+    m = c.model
+    m.vocab_size = 256
+    m.num_layers = 3
+    m.num_heads = 4
+    m.d_model = 64
+    m.ffn_dim = 128
+    m.max_seq_len = 128
+    m.value_residual = variant
+    m.dtype = "float32"
+    m.attention_impl = "xla"
+    c.data.seq_len = 32
+    c.data.source = "synthetic"
+    c.train.global_batch = 8
+    c.train.steps = 20
+    c.train.warmup_steps = 2
+    c.train.peak_lr = 3e-3
+    c.train.log_every = 5
+    c.train.eval_every = 10
+    c.train.eval_batches = 1
+    c.checkpoint.every_steps = 10
+    c.checkpoint.async_save = False
+    return c
+
+
+def _fail(field: str, problem: str, fix: str):
+    raise ConfigError(f"config.{field}: {problem}. Fix: {fix}.")
+
+
+def num_kv_heads(m) -> int:
+    return m.num_kv_heads or m.num_heads
+
+
+def head_dim(m) -> int:
+    return m.d_model // m.num_heads
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks every field that could make a run impossible; returns c."""
+    m = c.model
+    if m.value_residual not in VALUE_RESIDUAL_MODES:
+        _fail("model.value_residual", f"unknown mode {m.value_residual!r}",
+              f"use one of {', '.join(VALUE_RESIDUAL_MODES)}")
+    for name, val in [("num_layers", m.num_layers), ("num_heads", m.num_heads),
+                      ("d_model", m.d_model), ("ffn_dim", m.ffn_dim),
+                      ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)]:
+        if not isinstance(val, int) or val <= 0:
+            _fail(f"model.{name}", f"must be a positive integer, got {val!r}", "set a positive integer")
+    if m.d_model % m.num_heads:
+        _fail("model.num_heads", f"{m.num_heads} heads do not divide d_model={m.d_model}",
+              "choose num_heads dividing d_model")
+    if m.num_kv_heads < 0 or m.num_heads % num_kv_heads(m):
+        _fail("model.num_kv_heads", f"{m.num_kv_heads} kv heads do not divide num_heads={m.num_heads}",
+              "choose num_kv_heads dividing num_heads (0 means num_heads)")
+    if head_dim(m) % 2:
+        _fail("model.num_heads", f"head_dim={head_dim(m)} is odd, RoPE needs an even head_dim",
+              "choose num_heads so d_model/num_heads is even")
+    if c.data.seq_len > m.max_seq_len:
+        _fail("data.seq_len", f"{c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+              "lower data.seq_len or raise model.max_seq_len")
+    if c.data.seq_len < 1:
+        _fail("data.seq_len", f"must be positive, got {c.data.seq_len}", "set data.seq_len >= 1")
+    if m.remat not in REMAT_POLICIES:
+        _fail("model.remat", f"unknown policy {m.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
+    if m.attention_impl not in ATTENTION_IMPLS:
+        _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}",
+              f"use one of {', '.join(ATTENTION_IMPLS)}")
+    if m.dtype not in ("float32", "bfloat16", "float16"):
+        _fail("model.dtype", f"unknown dtype {m.dtype!r}", "use float32 or bfloat16")
+    if m.resformer_lambdas not in ("fixed", "learnable", "learnable_plus", "sparse"):
+        _fail("model.resformer_lambdas", f"unknown {m.resformer_lambdas!r}",
+              "use fixed, learnable, learnable_plus or sparse")
+    if len(tuple(m.lambda_init)) != 2:
+        _fail("model.lambda_init", f"needs two values (l1, l2), got {m.lambda_init!r}",
+              "set e.g. --config.model.lambda_init='(0.5,0.5)'")
+    choices = {"value_source": ("first", "previous", "mean_of_previous"),
+               "residual_on": ("v", "q", "k"),
+               "mapping": ("attention", "identity", "cross_layer"),
+               "cla_share": ("kv", "k", "v"),
+               "svformer_share": ("v", "q", "k")}
+    for name, allowed in choices.items():
+        if m[name] not in allowed:
+            _fail(f"model.{name}", f"unknown value {m[name]!r}", f"use one of {', '.join(allowed)}")
+    resformer = m.value_residual in ("resformer", "resformer+neutreno")
+    for name, default in (("mapping", "attention"), ("residual_on", "v"), ("value_source", "first")):
+        if m[name] != default and not resformer:
+            _fail(f"model.{name}", f"{m[name]!r} is a ResFormer ablation but value_residual="
+                  f"{m.value_residual!r}", "set model.value_residual='resformer' or leave this field at "
+                  f"{default!r}")
+    if m.svformer_share != "v" or tuple(m.svformer_anchors):
+        if m.value_residual != "svformer":
+            _fail("model.svformer_share", "anchors and Q/K sharing are SVFormer options",
+                  "set model.value_residual='svformer'")
+    if m.cla_share_every < 1:
+        _fail("model.cla_share_every", "must be >= 1", "use 1 (off) or 2 (CLA2)")
+    for a in m.svformer_anchors:
+        if not 1 <= a <= m.num_layers:
+            _fail("model.svformer_anchors", f"layer {a} outside 1..{m.num_layers}", "list 1-based layer numbers")
+    for a in m.sparse_layers:
+        if not 2 <= a <= m.num_layers:
+            _fail("model.sparse_layers", f"layer {a} outside 2..{m.num_layers}", "list 1-based layer numbers >= 2")
+    if m.num_layers < 2 and m.value_residual != "none":
+        _fail("model.num_layers", "value residual needs at least 2 layers", "use num_layers >= 2")
+
+    t = c.train
+    if t.global_batch <= 0:
+        _fail("train.global_batch", f"must be positive, got {t.global_batch}", "set a positive batch")
+    if t.microbatch and t.global_batch % t.microbatch:
+        _fail("train.microbatch", f"{t.microbatch} does not divide global_batch={t.global_batch}",
+              "choose a microbatch dividing the global batch")
+    if t.steps <= 0:
+        _fail("train.steps", f"must be positive, got {t.steps}", "set train.steps >= 1")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
+        _fail("train.warmup_steps", f"{t.warmup_steps} not in [0, train.steps={t.steps})",
+              "use fewer warmup steps than total steps")
+    if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
+        _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
+    return c
+
+
+def neutreno_lambda(m) -> float:
+    if m.neutreno_lambda >= 0:
+        return float(m.neutreno_lambda)
+    return 0.2 if m.value_residual == "resformer+neutreno" else 0.4
+
+
+# Fields that define the model's parameters and data layout: a resumed run may
+# not change them. Everything else (steps, lr, logging, eval) may change.
+SHAPE_FIELDS = ("model.vocab_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+                "model.d_model", "model.ffn_dim", "model.value_residual", "model.resformer_lambdas",
+                "model.denseformer", "model.cla_share_every", "model.cla_share",
+                "model.svformer_anchors", "model.scan_layers", "data.seq_len")

@@ -1,0 +1,116 @@
+"""Attention kernels behind one function.
+
+`attention(q, k, v, causal=True, impl="auto")` with q [B, T, H, D] and k, v
+[B, S, H_kv, D]; GQA is handled without materialising repeated K/V.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "pallas", "cudnn", "xla", "reference")
+log = logging.getLogger(__name__)
+
+
+class KernelUnavailable(RuntimeError):
+    """A named attention impl cannot run here; the message says why."""
+
+
+def reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, mask_BxTxS=None,
+                        return_probs=False):
+    """Plain einsum + fp32 softmax. Can return the attention matrix A [B, H, T, S]."""
+    B, T, H, D = q_BxTxHxD.shape
+    S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+    G = H // K
+    q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, G, D).astype(jnp.float32)
+    logits_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD,
+                                  k_BxSxKxD.astype(jnp.float32)) / math.sqrt(D)
+    if mask_BxTxS is None and causal:
+        # Query t sits at position S - T + t (aligned at the end, as in decode).
+        mask_BxTxS = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None]
+    if mask_BxTxS is not None:
+        logits_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], logits_BxKxGxTxS, -1e30)
+    probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
+    out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD.astype(jnp.float32))
+    out = out_BxTxKxGxD.reshape(B, T, H, D).astype(q_BxTxHxD.dtype)
+    if return_probs:
+        return out, probs.reshape(B, H, T, S)
+    return out
+
+
+def _dpa(q, k, v, causal, implementation):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+
+def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto"):
+    """Causal multi-head attention; dispatches to the chosen implementation."""
+    if impl == "auto":
+        impl = resolve_auto()
+    if impl == "reference":
+        return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    if impl == "xla":
+        return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla")
+    if impl == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise KernelUnavailable("attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
+                                    f"{jax.default_backend()!r}. Use attention_impl='xla' or 'auto'.")
+        return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "cudnn")
+    if impl == "pallas":
+        from resformer_jax.kernels import pallas_attention
+        return pallas_attention.flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
+
+
+_AUTO_CHOICE = {}
+
+
+def set_auto_choice(impl: str):
+    """Records what `auto` resolved to (chosen once at start-up by probe_auto)."""
+    _AUTO_CHOICE["impl"] = impl
+
+
+def resolve_auto() -> str:
+    if "impl" in _AUTO_CHOICE:
+        return _AUTO_CHOICE["impl"]
+    return "xla"  # not probed yet: the safe choice on every backend
+
+
+def probe_auto(q_shape, kv_heads, dtype, log_fn=print):
+    """Picks the fastest impl that compiles and runs forward+backward at the real shapes.
+
+    On a GPU: pallas, then cudnn, then xla; on CPU and TPU: xla. Returns
+    (choice, {rejected impl: reason}).
+    """
+    rejected = {}
+    if jax.default_backend() != "gpu":
+        candidates = ["xla"]
+        rejected["pallas"] = f"backend {jax.default_backend()!r} is not a GPU"
+        rejected["cudnn"] = f"backend {jax.default_backend()!r} is not a GPU"
+    else:
+        candidates = ["pallas", "cudnn", "xla"]
+    B, T, H, D = q_shape
+    choice = None
+    for impl in candidates:
+        try:
+            q = jnp.ones((B, T, H, D), dtype) * 0.1
+            kv = jnp.ones((B, T, kv_heads, D), dtype) * 0.1
+
+            def loss(q, k, v, impl=impl):
+                return attention(q, k, v, causal=True, impl=impl).astype(jnp.float32).sum()
+
+            jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
+            choice = impl
+            break
+        except Exception as e:  # noqa: BLE001 - every failure is a reason to reject
+            rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if choice is None:
+        raise KernelUnavailable(f"no attention impl runs here: {rejected}")
+    set_auto_choice(choice)
+    msg = f"attention_impl=auto chose {choice!r}" + "".join(
+        f"; rejected {k}: {v}" for k, v in rejected.items())
+    log_fn(msg)
+    return choice, rejected

@@ -1,0 +1,59 @@
+"""The one entry point: train (default), or print a model summary.
+
+  python -m resformer_jax.main                      # the offline demo
+  python -m resformer_jax.main --config=configs/resformer_82m.py --workdir=RUN
+  python -m resformer_jax.main --config=configs/resformer_468m.py --mode=summary
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.py")
+config_flags.DEFINE_config_file("config", _DEMO, "Config file (ml_collections get_config()).", lock_config=True)
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, TensorBoard logs (default: runs/<config name>).")
+flags.DEFINE_enum("mode", "train", ["train", "summary"], "train: pretrain; summary: print model facts as JSON.")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port (auto on TPU pods and SLURM).")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+FLAGS = flags.FLAGS
+
+
+def summary(cfg) -> dict:
+    from resformer_jax.model.decode import kv_cache_bytes_per_token
+    from resformer_jax.model.transformer import flops_per_token, param_counts
+    out = dict(param_counts(cfg.model))
+    out["flops_per_token"] = flops_per_token(cfg.model, cfg.data.seq_len)
+    out["flops_per_token_6n"] = 6.0 * out["params_non_embedding"]
+    out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
+    out["seq_len"] = cfg.data.seq_len
+    out["model"] = cfg.model.to_dict()
+    return out
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; fields are set as --config.section.field=value")
+    from resformer_jax.config import ConfigError, validate
+    cfg = FLAGS.config
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.mode == "summary":
+        print(json.dumps(summary(cfg), default=list))
+        return
+    from resformer_jax.train.loop import run
+    workdir = FLAGS.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
+        FLAGS["config"].config_filename if hasattr(FLAGS["config"], "config_filename") else "demo"))[0])
+    sys.exit(run(cfg, workdir, coordinator_address=FLAGS.coordinator_address,
+                 num_processes=FLAGS.num_processes, process_id=FLAGS.process_id))
+
+
+if __name__ == "__main__":
+    app.run(main)

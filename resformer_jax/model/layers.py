@@ -1,0 +1,87 @@
+"""Llama-like building blocks: RMSNorm, SwiGLU MLP, RoPE, embeddings.
+
+Every parameter carries logical axis names (embed, vocab, mlp, q_heads,
+kv_heads, head_dim, layers) so parallel/ can map them onto a mesh.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = jnp.dtype
+
+
+def normal_init(std: float, *names: str):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        scale_E = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                             (x_BxTxE.shape[-1],), jnp.float32)
+        x = x_BxTxE.astype(jnp.float32)  # normalise in fp32 for stability
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * scale_E).astype(self.dtype)
+
+
+class DenseGeneral(nn.Module):
+    """x @ W with W of shape in_shape + out_shape, fp32 param, compute dtype."""
+    out_shape: tuple
+    axes: tuple  # logical names of W's dims
+    in_dims: int = 1
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+    out_dtype: Dtype | None = None  # e.g. fp32 logits from bf16 inputs
+
+    @nn.compact
+    def __call__(self, x):
+        in_shape = x.shape[-self.in_dims:]
+        w = self.param("kernel", normal_init(self.std, *self.axes), in_shape + tuple(self.out_shape), jnp.float32)
+        contract = tuple(range(x.ndim - self.in_dims, x.ndim))
+        return jax.lax.dot_general(x.astype(self.dtype), w.astype(self.dtype),
+                                   ((contract, tuple(range(self.in_dims))), ((), ())),
+                                   preferred_element_type=self.out_dtype)
+
+
+class SwiGLU(nn.Module):
+    ffn_dim: int
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        gate_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, name="gate")(x_BxTxE)
+        up_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, name="up")(x_BxTxE)
+        h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
+        return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std, dtype=self.dtype, name="down")(h_BxTxF)
+
+
+class Embed(nn.Module):
+    vocab_size: int
+    d_model: int
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens_BxT):
+        table_VxE = self.param("embedding", normal_init(self.std, "vocab", "embed"),
+                               (self.vocab_size, self.d_model), jnp.float32)
+        return jnp.take(table_VxE, tokens_BxT, axis=0).astype(self.dtype)
+
+
+def rope(x_BxTxHxD, positions_BxT, theta: float = 10000.0):
+    """Rotary position embedding (rotate-half convention, as in Llama/NeoX)."""
+    d = x_BxTxHxD.shape[-1]
+    inv_freq_D2 = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles_BxTxD2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq_D2
+    sin = jnp.sin(angles_BxTxD2)[:, :, None, :]
+    cos = jnp.cos(angles_BxTxD2)[:, :, None, :]
+    x = x_BxTxHxD.astype(jnp.float32)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxHxD.dtype)

@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="resformer_jax",
+    version="0.1.0",
+    description="Value-residual transformers (ResFormer, SVFormer) pretraining in JAX/Flax",
+    packages=find_packages(include=["resformer_jax*", "data_prep*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.35,<0.12",
+        "flax>=0.10,<0.14",
+        "optax>=0.2.4,<0.3",
+        "orbax-checkpoint>=0.11,<0.14",
+        "grain>=0.2.10,<0.3",
+        "array_record>=0.7,<0.10",
+        "ml-collections>=0.1.1,<2",
+        "tensorflow-datasets>=4.9.7,<5",
+        "importlib_resources",  # undeclared need of tfds' adhoc builder
+        "tensorboardX>=2.6,<3",
+        "tokenizers>=0.20,<1",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+        "zstandard>=0.22",
+        "pyarrow>=15",
+        "matplotlib>=3.8",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "tensorboard>=2.15"],
+        "gpu": ["jax[cuda12]>=0.4.35,<0.12"],
+        "tpu": ["jax[tpu]>=0.4.35,<0.12"],
+        "eval": ["tensorboard>=2.15"],
+    },
+)
