@@ -36,6 +36,8 @@ def summary(cfg) -> dict:
 
 
 def main(argv):
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax and grain log every step at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; fields are set as --config.section.field=value")
     from resformer_jax.config import ConfigError, validate

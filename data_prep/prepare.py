@@ -1,0 +1,301 @@
+"""Raw text -> packed, tokenized ArrayRecord shards per split and domain.
+
+  python -m data_prep.prepare --input DIR_OR_FILE [...] --tokenizer tokenizer.json --out DIR \
+      [--seq_len 2048] [--budget RedPajamaCommonCrawl=10B ...] [--workers N]
+
+Reads SlimPajama's layout (`{"text", "meta": {"redpajama_set_name"}}` in
+.jsonl / .jsonl.zst / .parquet, split folders train/ and validation/) and
+plain .txt files (one document each; domain from --domain). Every document
+gets the end-of-text token appended; the stream of each (split, domain) is cut
+into records of seq_len + 1 tokens (inputs and shifted targets of one
+training sequence). Writes DIR/<split>/<domain>/shard-NNNNN.array_record,
+DIR/tokenizer.json and DIR/metadata.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+
+SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
+               "holdout": "validation", "test": "test"}
+TEXT_EXTS = (".jsonl", ".jsonl.zst", ".json.zst", ".parquet", ".txt")
+EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+
+class PrepareError(Exception):
+    """Bad input to prepare; the message names the cause and the fix."""
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_tokens(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+def list_files(inputs: list[str]) -> list[str]:
+    files = []
+    for p in inputs:
+        if not os.path.exists(p):
+            raise PrepareError(f"input path {p!r} does not exist; pass existing files or folders to --input")
+        if os.path.isdir(p):
+            for root, dirs, names in os.walk(p):
+                dirs.sort()
+                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(TEXT_EXTS)]
+        elif p.endswith(TEXT_EXTS):
+            files.append(p)
+        else:
+            raise PrepareError(f"{p!r} is not one of {', '.join(TEXT_EXTS)}")
+    if not files:
+        raise PrepareError(f"no {', '.join(TEXT_EXTS)} files under {inputs}; check --input")
+    return files
+
+
+def split_of(path: str, default: str) -> str:
+    for part in reversed(os.path.normpath(path).split(os.sep)[:-1]):
+        if part.lower() in SPLIT_NAMES:
+            return SPLIT_NAMES[part.lower()]
+    return default
+
+
+def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
+    """Yields (domain, text) for every document in one file."""
+    def from_record(rec):
+        meta = rec.get("meta") or {}
+        if isinstance(meta, str):
+            meta = json.loads(meta)
+        return meta.get("redpajama_set_name", domain), rec["text"]
+
+    if path.endswith(".txt"):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield domain, f.read()
+    elif path.endswith((".jsonl.zst", ".json.zst")):
+        import zstandard
+        with open(path, "rb") as raw:
+            stream = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8")
+            for line in stream:
+                if line.strip():
+                    yield from_record(json.loads(line))
+    elif path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield from_record(json.loads(line))
+    elif path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        for rec in pq.read_table(path).to_pylist():
+            yield from_record(rec)
+
+
+def load_tokenizer(spec: str, files: list[str], out: str, workers: int):
+    """tokenizer.json path | hub name (needs network) | train:VOCAB (byte-level BPE trained here)."""
+    from tokenizers import Tokenizer
+    if spec.startswith("train:"):
+        try:
+            vocab = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise PrepareError(f"--tokenizer {spec!r}: expected train:VOCAB_SIZE, e.g. train:8192") from None
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        train_files = [f for f in files if split_of(f, "train") == "train"] or files
+        tok.train_from_iterator((t for f in train_files for _, t in read_documents(f, "default")), trainer)
+        path = os.path.join(out, "tokenizer.json")
+        tok.save(path)
+        return tok, path
+    if os.path.isfile(spec):
+        try:
+            tok = Tokenizer.from_file(spec)
+        except Exception as e:  # noqa: BLE001
+            raise PrepareError(f"--tokenizer {spec!r} is not a tokenizers JSON file ({e})") from None
+        path = os.path.join(out, "tokenizer.json")
+        if os.path.abspath(spec) != os.path.abspath(path):
+            shutil.copyfile(spec, path)
+        return tok, path
+    try:
+        tok = Tokenizer.from_pretrained(spec)
+    except Exception as e:  # noqa: BLE001
+        raise PrepareError(f"--tokenizer {spec!r} is neither a file nor a hub name that loads here ({e}); "
+                           "pass a local tokenizer.json or train:VOCAB_SIZE") from None
+    path = os.path.join(out, "tokenizer.json")
+    tok.save(path)
+    return tok, path
+
+
+def eot_id_of(tok) -> int:
+    for name in EOT_CANDIDATES:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise PrepareError(f"the tokenizer has none of {EOT_CANDIDATES} as an end-of-text token; add one")
+
+
+class ShardWriter:
+    """Packs one (split, domain) token stream into fixed-length records across shards."""
+
+    def __init__(self, folder: str, record_len: int, dtype, per_shard: int):
+        from array_record.python.array_record_module import ArrayRecordWriter
+        self._writer_cls = ArrayRecordWriter
+        self.folder, self.record_len, self.dtype, self.per_shard = folder, record_len, dtype, per_shard
+        os.makedirs(folder, exist_ok=True)
+        self.buf = np.zeros(0, dtype)
+        self.writer, self.in_shard, self.shards, self.records = None, 0, [], 0
+
+    def add(self, ids):
+        self.buf = np.concatenate([self.buf, np.asarray(ids, self.dtype)])
+        n = len(self.buf) // self.record_len
+        for i in range(n):
+            self._write(self.buf[i * self.record_len:(i + 1) * self.record_len])
+        self.buf = self.buf[n * self.record_len:]
+
+    def _write(self, rec):
+        if self.writer is None or self.in_shard == self.per_shard:
+            self._close_shard()
+            name = f"shard-{len(self.shards):05d}.array_record"
+            self.writer = self._writer_cls(os.path.join(self.folder, name), "group_size:1")
+            self.shards.append(name)
+        self.writer.write(rec.tobytes())
+        self.in_shard += 1
+        self.records += 1
+
+    def _close_shard(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer, self.in_shard = None, 0
+
+    def close(self) -> int:
+        self._close_shard()
+        return len(self.buf)  # tokens left over that fill no whole record
+
+
+def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, budgets: dict | None = None,
+            workers: int = 0, domain: str = "default", split: str = "train", seed: int = 0,
+            shuffle_docs: bool = False, records_per_shard: int = 65536, batch_docs: int = 256,
+            command: str = "", quiet: bool = False) -> dict:
+    """Library form of the command; returns the metadata it writes."""
+    if workers > 0:
+        os.environ["RAYON_NUM_THREADS"] = str(workers)  # the tokenizers library's thread pool
+    if seq_len < 1:
+        raise PrepareError(f"--seq_len must be positive, got {seq_len}")
+    budgets = budgets or {}
+    files = list_files(inputs)
+    os.makedirs(out, exist_ok=True)
+    tok, tok_path = load_tokenizer(tokenizer, files, out, workers)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    eot = eot_id_of(tok)
+    dtype = np.uint16 if vocab <= 65535 else np.uint32
+    writers: dict[tuple[str, str], ShardWriter] = {}
+    stats: dict[str, dict[str, dict]] = {}
+    rng = np.random.default_rng(seed)
+    t0, total_tokens = time.time(), 0
+
+    def log(msg):
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    for fi, path in enumerate(files):
+        sp = split_of(path, split)
+        docs = list(read_documents(path, domain))
+        if shuffle_docs:
+            docs = [docs[i] for i in rng.permutation(len(docs))]
+        for b in range(0, len(docs), batch_docs):
+            chunk = docs[b:b + batch_docs]
+            encs = tok.encode_batch([t for _, t in chunk], add_special_tokens=False)
+            for (dom, _), enc in zip(chunk, encs):
+                st = stats.setdefault(sp, {}).setdefault(dom, {"documents": 0, "tokens": 0})
+                if sp == "train" and dom in budgets and st["tokens"] >= budgets[dom]:
+                    continue  # this domain's budget is spent
+                ids = enc.ids + [eot]
+                key = (sp, dom)
+                if key not in writers:
+                    writers[key] = ShardWriter(os.path.join(out, sp, dom), seq_len + 1, dtype, records_per_shard)
+                writers[key].add(ids)
+                st["documents"] += 1
+                st["tokens"] += len(ids)
+                total_tokens += len(ids)
+        rate = total_tokens / max(time.time() - t0, 1e-9)
+        log(f"[prepare] {fi + 1}/{len(files)} files, {total_tokens:,} tokens ({rate:,.0f} tok/s): {path}")
+
+    for (sp, dom), w in writers.items():
+        left = w.close()
+        stats[sp][dom].update(sequences=w.records, tokens_in_sequences=w.records * (seq_len + 1),
+                              tokens_dropped=left, shards=w.shards)
+    for sp, doms in stats.items():
+        for dom, st in list(doms.items()):
+            if st.get("sequences", 0) == 0:
+                log(f"[prepare] note: split {sp!r} domain {dom!r} has no full sequence "
+                    f"({st['tokens']} tokens < {seq_len + 1}); it is left out of that split")
+                shutil.rmtree(os.path.join(out, sp, dom), ignore_errors=True)
+                st.update(sequences=0, shards=[])
+    all_domains = sorted({d for doms in stats.values() for d in doms})
+    for sp in ("train", "validation"):
+        for dom in all_domains:
+            if dom not in stats.get(sp, {}) or not stats[sp][dom]["sequences"]:
+                log(f"[prepare] note: domain {dom!r} has no data in split {sp!r}")
+    meta = {
+        "format": "resformer_jax.packed.v1",
+        "tokenizer": {"file": "tokenizer.json", "sha256": sha256_file(tok_path), "vocab_size": vocab,
+                      "eot_id": eot, "spec": tokenizer},
+        "seq_len": seq_len, "record_len": seq_len + 1, "dtype": np.dtype(dtype).name,
+        "seed": seed, "shuffle_docs": shuffle_docs, "budgets": budgets,
+        "splits": stats, "command": command or " ".join(sys.argv),
+    }
+    with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
+    log(f"[prepare] wrote {out}/metadata.json: {total_tokens:,} tokens in {time.time() - t0:.1f}s")
+    return meta
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m data_prep.prepare", description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="files or folders (.jsonl[.zst], .parquet, .txt)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json | hub name | train:VOCAB_SIZE")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--budget", nargs="*", default=[], help="DOMAIN=TOKENS (e.g. RedPajamaC4=4B), train split")
+    p.add_argument("--workers", type=int, default=0, help="tokenizer threads (0: all cores)")
+    p.add_argument("--domain", default="default", help="domain of files without meta (.txt)")
+    p.add_argument("--split", default="train", help="split of files outside train/ or validation/ folders")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle_docs", action="store_true", help="shuffle documents within each file by --seed")
+    p.add_argument("--records_per_shard", type=int, default=65536)
+    a = p.parse_args(argv)
+    try:
+        budgets = {}
+        for b in a.budget:
+            if "=" not in b:
+                raise PrepareError(f"--budget {b!r}: expected DOMAIN=TOKENS, e.g. RedPajamaC4=4B")
+            k, v = b.split("=", 1)
+            budgets[k] = parse_tokens(v)
+        prepare(a.input, a.tokenizer, a.out, a.seq_len, budgets, a.workers, a.domain, a.split, a.seed,
+                a.shuffle_docs, a.records_per_shard, command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]))
+    except (PrepareError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Grain input pipelines over prepared ArrayRecord corpora, tfds, or synthetic data.
+
+Data order is a function of the step: the sequence at global step s, batch
+slot i is `mixture[s * global_batch + i]`, a pure function of (seed, s, i).
+A resumed or re-sharded run therefore reads exactly what an uninterrupted run
+would, and each process reads only its own slots [p * local, (p + 1) * local).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import grain
+import numpy as np
+
+from resformer_jax.config import PAPER_MIXTURE
+
+
+class DataError(Exception):
+    """Bad data or data config; the message names the cause and the fix."""
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def load_metadata(path: str) -> dict:
+    if not path:
+        raise DataError("config.data.path is empty; point it at a folder written by `python -m data_prep.prepare`")
+    if not os.path.isdir(path):
+        raise DataError(f"data path {path!r} does not exist; run `python -m data_prep.prepare --out {path} ...` "
+                        "or fix config.data.path")
+    meta_path = os.path.join(path, "metadata.json")
+    if not os.path.isfile(meta_path):
+        raise DataError(f"{path!r} has no metadata.json (empty or not prepared); "
+                        f"run `python -m data_prep.prepare --out {path} ...`")
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+def check_compatible(meta: dict, seq_len: int, vocab_size: int, tokenizer_hash: str = "", path: str = ""):
+    """Stops before training when prepared data and model disagree."""
+    if meta["seq_len"] != seq_len:
+        raise DataError(f"{path}: prepared with seq_len={meta['seq_len']} but config.data.seq_len={seq_len}; "
+                        f"set --config.data.seq_len={meta['seq_len']} or prepare again with --seq_len {seq_len}")
+    if meta["tokenizer"]["vocab_size"] > vocab_size:
+        raise DataError(f"{path}: token ids go up to {meta['tokenizer']['vocab_size'] - 1}, not below "
+                        f"config.model.vocab_size={vocab_size}; set "
+                        f"--config.model.vocab_size={meta['tokenizer']['vocab_size']} or use a matching tokenizer")
+    if tokenizer_hash and tokenizer_hash != meta["tokenizer"]["sha256"]:
+        raise DataError(f"{path}: tokenizer sha256 {meta['tokenizer']['sha256'][:12]}… differs from "
+                        f"{tokenizer_hash[:12]}… that this run started with; use the data prepared with the "
+                        "run's tokenizer, or start a new workdir")
+
+
+def domain_weights(meta: dict, split: str, mixture: dict | None) -> dict[str, float]:
+    present = {d for d, st in meta["splits"].get(split, {}).items() if st.get("sequences", 0) > 0}
+    if not present:
+        raise DataError(f"prepared data has no sequences in split {split!r}; prepare more text or a smaller seq_len")
+    if mixture:
+        missing = [d for d, w in mixture.items() if w > 0 and d not in present]
+        if missing:
+            raise DataError(f"config.data.mixture asks for {missing} but split {split!r} has shards only for "
+                            f"{sorted(present)}; fix the mixture or prepare those domains")
+        weights = {d: float(w) for d, w in mixture.items() if w > 0}
+    else:
+        weights = {d: PAPER_MIXTURE.get(d, 0.0) for d in present}
+        if sum(weights.values()) == 0:  # no SlimPajama domain names: equal weights
+            weights = {d: 1.0 for d in present}
+        weights = {d: w for d, w in weights.items() if w > 0}
+    total = sum(weights.values())
+    return {d: w / total for d, w in sorted(weights.items())}
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class DomainSource(grain.sources.RandomAccessDataSource):
+    """One (split, domain) of a prepared corpus: records of seq_len + 1 token ids."""
+
+    def __init__(self, path: str, meta: dict, split: str, domain: str):
+        st = meta["splits"].get(split, {}).get(domain)
+        if not st or not st.get("shards"):
+            raise DataError(f"{path}: no shards for domain {domain!r} in split {split!r}")
+        self.paths = [os.path.join(path, split, domain, s) for s in st["shards"]]
+        for p in self.paths:
+            if not os.path.isfile(p):
+                raise DataError(f"shard {p} listed in metadata.json is missing; prepare the data again")
+        self._src = grain.sources.ArrayRecordDataSource(self.paths)
+        self.dtype = np.dtype(meta["dtype"])
+        self.n = len(self._src)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
+
+
+class Mixture:
+    """Deterministic weighted mixture: global index g -> (domain, record), O(1) per lookup.
+
+    Indices come in blocks of `block`; each block holds round(w_d * block)
+    items of domain d (largest remainders) in an order shuffled by (seed,
+    block). Within a domain, items are numbered consecutively across blocks and
+    mapped to records by a fresh permutation per epoch (grain's index_shuffle).
+    """
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int, block: int = 4096):
+        w = np.asarray(weights, np.float64)
+        raw = w / w.sum() * block
+        counts = np.floor(raw).astype(np.int64)
+        for i in np.argsort(-(raw - counts))[: block - counts.sum()]:
+            counts[i] += 1
+        self.sizes, self.counts, self.seed, self.block = sizes, counts, seed, block
+        self.assign = np.repeat(np.arange(len(sizes)), counts)
+        self.offset = np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+    @functools.lru_cache(maxsize=64)
+    def _perm(self, b: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, b]).permutation(self.block)
+
+    def __call__(self, g: int) -> tuple[int, int]:
+        b, r = divmod(int(g), self.block)
+        slot = int(self._perm(b)[r])
+        d = int(self.assign[slot])
+        j = b * int(self.counts[d]) + slot - int(self.offset[d])
+        epoch, i = divmod(j, self.sizes[d])
+        rec = grain.experimental.index_shuffle(i, max_index=self.sizes[d] - 1,
+                                               seed=(self.seed * 1_000_003 + epoch * 7919 + d) % (2**31), rounds=4)
+        return d, int(rec)
+
+
+class SyntheticSource:
+    """Learnable synthetic sequences: x_t = (a + s*t) mod V with (a, s) drawn from (seed, g)."""
+
+    def __init__(self, vocab_size: int, record_len: int, seed: int):
+        self.vocab_size, self.record_len, self.seed = vocab_size, record_len, seed
+
+    def __call__(self, g: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, int(g)])
+        a, s = rng.integers(self.vocab_size), rng.integers(1, 8)
+        return ((a + s * np.arange(self.record_len)) % self.vocab_size).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+class BatchReader:
+    """step -> this process's slice of the global batch, [local_batch, seq_len + 1] int32."""
+
+    def __init__(self, read_global, global_batch: int, process_index: int, process_count: int):
+        if global_batch % process_count:
+            raise DataError(f"config.train.global_batch={global_batch} does not divide over {process_count} "
+                            "processes; choose a multiple of the process count")
+        self.read_global, self.gb = read_global, global_batch
+        self.local = global_batch // process_count
+        self.first = process_index * self.local
+
+    def __call__(self, step: int) -> np.ndarray:
+        base = int(step) * self.gb + self.first
+        return np.stack([self.read_global(base + i) for i in range(self.local)])
+
+
+class CorpusReader:
+    def __init__(self, sources: list[DomainSource], mixture: Mixture):
+        self.sources, self.mixture = sources, mixture
+
+    def __call__(self, g: int) -> np.ndarray:
+        d, rec = self.mixture(g)
+        return self.sources[d][rec]
+
+
+def train_reader(cfg, meta: dict | None = None):
+    """A pure function g -> sequence for the training split, and the domain names."""
+    d = cfg.data
+    record_len = d.seq_len + 1
+    if d.source == "synthetic":
+        return SyntheticSource(cfg.model.vocab_size, record_len, d.seed), ["synthetic"]
+    path = resolve_path(cfg)
+    meta = meta or load_metadata(path)
+    check_compatible(meta, d.seq_len, cfg.model.vocab_size, d.tokenizer_hash, path)
+    weights = domain_weights(meta, "train", dict(d.mixture) if len(d.mixture) else None)
+    sources = [open_domain(cfg, path, meta, "train", dom) for dom in weights]
+    return CorpusReader(sources, Mixture([len(s) for s in sources], list(weights.values()), d.seed)), list(weights)
+
+
+def open_domain(cfg, path, meta, split, domain):
+    if cfg.data.source == "tfds":
+        from resformer_jax.data.tfds_source import tfds_domain_source
+        return tfds_domain_source(path, split, domain)
+    return DomainSource(path, meta, split, domain)
+
+
+def resolve_path(cfg) -> str:
+    if cfg.data.source == "demo":
+        from resformer_jax.data.demo import demo_corpus
+        return demo_corpus(cfg.data.seq_len)
+    return cfg.data.path
+
+
+def train_iterator(cfg, process_index: int = 0, process_count: int = 1):
+    """A checkpointable grain iterator over this process's batches, reading ahead in threads."""
+    read_global, _ = train_reader(cfg)
+    reader = BatchReader(read_global, cfg.train.global_batch, process_index, process_count)
+    ds = grain.MapDataset.range(0, 1 << 40).map(reader)
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.data.num_threads,
+                                              prefetch_buffer_size=cfg.data.prefetch))
+    return iter(it)
+
+
+def validation_sets(cfg, batch: int, num_batches: int, process_index: int = 0, process_count: int = 1,
+                    all_records: bool = False) -> dict[str, list[np.ndarray]]:
+    """Per-domain validation batches (this process's slice), read in record order.
+
+    With all_records=True every whole batch of the split is returned (the
+    paper's Table 5 evaluation); otherwise the first num_batches.
+    """
+    d = cfg.data
+    if d.source == "synthetic":
+        src = SyntheticSource(cfg.model.vocab_size, d.seq_len + 1, d.seed + 10_000)
+        reader = BatchReader(src, batch, process_index, process_count)
+        return {"synthetic": [reader(i) for i in range(num_batches)]}
+    path = resolve_path(cfg)
+    meta = load_metadata(path)
+    check_compatible(meta, d.seq_len, cfg.model.vocab_size, "", path)
+    out = {}
+    for dom, st in sorted(meta["splits"].get("validation", {}).items()):
+        if not st.get("sequences"):
+            continue
+        src = open_domain(cfg, path, meta, "validation", dom)
+        n_batches = len(src) // batch if all_records else min(num_batches, len(src) // batch)
+        if n_batches == 0:  # fewer records than a batch: wrap around so the domain is still measured
+            n_batches = 1
+        reader = BatchReader(lambda g, src=src: src[g % len(src)], batch, process_index, process_count)
+        out[dom] = [reader(i) for i in range(n_batches)]
+    return out

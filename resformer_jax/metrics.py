@@ -1,0 +1,100 @@
+"""TensorBoard writer (tensorboardX), console progress, and MFU."""
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+    "A10G": 125e12, "L4": 121e12, "V100": 125e12, "RTX 4090": 165e12,
+    "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12,
+    "TPU v4": 275e12, "TPU v3": 123e12,
+}
+
+_CPU_PEAK = {}
+
+
+def measure_cpu_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul FLOP/s of this host, measured once (all local CPU devices share the cores)."""
+    if "peak" not in _CPU_PEAK:
+        a = jnp.ones((n, n), jnp.float32)
+        f = jax.jit(lambda x: x @ x)
+        f(a).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        _CPU_PEAK["peak"] = 2 * n**3 / best
+    return _CPU_PEAK["peak"]
+
+
+def device_peak_flops() -> tuple[float, str]:
+    """(peak FLOP/s of all devices together, where the number comes from)."""
+    devs = jax.devices()
+    kind = devs[0].device_kind
+    if devs[0].platform == "cpu":
+        return measure_cpu_matmul_peak(), "measured fp32 matmul peak of this host's CPU"
+    for name, peak in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak * len(devs), f"{name} table peak x {len(devs)} devices"
+    return float("nan"), f"unknown device kind {kind!r}: add it to metrics.PEAK_FLOPS"
+
+
+class Writer:
+    """Scalars and text to TensorBoard; a no-op on processes other than 0."""
+
+    def __init__(self, logdir: str, enabled: bool = True):
+        self.w = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+            self.w = SummaryWriter(logdir, flush_secs=10)
+
+    def scalars(self, step: int, values: dict):
+        if self.w:
+            for k, v in values.items():
+                self.w.add_scalar(k, float(v), step)
+
+    def text(self, tag: str, text: str, step: int = 0):
+        if self.w:
+            self.w.add_text(tag, text, step)
+
+    def flush(self):
+        if self.w:
+            self.w.flush()
+
+    def close(self):
+        if self.w:
+            self.w.close()
+
+
+def fmt_eta(seconds: float) -> str:
+    if not np.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One compact console line per log interval: step, loss, tokens/s, ETA."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, stream=sys.stdout):
+        self.total, self.enabled, self.stream = total_steps, enabled, stream
+
+    def update(self, step: int, loss: float, tokens_per_s: float, step_time: float, extra: str = ""):
+        if not self.enabled:
+            return
+        eta = (self.total - step) * step_time
+        self.stream.write(f"step {step:>7}/{self.total}  loss {loss:7.4f}  {tokens_per_s:11,.0f} tok/s  "
+                          f"ETA {fmt_eta(eta)}{extra}\n")
+        self.stream.flush()
+
+    def message(self, text: str):
+        if self.enabled:
+            self.stream.write(text + "\n")
+            self.stream.flush()

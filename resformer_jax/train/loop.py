@@ -1,0 +1,327 @@
+"""The training loop: wires config, mesh, data, model, optimizer, checkpoints and logs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resformer_jax import kernels, metrics
+from resformer_jax.checkpoint import Checkpointer, CheckpointError, config_diff
+from resformer_jax.config import SHAPE_FIELDS, ConfigError, num_kv_heads, validate
+from resformer_jax.data.pipeline import DataError, load_metadata, resolve_path, train_iterator, validation_sets
+from resformer_jax.model import Transformer
+from resformer_jax.model.transformer import flops_per_token, param_counts
+from resformer_jax.parallel.mesh import (MeshError, batch_sharding, check_divisibility, logical_shardings,
+                                         make_mesh, maybe_initialize_distributed, replicated)
+from resformer_jax.train.optimizer import lr_schedule, make_optimizer
+from resformer_jax.train.step import init_state, make_eval_step, make_train_step
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class MemoryPrecheckError(RuntimeError):
+    pass
+
+
+USER_ERRORS = (ConfigError, DataError, MeshError, CheckpointError, MemoryPrecheckError, NonFiniteError,
+               kernels.KernelUnavailable)
+
+
+def run(cfg, workdir: str, **dist) -> int:
+    """Trains; returns the process exit code. User errors print one message, never a traceback."""
+    try:
+        return Trainer(cfg, workdir, **dist).train()
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3 if isinstance(e, NonFiniteError) else 2
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else {}
+    return d
+
+
+class Trainer:
+    def __init__(self, cfg, workdir: str, coordinator_address=None, num_processes=None, process_id=None):
+        maybe_initialize_distributed(coordinator_address, num_processes, process_id)
+        self.cfg = validate(cfg)
+        self.workdir = workdir
+        self.is_main = jax.process_index() == 0
+        self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
+        self.say = self.progress.message
+        self.mesh = make_mesh(cfg.mesh)
+        check_divisibility(cfg, self.mesh)
+        self.preempt = False
+
+    # ------------------------------------------------------------------ setup
+    def _data(self):
+        cfg = self.cfg
+        self.meta = None
+        if cfg.data.source != "synthetic":
+            path = resolve_path(cfg)
+            self.meta = load_metadata(path)
+            self.data_path = path
+        self.iter = train_iterator(cfg, jax.process_index(), jax.process_count())
+        eval_batch = cfg.train.microbatch or cfg.train.global_batch
+        self.eval_sets = validation_sets(cfg, eval_batch, cfg.train.eval_batches, jax.process_index(),
+                                         jax.process_count())
+
+    def _state(self):
+        cfg = self.cfg
+        self.model = Transformer(cfg.model)
+        self.tx = make_optimizer(cfg.train)
+        rng = jax.random.PRNGKey(cfg.train.seed)
+        init = lambda r: init_state(self.model, self.tx, r, cfg.data.seq_len)  # noqa: E731
+        boxed = jax.eval_shape(init, rng)
+        self.state_sh = logical_shardings(boxed, self.mesh, cfg.mesh)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                nn.unbox(boxed), self.state_sh)
+        self.ckpt = Checkpointer(self.workdir, cfg.checkpoint)
+        restored = self.ckpt.restore_latest(abstract, self.iter, warn=self._warn)
+        if restored is None:
+            self.state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=self.state_sh)(rng)
+            self.start_step = 0
+            self.say(f"starting a new run in {self.workdir}")
+        else:
+            step, self.state, old_cfg, self.restored_progress = restored
+            self._check_resumed_config(old_cfg)
+            self.start_step = step
+            self.say(f"resumed from step {step} ({self.ckpt.dir}/{step})")
+
+    def _check_resumed_config(self, old: dict):
+        new = self.cfg.to_dict()
+        diff = config_diff(old, new)
+        for field in SHAPE_FIELDS:
+            if field in diff:
+                a, b = diff[field]
+                raise CheckpointError(
+                    f"config.{field} is {b!r} but the run in {self.workdir} was started with {a!r}; a resumed run "
+                    f"cannot change the model's shape. Use --config.{field}={a!r} or a new --workdir")
+        old_hash = _get(old, "data.tokenizer_hash")
+        if old_hash and self.meta and old_hash != self.meta["tokenizer"]["sha256"]:
+            raise DataError(f"{self.data_path}: tokenizer sha256 {self.meta['tokenizer']['sha256'][:12]}… differs "
+                            f"from {old_hash[:12]}… that this run started with; use the data prepared with the run's "
+                            "tokenizer, or start a new workdir")
+        for field, (a, b) in diff.items():
+            if field not in SHAPE_FIELDS and field != "data.tokenizer_hash":
+                self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
+
+    def _warn(self, msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    def _compile(self):
+        cfg = self.cfg
+        A = cfg.train.global_batch // (cfg.train.microbatch or cfg.train.global_batch)
+        self.batch_sh = batch_sharding(self.mesh)
+        micro_sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
+        step = make_train_step(self.model, self.tx, A, micro_sh)
+        rep = replicated(self.mesh)
+        self.step_fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh),
+                               out_shardings=(self.state_sh, rep), donate_argnums=(0,))
+        self.global_shape = (cfg.train.global_batch, cfg.data.seq_len + 1)
+        t0 = time.perf_counter()
+        abstract_batch = jax.ShapeDtypeStruct(self.global_shape, jnp.int32, sharding=self.batch_sh)
+        self.compiled = self.step_fn.lower(self.state, abstract_batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self._memory_precheck()
+        self.eval_fn = jax.jit(make_eval_step(self.model), in_shardings=(self.state_sh.params, self.batch_sh),
+                               out_shardings=rep)
+
+    def _memory_precheck(self):
+        ma = self.compiled.memory_analysis()
+        if ma is None:
+            return
+        need = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+        limit, src = None, ""
+        if self.cfg.mesh.device_memory_limit_gb > 0:
+            limit, src = self.cfg.mesh.device_memory_limit_gb * 2**30, "config.mesh.device_memory_limit_gb"
+        else:
+            stats = jax.local_devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                limit, src = stats["bytes_limit"], "the device's memory"
+        gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+        self.say(f"compiled train step in {self.compile_s:.1f}s; per-device memory: arguments "
+                 f"{gib(ma.argument_size_in_bytes)}, outputs {gib(ma.output_size_in_bytes)}, temporaries "
+                 f"{gib(ma.temp_size_in_bytes)}, total {gib(need)}" + (f" of {gib(limit)}" if limit else ""))
+        if limit and need > limit:
+            raise MemoryPrecheckError(
+                f"the train step needs {gib(need)} per device but {src} is {gib(limit)}; lower "
+                "config.train.microbatch, use --config.model.remat=full, or add devices to config.mesh.fsdp")
+
+    # ------------------------------------------------------------------ loop
+    def _install_signals(self):
+        def handler(signum, frame):
+            self.preempt = True
+        signal.signal(signal.SIGINT, handler)
+        if jax.process_count() == 1:
+            signal.signal(signal.SIGTERM, handler)  # multi-host: JAX's preemption notifier handles SIGTERM
+
+    def _should_stop(self, step: int) -> bool:
+        flag = self.preempt
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            flag = bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+            flag = flag or self.ckpt.reached_preemption(step)
+        return flag
+
+    def _save(self, step: int, force: bool = True):
+        first_bad = int(jax.device_get(self.state.first_nonfinite_step))
+        if first_bad >= 0 and not self.cfg.train.skip_nonfinite_steps:
+            raise self._nonfinite(first_bad)
+        progress = {"step": step, "tokens": step * self.global_shape[0] * self.cfg.data.seq_len,
+                    "elapsed_s": self.elapsed + time.perf_counter() - self.t_start}
+        self.ckpt.save(step, self.state, self.iter, self.cfg.to_dict(), progress, force=force)
+
+    def _nonfinite(self, step: int):
+        last = [s for s in self.ckpt.all_steps() if s <= step]
+        kept = f"the last good checkpoint (step {last[-1]}) is intact" if last else "no checkpoint was written"
+        return NonFiniteError(
+            f"the loss or gradient became non-finite at step {step}; training stopped and {kept}. Lower "
+            "config.train.peak_lr or raise warmup_steps, or set --config.train.skip_nonfinite_steps=True to skip "
+            "such steps")
+
+    def _evaluate(self, step: int) -> dict:
+        out = {}
+        for dom, batches in self.eval_sets.items():
+            losses = [self.eval_fn(self.state.params, self._global(b)) for b in batches]
+            out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
+        out["eval/loss"] = float(np.mean(list(out.values())))
+        return out
+
+    def _global(self, local):
+        shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        return jax.make_array_from_process_local_data(self.batch_sh, local, shape)
+
+    def _lambdas(self) -> dict:
+        m, p = self.cfg.model, self.state.params
+        if m.value_residual not in ("resformer", "resformer+neutreno") or m.resformer_lambdas == "fixed":
+            return {}
+        out = {}
+        layers = {}
+        if "layers" in p:
+            blk = jax.device_get(p["layers"]["block"])
+            for name in ("lambda1", "lambda2"):
+                if name in blk:
+                    for i, v in enumerate(np.asarray(blk[name])):
+                        layers.setdefault(i + 2, {})[name] = float(v)
+        for n in range(2, m.num_layers + 1):
+            if f"layer_{n}" in p:
+                for name in ("lambda1", "lambda2"):
+                    if name in p[f"layer_{n}"]:
+                        layers.setdefault(n, {})[name] = float(jax.device_get(p[f"layer_{n}"][name]))
+        if "lambda_logits" in p:
+            l1 = float(p["lambda_scale"]) * jax.nn.softmax(jax.device_get(p["lambda_logits"]))
+            for i, v in enumerate(np.asarray(l1)):
+                layers.setdefault(i + 2, {})["lambda1"] = float(v)
+        for n, d in layers.items():
+            for name, v in d.items():
+                out[f"lambdas/layer_{n:02d}/{name}"] = v
+        return out
+
+    def train(self) -> int:
+        cfg = self.cfg
+        self._data()
+        self._state()
+        if self.is_main and self.meta is not None:
+            src = os.path.join(self.data_path, self.meta["tokenizer"]["file"])
+            if os.path.isfile(src):
+                os.makedirs(self.workdir, exist_ok=True)
+                shutil.copyfile(src, os.path.join(self.workdir, "tokenizer.json"))
+        if self.meta is not None:
+            cfg.data.tokenizer_hash = self.meta["tokenizer"]["sha256"]
+        writer = metrics.Writer(os.path.join(self.workdir, "tb"), enabled=self.is_main)
+        if cfg.model.attention_impl == "auto":
+            B = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, len(jax.devices())))
+            choice, rejected = kernels.probe_auto((B, cfg.data.seq_len, cfg.model.num_heads,
+                                                   cfg.model.d_model // cfg.model.num_heads),
+                                                  num_kv_heads(cfg.model), jnp.dtype(cfg.model.dtype), self.say)
+            writer.text("attention_impl", f"auto chose **{choice}**; rejected: {json.dumps(rejected)}")
+        self._compile()
+        pc = param_counts(cfg.model)
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        fpt6 = 6.0 * pc["params_non_embedding"]
+        peak, peak_src = metrics.device_peak_flops()
+        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
+        self.say(f"model: {pc['params_total']:,} params ({pc['params_non_embedding']:,} non-embedding), "
+                 f"{cfg.model.value_residual}; {fpt / 1e9:.3f} GFLOP/token; {jax.device_count()} devices, mesh "
+                 f"{dict(self.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
+        self.say(f"logs: tensorboard --logdir {os.path.abspath(self.workdir)}")
+        self._install_signals()
+
+        schedule = lr_schedule(cfg.train)
+        self.elapsed = getattr(self, "restored_progress", {}).get("elapsed_s", 0.0)
+        self.t_start = time.perf_counter()
+        first_eval = None
+        if self.start_step == 0 and self.eval_sets:
+            first_eval = self._evaluate(0)
+            writer.scalars(0, first_eval)
+            self.say(f"step {0:>7}  validation loss {first_eval['eval/loss']:.4f}")
+        pending, t_last, last_logged = [], time.perf_counter(), self.start_step
+        step = self.start_step
+        exit_code = 0
+        last_eval = first_eval
+        while step < cfg.train.steps:
+            batch = self._global(next(self.iter))
+            self.state, m = self.compiled(self.state, batch)
+            step += 1
+            pending.append(m)  # pulled to the host only at log intervals, after the next dispatch
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                host = jax.device_get(pending)
+                pending = []
+                now = time.perf_counter()
+                n = step - last_logged
+                step_time = (now - t_last) / max(n, 1)
+                t_last, last_logged = now, step
+                losses = [h["loss"] for h in host]
+                bad = sum(int(h["nonfinite"]) for h in host)
+                if bad and not cfg.train.skip_nonfinite_steps:
+                    raise self._nonfinite(int(jax.device_get(self.state.first_nonfinite_step)))
+                finite = [x for x in losses if np.isfinite(x)]
+                loss = float(np.mean(finite)) if finite else float("nan")
+                tps = tokens_per_step / step_time
+                vals = {"train/loss": loss, "train/learning_rate": float(schedule(step - 1)),
+                        "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
+                        "perf/tokens_per_s": tps, "perf/step_time_s": step_time,
+                        "perf/mfu_6n": fpt6 * tps / peak, "perf/mfu_model": fpt * tps / peak,
+                        "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count))}
+                vals.update(self._lambdas())
+                writer.scalars(step, vals)
+                self.progress.update(step, loss, tps, step_time,
+                                     f"  MFU {vals['perf/mfu_model']:.2f}" if np.isfinite(peak) else "")
+            if self.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                last_eval = self._evaluate(step)
+                writer.scalars(step, last_eval)
+                self.say(f"step {step:>7}  validation loss {last_eval['eval/loss']:.4f}  " + "  ".join(
+                    f"{k.split('/')[1]} {v:.3f}" for k, v in last_eval.items() if k.count("/") == 2))
+            if self._should_stop(step):
+                self._save(step)
+                self.ckpt.wait()
+                self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
+                exit_code = 0
+                break
+            if step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
+                self._save(step)
+        else:
+            if self.start_step < cfg.train.steps or cfg.train.steps not in self.ckpt.all_steps():
+                self._save(step)
+        self.ckpt.close()
+        writer.flush()
+        writer.close()
+        if self.is_main and first_eval and last_eval and step == cfg.train.steps:
+            self.say(f"done: validation loss {first_eval['eval/loss']:.4f} -> {last_eval['eval/loss']:.4f}. "
+                     f"TensorBoard: tensorboard --logdir {os.path.abspath(self.workdir)}")
+        elif self.is_main and step == cfg.train.steps:
+            self.say(f"done. TensorBoard: tensorboard --logdir {os.path.abspath(self.workdir)}")
+        return exit_code

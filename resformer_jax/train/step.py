@@ -1,0 +1,92 @@
+"""Train state, loss, and the jitted train/eval steps with microbatch accumulation."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    # Steps whose loss or gradient was non-finite (update skipped), and the first such step (-1: none).
+    nonfinite_count: jax.Array
+    first_nonfinite_step: jax.Array
+
+
+def init_state(model, tx, rng, seq_len: int):
+    """Boxed (logically partitioned) state; unbox with nn.unbox after reading the specs."""
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(rng, tokens)["params"]
+    opt_state = tx.init(nn.unbox(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                      nonfinite_count=jnp.zeros((), jnp.int32),
+                      first_nonfinite_step=jnp.full((), -1, jnp.int32))
+
+
+def cross_entropy(logits_BxTxV, targets_BxT):
+    """Mean next-token cross entropy in fp32."""
+    logits = logits_BxTxV.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+def loss_fn(params, model, tokens_BxTp1):
+    """Sequences hold seq_len + 1 tokens: inputs are [:-1], targets [1:]."""
+    logits = model.apply({"params": params}, tokens_BxTp1[:, :-1])
+    return cross_entropy(logits, tokens_BxTp1[:, 1:])
+
+
+def make_train_step(model, tx, num_microbatches: int, batch_sharding=None):
+    """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan."""
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(state: TrainState, tokens_BxTp1):
+        if num_microbatches == 1:
+            loss, grads = grad_fn(state.params, model, tokens_BxTp1)
+        else:
+            B = tokens_BxTp1.shape[0]
+            M = B // num_microbatches
+            # Microbatch a takes rows {m * A + a}: every device contributes rows to every microbatch.
+            micro_AxMxT = tokens_BxTp1.reshape(M, num_microbatches, -1).swapaxes(0, 1)
+            if batch_sharding is not None:
+                micro_AxMxT = jax.lax.with_sharding_constraint(micro_AxMxT, batch_sharding)
+
+            def body(acc, mb):
+                loss, grads = grad_fn(state.params, model, mb)
+                return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            (loss, grads), _ = jax.lax.scan(body, zeros, micro_AxMxT)
+            loss, grads = jax.tree.map(lambda x: x / num_microbatches, (loss, grads))
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite step never touches the state: the last good state stays intact.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        new_state = state.replace(
+            step=state.step + 1,
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt, state.opt_state),
+            nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+            first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~ok, state.step,
+                                           state.first_nonfinite_step),
+        )
+        metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.int32)}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model):
+    def eval_step(params, tokens_BxTp1):
+        return loss_fn(params, model, tokens_BxTp1)
+    return eval_step
