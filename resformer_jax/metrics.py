@@ -83,8 +83,12 @@ def fmt_eta(seconds: float) -> str:
 class Progress:
     """One compact console line per log interval: step, loss, tokens/s, ETA."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, stream=sys.stdout):
-        self.total, self.enabled, self.stream = total_steps, enabled, stream
+    def __init__(self, total_steps: int, enabled: bool = True, stream=None):
+        self.total, self.enabled, self._stream = total_steps, enabled, stream
+
+    @property
+    def stream(self):
+        return self._stream or sys.stdout
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_time: float, extra: str = ""):
         if not self.enabled:

@@ -114,17 +114,22 @@ class Mixture:
             counts[i] += 1
         self.sizes, self.counts, self.seed, self.block = sizes, counts, seed, block
         self.assign = np.repeat(np.arange(len(sizes)), counts)
-        self.offset = np.concatenate([[0], np.cumsum(counts)[:-1]])
 
     @functools.lru_cache(maxsize=64)
-    def _perm(self, b: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, b]).permutation(self.block)
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(domain of each position, its rank among that domain's items in the block)."""
+        dom = self.assign[np.random.default_rng([self.seed, b]).permutation(self.block)]
+        rank = np.empty(self.block, np.int64)
+        for d in range(len(self.sizes)):
+            where = np.nonzero(dom == d)[0]
+            rank[where] = np.arange(len(where))
+        return dom, rank
 
     def __call__(self, g: int) -> tuple[int, int]:
         b, r = divmod(int(g), self.block)
-        slot = int(self._perm(b)[r])
-        d = int(self.assign[slot])
-        j = b * int(self.counts[d]) + slot - int(self.offset[d])
+        dom, rank = self._block(b)
+        d = int(dom[r])
+        j = b * int(self.counts[d]) + int(rank[r])  # this domain's j-th item overall
         epoch, i = divmod(j, self.sizes[d])
         rec = grain.experimental.index_shuffle(i, max_index=self.sizes[d] - 1,
                                                seed=(self.seed * 1_000_003 + epoch * 7919 + d) % (2**31), rounds=4)
