@@ -102,6 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1
     c.mesh.fsdp = 1
+    c.mesh.num_devices = 0  # 0: every device; n: the first n (e.g. to compare with one device)
     # Logical axis -> mesh axes. Parameters shard their `embed` axis over fsdp.
     c.mesh.rules = (
         ("batch", ("data", "fsdp")),

@@ -32,6 +32,10 @@ def maybe_initialize_distributed(coordinator_address=None, num_processes=None, p
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """A (data, fsdp) mesh; one of the two may be -1 (fill with the remaining devices)."""
     devices = list(devices if devices is not None else jax.devices())
+    if getattr(mesh_cfg, "num_devices", 0):
+        if mesh_cfg.num_devices > len(devices):
+            raise MeshError(f"config.mesh.num_devices={mesh_cfg.num_devices} but only {len(devices)} devices exist")
+        devices = devices[: mesh_cfg.num_devices]
     n = len(devices)
     data, fsdp = int(mesh_cfg.data), int(mesh_cfg.fsdp)
     if data == -1 and fsdp == -1:

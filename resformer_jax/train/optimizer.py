@@ -15,7 +15,8 @@ def lr_schedule(t):
 def decay_mask(params):
     """Weight decay on weight matrices and embeddings only: not on norms, biases or mixing scalars."""
     def is_matrix(path, _):
-        return getattr(path[-1], "key", None) in ("kernel", "embedding")
+        names = [k.key for k in path if hasattr(k, "key")]  # skips a logical-partitioning box's `.value`
+        return bool(names) and names[-1] in ("kernel", "embedding")
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 

@@ -24,7 +24,7 @@ def init_state(model, tx, rng, seq_len: int):
     """Boxed (logically partitioned) state; unbox with nn.unbox after reading the specs."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(rng, tokens)["params"]
-    opt_state = tx.init(nn.unbox(params))
+    opt_state = tx.init(params)  # boxed: moments inherit the parameters' logical axes (FSDP-sharded)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                       nonfinite_count=jnp.zeros((), jnp.int32),
                       first_nonfinite_step=jnp.full((), -1, jnp.int32))
