@@ -25,8 +25,9 @@ class CheckpointError(Exception):
 
 class Checkpointer:
     def __init__(self, workdir: str, ckpt_cfg):
-        self.dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        self.damaged_dir = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
+        absolute = (lambda p: p) if "://" in workdir else os.path.abspath  # gs:// paths stay as they are
+        self.dir = absolute(os.path.join(workdir, "checkpoints"))
+        self.damaged_dir = absolute(os.path.join(workdir, "checkpoints_damaged"))
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=ckpt_cfg.max_to_keep,
             keep_period=ckpt_cfg.keep_period or None,

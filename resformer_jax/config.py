@@ -98,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.eval_every = 500
     t.eval_batches = 4
     t.skip_nonfinite_steps = False
+    t.stop_at = 0  # >0: save and exit after this step (for time-limited jobs); the schedule still spans `steps`
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1

@@ -1,6 +1,7 @@
 """TensorBoard writer (tensorboardX), console progress, and MFU."""
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -49,16 +50,21 @@ def device_peak_flops() -> tuple[float, str]:
 class Writer:
     """Scalars and text to TensorBoard; a no-op on processes other than 0."""
 
-    def __init__(self, logdir: str, enabled: bool = True):
-        self.w = None
+    def __init__(self, logdir: str, enabled: bool = True, jsonl: str | None = None):
+        self.w, self.jsonl = None, None
         if enabled:
             from tensorboardX import SummaryWriter
             self.w = SummaryWriter(logdir, flush_secs=10)
+            if jsonl:  # the same scalars, machine-readable: one JSON object per logged step
+                self.jsonl = open(jsonl, "a")
 
     def scalars(self, step: int, values: dict):
         if self.w:
             for k, v in values.items():
                 self.w.add_scalar(k, float(v), step)
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in values.items()}}) + "\n")
+            self.jsonl.flush()
 
     def text(self, tag: str, text: str, step: int = 0):
         if self.w:
@@ -71,6 +77,19 @@ class Writer:
     def close(self):
         if self.w:
             self.w.close()
+        if self.jsonl:
+            self.jsonl.close()
+
+
+def read_jsonl(path: str, key: str) -> dict:
+    """{step: value} of one scalar from metrics.jsonl; a resumed run's later lines win."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if key in rec:
+                out[rec["step"]] = rec[key]
+    return out
 
 
 def fmt_eta(seconds: float) -> str:

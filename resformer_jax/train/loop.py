@@ -163,9 +163,13 @@ class Trainer:
     def _install_signals(self):
         def handler(signum, frame):
             self.preempt = True
-        signal.signal(signal.SIGINT, handler)
-        if jax.process_count() == 1:
-            signal.signal(signal.SIGTERM, handler)  # multi-host: JAX's preemption notifier handles SIGTERM
+        self._old_handlers = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
+        if jax.process_count() == 1:  # multi-host: JAX's preemption notifier handles SIGTERM
+            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
+
+    def _restore_signals(self):
+        for sig, h in getattr(self, "_old_handlers", {}).items():
+            signal.signal(sig, h)
 
     def _should_stop(self, step: int) -> bool:
         flag = self.preempt
@@ -230,6 +234,12 @@ class Trainer:
         return out
 
     def train(self) -> int:
+        try:
+            return self._train()
+        finally:
+            self._restore_signals()
+
+    def _train(self) -> int:
         cfg = self.cfg
         self._data()
         self._state()
@@ -240,7 +250,10 @@ class Trainer:
                 shutil.copyfile(src, os.path.join(self.workdir, "tokenizer.json"))
         if self.meta is not None:
             cfg.data.tokenizer_hash = self.meta["tokenizer"]["sha256"]
-        writer = metrics.Writer(os.path.join(self.workdir, "tb"), enabled=self.is_main)
+        if self.is_main:
+            os.makedirs(self.workdir, exist_ok=True)
+        writer = metrics.Writer(os.path.join(self.workdir, "tb"), enabled=self.is_main,
+                                jsonl=os.path.join(self.workdir, "metrics.jsonl"))
         if cfg.model.attention_impl == "auto":
             B = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, len(jax.devices())))
             choice, rejected = kernels.probe_auto((B, cfg.data.seq_len, cfg.model.num_heads,
@@ -272,7 +285,8 @@ class Trainer:
         step = self.start_step
         exit_code = 0
         last_eval = first_eval
-        while step < cfg.train.steps:
+        end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
+        while step < end:
             batch = self._global(next(self.iter))
             self.state, m = self.compiled(self.state, batch)
             step += 1
@@ -311,10 +325,10 @@ class Trainer:
                 self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
                 exit_code = 0
                 break
-            if step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
+            if step % cfg.checkpoint.every_steps == 0 and step < end:
                 self._save(step)
         else:
-            if self.start_step < cfg.train.steps or cfg.train.steps not in self.ckpt.all_steps():
+            if step not in self.ckpt.all_steps():
                 self._save(step)
         self.ckpt.close()
         writer.flush()

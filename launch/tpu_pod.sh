@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates (or reuses) a Cloud TPU VM pod slice, installs this repository on every worker, and runs
+# the same training command on all of them. jax.distributed.initialize() is automatic on TPU pods.
+#
+#   launch/tpu_pod.sh NAME ZONE ACCELERATOR CONFIG WORKDIR [--config.x=v ...]
+#   launch/tpu_pod.sh rf-v5p us-east5-a v5p-64 configs/resformer_468m.py gs://bucket/runs/r468
+#
+# WORKDIR should be a GCS path (orbax and tensorboardX write there) so every worker sees it.
+# Rerunning resumes from the newest checkpoint; preemption (SIGTERM) saves at a step that all
+# hosts agree on through JAX's preemption sync point.
+set -euo pipefail
+if [ $# -lt 5 ]; then
+  echo "usage: $0 NAME ZONE ACCELERATOR CONFIG WORKDIR [overrides]" >&2
+  exit 2
+fi
+NAME=$1; ZONE=$2; ACCEL=$3; CONFIG=$4; WORKDIR=$5; shift 5
+VERSION=${TPU_SOFTWARE_VERSION:-v2-alpha-tpuv5}
+REPO_URL=${REPO_URL:-$(git config --get remote.origin.url || true)}
+BRANCH=${BRANCH:-main}
+
+if ! gcloud compute tpus tpu-vm describe "$NAME" --zone="$ZONE" >/dev/null 2>&1; then
+  echo "creating TPU VM $NAME ($ACCEL) in $ZONE"
+  gcloud compute tpus tpu-vm create "$NAME" --zone="$ZONE" --accelerator-type="$ACCEL" --version="$VERSION" \
+    ${TPU_SPOT:+--spot}
+else
+  echo "reusing TPU VM $NAME"
+fi
+
+ssh_all() { gcloud compute tpus tpu-vm ssh "$NAME" --zone="$ZONE" --worker=all --command="$1"; }
+
+if [ -n "$REPO_URL" ]; then
+  ssh_all "set -e; if [ ! -d resformer_jax ]; then git clone -b $BRANCH $REPO_URL resformer_jax; fi;
+    cd resformer_jax && git fetch -q && git checkout -q $BRANCH && git pull -q;
+    python3 -m venv .venv && .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e '.[tpu]'"
+else
+  echo "no git remote: copying this checkout to every worker"
+  tar czf /tmp/resformer_jax.tgz --exclude=.venv --exclude=runs .
+  gcloud compute tpus tpu-vm scp /tmp/resformer_jax.tgz "$NAME":~ --zone="$ZONE" --worker=all
+  ssh_all "set -e; mkdir -p resformer_jax && tar xzf resformer_jax.tgz -C resformer_jax && cd resformer_jax &&
+    python3 -m venv .venv && .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e '.[tpu]'"
+fi
+
+ARGS=$(printf ' %q' "$@")
+ssh_all "cd resformer_jax && .venv/bin/python -m resformer_jax.main --config=$CONFIG --workdir=$WORKDIR \
+  --config.mesh.data=-1 $ARGS 2>&1 | tee -a train_\$(hostname).log"
