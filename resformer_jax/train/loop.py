@@ -88,6 +88,15 @@ class Trainer:
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 nn.unbox(boxed), self.state_sh)
         self.ckpt = Checkpointer(self.workdir, cfg.checkpoint)
+        # Check the run's config before touching its state: a shape change is the user's
+        # mistake, not a damaged checkpoint, and must not set good checkpoints aside.
+        for step in reversed(self.ckpt.all_steps()):
+            try:
+                old_cfg = self.ckpt.read_config(step)
+            except Exception:  # noqa: BLE001 - unreadable: restore_latest reports it
+                continue
+            self._check_resumed_config(old_cfg, quiet=True)
+            break
         restored = self.ckpt.restore_latest(abstract, self.iter, warn=self._warn)
         if restored is None:
             self.state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=self.state_sh)(rng)
@@ -99,7 +108,7 @@ class Trainer:
             self.start_step = step
             self.say(f"resumed from step {step} ({self.ckpt.dir}/{step})")
 
-    def _check_resumed_config(self, old: dict):
+    def _check_resumed_config(self, old: dict, quiet: bool = False):
         new = self.cfg.to_dict()
         diff = config_diff(old, new)
         for field in SHAPE_FIELDS:
@@ -113,7 +122,7 @@ class Trainer:
             raise DataError(f"{self.data_path}: tokenizer sha256 {self.meta['tokenizer']['sha256'][:12]}… differs "
                             f"from {old_hash[:12]}… that this run started with; use the data prepared with the run's "
                             "tokenizer, or start a new workdir")
-        for field, (a, b) in diff.items():
+        for field, (a, b) in ({} if quiet else diff).items():
             if field not in SHAPE_FIELDS and field != "data.tokenizer_hash":
                 self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
 
