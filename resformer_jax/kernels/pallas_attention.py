@@ -1,0 +1,261 @@
+"""Flash attention in Pallas (FlashAttention-2 style) for NVIDIA GPUs, with a custom VJP.
+
+q [B, T, H, D], k/v [B, S, K, D] with K dividing H (GQA: each query head reads
+kv head h // (H/K) through its BlockSpec index map, K/V are never repeated in
+memory). Forward: one program per (q block, batch, head) streams over key
+blocks with an online softmax and saves the log-sum-exp. Backward recomputes
+the probabilities from the saved log-sum-exp (no S x S matrix in memory): one
+kernel for dK/dV per key block, one for dQ per query block. Causal blocks
+entirely above the diagonal are skipped by the loop bounds. Sequence lengths
+that are not a multiple of the block are padded and masked. Accumulation is
+fp32 for bf16 and fp32 inputs.
+
+On a backend without a GPU the same kernels run in Pallas interpret mode (a
+one-time warning says so); that is how they are tested on CPU.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+log = logging.getLogger(__name__)
+MASK = -1e30
+_WARNED = []
+
+
+def _interpret() -> bool:
+    if jax.default_backend() == "gpu":
+        return False
+    if not _WARNED:
+        _WARNED.append(True)
+        log.warning("attention_impl='pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
+                    "(correct but slow; for tests)", jax.default_backend())
+    return True
+
+
+def _block(n: int, cap: int) -> int:
+    """Power-of-two block >= 16 (Triton's minimum), at most cap."""
+    return min(cap, max(16, 1 << max(0, (n - 1).bit_length())))
+
+
+def _pad(x, axis, to):
+    pad = to - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):  # a @ b.T
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _tdot(a, b):  # a.T @ b
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, kv_len):
+    i = pl.program_id(0)
+    q = q_ref[...]  # [bq, D]
+    D = q.shape[-1]
+    q_idx = i * bq + jnp.arange(bq)
+
+    def body(j, carry):
+        acc, m, l = carry
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        s = _dot_t(q, k) * scale  # [bq, bk] fp32
+        k_idx = j * bk + jnp.arange(bk)
+        mask = k_idx[None, :] < kv_len
+        if causal:
+            mask = mask & (q_idx[:, None] >= k_idx[None, :])
+        s = jnp.where(mask, s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = corr * l + p.sum(axis=-1)
+        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l_new
+
+    n_k = pl.cdiv(kv_len, bk)
+    if causal:  # blocks wholly above the diagonal are never visited
+        n_k = jnp.minimum(n_k, lax.div((i + 1) * bq + bk - 1, bk))
+    init = (jnp.zeros((bq, D), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n_k, body, init)
+    l = jnp.where(l == 0, 1.0, l)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _forward(q, k, v, causal, bq, bk):
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
+    qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
+    kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(Tp // bq, B, H),
+        in_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+                  pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+                  pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))],
+        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
+        interpret=_interpret(),
+        name="flash_attention_fwd",
+    )(qp, kp, vp)
+    return o, lse  # padded along T
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk,
+                 kv_len, q_blocks):
+    j = pl.program_id(0)
+    k = k_ref[...]  # [bk, D]
+    v = v_ref[...]
+    D = k.shape[-1]
+    k_idx = j * bk + jnp.arange(bk)
+
+    def body(i, carry):
+        dk, dv = carry
+        q = q_ref[pl.ds(i * bq, bq), :]
+        do = do_ref[pl.ds(i * bq, bq), :]
+        lse = lse_ref[pl.ds(i * bq, bq)]
+        delta = delta_ref[pl.ds(i * bq, bq)]
+        q_idx = i * bq + jnp.arange(bq)
+        s = _dot_t(q, k) * scale
+        mask = k_idx[None, :] < kv_len
+        if causal:
+            mask = mask & (q_idx[:, None] >= k_idx[None, :])
+        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)  # recomputed from the saved lse
+        dv = dv + _tdot(p.astype(do.dtype), do)
+        dp = _dot_t(do, v)
+        ds = p * (dp - delta[:, None])
+        dk = dk + _tdot(ds.astype(q.dtype), q) * scale
+        return dk, dv
+
+    start = lax.div(j * bk, bq) if causal else 0  # query blocks wholly before this key block see none of it
+    init = (jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
+    dk, dv = lax.fori_loop(start, q_blocks, body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk, kv_len):
+    i = pl.program_id(0)
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    D = q.shape[-1]
+    q_idx = i * bq + jnp.arange(bq)
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        k_idx = j * bk + jnp.arange(bk)
+        s = _dot_t(q, k) * scale
+        mask = k_idx[None, :] < kv_len
+        if causal:
+            mask = mask & (q_idx[:, None] >= k_idx[None, :])
+        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+        ds = p * (_dot_t(do, v) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k) * scale
+
+    n_k = pl.cdiv(kv_len, bk)
+    if causal:
+        n_k = jnp.minimum(n_k, lax.div((i + 1) * bq + bk - 1, bk))
+    dq = lax.fori_loop(0, n_k, body, jnp.zeros((bq, D), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    Tp, Sp = o_p.shape[1], pl.cdiv(S, bk) * bk
+    qp, kp, vp, dop = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp), _pad(do, 1, Tp)
+    # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
+    delta = jnp.einsum("bthd,bthd->bht", o_p.astype(jnp.float32), dop.astype(jnp.float32))
+    scale = 1.0 / math.sqrt(D)
+    interpret = _interpret()
+    q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
+    row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
+    kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
+    out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
+    dk_h, dv_h = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, q_blocks=Tp // bq),
+        grid=(Sp // bk, B, H),
+        in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full],
+        out_specs=[out_block, out_block],
+        out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), jnp.float32)] * 2,
+        interpret=interpret,
+        name="flash_attention_dkdv",
+    )(qp, kp, vp, dop, lse, delta)
+    q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
+    row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S),
+        grid=(Tp // bq, B, H),
+        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block],
+        out_specs=q_block,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(qp, kp, vp, dop, lse, delta)
+    # GQA: a kv head's gradient is the sum over the query heads that read it.
+    dk = dk_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(k.dtype)
+    dv = dv_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(v.dtype)
+    return dq[:, :T], dk, dv
+
+
+# ----------------------------------------------------------------------------- public
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _flash(q, k, v, causal, bq, bk):
+    o, _ = _forward(q, k, v, causal, bq, bk)
+    return o[:, : q.shape[1]]
+
+
+def _flash_fwd(q, k, v, causal, bq, bk):
+    o_p, lse = _forward(q, k, v, causal, bq, bk)
+    return o_p[:, : q.shape[1]], (q, k, v, o_p, lse)
+
+
+def _flash_bwd(causal, bq, bk, res, do):
+    q, k, v, o_p, lse = res
+    return _backward(q, k, v, o_p, lse, do, causal, bq, bk)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128):
+    B, T, H, D = q_BxTxHxD.shape
+    S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+    if H % K:
+        raise ValueError(f"{K} kv heads do not divide {H} query heads")
+    if causal and T != S:
+        raise ValueError(f"causal flash attention needs equal query and key lengths, got T={T}, S={S}")
+    bq, bk = _block(T, block_q), _block(S, block_k)
+    return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)
