@@ -127,3 +127,31 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> dict:
         elif json.dumps(a, default=list) != json.dumps(b, default=list):
             out[name] = (a, b)
     return out
+
+
+def load_run(workdir: str, step: int | None = None):
+    """(config, params, step) of a run's checkpoint, on the default device, for inference and analysis."""
+    import flax.linen as nn
+    import ml_collections
+
+    from resformer_jax.model import Transformer
+    from resformer_jax.train.optimizer import make_optimizer
+    from resformer_jax.train.step import init_state
+
+    ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}))
+    steps = ck.all_steps()
+    if not steps:
+        raise CheckpointError(f"no checkpoint in {ck.dir}; train first (python -m resformer_jax.main --workdir={workdir})")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
+    cfg = ml_collections.ConfigDict(ck.read_config(step))
+    model = Transformer(cfg.model)
+    tx = make_optimizer(cfg.train)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    boxed = jax.eval_shape(lambda r: init_state(model, tx, r, cfg.data.seq_len), jax.random.PRNGKey(0))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed))
+    state, _, _ = ck._restore_step(step, abstract)
+    ck.mngr.close()
+    return cfg, state.params, step

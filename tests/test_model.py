@@ -31,7 +31,7 @@ def make(mode, kv_heads=0, scan=False, **model_overrides):
 def init(c, T=16, seed=0):
     model = Transformer(c.model)
     tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (2, T), 0, c.model.vocab_size)
-    params = nn.unbox(model.init(jax.random.PRNGKey(seed), tokens)["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"])
     return model, params, tokens
 
 
@@ -40,7 +40,7 @@ def init(c, T=16, seed=0):
 def test_matches_plain_jnp_reference(mode, kv_heads):
     c = make(mode, kv_heads)
     model, params, tokens = init(c)
-    got = model.apply({"params": params}, tokens)
+    got = jax.jit(model.apply)({"params": params}, tokens)
     want = ref.forward(params, tokens, mode, c.model.num_layers)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
                                err_msg=f"{mode} (kv_heads={kv_heads}) differs from the paper's equation")
@@ -58,8 +58,8 @@ def test_resformer_with_l1_0_l2_1_is_vanilla_exactly():
     c_res = make("resformer", lambda_init=(0.0, 1.0))
     c_van = make("none")
     model_res, params, tokens = init(c_res)
-    out_res = model_res.apply({"params": params}, tokens)
-    out_van = Transformer(c_van.model).apply({"params": params}, tokens)
+    out_res = jax.jit(model_res.apply)({"params": params}, tokens)
+    out_van = jax.jit(Transformer(c_van.model).apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(out_res), np.asarray(out_van))
 
 
@@ -72,12 +72,12 @@ def test_scanned_equals_unrolled_outputs_and_grads(mode):
     params_sc = ref.stack_unrolled(params, c_un.model.num_layers)
 
     def loss(model, p):
-        return jnp.mean(model.apply({"params": p}, tokens) ** 2)
+        return jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)
 
-    np.testing.assert_allclose(model_un.apply({"params": params}, tokens),
-                               model_sc.apply({"params": params_sc}, tokens), atol=1e-6, rtol=1e-6)
-    g_un = jax.grad(lambda p: loss(model_un, p))(params)
-    g_sc = ref.unstack_scanned(jax.grad(lambda p: loss(model_sc, p))(params_sc), c_un.model.num_layers)
+    np.testing.assert_allclose(jax.jit(model_un.apply)({"params": params}, tokens),
+                               jax.jit(model_sc.apply)({"params": params_sc}, tokens), atol=1e-6, rtol=1e-6)
+    g_un = jax.jit(jax.grad(lambda p: loss(model_un, p)))(params)
+    g_sc = ref.unstack_scanned(jax.jit(jax.grad(lambda p: loss(model_sc, p)))(params_sc), c_un.model.num_layers)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5), g_un, g_sc)
 
 
@@ -87,7 +87,7 @@ def test_remat_policies_give_equal_gradients(scan):
     for policy in ("none", "dots", "full"):
         c = make("resformer", scan=scan, remat=policy)
         model, params, tokens = init(c)
-        grads[policy] = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2))(params)
+        grads[policy] = jax.jit(jax.grad(lambda p: jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)))(params)
     for policy in ("dots", "full"):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5),
                      grads["none"], grads[policy])
@@ -98,7 +98,7 @@ def test_gradient_reaches_first_layer_values_from_later_layers(mode):
     c = make(mode)
     model, params, tokens = init(c)
     loss = lambda p, stop=False: jnp.mean(ref.forward(p, tokens, mode, 3, stop_v1=stop) ** 2)  # noqa: E731
-    g_model = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2))(params)
+    g_model = jax.jit(jax.grad(lambda p: jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)))(params)
     g_ref = jax.grad(loss)(params)
     g_stop = jax.grad(lambda p: loss(p, True))(params)
     w = lambda g: np.asarray(g["layer_1"]["attn"]["value"]["kernel"])  # noqa: E731
@@ -113,8 +113,8 @@ def test_causality(mode):
     model, params, tokens = init(c)
     t = 7
     changed = tokens.at[:, t + 1].set((tokens[:, t + 1] + 1) % c.model.vocab_size)
-    a = model.apply({"params": params}, tokens)
-    b = model.apply({"params": params}, changed)
+    a = jax.jit(model.apply)({"params": params}, tokens)
+    b = jax.jit(model.apply)({"params": params}, changed)
     np.testing.assert_array_equal(np.asarray(a[:, : t + 1]), np.asarray(b[:, : t + 1]))
     assert np.abs(np.asarray(a[:, t + 1:] - b[:, t + 1:])).max() > 0
 
@@ -123,7 +123,7 @@ def test_causality(mode):
 def test_learnable_lambdas_receive_gradients(scan):
     c = make("resformer", scan=scan, resformer_lambdas="learnable")
     model, params, tokens = init(c)
-    g = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2))(params)
+    g = jax.jit(jax.grad(lambda p: jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)))(params)
     blocks = [g["layers"]["block"]] if scan else [g["layer_2"], g["layer_3"]]
     for b in blocks:
         for name in ("lambda1", "lambda2"):
