@@ -276,3 +276,15 @@ SHAPE_FIELDS = ("model.vocab_size", "model.num_layers", "model.num_heads", "mode
                 "model.d_model", "model.ffn_dim", "model.value_residual", "model.resformer_lambdas",
                 "model.denseformer", "model.cla_share_every", "model.cla_share",
                 "model.svformer_anchors", "model.scan_layers", "data.seq_len")
+
+
+def apply_ablation(c: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
+    """Sets model fields, resolving size-relative values so one ablation fits any model size:
+    LAST3 (the last three layers), MIDDLE (the middle layer), HALF / QUARTER / EIGHTH (of the heads)."""
+    m = c.model
+    L, H = m.num_layers, m.num_heads
+    symbolic = {"LAST3": tuple(range(max(2, L - 2), L + 1)), "MIDDLE": (L // 2 + 1,),
+                "HALF": max(1, H // 2), "QUARTER": max(1, H // 4), "EIGHTH": max(1, H // 8)}
+    for k, v in fields.items():
+        m[k] = symbolic.get(v, v) if isinstance(v, str) else v
+    return c

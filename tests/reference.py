@@ -81,3 +81,88 @@ def stack_unrolled(params, num_layers):
     blocks = [params[f"layer_{n}"] for n in range(2, num_layers + 1)]
     out["layers"] = {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)}
     return out
+
+
+def attend_masked(q, k, v, mask):
+    H, K = q.shape[2], k.shape[2]
+    k = jnp.repeat(k, H // K, axis=2)
+    v = jnp.repeat(v, H // K, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(mask, s, -np.inf)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
+
+
+def forward_general(p, tokens, m):
+    """Every ablation of issue 10, written from the paper's equations over unrolled params."""
+    L = m.num_layers
+    resformer = m.value_residual in ("resformer", "resformer+neutreno")
+    h = p["embed"]["embedding"][tokens]
+    outs = [h]
+    Q1 = K1 = V1 = None
+    raw_values = []  # V_1 .. V_{n-1} (layers that own values)
+    k_prev = v_prev = None
+    v_shared = None
+    l1s = np.zeros(L + 1)
+    if m.resformer_lambdas == "learnable_plus":
+        l1s = np.concatenate([[0, 0], np.asarray(p["lambda_scale"] * jax.nn.softmax(p["lambda_logits"]))])
+    for n in range(1, L + 1):
+        lp = p[f"layer_{n}"]
+        a = lp["attn"]
+        x = rmsnorm(h, lp["attn_norm"]["scale"])
+        proj = lambda name: jnp.einsum("bte,ehd->bthd", x, a[name]["kernel"])  # noqa: E731
+        cla_reuse = m.cla_share_every > 1 and (n - 1) % m.cla_share_every != 0
+        q = proj("query") if "query" in a else Q1
+        k = proj("key") if "key" in a else (k_prev if cla_reuse else K1)
+        v = proj("value") if "value" in a else (v_prev if cla_reuse else None)
+        if n == 1:
+            Q1, K1, V1 = q, k, v
+            v_att = v
+        else:
+            if m.resformer_lambdas == "learnable":
+                l1, l2 = lp["lambda1"], lp["lambda2"]
+            elif m.resformer_lambdas == "learnable_plus":
+                l1, l2 = l1s[n], lp["lambda2"]
+            elif m.resformer_lambdas == "sparse":
+                l1, l2 = (m.sparse_lambda if n in tuple(m.sparse_layers) else 0.0), 1.0
+            else:
+                l1, l2 = m.lambda_init
+            src = {"first": V1, "previous": raw_values[-1] if raw_values else None,
+                   "mean_of_previous": sum(raw_values) / len(raw_values) if raw_values else None}[m.value_source]
+            v_att = v
+            if resformer and m.residual_on == "q":
+                q = l1 * Q1 + l2 * q
+            elif resformer and m.residual_on == "k":
+                k = l1 * K1 + l2 * k
+            elif resformer and m.mapping == "attention":
+                v_att = l1 * src + l2 * v  # Eq. 7
+            if m.value_residual == "svformer" and m.svformer_share == "v":
+                if n in tuple(m.svformer_anchors):
+                    v_shared = v  # Fig. 14: the anchor recomputes the shared value
+                else:
+                    v_att = v_shared if v_shared is not None else V1  # Eq. 10
+        T = tokens.shape[1]
+        causal = np.tril(np.ones((T, T), bool))
+        if n > 1 and m.mapping == "cross_layer":
+            mask = np.concatenate([causal, causal], 1)
+            u = attend_masked(rope(q), jnp.concatenate([rope(k), rope(K1)], 1), jnp.concatenate([v, V1], 1), mask)
+        else:
+            u = attend(rope(q), rope(k), v_att)
+        H = q.shape[2]
+        if n > 1 and m.mapping == "identity":
+            u = u + jnp.repeat(src, H // src.shape[2], axis=2)  # Eq. 6
+        if n > 1 and m.value_residual in ("neutreno", "resformer+neutreno"):
+            lam = 0.2 if m.value_residual == "resformer+neutreno" else 0.4
+            u = u + lam * jnp.repeat(V1 - v_att, H // v_att.shape[2], axis=2)
+        h = h + jnp.einsum("bthd,hde->bte", u, a["out"]["kernel"])
+        y = rmsnorm(h, lp["mlp_norm"]["scale"])
+        mlp = lp["mlp"]
+        h = h + (jax.nn.silu(y @ mlp["gate"]["kernel"]) * (y @ mlp["up"]["kernel"])) @ mlp["down"]["kernel"]
+        if m.denseformer:
+            outs.append(h)
+            alpha = p[f"dwa_{n}"]["alpha"]
+            h = sum(alpha[i] * o for i, o in enumerate(outs))
+        if "value" in a:
+            raw_values.append(v)
+        k_prev, v_prev = k, v
+    h = rmsnorm(h, p["final_norm"]["scale"])
+    return h @ p["lm_head"]["kernel"]

@@ -1,0 +1,56 @@
+"""The paper's analysis measures as plain numpy functions (Eqs. 11-13)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def token_importance_entropy(A_TxT: np.ndarray) -> float:
+    """Eq. 11: entropy of token importance from a (head-averaged) causal attention matrix.
+
+    Token j's importance a_j = (1/l) sum_i A_ij is the attention it receives,
+    averaged over queries; a' = a / sum(a); e = -sum a'_j log a'_j.
+    """
+    a = A_TxT.astype(np.float64).mean(axis=0)
+    a = a / a.sum()
+    nz = a[a > 0]
+    return float(-(nz * np.log(nz)).sum())
+
+
+def mean_token_similarity(h_TxE: np.ndarray) -> float:
+    """Eq. 13: mean pairwise cosine similarity of hidden states, i != j."""
+    h = h_TxE.astype(np.float64)
+    u = h / np.maximum(np.linalg.norm(h, axis=-1, keepdims=True), 1e-12)
+    l = len(u)
+    s = u.sum(axis=0)
+    return float((s @ s - (u * u).sum()) / (l * (l - 1)))
+
+
+def value_spectrum(v_TxF: np.ndarray) -> np.ndarray:
+    """Eq. 12: eigenvalues (descending) of the values' second-moment matrix (1/l) sum v_i v_i^T."""
+    v = v_TxF.astype(np.float64)
+    m = v.T @ v / len(v)
+    return np.linalg.eigvalsh(m)[::-1]
+
+
+def first_token_share(A_TxT: np.ndarray) -> float:
+    """Mean attention weight on the first token (attention sinks)."""
+    return float(A_TxT[:, 0].mean())
+
+
+def uniform_causal_entropy(l: int) -> float:
+    """Closed form of Eq. 11 for uniform causal attention (A_ij = 1/(i+1), j <= i)."""
+    inv = 1.0 / np.arange(1, l + 1)
+    a = np.cumsum(inv[::-1])[::-1] / l  # a_j = (1/l) sum_{i >= j} 1/(i+1)
+    a = a / a.sum()
+    return float(-(a * np.log(a)).sum())
+
+
+def moving_average(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average (window w; the first points average what exists)."""
+    y = np.asarray(y, np.float64)
+    if window <= 1:
+        return y
+    c = np.cumsum(np.concatenate([[0.0], y]))
+    idx = np.arange(1, len(y) + 1)
+    lo = np.maximum(0, idx - window)
+    return (c[idx] - c[lo]) / (idx - lo)

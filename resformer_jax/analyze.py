@@ -1,0 +1,153 @@
+"""Per-layer analysis of a checkpoint: the paper's Eqs. 11-13 and Figs. 1, 9, 15.
+
+  python -m resformer_jax.analyze --workdir=RUN --data=PREPARED_DIR [--num_sequences 1000] [--workdir=RUN_B]
+
+Per layer: entropy of token importance (Eq. 11, head-averaged attention),
+mean pairwise cosine similarity of hidden states (Eq. 13), the eigen-spectrum
+of the values' second-moment matrix (Eq. 12), the share of attention on the
+first token, and mean value and hidden-state norms. Writes JSON, PNG plots and
+TensorBoard scalars; a second --workdir is overlaid in the same plots.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_multi_string("workdir", None, "Run directory (give twice to overlay two runs).", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
+flags.DEFINE_string("data", None, "Prepared corpus folder (default: the run's own data).")
+flags.DEFINE_integer("num_sequences", 1000, "Validation sequences to analyse.")
+flags.DEFINE_integer("batch", 8, "Sequences per forward pass.")
+flags.DEFINE_string("out", None, "Output folder (default: FIRST_RUN/analysis).")
+FLAGS = flags.FLAGS
+
+
+def layer_tensors(inter: dict, num_layers: int) -> dict:
+    """{name: [L, ...]} stacked over layers from the capture model's intermediates."""
+    import numpy as np
+    out = {}
+    for name in ("attn_probs", "values", "hidden"):
+        per = []
+        src = inter["layer_1"]
+        per.append(np.asarray((src["attn"] if name != "hidden" else src)[name][0]))
+        if "layers" in inter:
+            blk = inter["layers"]["block"]
+            stacked = np.asarray((blk["attn"] if name != "hidden" else blk)[name][0])
+            per += list(stacked)
+        else:
+            for n in range(2, num_layers + 1):
+                src = inter[f"layer_{n}"]
+                per.append(np.asarray((src["attn"] if name != "hidden" else src)[name][0]))
+        out[name] = per
+    return out
+
+
+def analyze_run(workdir, step, data, num_sequences, batch) -> dict:
+    import jax
+    import numpy as np
+    from resformer_jax.analysis import measures
+    from resformer_jax.checkpoint import load_run
+    from resformer_jax.data.pipeline import validation_sets
+    from resformer_jax.model import Transformer
+    cfg, params, step = load_run(workdir, step)
+    if data:
+        cfg.data.path, cfg.data.source = data, "array_record"
+    cfg.model.attention_impl = "reference"
+    model = Transformer(cfg.model, capture=True)
+    fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
+    sets = validation_sets(cfg, batch, 0, all_records=True)
+    seqs = [row for batches in sets.values() for b in batches for row in b][:num_sequences]
+    L = cfg.model.num_layers
+    acc = {k: [[] for _ in range(L)] for k in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm")}
+    second = [None] * L
+    count = 0
+    for b in range(0, len(seqs), batch):
+        chunk = np.stack(seqs[b:b + batch])[:, :-1]
+        t = layer_tensors(jax.device_get(fwd(chunk)), L)
+        count += chunk.shape[0] * chunk.shape[1]  # tokens in the second-moment sums
+        for n in range(L):
+            for r in range(len(chunk)):
+                A, v, h = t["attn_probs"][n][r], t["values"][n][r], t["hidden"][n][r]
+                acc["entropy"][n].append(measures.token_importance_entropy(A))
+                acc["similarity"][n].append(measures.mean_token_similarity(h))
+                acc["first_token"][n].append(measures.first_token_share(A))
+                acc["value_norm"][n].append(float(np.linalg.norm(v.reshape(len(v), -1), axis=-1).mean()))
+                acc["hidden_norm"][n].append(float(np.linalg.norm(h, axis=-1).mean()))
+                vf = v.reshape(len(v), -1).astype(np.float64)
+                m = vf.T @ vf
+                second[n] = m if second[n] is None else second[n] + m
+    res = {k: [float(np.mean(x)) for x in v] for k, v in acc.items()}
+    res["spectrum"] = [list(np.linalg.eigvalsh(s / count)[::-1]) for s in second]  # Eq. 12 over all tokens
+    return {"workdir": workdir, "step": step, "variant": cfg.model.value_residual, "num_sequences": len(seqs),
+            "layers": res}
+
+
+def plot(results: list[dict], out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = []
+    titles = {"entropy": "entropy of token importance (Eq. 11)", "similarity": "token similarity (Eq. 13)",
+              "first_token": "attention share of the first token", "value_norm": "mean value norm",
+              "hidden_norm": "mean hidden-state norm"}
+    for key, title in titles.items():
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for r in results:
+            y = r["layers"][key]
+            ax.plot(range(1, len(y) + 1), y, marker="o", label=f"{r['variant']} ({os.path.basename(r['workdir'])})")
+        ax.set_xlabel("layer")
+        ax.set_title(title)
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out, f"{key}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files.append(path)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in results:
+        for n in (0, len(r["layers"]["spectrum"]) - 1):
+            ev = r["layers"]["spectrum"][n]
+            ax.semilogy(range(1, len(ev) + 1), [max(e, 1e-12) for e in ev], label=f"{r['variant']} layer {n + 1}")
+    ax.set_xlabel("eigenvalue index")
+    ax.set_title("value eigen-spectrum (Eq. 12)")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out, "spectrum.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    files.append(path)
+    return files
+
+
+def main(argv):
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from resformer_jax.checkpoint import CheckpointError
+    from resformer_jax.data.pipeline import DataError
+    from resformer_jax.metrics import Writer
+    try:
+        results = [analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch) for w in FLAGS.workdir]
+    except (CheckpointError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out = FLAGS.out or os.path.join(FLAGS.workdir[0], "analysis")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "analysis.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    files = plot(results, out)
+    for r in results:
+        w = Writer(os.path.join(r["workdir"], "tb"))
+        for key in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm"):
+            for n, v in enumerate(r["layers"][key]):
+                w.scalars(r["step"], {f"analysis/{key}/layer_{n + 1:02d}": v})
+        w.close()
+        print(f"{r['variant']:>10} entropy per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["entropy"]))
+        print(f"{r['variant']:>10} similarity per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["similarity"]))
+    print(f"wrote {os.path.join(out, 'analysis.json')} and {', '.join(os.path.basename(f) for f in files)} in {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

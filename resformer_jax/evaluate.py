@@ -1,0 +1,115 @@
+"""Evaluate a checkpoint: per-domain validation loss (paper Table 5) and zero-shot accuracy (Table 1).
+
+  python -m resformer_jax.evaluate --workdir=RUN [--step N] --data=PREPARED_DIR
+  python -m resformer_jax.evaluate --workdir=RUN --tasks=hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa \
+      --task_data=DIR [--limit N]
+
+Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "Run directory.", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
+flags.DEFINE_string("data", None, "Prepared corpus folder for validation loss (default: the run's own data).")
+flags.DEFINE_string("tasks", None, "Comma-separated zero-shot tasks.")
+flags.DEFINE_string("task_data", None, "Folder with the tasks' files (.jsonl/.parquet/.arrow).")
+flags.DEFINE_integer("limit", 0, "Items per task (0: all).")
+flags.DEFINE_integer("batch", 16, "Sequences per forward pass.")
+FLAGS = flags.FLAGS
+
+
+def _model_fns(cfg, params):
+    import jax
+    from resformer_jax.model import Transformer
+    model = Transformer(cfg.model)
+
+    @jax.jit
+    def logprobs(tokens):
+        return jax.nn.log_softmax(model.apply({"params": params}, tokens), axis=-1)
+    return model, logprobs
+
+
+def validation_table(cfg, params, data: str | None, batch: int) -> dict:
+    import jax
+    import numpy as np
+    from resformer_jax.data.pipeline import validation_sets
+    from resformer_jax.train.step import loss_fn
+    if data:
+        cfg.data.path, cfg.data.source = data, "array_record"
+    model, _ = _model_fns(cfg, params)
+    f = jax.jit(lambda p, t: loss_fn(p, model, t))
+    sets = validation_sets(cfg, batch, 0, all_records=True)
+    table = {dom: float(np.mean([f(params, b) for b in batches])) for dom, batches in sets.items()}
+    table["mean"] = float(np.mean(list(table.values())))
+    return table
+
+
+def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
+    from tokenizers import Tokenizer
+    from resformer_jax.eval.zero_shot import make_loglik_fn, read_task, score_items, to_items
+    tok_path = os.path.join(workdir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(f"{tok_path} not found: zero-shot scoring needs the run's tokenizer")
+    tok = Tokenizer.from_file(tok_path)
+    _, logprobs = _model_fns(cfg, params)
+    fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.data.seq_len, batch)
+    out = {}
+    for task in tasks:
+        docs = read_task(task_data, task)
+        if limit:
+            docs = docs[:limit]
+        out[task] = score_items(to_items(task, docs), fn)
+    return out
+
+
+def main(argv):
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from resformer_jax.checkpoint import CheckpointError, load_run
+    from resformer_jax.data.pipeline import DataError
+    from resformer_jax.eval.zero_shot import TaskError
+    from resformer_jax.metrics import Writer
+    try:
+        cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
+        os.makedirs(os.path.join(FLAGS.workdir, "eval"), exist_ok=True)
+        writer = Writer(os.path.join(FLAGS.workdir, "tb"))
+        if FLAGS.tasks:
+            tasks = [t.strip() for t in FLAGS.tasks.split(",") if t.strip()]
+            if not FLAGS.task_data:
+                raise TaskError("--tasks needs --task_data=DIR")
+            res = zero_shot(cfg, params, FLAGS.workdir, tasks, FLAGS.task_data, FLAGS.limit, FLAGS.batch)
+            print(f"zero-shot accuracy at step {step} (Table 1 layout)")
+            print(f"{'task':<15}{'acc':>8}{'acc_norm':>10}{'n':>6}")
+            for t, r in res.items():
+                print(f"{t:<15}{r['acc']:>8.4f}{r['acc_norm']:>10.4f}{r['n']:>6}")
+            avg = sum(r["acc"] for r in res.values()) / len(res)
+            print(f"{'average':<15}{avg:>8.4f}")
+            writer.scalars(step, {f"zero_shot/{t}/{k}": r[k] for t, r in res.items() for k in ("acc", "acc_norm")})
+            path = os.path.join(FLAGS.workdir, "eval", f"zero_shot_step{step}.json")
+            with open(path, "w") as f:
+                json.dump({"step": step, "tasks": res, "average_acc": avg}, f, indent=2)
+            print(f"wrote {path}")
+        if FLAGS.data or not FLAGS.tasks:
+            table = validation_table(cfg, params, FLAGS.data, FLAGS.batch)
+            print(f"validation loss at step {step} (Table 5 layout)")
+            print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
+            print("  ".join(f"{v:>12.4f}" for v in table.values()))
+            writer.scalars(step, {f"eval_full/{d}/loss": v for d, v in table.items()})
+            path = os.path.join(FLAGS.workdir, "eval", f"validation_step{step}.json")
+            with open(path, "w") as f:
+                json.dump({"step": step, "loss": table}, f, indent=2)
+            print(f"wrote {path}")
+        writer.close()
+    except (CheckpointError, DataError, TaskError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

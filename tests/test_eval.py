@@ -1,0 +1,138 @@
+"""Evaluation and analysis: closed forms, readers, scoring, and the three commands end to end (issue 9)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from resformer_jax.analysis import measures
+from resformer_jax.compare import relative_curves
+from resformer_jax.eval.zero_shot import TASKS, read_task, score_items, to_items
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_entropy_of_uniform_causal_attention():
+    l = 5
+    A = np.tril(np.ones((l, l))) / np.arange(1, l + 1)[:, None]
+    a = A.mean(axis=0)
+    a = a / a.sum()
+    want = -(a * np.log(a)).sum()
+    assert measures.token_importance_entropy(A) == pytest.approx(want, rel=1e-12)
+    assert measures.uniform_causal_entropy(l) == pytest.approx(want, rel=1e-12)
+    # All attention on the first token: importance is one-hot, entropy 0.
+    B = np.zeros((l, l))
+    B[:, 0] = 1
+    assert measures.token_importance_entropy(B) == 0.0
+    assert measures.first_token_share(B) == 1.0
+
+
+def test_similarity_closed_forms():
+    h = np.tile(np.array([[1.0, 2.0, 3.0]]), (6, 1))
+    assert measures.mean_token_similarity(h) == pytest.approx(1.0)
+    assert measures.mean_token_similarity(np.eye(4)) == pytest.approx(0.0, abs=1e-12)
+    x = np.random.default_rng(0).normal(size=(7, 5))
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    sims = [u[i] @ u[j] for i in range(7) for j in range(7) if i != j]
+    assert measures.mean_token_similarity(x) == pytest.approx(np.mean(sims))
+
+
+def test_spectrum_equals_eigvalsh():
+    v = np.random.default_rng(1).normal(size=(50, 8))
+    want = np.sort(np.linalg.eigvalsh(v.T @ v / 50))[::-1]
+    np.testing.assert_allclose(measures.value_spectrum(v), want, rtol=1e-10)
+
+
+def test_multiple_choice_scoring_hand_count():
+    items = [
+        {"contexts": ["c"] * 2, "continuations": [" a", " bbbbbbbb"], "gold": 1},  # acc wrong, norm right
+        {"contexts": ["c"] * 3, "continuations": [" x", " y", " z"], "gold": 2},    # both right
+        {"contexts": ["c"] * 2, "continuations": [" long one", " s"], "gold": 0},   # both wrong
+    ]
+    ll = {" a": -1.0, " bbbbbbbb": -2.0, " x": -5.0, " y": -4.0, " z": -1.0, " long one": -30.0, " s": -3.0}
+    r = score_items(items, lambda pairs: [ll[c] for _, c in pairs])
+    assert r == {"acc": 1 / 3, "acc_norm": 2 / 3, "n": 3}
+
+
+def test_harness_prompts():
+    it = to_items("piqa", [{"goal": "To x,", "sol1": "a.", "sol2": "b.", "label": 1}])[0]
+    assert it["contexts"][0] == "Question: To x,\nAnswer:" and it["continuations"] == [" a.", " b."] and it["gold"] == 1
+    it = to_items("winogrande", [{"sentence": "A beat B because _ was strong.", "option1": "A", "option2": "B",
+                                  "answer": "2"}])[0]
+    assert it["contexts"] == ["A beat B because A", "A beat B because B"]
+    assert it["continuations"] == [" was strong.", " was strong."] and it["gold"] == 1
+    it = to_items("hellaswag", [{"activity_label": "Cooking", "ctx_a": "He cuts.", "ctx_b": "then he",
+                                 "endings": ["eats [title] it", "b"], "label": "0"}])[0]
+    assert it["contexts"][0] == "Cooking: He cuts. Then he" and it["continuations"][0] == " eats. it"
+
+
+def test_readers_on_shared_samples_and_written_formats(shared_data, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for task in TASKS:
+        docs = read_task(str(shared_data / "eval_samples"), task)
+        assert len(docs) == 40
+        items = to_items(task, docs)
+        assert all(0 <= it["gold"] < len(it["continuations"]) for it in items)
+        table = pa.Table.from_pylist(docs)
+        d = tmp_path / task
+        d.mkdir()
+        pq.write_table(table, d / "validation.parquet")
+        assert read_task(str(tmp_path), task) == docs
+        with pa.OSFile(str(tmp_path / f"{task}.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as w:
+                w.write_table(table)
+        (d / "validation.parquet").unlink()
+        assert read_task(str(tmp_path), task) == docs
+
+
+def test_relative_curve_of_run_against_itself_is_zero():
+    curve = {s: 5.0 - 0.01 * s + 0.1 * np.sin(s) for s in range(1, 200)}
+    steps, rel = relative_curves(curve, {"self": curve}, smooth=10)["self"]
+    assert len(steps) == 199 and max(abs(x) for x in rel) == 0.0
+    lower = {s: v - 0.5 for s, v in curve.items()}
+    _, rel = relative_curves(curve, {"lower": lower}, smooth=10)["lower"]
+    np.testing.assert_allclose(rel, -0.5)
+
+
+def test_three_commands_end_to_end(tmp_path, shared_data):
+    from data_prep.prepare import prepare
+    from resformer_jax.config import tiny_config
+    from resformer_jax.train.loop import run
+    prepare([str(shared_data / "slimpajama_sample")], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
+    data = str(tmp_path / "data")
+    runs = {}
+    for mode in ("none", "resformer"):
+        c = tiny_config(mode)
+        c.data.source, c.data.path, c.data.seq_len, c.model.vocab_size = "array_record", data, 32, 400
+        c.train.steps, c.train.log_every, c.mesh.num_devices = 20, 2, 1
+        runs[mode] = str(tmp_path / mode)
+        assert run(c, runs[mode]) == 0
+    py = [sys.executable, "-m"]
+    r = subprocess.run(py + ["resformer_jax.evaluate", f"--workdir={runs['resformer']}", f"--data={data}",
+                             "--tasks=piqa,winogrande,arc_easy", f"--task_data={shared_data / 'eval_samples'}",
+                             "--limit=6"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Table 5" in r.stdout and "Table 1" in r.stdout and "piqa" in r.stdout
+    ev = json.load(open(os.path.join(runs["resformer"], "eval", "validation_step20.json")))
+    assert "mean" in ev["loss"] and len(ev["loss"]) >= 3 and all(np.isfinite(v) for v in ev["loss"].values())
+    zs = json.load(open(os.path.join(runs["resformer"], "eval", "zero_shot_step20.json")))
+    assert zs["tasks"]["piqa"]["n"] == 6
+    r = subprocess.run(py + ["resformer_jax.analyze", f"--workdir={runs['resformer']}", f"--workdir={runs['none']}",
+                             f"--data={data}", "--num_sequences=8", f"--out={tmp_path / 'an'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    an = json.load(open(tmp_path / "an" / "analysis.json"))
+    assert len(an) == 2 and len(an[0]["layers"]["entropy"]) == 3 and len(an[0]["layers"]["spectrum"][0]) == 64
+    for f in ("entropy.png", "similarity.png", "spectrum.png"):
+        assert os.path.getsize(tmp_path / "an" / f) > 1000
+    r = subprocess.run(py + ["resformer_jax.compare", "--baseline", runs["none"], runs["resformer"], runs["none"],
+                             "--smooth=3", f"--out={tmp_path / 'cmp'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    rel = json.load(open(tmp_path / "cmp" / "relative_train_loss.json"))
+    assert max(abs(x) for x in rel["none"]["relative"]) == 0.0
+    assert os.path.getsize(tmp_path / "cmp" / "relative_train_loss.png") > 1000
+    assert os.listdir(tmp_path / "cmp" / "tb" / "resformer")
