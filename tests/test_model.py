@@ -63,7 +63,7 @@ def test_resformer_with_l1_0_l2_1_is_vanilla_exactly():
     np.testing.assert_array_equal(np.asarray(out_res), np.asarray(out_van))
 
 
-@pytest.mark.parametrize("mode", ["resformer", "svformer", "neutreno"])
+@pytest.mark.parametrize("mode", ["resformer", "svformer"])
 def test_scanned_equals_unrolled_outputs_and_grads(mode):
     c_un = make(mode, kv_heads=2, scan=False)
     c_sc = make(mode, kv_heads=2, scan=True)
@@ -81,7 +81,7 @@ def test_scanned_equals_unrolled_outputs_and_grads(mode):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5), g_un, g_sc)
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [True])
 def test_remat_policies_give_equal_gradients(scan):
     grads = {}
     for policy in ("none", "dots", "full"):
@@ -119,7 +119,7 @@ def test_causality(mode):
     assert np.abs(np.asarray(a[:, t + 1:] - b[:, t + 1:])).max() > 0
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [True])
 def test_learnable_lambdas_receive_gradients(scan):
     c = make("resformer", scan=scan, resformer_lambdas="learnable")
     model, params, tokens = init(c)

@@ -34,7 +34,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
     c.model.scan_layers = False
     model = Transformer(c.model)
     tx = make_optimizer(c.train)
-    state = jax.tree.map(lambda x: x, init_state(model, tx, jax.random.PRNGKey(0), 8))
+    state = jax.jit(lambda r: init_state(model, tx, r, 8))(jax.random.PRNGKey(0))
     params = nn.unbox(state.params)
     opt = tx.init(params)
     # Several steps with zero gradients: only weight decay moves parameters.
@@ -55,7 +55,7 @@ def test_accumulation_equals_big_batch(mode):
     c = tiny_config(mode)
     model = Transformer(c.model)
     tx = make_optimizer(c.train)
-    state = nn.unbox(init_state(model, tx, jax.random.PRNGKey(0), 16))
+    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)
     s1, m1 = jax.jit(make_train_step(model, tx, 1))(state, tokens)
     s4, m4 = jax.jit(make_train_step(model, tx, 4))(state, tokens)
