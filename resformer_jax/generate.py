@@ -64,6 +64,20 @@ def main(argv):
         print(f"error: prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
               "lower --max_new_tokens", file=sys.stderr)
         sys.exit(2)
+    # The cache and parameters are laid out like training's: parameters by the logical-axis rules,
+    # the cache over the batch axes of a mesh of all devices.
+    import jax
+    from resformer_jax.model import Transformer
+    from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
+    mesh_cfg = cfg.mesh
+    mesh_cfg.num_devices = 0
+    try:
+        mesh = make_mesh(mesh_cfg)
+    except MeshError:  # a different device count than training: plain data parallelism
+        mesh_cfg.data, mesh_cfg.fsdp = -1, 1
+        mesh = make_mesh(mesh_cfg)
+    boxed = jax.eval_shape(lambda: Transformer(cfg.model).init(jax.random.PRNGKey(0), jax.numpy.zeros((1, 8), "int32")))
+    param_sh = logical_shardings(boxed["params"], mesh, mesh_cfg)
     # Prompts of equal length decode together as one batch.
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -72,7 +86,8 @@ def main(argv):
     for _, idx in sorted(groups.items()):
         out, stats = generate(cfg.model, params, np.array([prompts[i] for i in idx]),
                               max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, max_len=max_len, eos_id=eot)
+                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, max_len=max_len, eos_id=eot,
+                              mesh=mesh, param_shardings=param_sh)
         for row, i in enumerate(idx):
             new = [int(t) for t in np.asarray(out[row, len(prompts[i]):])]
             if eot is not None and eot in new:

@@ -92,3 +92,37 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "the cat sat on the mat and the dog ate the bone. the cat sat" in r.stdout, r.stdout
     assert '"kv_cache_bytes"' in r.stderr and "decode_tokens_per_s" in r.stderr
+
+
+def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
+    import ml_collections
+    from resformer_jax.model.decode import generate
+    from resformer_jax.parallel.mesh import logical_shardings, make_mesh
+    c = tiny_config("svformer")
+    validate(c)
+    model = Transformer(c.model)
+    boxed = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = nn.unbox(boxed)
+    prompt = np.random.default_rng(0).integers(0, 256, (8, 6), dtype=np.int32)
+    one, _ = generate(c.model, params, prompt, max_new_tokens=5)
+    mesh = make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 4}))
+    sh = logical_shardings(boxed, mesh, c.mesh)
+    import resformer_jax.model.decode as dec
+    seen = {}
+    orig = dec._step
+
+    def spy(params, tokens, cache, **kw):  # the cache is donated: read its layout before the call
+        k = cache["layer_1"]["attn"]["k"]
+        emb = params["embed"]["embedding"]
+        seen.setdefault("k", (k.shape, k.addressable_shards[0].data.shape))
+        seen.setdefault("emb", (emb.shape, emb.addressable_shards[0].data.shape))
+        return orig(params, tokens, cache, **kw)
+    dec._step = spy
+    try:
+        many, stats = generate(c.model, params, prompt, max_new_tokens=5, mesh=mesh, param_shardings=sh)
+    finally:
+        dec._step = orig
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(many))
+    (k_full, k_shard), (e_full, e_shard) = seen["k"], seen["emb"]
+    assert k_full[0] == 8 and k_shard[0] == 1, "the cache is split over the batch on 8 devices"
+    assert e_shard[1] * 4 == e_full[1], "parameters keep their FSDP layout"

@@ -95,11 +95,31 @@ class FrozenModelConfig:
         return isinstance(other, FrozenModelConfig) and self._key == other._key
 
 
+def cache_shardings(cache, mesh, batch: int, kv_axes=None):
+    """Cache arrays [.., B, max_len, K, D] sharded like the batch ((data, fsdp)) and the kv heads.
+
+    Scanned layers' caches carry a leading layer axis. A batch that does not divide over the
+    mesh is replicated instead.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    b_axes = ("data", "fsdp") if batch % n == 0 else None
+
+    def spec(x):
+        if x.ndim < 4:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*([None] * (x.ndim - 4)), b_axes, None, kv_axes, None))
+    return jax.tree.map(spec, cache)
+
+
 def generate(m, params, prompt_BxP, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, max_len: int | None = None, eos_id: int | None = None):
+             top_p: float = 1.0, seed: int = 0, max_len: int | None = None, eos_id: int | None = None,
+             mesh=None, param_shardings=None):
     """Prefills the prompts (equal length) and decodes token by token.
 
-    Returns (tokens [B, P + new], stats) where stats has the cache bytes allocated.
+    With a mesh, parameters take `param_shardings` (the training layout) and the cache is
+    sharded over the batch like the training batch. Returns (tokens [B, P + new], stats)
+    where stats has the cache bytes allocated.
     """
     prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
     B, P = prompt_BxP.shape
@@ -108,6 +128,10 @@ def generate(m, params, prompt_BxP, *, max_new_tokens: int, temperature: float =
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_len={max_len}")
     mf = FrozenModelConfig(m)
     cache = init_cache(mf, params, B, max_len)
+    if mesh is not None:
+        cache = jax.device_put(cache, cache_shardings(cache, mesh, B))
+        if param_shardings is not None:
+            params = jax.device_put(params, param_shardings)
     cache_bytes = kv_bytes(cache)
     logits, cache = _step(params, prompt_BxP, cache, m_frozen=mf, max_len=max_len)
     rng = jax.random.PRNGKey(seed)

@@ -322,7 +322,8 @@ class Trainer:
                 vals.update(self._lambdas())
                 writer.scalars(step, vals)
                 self.progress.update(step, loss, tps, step_time,
-                                     f"  MFU {vals['perf/mfu_model']:.2f}" if np.isfinite(peak) else "")
+                                     f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
+                                     if np.isfinite(peak) else "")
             if self.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 last_eval = self._evaluate(step)
                 writer.scalars(step, last_eval)
