@@ -105,7 +105,7 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
             yield from_record(rec)
 
 
-def load_tokenizer(spec: str, files: list[str], out: str, workers: int):
+def load_tokenizer(spec: str, files: list[str], out: str):
     """tokenizer.json path | hub name (needs network) | train:VOCAB (byte-level BPE trained here)."""
     from tokenizers import Tokenizer
     if spec.startswith("train:"):
@@ -201,7 +201,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     budgets = budgets or {}
     files = list_files(inputs)
     os.makedirs(out, exist_ok=True)
-    tok, tok_path = load_tokenizer(tokenizer, files, out, workers)
+    tok, tok_path = load_tokenizer(tokenizer, files, out)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eot = eot_id_of(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32

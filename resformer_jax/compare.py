@@ -15,7 +15,6 @@ import json
 import os
 import sys
 
-import numpy as np
 
 
 def read_train_loss(run: str) -> dict[int, float]:

@@ -5,15 +5,12 @@
 """
 from __future__ import annotations
 
-import functools
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "pallas", "cudnn", "xla", "reference")
-log = logging.getLogger(__name__)
 
 
 class KernelUnavailable(RuntimeError):

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resformer_jax.config import num_kv_heads
 from resformer_jax.model.attention import Attention
 from resformer_jax.model.layers import DenseGeneral, Embed, RMSNorm, SwiGLU
 
@@ -41,7 +40,7 @@ def needs_unrolled(m) -> str | None:
     return None
 
 
-def layer_lambdas(m, top: nn.Module | None = None) -> np.ndarray | jnp.ndarray:
+def layer_lambdas(m) -> np.ndarray:
     """(l1, l2) for layers 2..N as a [N-1, 2] array, for the non-learnable modes.
 
     `learnable` lambdas live in each block and are read there; this returns
