@@ -11,7 +11,7 @@ import ml_collections
 
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
 REMAT_POLICIES = ("none", "dots", "full")
-ATTENTION_IMPLS = ("auto", "pallas", "cudnn", "xla", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "cudnn", "chunked", "xla", "reference")
 
 # Paper Table 4: layers, heads, d_model, ffn.
 PAPER_SIZES = {
@@ -98,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.eval_every = 500
     t.eval_batches = 4
     t.skip_nonfinite_steps = False
+    t.loss_chunk_len = 128  # LM head + cross entropy fused over this many positions at a time; 0: full logits
     t.stop_at = 0  # >0: save and exit after this step (for time-limited jobs); the schedule still spans `steps`
 
     c.mesh = ml_collections.ConfigDict()
@@ -256,6 +257,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
               "choose a microbatch dividing the global batch")
     if t.steps <= 0:
         _fail("train.steps", f"must be positive, got {t.steps}", "set train.steps >= 1")
+    if t.loss_chunk_len < 0:
+        _fail("train.loss_chunk_len", f"must be >= 0, got {t.loss_chunk_len}",
+              "set a positive block length (e.g. 128), or 0 for full logits")
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
         _fail("train.warmup_steps", f"{t.warmup_steps} not in [0, train.steps={t.steps})",
               "use fewer warmup steps than total steps")

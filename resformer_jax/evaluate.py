@@ -43,7 +43,7 @@ def validation_table(cfg, params, data: str | None, batch: int) -> dict:
     if data:
         cfg.data.path, cfg.data.source = data, "array_record"
     model, _ = _model_fns(cfg, params)
-    f = jax.jit(lambda p, t: loss_fn(p, model, t))
+    f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.get("loss_chunk_len", 128)))
     sets = validation_sets(cfg, batch, 0, all_records=True)
     table = {dom: float(np.mean([f(params, b) for b in batches])) for dom, batches in sets.items()}
     table["mean"] = float(np.mean(list(table.values())))

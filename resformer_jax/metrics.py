@@ -1,6 +1,7 @@
 """TensorBoard writer (tensorboardX), console progress, and MFU."""
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -35,6 +36,25 @@ def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8) -> float:
                 best = max(best, 2 * n**3 / (time.perf_counter() - t))
         _CPU_PEAK["peak"] = best
     return _CPU_PEAK["peak"]
+
+
+def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 4) -> float:
+    """One fresh sample of the fp32 matmul FLOP/s (best of `repeats`), not cached: a shared
+    host's throughput drifts, so benchmarks sample it next to the work they time."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = _matmul_fn()
+    f(a).block_until_ready()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def _matmul_fn():
+    return jax.jit(lambda x: x @ x)
 
 
 def device_peak_flops() -> tuple[float, str]:

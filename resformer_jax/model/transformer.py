@@ -123,7 +123,9 @@ class Transformer(nn.Module):
     max_len: int = 0  # decode cache length
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT=None):
+    def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False):
+        """return_hidden: stop before the LM head and return RMSNorm(H_N) [B, T, E]
+        (the training loss applies the head itself, a block at a time)."""
         m = self.cfg
         dtype = jnp.dtype(m.dtype)
         B, T = tokens_BxT.shape
@@ -193,6 +195,8 @@ class Transformer(nn.Module):
         h_BxTxE = carry["h"]
 
         h_BxTxE = RMSNorm(m.norm_eps, dtype, name="final_norm")(h_BxTxE)
+        if return_hidden:
+            return h_BxTxE
         logits_BxTxV = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype,
                                     out_dtype=jnp.float32, name="lm_head")(h_BxTxE)
         return logits_BxTxV

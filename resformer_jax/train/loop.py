@@ -134,7 +134,7 @@ class Trainer:
         A = cfg.train.global_batch // (cfg.train.microbatch or cfg.train.global_batch)
         self.batch_sh = batch_sharding(self.mesh)
         micro_sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
-        step = make_train_step(self.model, self.tx, A, micro_sh)
+        step = make_train_step(self.model, self.tx, A, micro_sh, cfg.train.loss_chunk_len)
         rep = replicated(self.mesh)
         self.step_fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh),
                                out_shardings=(self.state_sh, rep), donate_argnums=(0,))
@@ -144,7 +144,7 @@ class Trainer:
         self.compiled = self.step_fn.lower(self.state, abstract_batch).compile()
         self.compile_s = time.perf_counter() - t0
         self._memory_precheck()
-        self.eval_fn = jax.jit(make_eval_step(self.model), in_shardings=(self.state_sh.params, self.batch_sh),
+        self.eval_fn = jax.jit(make_eval_step(self.model, cfg.train.loss_chunk_len), in_shardings=(self.state_sh.params, self.batch_sh),
                                out_shardings=rep)
 
     def _memory_precheck(self):

@@ -5,8 +5,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import optax
 from flax import struct
+
+from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy  # noqa: F401 (re-exported)
+
+DEFAULT_CHUNK_LEN = 128
 
 
 @struct.dataclass
@@ -29,23 +34,23 @@ def init_state(model, tx, rng, seq_len: int):
                       first_nonfinite_step=jnp.full((), -1, jnp.int32))
 
 
-def cross_entropy(logits_BxTxV, targets_BxT):
-    """Mean next-token cross entropy in fp32."""
-    logits = logits_BxTxV.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked)
+def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN):
+    """Sequences hold seq_len + 1 tokens: inputs are [:-1], targets [1:].
+
+    chunk_len > 0: the LM head and cross entropy run fused, chunk_len positions
+    at a time (train/loss.py); 0: full logits, then cross entropy.
+    """
+    inputs_BxT, targets_BxT = tokens_BxTp1[:, :-1], tokens_BxTp1[:, 1:]
+    if chunk_len <= 0:
+        return cross_entropy(model.apply({"params": params}, inputs_BxT), targets_BxT)
+    h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True)
+    w_ExV = nn.unbox(params["lm_head"]["kernel"])
+    return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
 
 
-def loss_fn(params, model, tokens_BxTp1):
-    """Sequences hold seq_len + 1 tokens: inputs are [:-1], targets [1:]."""
-    logits = model.apply({"params": params}, tokens_BxTp1[:, :-1])
-    return cross_entropy(logits, tokens_BxTp1[:, 1:])
-
-
-def make_train_step(model, tx, num_microbatches: int, batch_sharding=None):
+def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_chunk_len: int = DEFAULT_CHUNK_LEN):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan."""
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(lambda p, model, t: loss_fn(p, model, t, loss_chunk_len))
 
     def train_step(state: TrainState, tokens_BxTp1):
         if num_microbatches == 1:
@@ -85,7 +90,7 @@ def make_train_step(model, tx, num_microbatches: int, batch_sharding=None):
     return train_step
 
 
-def make_eval_step(model):
+def make_eval_step(model, loss_chunk_len: int = DEFAULT_CHUNK_LEN):
     def eval_step(params, tokens_BxTp1):
-        return loss_fn(params, model, tokens_BxTp1)
+        return loss_fn(params, model, tokens_BxTp1, loss_chunk_len)
     return eval_step
