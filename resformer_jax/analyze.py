@@ -123,6 +123,8 @@ def plot(results: list[dict], out: str) -> list[str]:
 
 
 def main(argv):
+    from resformer_jax.runtime import configure_xla
+    configure_xla()  # before JAX starts its backend
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)
     from resformer_jax.checkpoint import CheckpointError

@@ -69,6 +69,8 @@ def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
 
 
 def main(argv):
+    from resformer_jax.runtime import configure_xla
+    configure_xla()  # before JAX starts its backend
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)
     from resformer_jax.checkpoint import CheckpointError, load_run

@@ -28,6 +28,8 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+    from resformer_jax.runtime import configure_xla
+    configure_xla()  # before JAX starts its backend
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)
     import numpy as np

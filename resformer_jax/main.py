@@ -36,6 +36,8 @@ def summary(cfg) -> dict:
 
 
 def main(argv):
+    from resformer_jax.runtime import configure_xla
+    configure_xla()  # before JAX starts its backend
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax and grain log every step at INFO
     if len(argv) > 1:

@@ -38,7 +38,7 @@ def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8) -> float:
     return _CPU_PEAK["peak"]
 
 
-def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 4) -> float:
+def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 8) -> float:
     """One fresh sample of the fp32 matmul FLOP/s (best of `repeats`), not cached: a shared
     host's throughput drifts, so benchmarks sample it next to the work they time."""
     a = jnp.ones((n, n), jnp.float32)

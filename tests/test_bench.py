@@ -27,7 +27,10 @@ def test_flop_count_matches_xla_cost_analysis():
     model = Transformer(m)
     params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32))["params"]))
     tokens = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
-    compiled = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, model, t))).lower(params, tokens).compile()
+    # The fused LM head + cross entropy is a scan over position blocks; one block (chunk_len=T)
+    # keeps XLA's count exact (it counts a loop body once).
+    compiled = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, model, t, chunk_len=T))).lower(
+        params, tokens).compile()
     ca = compiled.cost_analysis()
     xla = (ca[0] if isinstance(ca, list) else ca)["flops"]
     ours = flops_per_token(m, T) * B * T
@@ -54,3 +57,16 @@ def test_bench_train_prints_json_and_compare_ratios():
             assert key in x
         assert 0 < x["mfu_model"] < 1.5
     assert "svformer" in lines[2]["ratio_to_none"]["median_step_s"]
+
+
+def test_gpu_xla_defaults_keep_user_flags_and_parse_on_this_xla():
+    from resformer_jax.runtime import GPU_XLA_FLAGS, xla_flags_for
+    assert xla_flags_for("--xla_foo=1", gpu=False) == ("--xla_foo=1", [])
+    flags, added = xla_flags_for("--xla_gpu_enable_triton_gemm=true", gpu=True)
+    assert "--xla_gpu_enable_triton_gemm=true" in flags and "--xla_gpu_enable_triton_gemm=false" not in flags
+    assert len(added) == len(GPU_XLA_FLAGS) - 1
+    # Unknown flags abort XLA at start-up: every default must be a flag this jaxlib knows.
+    env = dict(os.environ, XLA_FLAGS=xla_flags_for("", gpu=True)[0], JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-2000:]

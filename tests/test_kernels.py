@@ -44,7 +44,7 @@ def rel(a, b):
 def test_fp32_outputs_and_grads_match_reference(T, H, K, D):
     args = inputs(T, H, K, D, jnp.float32)
     want = fwd_bwd("reference", *args)
-    for impl in ("pallas", "xla"):
+    for impl in ("pallas", "chunked", "xla"):
         got = fwd_bwd(impl, *args)
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert g.shape == w.shape and g.dtype == w.dtype
@@ -55,7 +55,7 @@ def test_fp32_outputs_and_grads_match_reference(T, H, K, D):
 def test_bf16_inputs_against_fp32_reference(T, H, K, D):
     args16 = inputs(T, H, K, D, jnp.bfloat16)
     want = fwd_bwd("reference", *[x.astype(jnp.float32) for x in args16])
-    for impl in ("pallas", "xla"):
+    for impl in ("pallas", "chunked", "xla"):
         got = fwd_bwd(impl, *args16)
         assert got[0].dtype == jnp.bfloat16
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
@@ -76,11 +76,31 @@ def test_named_impl_that_cannot_run_raises():
         kernels.attention(q, k, v, impl="cudnn")
 
 
-def test_auto_probe_on_cpu_chooses_xla_with_reasons():
+def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
     msgs = []
     choice, rejected = kernels.probe_auto((1, 16, 4, 16), 2, jnp.float32, msgs.append)
-    assert choice == "xla" and "pallas" in rejected and "cudnn" in rejected
-    assert "auto chose 'xla'" in msgs[0]
+    assert choice == "chunked" and "pallas" in rejected and "cudnn" in rejected
+    assert "auto chose 'chunked'" in msgs[0]
+
+
+@pytest.mark.parametrize("T,S,block", [(7, 7, 3), (300, 300, 64), (64, 64, 16), (5, 12, 2), (1, 9, 1)])
+def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block):
+    """Many query blocks (each seeing only its key prefix), ragged last block, and queries
+    aligned at the end of a longer key sequence (S > T, as in decode)."""
+    from resformer_jax.kernels.chunked_attention import chunked_attention
+    ks = jax.random.split(jax.random.PRNGKey(T * 31 + S), 4)
+    q = jax.random.normal(ks[0], (2, T, 8, 32))
+    k = jax.random.normal(ks[1], (2, S, 2, 32))
+    v = jax.random.normal(ks[2], (2, S, 2, 32))
+    do = jax.random.normal(ks[3], (2, T, 8, 32))
+
+    def run_impl(f):
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o,) + vjp(do)
+    want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v, causal=True))
+    got = jax.jit(lambda: run_impl(lambda q, k, v: chunked_attention(q, k, v, causal=True, block=block)))()
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel(g, w) < 1e-5, f"chunked {name} T={T} S={S} block={block}: {rel(g, w):.2e}"
 
 
 def test_tiny_model_trains_the_same_with_pallas_and_xla(tmp_path):

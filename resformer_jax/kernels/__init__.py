@@ -73,6 +73,10 @@ def set_auto_choice(impl: str):
     _AUTO_CHOICE["impl"] = impl
 
 
+def auto_probed() -> bool:
+    return "impl" in _AUTO_CHOICE
+
+
 def resolve_auto() -> str:
     if "impl" in _AUTO_CHOICE:
         return _AUTO_CHOICE["impl"]
