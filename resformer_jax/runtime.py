@@ -42,8 +42,13 @@ GPU_XLA_FLAGS = {
 def cuda_plugin_present() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("cpu", "tpu"):
         return False
-    return any(importlib.util.find_spec(m) is not None
-               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"))
+    for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ImportError:  # a dotted name whose parent package is not installed
+            pass
+    return False
 
 
 def xla_flags_for(existing: str, gpu: bool) -> tuple[str, list[str]]:

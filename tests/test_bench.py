@@ -59,8 +59,12 @@ def test_bench_train_prints_json_and_compare_ratios():
     assert "svformer" in lines[2]["ratio_to_none"]["median_step_s"]
 
 
-def test_gpu_xla_defaults_keep_user_flags_and_parse_on_this_xla():
-    from resformer_jax.runtime import GPU_XLA_FLAGS, xla_flags_for
+def test_gpu_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
+    from resformer_jax.runtime import GPU_XLA_FLAGS, configure_xla, cuda_plugin_present, xla_flags_for
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert cuda_plugin_present() is False  # this machine has no CUDA plugin; the lookup must not raise
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    assert configure_xla() == [] and os.environ["XLA_FLAGS"] == "--xla_foo=1"
     assert xla_flags_for("--xla_foo=1", gpu=False) == ("--xla_foo=1", [])
     flags, added = xla_flags_for("--xla_gpu_enable_triton_gemm=true", gpu=True)
     assert "--xla_gpu_enable_triton_gemm=true" in flags and "--xla_gpu_enable_triton_gemm=false" not in flags
