@@ -83,10 +83,12 @@ def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
     assert "auto chose 'chunked'" in msgs[0]
 
 
-@pytest.mark.parametrize("T,S,block", [(7, 7, 3), (300, 300, 64), (64, 64, 16), (5, 12, 2), (1, 9, 1)])
-def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block):
-    """Many query blocks (each seeing only its key prefix), ragged last block, and queries
-    aligned at the end of a longer key sequence (S > T, as in decode)."""
+@pytest.mark.parametrize("T,S,block,causal", [(7, 7, 3, True), (300, 300, 64, True), (64, 64, 16, True),
+                                              (5, 12, 2, True), (1, 9, 1, True), (9, 9, 4, False)])
+def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal):
+    """Many query blocks (each seeing only its key prefix), ragged last block, queries aligned
+    at the end of a longer key sequence (S > T, as in decode), and no mask at all. The
+    backward is chunked_attention's own (custom VJP from the saved log-sum-exp)."""
     from resformer_jax.kernels.chunked_attention import chunked_attention
     ks = jax.random.split(jax.random.PRNGKey(T * 31 + S), 4)
     q = jax.random.normal(ks[0], (2, T, 8, 32))
@@ -97,8 +99,8 @@ def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block):
     def run_impl(f):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
-    want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v, causal=True))
-    got = jax.jit(lambda: run_impl(lambda q, k, v: chunked_attention(q, k, v, causal=True, block=block)))()
+    want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v, causal=causal))
+    got = jax.jit(lambda: run_impl(lambda q, k, v: chunked_attention(q, k, v, causal=causal, block=block)))()
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel(g, w) < 1e-5, f"chunked {name} T={T} S={S} block={block}: {rel(g, w):.2e}"
 
