@@ -5,7 +5,9 @@ block i attends to keys [0, end_i), so the masked upper triangle of the
 attention matrix is never computed (about half the work at n blocks:
 (n+1)/(2n)). The softmax is normalised after the A·V product, on the
 [.., T, D] output rather than the [.., T, S] probabilities, which saves one
-pass over the largest tensor.
+pass over the largest tensor. The backward is a custom VJP that keeps only
+q, k, v, the output and the log-sum-exp (O(T), as FlashAttention-2 does) and
+recomputes each block's probabilities.
 
 Why it exists: on CPU the step is bound by memory traffic over the
 [B, H, T, S] logits, not by FLOPs (jax.nn.dot_product_attention's xla path
