@@ -25,16 +25,7 @@ def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8) -> float:
     """fp32 matmul FLOP/s of this host, measured once: the best of several sizes and repeats
     (all local CPU devices share the cores, so this is the peak of all of them together)."""
     if "peak" not in _CPU_PEAK:
-        best = 0.0
-        for n in sizes:
-            a = jnp.ones((n, n), jnp.float32)
-            f = jax.jit(lambda x: x @ x)
-            f(a).block_until_ready()
-            for _ in range(repeats):
-                t = time.perf_counter()
-                f(a).block_until_ready()
-                best = max(best, 2 * n**3 / (time.perf_counter() - t))
-        _CPU_PEAK["peak"] = best
+        _CPU_PEAK["peak"] = max(sample_cpu_matmul_peak(n, repeats) for n in sizes)
     return _CPU_PEAK["peak"]
 
 

@@ -47,10 +47,11 @@ def _block_logits(h_BxCxE, w_ExV):
 
 
 def _block_loss(h_BxCxE, w_ExV, t_BxC):
+    """(summed CE over the block's valid positions, logits, log-partition)."""
     logits_BxCxV = _block_logits(h_BxCxE, w_ExV)
     logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
     picked_BxC = jnp.take_along_axis(logits_BxCxV, jnp.maximum(t_BxC, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(t_BxC >= 0, logz_BxC - picked_BxC, 0.0))
+    return jnp.sum(jnp.where(t_BxC >= 0, logz_BxC - picked_BxC, 0.0)), logits_BxCxV, logz_BxC
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -59,7 +60,7 @@ def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128):
     h_n, t_n = _blocks(h_BxTxE, targets_BxT, chunk_len)
 
     def body(total, xs):
-        return total + _block_loss(xs[0], w_ExV, xs[1]), None
+        return total + _block_loss(xs[0], w_ExV, xs[1])[0], None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_n, t_n))
     return total / targets_BxT.size
@@ -74,11 +75,9 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len):
     def body(carry, xs):
         total, dw_ExV = carry
         h_BxCxE, t_BxC = xs
-        logits_BxCxV = _block_logits(h_BxCxE, w_c)
-        logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+        loss_sum, logits_BxCxV, logz_BxC = _block_loss(h_BxCxE, w_c, t_BxC)
+        total = total + loss_sum
         valid_BxC = t_BxC >= 0
-        picked_BxC = jnp.take_along_axis(logits_BxCxV, jnp.maximum(t_BxC, 0)[..., None], axis=-1)[..., 0]
-        total = total + jnp.sum(jnp.where(valid_BxC, logz_BxC - picked_BxC, 0.0))
         # d(mean CE)/d logits = (softmax - onehot) / count, zero at padded positions.
         vocab_V = jnp.arange(logits_BxCxV.shape[-1])
         dlogits_BxCxV = (jnp.exp(logits_BxCxV - logz_BxC[..., None])
