@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from absl import app, flags
 
@@ -49,13 +48,13 @@ def analyze_run(workdir, step, data, num_sequences, batch) -> dict:
     import jax
     import numpy as np
     from resformer_jax.analysis import measures
-    from resformer_jax.checkpoint import load_run
     from resformer_jax.data.pipeline import validation_sets
     from resformer_jax.model import Transformer
-    cfg, params, step = load_run(workdir, step)
+    from resformer_jax.train.setup import load_run
+    # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
+    cfg, params, step = load_run(workdir, step, attention_impl="reference")
     if data:
         cfg.data.path, cfg.data.source = data, "array_record"
-    cfg.model.attention_impl = "reference"
     model = Transformer(cfg.model, capture=True)
     fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
     sets = validation_sets(cfg, batch, 0, all_records=True)
@@ -123,18 +122,11 @@ def plot(results: list[dict], out: str) -> list[str]:
 
 
 def main(argv):
-    from resformer_jax.runtime import configure_xla
-    configure_xla()  # before JAX starts its backend
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    from resformer_jax.checkpoint import CheckpointError
-    from resformer_jax.data.pipeline import DataError
+    from resformer_jax import cli
+    cli.start()
     from resformer_jax.metrics import Writer
-    try:
+    with cli.exit_on_user_error():
         results = [analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch) for w in FLAGS.workdir]
-    except (CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     out = FLAGS.out or os.path.join(FLAGS.workdir[0], "analysis")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "analysis.json"), "w") as f:

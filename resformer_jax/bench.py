@@ -44,57 +44,32 @@ def _rss_bytes() -> int:
 
 
 class TrainBench:
-    """One variant's compiled train step, its state and its timings."""
+    """One variant's compiled train step (built by train/setup.py, as training builds it), its state
+    and its timings."""
 
-    def __init__(self, cfg):
-        import flax.linen as nn
+    def __init__(self, cfg, attention=None):
         import jax
-        import jax.numpy as jnp
         import numpy as np
-        from resformer_jax.config import validate
-        from resformer_jax.model import Transformer
-        from resformer_jax.parallel.mesh import (batch_sharding, check_divisibility, logical_shardings, make_mesh,
-                                                 replicated)
-        from resformer_jax.train.optimizer import make_optimizer
-        from resformer_jax.train.step import init_state, make_train_step
-        validate(cfg)
+        from resformer_jax.train.setup import build
         self.cfg = cfg
-        mesh = make_mesh(cfg.mesh)
-        check_divisibility(cfg, mesh)
-        model, tx = Transformer(cfg.model), make_optimizer(cfg.train)
-        self._init = lambda r: init_state(model, tx, r, cfg.data.seq_len)  # noqa: E731
-        boxed = jax.eval_shape(self._init, jax.random.PRNGKey(0))
-        self.state_sh = logical_shardings(boxed, mesh, cfg.mesh)
-        bsh = batch_sharding(mesh)
-        A = cfg.train.global_batch // (cfg.train.microbatch or cfg.train.global_batch)
-        micro_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
-        step = jax.jit(make_train_step(model, tx, A, micro_sh, cfg.train.loss_chunk_len),
-                       in_shardings=(self.state_sh, bsh), out_shardings=(self.state_sh, replicated(mesh)),
-                       donate_argnums=(0,))
-        self.shape = (cfg.train.global_batch, cfg.data.seq_len + 1)
-        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      nn.unbox(boxed), self.state_sh)
-        t0 = time.perf_counter()
-        self.compiled = step.lower(abstract_state, jax.ShapeDtypeStruct(self.shape, jnp.int32, sharding=bsh)).compile()
-        compile_s = time.perf_counter() - t0
-        ma = self.compiled.memory_analysis()
-        xla_mem = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                   - ma.alias_size_in_bytes) if ma is not None else None
+        self.setup = build(cfg, attention=attention, log=lambda m: print(m, file=sys.stderr))
+        self.compiled, compile_s, mem = self.setup.compile()
+        self.shape = self.setup.global_batch_shape
         self.out = {"variant": cfg.model.value_residual, "scan_layers": cfg.model.scan_layers,
-                    "remat": cfg.model.remat, "attention_impl": cfg.model.attention_impl,
+                    "remat": cfg.model.remat, "attention_impl": self.setup.model_cfg.attention_impl,
                     "num_layers": cfg.model.num_layers, "batch": cfg.train.global_batch,
                     "seq_len": cfg.data.seq_len, "dtype": cfg.model.dtype, "devices": jax.device_count(),
                     "device_kind": jax.devices()[0].device_kind, "compile_s": round(compile_s, 3),
-                    "xla_memory_bytes_per_device": xla_mem,
-                    "xla_temp_bytes_per_device": ma.temp_size_in_bytes if ma is not None else None}
+                    "xla_memory_bytes_per_device": mem.total if mem is not None else None,
+                    "xla_temp_bytes_per_device": mem.temporaries if mem is not None else None}
         self.times, self.state = [], None
         self._tokens = lambda: jax.device_put(  # noqa: E731
-            np.random.default_rng(0).integers(0, cfg.model.vocab_size, self.shape, dtype=np.int32), bsh)
+            np.random.default_rng(0).integers(0, cfg.model.vocab_size, self.shape, dtype=np.int32),
+            self.setup.batch_sh)
 
     def warm_up(self, steps=2):
-        import flax.linen as nn
         import jax
-        self.state = jax.jit(lambda r: nn.unbox(self._init(r)), out_shardings=self.state_sh)(jax.random.PRNGKey(0))
+        self.state = self.setup.init_state(seed=0)
         self.tokens = self._tokens()
         for _ in range(steps):
             self.state, m = self.compiled(self.state, self.tokens)
@@ -112,24 +87,23 @@ class TrainBench:
 
     def report(self, peak, peak_src) -> dict:
         import jax
-        from resformer_jax.model.transformer import flops_per_token, param_counts
+        from resformer_jax import metrics
         cfg = self.cfg
         med = statistics.median(self.times)
         tps = cfg.train.global_batch * cfg.data.seq_len / med
-        pc = param_counts(cfg.model)
-        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        flops = metrics.model_flops(cfg.model, cfg.data.seq_len)
         stats = jax.local_devices()[0].memory_stats() or {}
         return {**self.out, "median_step_s": round(med, 4), "step_s": [round(x, 4) for x in self.times],
                 "tokens_per_s": round(tps, 1), "tokens_per_s_per_device": round(tps / jax.device_count(), 1),
-                "mfu_6n": 6 * pc["params_non_embedding"] * tps / peak, "mfu_model": fpt * tps / peak,
-                "peak_flops": peak, "peak_source": peak_src, "flops_per_token": fpt,
+                **metrics.mfu(flops, tps, peak),
+                "peak_flops": peak, "peak_source": peak_src, "flops_per_token": flops.per_token,
                 "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
                 "peak_memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in stats
                 else "process RSS (all variants of this process)",
                 "loss": float(self.metrics["loss"])}
 
 
-def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True) -> list[dict]:
+def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, attention=None) -> list[dict]:
     """Compiles every variant, then times `steps` steps of each.
 
     interleave: the variants take turns step by step (round robin), so a slow
@@ -142,7 +116,7 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True) -
     """
     import jax
     from resformer_jax import metrics
-    benches = [TrainBench(c) for c in cfgs]
+    benches = [TrainBench(c, attention) for c in cfgs]
     if compile_only:
         return [b.out for b in benches]
     on_cpu = jax.devices()[0].platform == "cpu"
@@ -224,10 +198,8 @@ def bench_decode(cfg, context, new_tokens, batch) -> dict:
 
 
 def main(argv):
-    from resformer_jax.runtime import configure_xla
-    configure_xla()  # before JAX starts its backend
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    from resformer_jax import cli
+    cli.start()
     if len(argv) < 2 or argv[1] not in ("train", "attention", "decode"):
         raise app.UsageError("usage: python -m resformer_jax.bench {train,attention,decode} [flags]")
     what = argv[1]
@@ -243,19 +215,15 @@ def main(argv):
     for mode in modes:
         cfg = FLAGS.config.copy_and_resolve_references()
         cfg.model.value_residual = mode
-        if cfg.model.attention_impl == "auto":  # probed once, at the first variant's shapes
-            from resformer_jax import kernels
-            import jax.numpy as jnp
-            if not kernels.auto_probed():
-                kernels.probe_auto((1, cfg.data.seq_len, cfg.model.num_heads, cfg.model.d_model // cfg.model.num_heads),
-                                   cfg.model.num_kv_heads or cfg.model.num_heads, jnp.dtype(cfg.model.dtype),
-                                   lambda m: print(m, file=sys.stderr))
-            cfg.model.attention_impl = kernels.resolve_auto()
         cfgs.append(cfg)
-    if what == "train":
-        results = bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave)
-    else:
-        results = [bench_decode(c, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for c in cfgs]
+    with cli.exit_on_user_error():
+        if what == "train":
+            # `auto` is probed once, at the first variant's shapes, and used by every variant.
+            from resformer_jax.train.setup import resolve_attention
+            attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
+            results = bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention)
+        else:
+            results = [bench_decode(c, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for c in cfgs]
     for r in results:
         print(json.dumps(r))
     if len(results) > 1:

@@ -58,7 +58,8 @@ class Checkpointer:
         r = self.mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         return dict(r["config"])
 
-    def _restore_step(self, step: int, abstract_state):
+    def restore(self, step: int, abstract_state):
+        """(state, config, progress) of one step; raises if it does not restore."""
         r = self.mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore(),
             progress=ocp.args.JsonRestore()))
@@ -72,7 +73,7 @@ class Checkpointer:
         failures = []
         for step in reversed(steps):
             try:
-                state, config, progress = self._restore_step(step, abstract_state)
+                state, config, progress = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
                 path = os.path.join(self.dir, str(step))
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -127,31 +128,3 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> dict:
         elif json.dumps(a, default=list) != json.dumps(b, default=list):
             out[name] = (a, b)
     return out
-
-
-def load_run(workdir: str, step: int | None = None):
-    """(config, params, step) of a run's checkpoint, on the default device, for inference and analysis."""
-    import flax.linen as nn
-    import ml_collections
-
-    from resformer_jax.model import Transformer
-    from resformer_jax.train.optimizer import make_optimizer
-    from resformer_jax.train.step import init_state
-
-    ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}))
-    steps = ck.all_steps()
-    if not steps:
-        raise CheckpointError(f"no checkpoint in {ck.dir}; train first (python -m resformer_jax.main --workdir={workdir})")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
-    cfg = ml_collections.ConfigDict(ck.read_config(step))
-    model = Transformer(cfg.model)
-    tx = make_optimizer(cfg.train)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    boxed = jax.eval_shape(lambda r: init_state(model, tx, r, cfg.data.seq_len), jax.random.PRNGKey(0))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed))
-    state, _, _ = ck._restore_step(step, abstract)
-    ck.mngr.close()
-    return cfg, state.params, step

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import ml_collections
 
+from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
+
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
 REMAT_POLICIES = ("none", "dots", "full")
-ATTENTION_IMPLS = ("auto", "pallas", "cudnn", "chunked", "xla", "reference")
 
 # Paper Table 4: layers, heads, d_model, ffn.
 PAPER_SIZES = {
@@ -182,6 +183,26 @@ def head_dim(m) -> int:
     return m.d_model // m.num_heads
 
 
+def mixes_values(m) -> bool:
+    """ResFormer's mix (Eq. 7) of an earlier value into V_n, alone or with NeuTRENO."""
+    return m.value_residual in ("resformer", "resformer+neutreno")
+
+
+def uses_neutreno(m) -> bool:
+    """NeuTRENO's correction (Eq. 8) after the attention."""
+    return m.value_residual in ("neutreno", "resformer+neutreno")
+
+
+def shares_first_value(m) -> bool:
+    """SVFormer (Eq. 10): layers >= 2 take something (V, or Q/K in Fig. 13) from layer 1."""
+    return m.value_residual == "svformer"
+
+
+def learns_lambdas(m) -> bool:
+    """ResFormer with trainable mixing weights (logged per layer to TensorBoard)."""
+    return mixes_values(m) and m.resformer_lambdas in ("learnable", "learnable_plus")
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks every field that could make a run impossible; returns c."""
     m = c.model
@@ -228,7 +249,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for name, allowed in choices.items():
         if m[name] not in allowed:
             _fail(f"model.{name}", f"unknown value {m[name]!r}", f"use one of {', '.join(allowed)}")
-    resformer = m.value_residual in ("resformer", "resformer+neutreno")
+    resformer = mixes_values(m)
     for name, default in (("mapping", "attention"), ("residual_on", "v"), ("value_source", "first")):
         if m[name] != default and not resformer:
             _fail(f"model.{name}", f"{m[name]!r} is a ResFormer ablation but value_residual="

@@ -69,14 +69,11 @@ def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
 
 
 def main(argv):
-    from resformer_jax.runtime import configure_xla
-    configure_xla()  # before JAX starts its backend
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    from resformer_jax.checkpoint import CheckpointError, load_run
-    from resformer_jax.data.pipeline import DataError
+    from resformer_jax import cli
+    cli.start()
     from resformer_jax.eval.zero_shot import TaskError
     from resformer_jax.metrics import Writer
+    from resformer_jax.train.setup import load_run
     try:
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
         os.makedirs(os.path.join(FLAGS.workdir, "eval"), exist_ok=True)
@@ -108,9 +105,8 @@ def main(argv):
                 json.dump({"step": step, "loss": table}, f, indent=2)
             print(f"wrote {path}")
         writer.close()
-    except (CheckpointError, DataError, TaskError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except cli.user_errors() + (FileNotFoundError,) as e:
+        sys.exit(cli.report_user_error(e))
 
 
 if __name__ == "__main__":

@@ -28,18 +28,14 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from resformer_jax.runtime import configure_xla
-    configure_xla()  # before JAX starts its backend
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    from resformer_jax import cli
+    cli.start()
     import numpy as np
-    from resformer_jax.checkpoint import CheckpointError, load_run
     from resformer_jax.model.decode import generate
-    try:
+    from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
+    from resformer_jax.train.setup import load_run
+    with cli.exit_on_user_error():
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     tok_path = os.path.join(FLAGS.workdir, "tokenizer.json")
     tok = None
     if os.path.isfile(tok_path):
@@ -68,9 +64,6 @@ def main(argv):
         sys.exit(2)
     # The cache and parameters are laid out like training's: parameters by the logical-axis rules,
     # the cache over the batch axes of a mesh of all devices.
-    import jax
-    from resformer_jax.model import Transformer
-    from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
     mesh_cfg = cfg.mesh
     mesh_cfg.num_devices = 0
     try:
@@ -78,8 +71,8 @@ def main(argv):
     except MeshError:  # a different device count than training: plain data parallelism
         mesh_cfg.data, mesh_cfg.fsdp = -1, 1
         mesh = make_mesh(mesh_cfg)
-    boxed = jax.eval_shape(lambda: Transformer(cfg.model).init(jax.random.PRNGKey(0), jax.numpy.zeros((1, 8), "int32")))
-    param_sh = logical_shardings(boxed["params"], mesh, mesh_cfg)
+    from resformer_jax.model.transformer import param_shapes
+    param_sh = logical_shardings(param_shapes(cfg.model, boxed=True), mesh, mesh_cfg)
     # Prompts of equal length decode together as one batch.
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):

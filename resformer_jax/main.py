@@ -24,11 +24,11 @@ FLAGS = flags.FLAGS
 
 
 def summary(cfg) -> dict:
+    from resformer_jax.metrics import model_flops
     from resformer_jax.model.decode import kv_cache_bytes_per_token
-    from resformer_jax.model.transformer import flops_per_token, param_counts
-    out = dict(param_counts(cfg.model))
-    out["flops_per_token"] = flops_per_token(cfg.model, cfg.data.seq_len)
-    out["flops_per_token_6n"] = 6.0 * out["params_non_embedding"]
+    f = model_flops(cfg.model, cfg.data.seq_len)
+    out = {"params_total": f.params_total, "params_non_embedding": f.params_non_embedding,
+           "flops_per_token": f.per_token, "flops_per_token_6n": f.per_token_6n}
     out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
     out["seq_len"] = cfg.data.seq_len
     out["model"] = cfg.model.to_dict()
@@ -36,19 +36,14 @@ def summary(cfg) -> dict:
 
 
 def main(argv):
-    from resformer_jax.runtime import configure_xla
-    configure_xla()  # before JAX starts its backend
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax and grain log every step at INFO
+    from resformer_jax import cli
+    cli.start()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; fields are set as --config.section.field=value")
-    from resformer_jax.config import ConfigError, validate
+    from resformer_jax.config import validate
     cfg = FLAGS.config
-    try:
+    with cli.exit_on_user_error():
         validate(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     if FLAGS.mode == "summary":
         print(json.dumps(summary(cfg), default=list))
         return

@@ -1,6 +1,11 @@
-"""TensorBoard writer (tensorboardX), console progress, and MFU."""
+"""TensorBoard writer (tensorboardX), console progress, and the arithmetic of MFU and memory.
+
+The trainer, the benchmark and `--mode=summary` all count FLOPs, MFU and a
+compiled step's memory here (`model_flops`, `mfu`, `step_memory`).
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -18,15 +23,11 @@ PEAK_FLOPS = {
     "TPU v4": 275e12, "TPU v3": 123e12,
 }
 
-_CPU_PEAK = {}
-
-
+@functools.lru_cache(maxsize=None)
 def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8) -> float:
-    """fp32 matmul FLOP/s of this host, measured once: the best of several sizes and repeats
-    (all local CPU devices share the cores, so this is the peak of all of them together)."""
-    if "peak" not in _CPU_PEAK:
-        _CPU_PEAK["peak"] = max(sample_cpu_matmul_peak(n, repeats) for n in sizes)
-    return _CPU_PEAK["peak"]
+    """fp32 matmul FLOP/s of this host, measured once per process: the best of several sizes and
+    repeats (all local CPU devices share the cores, so this is the peak of all of them together)."""
+    return max(sample_cpu_matmul_peak(n, repeats) for n in sizes)
 
 
 def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 8) -> float:
@@ -58,6 +59,48 @@ def device_peak_flops() -> tuple[float, str]:
         if name.lower() in kind.lower():
             return peak * len(devs), f"{name} table peak x {len(devs)} devices"
     return float("nan"), f"unknown device kind {kind!r}: add it to metrics.PEAK_FLOPS"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlops:
+    """Parameter counts and training FLOPs per token of a model config."""
+    params_total: int
+    params_non_embedding: int
+    per_token: float  # the model's own count: every matmul, causal attention at half (model/transformer.py)
+    per_token_6n: float  # the 6N convention, N the non-embedding parameters
+
+
+def model_flops(m, seq_len: int) -> ModelFlops:
+    from resformer_jax.model.transformer import flops_per_token, param_counts
+    pc = param_counts(m)
+    return ModelFlops(pc["params_total"], pc["params_non_embedding"], flops_per_token(m, seq_len),
+                      6.0 * pc["params_non_embedding"])
+
+
+def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]:
+    """Model FLOPs utilisation in both conventions."""
+    return {"mfu_6n": flops.per_token_6n * tokens_per_s / peak, "mfu_model": flops.per_token * tokens_per_s / peak}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """XLA's per-device estimate for a compiled step."""
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # donated arguments reused as outputs
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+def step_memory(compiled) -> StepMemory | None:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return None
+    return StepMemory(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes,
+                      ma.alias_size_in_bytes)
 
 
 class Writer:

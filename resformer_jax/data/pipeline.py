@@ -8,49 +8,12 @@ would, and each process reads only its own slots [p * local, (p + 1) * local).
 from __future__ import annotations
 
 import functools
-import json
-import os
-
 import grain
 import numpy as np
 
 from resformer_jax.config import PAPER_MIXTURE
-
-
-class DataError(Exception):
-    """Bad data or data config; the message names the cause and the fix."""
-
-
-# ----------------------------------------------------------------------------- metadata
-
-
-def load_metadata(path: str) -> dict:
-    if not path:
-        raise DataError("config.data.path is empty; point it at a folder written by `python -m data_prep.prepare`")
-    if not os.path.isdir(path):
-        raise DataError(f"data path {path!r} does not exist; run `python -m data_prep.prepare --out {path} ...` "
-                        "or fix config.data.path")
-    meta_path = os.path.join(path, "metadata.json")
-    if not os.path.isfile(meta_path):
-        raise DataError(f"{path!r} has no metadata.json (empty or not prepared); "
-                        f"run `python -m data_prep.prepare --out {path} ...`")
-    with open(meta_path) as f:
-        return json.load(f)
-
-
-def check_compatible(meta: dict, seq_len: int, vocab_size: int, tokenizer_hash: str = "", path: str = ""):
-    """Stops before training when prepared data and model disagree."""
-    if meta["seq_len"] != seq_len:
-        raise DataError(f"{path}: prepared with seq_len={meta['seq_len']} but config.data.seq_len={seq_len}; "
-                        f"set --config.data.seq_len={meta['seq_len']} or prepare again with --seq_len {seq_len}")
-    if meta["tokenizer"]["vocab_size"] > vocab_size:
-        raise DataError(f"{path}: token ids go up to {meta['tokenizer']['vocab_size'] - 1}, not below "
-                        f"config.model.vocab_size={vocab_size}; set "
-                        f"--config.model.vocab_size={meta['tokenizer']['vocab_size']} or use a matching tokenizer")
-    if tokenizer_hash and tokenizer_hash != meta["tokenizer"]["sha256"]:
-        raise DataError(f"{path}: tokenizer sha256 {meta['tokenizer']['sha256'][:12]}… differs from "
-                        f"{tokenizer_hash[:12]}… that this run started with; use the data prepared with the "
-                        "run's tokenizer, or start a new workdir")
+from resformer_jax.data.records import DataError, DomainSource, check_compatible, corpus_path, load_metadata
+from resformer_jax.data.tfds_source import tfds_domain_source
 
 
 def domain_weights(meta: dict, split: str, mixture: dict | None) -> dict[str, float]:
@@ -73,28 +36,6 @@ def domain_weights(meta: dict, split: str, mixture: dict | None) -> dict[str, fl
 
 
 # ----------------------------------------------------------------------------- sources
-
-
-class DomainSource(grain.sources.RandomAccessDataSource):
-    """One (split, domain) of a prepared corpus: records of seq_len + 1 token ids."""
-
-    def __init__(self, path: str, meta: dict, split: str, domain: str):
-        st = meta["splits"].get(split, {}).get(domain)
-        if not st or not st.get("shards"):
-            raise DataError(f"{path}: no shards for domain {domain!r} in split {split!r}")
-        self.paths = [os.path.join(path, split, domain, s) for s in st["shards"]]
-        for p in self.paths:
-            if not os.path.isfile(p):
-                raise DataError(f"shard {p} listed in metadata.json is missing; prepare the data again")
-        self._src = grain.sources.ArrayRecordDataSource(self.paths)
-        self.dtype = np.dtype(meta["dtype"])
-        self.n = len(self._src)
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
 
 
 class Mixture:
@@ -182,7 +123,7 @@ def train_reader(cfg, meta: dict | None = None):
     record_len = d.seq_len + 1
     if d.source == "synthetic":
         return SyntheticSource(cfg.model.vocab_size, record_len, d.seed), ["synthetic"]
-    path = resolve_path(cfg)
+    path = corpus_path(cfg.data)
     meta = meta or load_metadata(path)
     check_compatible(meta, d.seq_len, cfg.model.vocab_size, d.tokenizer_hash, path)
     weights = domain_weights(meta, "train", dict(d.mixture) if len(d.mixture) else None)
@@ -192,16 +133,8 @@ def train_reader(cfg, meta: dict | None = None):
 
 def open_domain(cfg, path, meta, split, domain):
     if cfg.data.source == "tfds":
-        from resformer_jax.data.tfds_source import tfds_domain_source
         return tfds_domain_source(path, split, domain)
     return DomainSource(path, meta, split, domain)
-
-
-def resolve_path(cfg) -> str:
-    if cfg.data.source == "demo":
-        from resformer_jax.data.demo import demo_corpus
-        return demo_corpus(cfg.data.seq_len)
-    return cfg.data.path
 
 
 def train_iterator(cfg, process_index: int = 0, process_count: int = 1):
@@ -226,7 +159,7 @@ def validation_sets(cfg, batch: int, num_batches: int, process_index: int = 0, p
         src = SyntheticSource(cfg.model.vocab_size, d.seq_len + 1, d.seed + 10_000)
         reader = BatchReader(src, batch, process_index, process_count)
         return {"synthetic": [reader(i) for i in range(num_batches)]}
-    path = resolve_path(cfg)
+    path = corpus_path(cfg.data)
     meta = load_metadata(path)
     check_compatible(meta, d.seq_len, cfg.model.vocab_size, "", path)
     out = {}

@@ -43,7 +43,7 @@ def _builder_cls():
                     if self.meta["splits"].get(split, {}).get(self.domain, {}).get("sequences")}
 
         def _generate_examples(self, split):
-            from resformer_jax.data.pipeline import DomainSource
+            from resformer_jax.data.records import DomainSource
             src = DomainSource(self.corpus_path, self.meta, split, self.domain)
             for i in range(len(src)):
                 yield i, {"tokens": src[i]}
@@ -55,7 +55,7 @@ def _builder_cls():
 def build(corpus_path: str) -> str:
     """Writes the tfds datasets (array_record files) for every domain; returns their data_dir."""
     import tensorflow_datasets as tfds
-    from resformer_jax.data.pipeline import load_metadata
+    from resformer_jax.data.records import load_metadata
     meta = load_metadata(corpus_path)
     data_dir = os.path.join(corpus_path, "tfds")
     cls = _builder_cls()
@@ -72,7 +72,7 @@ class TfdsDomainSource:
 
     def __init__(self, corpus_path: str, split: str, domain: str):
         import tensorflow_datasets as tfds
-        from resformer_jax.data.pipeline import DataError
+        from resformer_jax.data.records import DataError
         data_dir = os.path.join(corpus_path, "tfds")
         try:
             self.src = tfds.data_source(f"{NAME}/{_slug(domain)}", split=split, data_dir=data_dir,

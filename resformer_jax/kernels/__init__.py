@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "pallas", "cudnn", "chunked", "xla", "reference")
+from resformer_jax.kernels.names import IMPLS
 
 
 class KernelUnavailable(RuntimeError):
@@ -44,9 +44,14 @@ def _dpa(q, k, v, causal, implementation):
 
 
 def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto"):
-    """Causal multi-head attention; dispatches to the chosen implementation."""
+    """Causal multi-head attention; dispatches to the chosen implementation.
+
+    `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
+    unresolved `auto` (a model built by hand, shape-only tracing) means `xla`, which runs on
+    every backend.
+    """
     if impl == "auto":
-        impl = resolve_auto()
+        impl = "xla"
     if impl == "reference":
         return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     if impl == "chunked":
@@ -65,30 +70,13 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto"):
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
 
 
-_AUTO_CHOICE = {}
-
-
-def set_auto_choice(impl: str):
-    """Records what `auto` resolved to (chosen once at start-up by probe_auto)."""
-    _AUTO_CHOICE["impl"] = impl
-
-
-def auto_probed() -> bool:
-    return "impl" in _AUTO_CHOICE
-
-
-def resolve_auto() -> str:
-    if "impl" in _AUTO_CHOICE:
-        return _AUTO_CHOICE["impl"]
-    return "xla"  # not probed yet: the safe choice on every backend
-
-
 def probe_auto(q_shape, kv_heads, dtype, log_fn=print):
     """Picks the fastest impl that compiles and runs forward+backward at the real shapes.
 
     On a GPU: pallas, then cudnn, then xla; on CPU: chunked (causal blocks in
     plain XLA ops, ~2.9x faster than xla there), then xla; on TPU: xla. Returns
-    (choice, {rejected impl: reason}).
+    (choice, {rejected impl: reason}); it records nothing: the caller carries
+    the choice into the model's config (train/setup.py).
     """
     rejected = {}
     if jax.default_backend() == "cpu":
@@ -118,7 +106,6 @@ def probe_auto(q_shape, kv_heads, dtype, log_fn=print):
             rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if choice is None:
         raise KernelUnavailable(f"no attention impl runs here: {rejected}")
-    set_auto_choice(choice)
     msg = f"attention_impl=auto chose {choice!r}" + "".join(
         f"; rejected {k}: {v}" for k, v in rejected.items())
     log_fn(msg)

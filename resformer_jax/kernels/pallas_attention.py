@@ -26,16 +26,18 @@ from jax.experimental import pallas as pl
 
 log = logging.getLogger(__name__)
 MASK = -1e30
-_WARNED = []
+
+
+@functools.cache
+def _warn_interpreted(backend: str):
+    log.warning("attention_impl='pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
+                "(correct but slow; for tests)", backend)
 
 
 def _interpret() -> bool:
     if jax.default_backend() == "gpu":
         return False
-    if not _WARNED:
-        _WARNED.append(True)
-        log.warning("attention_impl='pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
-                    "(correct but slow; for tests)", jax.default_backend())
+    _warn_interpreted(jax.default_backend())  # once per process
     return True
 
 

@@ -1,29 +1,149 @@
 """Attention with value-residual mixing (paper Sec. 3) and a KV cache.
 
 Layer n projects Q_n, K_n, V_n from its normed input. Layer 1 is standard and
-its tensors are handed to every later layer (`first`). For n >= 2 the layer
+its tensors reach every later layer (`Context.first`). For n >= 2 the layer
 attends with its own A_n over a mix of values:
 
   none        U_n = A_n V_n                                    (Eq. 1)
-  resformer   U_n = A_n (l1 V_1 + l2 V_n)                      (Eq. 7, l1=l2=1/2)
+  resformer   U_n = A_n (l1 V_1 + l2 V_n)                      (Eq. 7, l1 = l2 = 1/2; Eq. 4 with m = 1)
   svformer    U_n = A_n V_1                                    (Eq. 10)
   neutreno    U_n = A_n V_n + lam (V_1 - V_n)                  (Eq. 8)
 
+What a layer does is decided once, by `plan_layer`, into a `LayerPlan`; the
+module then reads like the equations, one short function per equation. To
+add a variant: its equation function here and its case in `plan_layer` (a new
+value mix is a function of `ValueMix`; tests/test_structure.py adds one).
+
 Values stay in key/value-head layout [B, T, K, D] (before GQA repetition) and
 are never rotated. In decode mode each layer keeps only what its equation
-needs: K for every layer, V only where the layer owns values (SVFormer: once).
+needs: K for every layer that owns keys, V only where the layer owns values
+(SVFormer: once).
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from resformer_jax import kernels
-from resformer_jax.config import head_dim, neutreno_lambda, num_kv_heads
+from resformer_jax.config import head_dim, mixes_values, neutreno_lambda, num_kv_heads, shares_first_value, uses_neutreno
 from resformer_jax.model.layers import DenseGeneral, rope
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one layer computes, resolved once from the config."""
+    first: bool  # layer 1: standard attention; its Q, K, V reach every later layer
+    query: str  # "own" | "first" (SVFormer sharing Q_1, Fig. 13)
+    key: str  # "own" | "first" (SVFormer sharing K_1, Fig. 13) | "group" (CLA: the group's first layer)
+    value: str  # "own" | "none" (SVFormer: no W_V at all, Eq. 10) | "group" (CLA)
+    value_source: str | None  # the earlier value the residual uses (Fig. 8): first | previous | mean_of_previous
+    mix: Callable[["ValueMix"], jax.Array]  # the value A_n is applied to: eq1_own_value | eq7_resformer_value | eq10_svformer_value
+    residual_on: str | None  # "q" | "k": Eq. 7's mix on queries or keys instead of values (Fig. 6)
+    mapping: str  # how the earlier value reaches U_n: attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
+    neutreno: float  # Eq. 8's lambda; 0 = off
+    anchor: bool  # SVFormer anchor (Fig. 14): this layer's own V becomes the shared value
+
+    @property
+    def owns(self) -> tuple[bool, bool, bool]:
+        """Which of W_Q, W_K, W_V the layer has (a layer without one has no parameter for it)."""
+        return self.query == "own", self.key == "own", self.value == "own"
+
+
+def _first_layer_plan() -> LayerPlan:
+    return LayerPlan(first=True, query="own", key="own", value="own", value_source=None, mix=eq1_own_value,
+                     residual_on=None, mapping="attention", neutreno=0.0, anchor=False)
+
+
+def plan_layer(m, layer: int | None) -> LayerPlan:
+    """The plan of 1-based layer `layer`; None is a generic layer >= 2 (inside the scan, where
+    no layer has a structure of its own: configs with CLA or anchors run unrolled)."""
+    if layer == 1:
+        return _first_layer_plan()
+    at = lambda pred: layer is not None and pred(layer)  # noqa: E731
+    cla_reuse = m.cla_share_every > 1 and at(lambda n: (n - 1) % m.cla_share_every != 0)
+    anchor = shares_first_value(m) and at(lambda n: n in tuple(m.svformer_anchors))
+    shares = m.svformer_share if shares_first_value(m) and not anchor else None  # what layer n takes from layer 1
+    key = "group" if cla_reuse and m.cla_share in ("kv", "k") else "first" if shares == "k" else "own"
+    value = "group" if cla_reuse and m.cla_share in ("kv", "v") else "none" if shares == "v" else "own"
+    resformer = mixes_values(m)
+    if m.mapping != "attention" or m.residual_on != "v" or not (resformer or shares == "v"):
+        mix = eq1_own_value
+    else:
+        mix = eq7_resformer_value if resformer else eq10_svformer_value
+    return LayerPlan(first=False, query="first" if shares == "q" else "own", key=key, value=value,
+                     value_source=m.value_source, mix=mix,
+                     residual_on=m.residual_on if resformer and m.residual_on != "v" else None,
+                     mapping=m.mapping, neutreno=neutreno_lambda(m) if uses_neutreno(m) else 0.0, anchor=anchor)
+
+
+# ----------------------------------------------------------------------------- what flows between layers
+
+
+class LayerTensors(NamedTuple):
+    """A layer's projections, the value its attention used, and (decode) the full-length K/V it attended."""
+    q: jax.Array  # [B, T, H, D], before RoPE
+    k: jax.Array  # [B, T, K, D], before RoPE
+    v: jax.Array | None  # [B, T, K, D] V_n; None where the layer has no W_V (SVFormer)
+    v_att: jax.Array  # the value A_n was applied to
+    k_all: jax.Array  # [B, S, K, D] rotated keys attended over
+    v_all: jax.Array  # [B, S, K, D] values attended over
+
+
+@struct.dataclass
+class Context:
+    """Inputs every layer >= 2 reads and nobody changes: positions, layer 1's tensors, the decode index."""
+    positions: jax.Array  # [B, T]
+    first: LayerTensors | None = None
+    index: jax.Array | None = None  # decode: where this call's tokens go in the cache
+    max_len: int = struct.field(pytree_node=False, default=0)  # decode cache length
+
+
+@struct.dataclass
+class Carry:
+    """What the stack threads from layer to layer; fields an ablation does not use stay None."""
+    h: jax.Array  # [B, T, E] hidden state
+    v_prev: jax.Array | None = None  # value_source=previous: V_{n-1}
+    v_sum: jax.Array | None = None  # value_source=mean_of_previous / mapping=identity: sum of earlier V (fp32)
+    n_prev: jax.Array | None = None  # how many values v_sum holds
+    group: LayerTensors | None = None  # CLA: the tensors of the group's first layer
+    shared: LayerTensors | None = None  # SVFormer anchors: the layer whose V is the shared value
+
+
+def first_carry(m, h_BxTxE, first: LayerTensors) -> Carry:
+    """The carry after layer 1: it holds only what the configured equations read later."""
+    c = Carry(h=h_BxTxE)
+    if m.value_source == "previous":
+        c = c.replace(v_prev=first.v)
+    if m.value_source == "mean_of_previous" or m.mapping == "identity":
+        c = c.replace(v_sum=first.v.astype(jnp.float32), n_prev=jnp.ones((), jnp.float32))
+    if m.cla_share_every > 1:
+        c = c.replace(group=first)
+    return c
+
+
+def next_carry(plan: LayerPlan, carry: Carry, h_BxTxE, t: LayerTensors) -> Carry:
+    """The carry after a layer >= 2."""
+    c = carry.replace(h=h_BxTxE)
+    if carry.v_prev is not None and t.v is not None:
+        c = c.replace(v_prev=t.v)
+    if carry.v_sum is not None and t.v is not None:
+        c = c.replace(v_sum=carry.v_sum + t.v.astype(jnp.float32), n_prev=carry.n_prev + 1)
+    if carry.group is not None:  # CLA: the next layer of the group reuses these
+        c = c.replace(group=t)
+    if plan.anchor:
+        c = c.replace(shared=t)
+    return c
+
+
+# ----------------------------------------------------------------------------- the equations
 
 
 def repeat_kv(x_BxTxKxD, num_heads):
@@ -32,162 +152,159 @@ def repeat_kv(x_BxTxKxD, num_heads):
     return jnp.repeat(x_BxTxKxD, num_heads // K, axis=2)
 
 
+def eq7_resformer_mix(earlier, own, l1, l2, dtype):
+    """Eq. 7 (Eq. 4 with m = 1): l1 * earlier + l2 * own; l1 = l2 = 1/2 in the paper.
+    Applied to values, or to queries / keys for the Fig. 6 ablation."""
+    return (l1 * earlier + l2 * own).astype(dtype)
+
+
+class ValueMix(NamedTuple):
+    """What a value mix may combine: the layer's own V_n, the earlier value, the shared value."""
+    own: jax.Array | None  # V_n; None where the layer has no W_V
+    earlier: jax.Array | None  # the earlier value (value_source): V_1, V_{n-1} or the mean of V_1..V_{n-1}
+    shared: jax.Array  # SVFormer's shared value: V_1, or the latest anchor's V (Fig. 14)
+    l1: jax.Array
+    l2: jax.Array
+    dtype: Any
+
+
+def eq1_own_value(x: ValueMix):
+    """Eq. 1: U_n = A_n V_n (vanilla; also layer 1, and the Q/K/mapping ablations)."""
+    return x.own
+
+
+def eq7_resformer_value(x: ValueMix):
+    """Eq. 7: U_n = A_n (l1 V_1 + l2 V_n)."""
+    return eq7_resformer_mix(x.earlier, x.own, x.l1, x.l2, x.dtype)
+
+
+def eq10_svformer_value(x: ValueMix):
+    """Eq. 10: U_n = A_n V_1 (or the value of the latest anchor layer, Fig. 14)."""
+    return x.shared
+
+
+def mean_of_earlier_values(carry: Carry, dtype):
+    """(1 / (n-1)) sum_{i<n} V_i: the average over earlier layers that Eq. 6 adds. value_source
+    mean_of_previous (Fig. 8) mixes it with V_n through Eq. 7, giving 1/2 mean(V_1..V_{n-1}) + 1/2 V_n,
+    which is not Eq. 5's (1/n) sum_{i<=n} V_i."""
+    return (carry.v_sum / carry.n_prev).astype(dtype)
+
+
+def earlier_value(plan: LayerPlan, carry: Carry, first: LayerTensors, dtype):
+    """The earlier value the residual uses (Fig. 8): V_1, V_{n-1}, or the mean of V_1..V_{n-1}."""
+    if plan.value_source == "previous":
+        return carry.v_prev
+    if plan.value_source == "mean_of_previous":
+        return mean_of_earlier_values(carry, dtype)
+    return first.v
+
+
+def eq6_identity_mapping(u_BxTxHxD, earlier_BxTxKxD):
+    """Eq. 6: U_n = A_n V_n + (earlier value), mapped by the identity instead of A_n."""
+    return u_BxTxHxD + repeat_kv(earlier_BxTxKxD, u_BxTxHxD.shape[2]).astype(u_BxTxHxD.dtype)
+
+
+def eq8_neutreno(u_BxTxHxD, v1_BxTxKxD, v_att_BxTxKxD, lam: float):
+    """Eq. 8: (A_n - lam J) V_n + lam V_1, with J V_n realised as each row's own value."""
+    return u_BxTxHxD + lam * repeat_kv(v1_BxTxKxD - v_att_BxTxKxD, u_BxTxHxD.shape[2]).astype(u_BxTxHxD.dtype)
+
+
+def eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, k1r_BxTxKxD, v1_BxTxKxD):
+    """Eq. 2: softmax(Q_n [K_n; K_1]^T / sqrt d) [V_n; V_1], causal within each half."""
+    T = qr_BxTxHxD.shape[1]
+    causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    mask_1xTx2T = jnp.concatenate([causal_TxT, causal_TxT], axis=1)[None]
+    return kernels.reference_attention(qr_BxTxHxD, jnp.concatenate([kr_BxTxKxD, k1r_BxTxKxD], axis=1),
+                                       jnp.concatenate([v_BxTxKxD, v1_BxTxKxD], axis=1), mask_BxTxS=mask_1xTx2T)
+
+
+# ----------------------------------------------------------------------------- the module
+
+
 class Attention(nn.Module):
-    cfg: Any  # model ConfigDict
-    layer: int | None  # 1-based; None inside the scan (a generic layer >= 2)
+    cfg: Any  # model ConfigDict (attention_impl already resolved from `auto` by the setup)
+    plan: LayerPlan
     decode: bool = False
     capture: bool = False  # sow attention probabilities and values for analysis
 
-    def _layer_is(self, fn) -> bool:
-        return self.layer is not None and fn(self.layer)
-
     @nn.compact
-    def __call__(self, x_BxTxE, ctx, carry, lam_2):
-        """Returns (out_BxTxE, produced) where produced holds this layer's q/k/v.
-
-        ctx: dict of first-layer tensors (`q`, `k`, `v`, and full-length `k_all`,
-        `v_all` in decode mode), `positions` [B, T], `index` (decode position).
-        carry: per-layer state threaded through the stack (previous values, CLA).
-        lam_2: (l1, l2) for this layer, already resolved by the stack.
-        """
-        m = self.cfg
+    def __call__(self, x_BxTxE, ctx: Context, carry: Carry, lam_2) -> tuple[jax.Array, LayerTensors]:
+        """Returns (out_BxTxE, this layer's tensors). lam_2: (l1, l2) for this layer (model/lambdas.py)."""
+        m, p = self.cfg, self.plan
         dtype = jnp.dtype(m.dtype)
         H, K, D = m.num_heads, num_kv_heads(m), head_dim(m)
-        mode = m.value_residual
-        is_first = self.layer == 1
-        resformer = mode in ("resformer", "resformer+neutreno")
-        svformer = mode == "svformer"
-        anchor = self._layer_is(lambda n: n in tuple(m.svformer_anchors))
-        dense = lambda shape, axes, name, in_dims=1: DenseGeneral(  # noqa: E731
-            shape, axes, in_dims=in_dims, std=m.init_std, dtype=dtype, name=name)
-        # CLA: inside a group of `cla_share_every` layers, all but the first reuse K/V.
-        cla_reuse = m.cla_share_every > 1 and self._layer_is(lambda n: (n - 1) % m.cla_share_every != 0)
-        reuse_k = cla_reuse and m.cla_share in ("kv", "k")
-        reuse_v = cla_reuse and m.cla_share in ("kv", "v")
-        share_first = svformer and not is_first and not anchor  # layer takes something from layer 1
+        first = ctx.first
         l1, l2 = lam_2[0], lam_2[1]
+        dense = lambda shape, name: DenseGeneral(  # noqa: E731
+            shape, ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"), in_dims=1, std=m.init_std,
+            dtype=dtype, name=name)
 
-        # Projections (a layer without a projection has no parameter for it).
-        if share_first and m.svformer_share == "q":
-            q_BxTxHxD = ctx["q"]
-        else:
-            q_BxTxHxD = dense((H, D), ("embed", "q_heads", "head_dim"), "query")(x_BxTxE)
-        if reuse_k:
-            k_BxTxKxD = carry["k_layer"]
-        elif share_first and m.svformer_share == "k":
-            k_BxTxKxD = ctx["k"]
-        else:
-            k_BxTxKxD = dense((K, D), ("embed", "kv_heads", "head_dim"), "key")(x_BxTxE)
-        if reuse_v:
-            v_BxTxKxD = carry["v_layer"]
-        elif share_first and m.svformer_share == "v":
-            v_BxTxKxD = None  # Eq. 10: no W_V at all in layers >= 2
-        else:
-            v_BxTxKxD = dense((K, D), ("embed", "kv_heads", "head_dim"), "value")(x_BxTxE)
+        # Projections: a layer computes only those it owns.
+        q_BxTxHxD = first.q if p.query == "first" else dense((H, D), "query")(x_BxTxE)
+        k_BxTxKxD = {"group": lambda: carry.group.k, "first": lambda: first.k,
+                     "own": lambda: dense((K, D), "key")(x_BxTxE)}[p.key]()
+        v_BxTxKxD = {"group": lambda: carry.group.v, "none": lambda: None,
+                     "own": lambda: dense((K, D), "value")(x_BxTxE)}[p.value]()
 
-        # The earlier value the residual uses (Fig. 8): V_1, V_{n-1} or their mean.
-        v_src = None
-        if not is_first:
-            if m.value_source == "previous":
-                v_src = carry["v_prev"]
-            elif m.value_source == "mean_of_previous":
-                v_src = (carry["v_sum"] / carry["n_prev"]).astype(dtype)
-            else:
-                v_src = ctx["v"]
+        v_src = None if p.first else earlier_value(p, carry, first, dtype)
+        if p.residual_on == "q":
+            q_BxTxHxD = eq7_resformer_mix(first.q, q_BxTxHxD, l1, l2, dtype)
+        elif p.residual_on == "k":
+            k_BxTxKxD = eq7_resformer_mix(first.k, k_BxTxKxD, l1, l2, dtype)
 
-        # Residual on queries or keys instead of values (Fig. 6 ablation).
-        if resformer and not is_first and m.residual_on == "q":
-            q_BxTxHxD = (l1 * ctx["q"] + l2 * q_BxTxHxD).astype(dtype)
-        if resformer and not is_first and m.residual_on == "k":
-            k_BxTxKxD = (l1 * ctx["k"] + l2 * k_BxTxKxD).astype(dtype)
+        # The value this layer's attention matrix is applied to.
+        shared = None if p.first else (carry.shared or first).v
+        v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype))
 
-        # The values this layer's attention matrix is applied to.
-        if is_first or mode in ("none", "neutreno") or m.mapping != "attention" or m.residual_on != "v":
-            v_att_BxTxKxD = v_BxTxKxD
-        elif resformer:
-            v_att_BxTxKxD = (l1 * v_src + l2 * v_BxTxKxD).astype(dtype)  # Eq. 7
-        elif share_first and m.svformer_share == "v":
-            v_att_BxTxKxD = carry.get("v_shared", ctx["v"])  # Eq. 10: A_n V_1
-        else:
-            v_att_BxTxKxD = v_BxTxKxD  # SVFormer anchor layer, or sharing Q/K instead (Fig. 13)
+        qr_BxTxHxD = rope(q_BxTxHxD, ctx.positions, m.rope_theta)
+        kr_BxTxKxD = rope(k_BxTxKxD, ctx.positions, m.rope_theta)
 
-        positions_BxT = ctx["positions"]
-        qr_BxTxHxD = rope(q_BxTxHxD, positions_BxT, m.rope_theta)
-        kr_BxTxKxD = rope(k_BxTxKxD, positions_BxT, m.rope_theta)
-
-        # Decode: write this step's K and attended V into the layer's own cache
-        # and attend over the whole cache. A layer that owns no V (SVFormer
-        # n >= 2, CLA reuse) reads the full-length V of the layer that owns it.
-        owns_v = not (share_first and m.svformer_share == "v") and not reuse_v
-        owns_k = not reuse_k and not (share_first and m.svformer_share == "k")
+        probs = None
         if self.decode:
-            k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, owns_k, owns_v, ctx, carry)
-            S = k_all.shape[1]
-            q_pos_BxT = positions_BxT
-            mask_BxTxS = jnp.arange(S)[None, None, :] <= q_pos_BxT[:, :, None]
+            # Write this step's K and attended V into the layer's own cache and attend over the
+            # whole cache; a layer that owns no K or V reads the full-length one of the layer that does.
+            k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
+            mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= ctx.positions[:, :, None]
             u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS,
                                                            return_probs=True)
         else:
             k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
-            probs = None
-            if m.mapping == "cross_layer" and not is_first:
-                u_BxTxHxD = self._cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, ctx)
+            if p.mapping == "cross_layer" and not p.first:
+                u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD,
+                                            rope(first.k, ctx.positions, m.rope_theta), first.v)
             elif self.capture:
                 u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD,
                                                                return_probs=True)
-            else:
+            else:  # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs)
                 u_BxTxHxD = kernels.attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True,
                                               impl=m.attention_impl)
         if self.capture and probs is not None:
             self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
             self.sow("intermediates", "values", v_att_BxTxKxD)
 
-        if not is_first and m.mapping == "identity":
-            u_BxTxHxD = u_BxTxHxD + repeat_kv(v_src, H).astype(u_BxTxHxD.dtype)  # Eq. 6
-        if not is_first and mode in ("neutreno", "resformer+neutreno"):
-            lam = neutreno_lambda(m)  # Eq. 8: (A - lam J) V_n + lam V_1, J V_n realised as the rows' V
-            u_BxTxHxD = u_BxTxHxD + lam * repeat_kv(ctx["v"] - v_att_BxTxKxD, H).astype(u_BxTxHxD.dtype)
+        if p.mapping == "identity" and not p.first:
+            u_BxTxHxD = eq6_identity_mapping(u_BxTxHxD, v_src)
+        if p.neutreno:
+            u_BxTxHxD = eq8_neutreno(u_BxTxHxD, first.v, v_att_BxTxKxD, p.neutreno)
 
         out_BxTxE = DenseGeneral((x_BxTxE.shape[-1],), ("q_heads", "head_dim", "embed"), in_dims=2,
                                  std=m.init_std, dtype=dtype, name="out")(u_BxTxHxD.astype(dtype))
-        produced = {"q": q_BxTxHxD, "k": k_BxTxKxD, "v": v_BxTxKxD, "v_att": v_att_BxTxKxD,
-                    "k_all": k_all, "v_all": v_all}
-        return out_BxTxE, produced
+        return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
 
-    def _cache(self, k_cur, v_cur, owns_k, owns_v, ctx, carry):
-        """Preallocated [B, max_len, K, D] caches updated in place at ctx['index']."""
-        m = self.cfg
-        B = k_cur.shape[0]
-        K, D = num_kv_heads(m), head_dim(m)
-        shape = (B, ctx["max_len"], K, D)
-        idx = ctx["index"]
+    def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):
+        """Preallocated [B, max_len, K, D] caches updated in place at ctx.index."""
+        m, p = self.cfg, self.plan
+        shape = (k_cur.shape[0], ctx.max_len, num_kv_heads(m), head_dim(m))
         dtype = jnp.dtype(m.dtype)
-        if owns_k:
-            ck = self.variable("cache", "k", jnp.zeros, shape, dtype)
-            if not self.is_initializing():
-                ck.value = jax.lax.dynamic_update_slice(ck.value, k_cur.astype(dtype), (0, idx, 0, 0))
-            k_all = ck.value
-        elif "k_all_layer" in carry and carry["k_all_layer"] is not None and self.cfg.cla_share_every > 1:
-            k_all = carry["k_all_layer"]
-        else:
-            k_all = ctx["k_all"]
-        if owns_v:
-            cv = self.variable("cache", "v", jnp.zeros, shape, dtype)
-            if not self.is_initializing():
-                cv.value = jax.lax.dynamic_update_slice(cv.value, v_cur.astype(dtype), (0, idx, 0, 0))
-            v_all = cv.value
-        elif self.cfg.cla_share_every > 1 and carry.get("v_all_layer") is not None:
-            v_all = carry["v_all_layer"]
-        else:
-            v_all = carry.get("v_all_shared", ctx["v_all"])
-        return k_all, v_all
 
-    def _cross_layer(self, qr, kr, v, ctx):
-        """Eq. 2: softmax(Q_n [K_n; K_m]^T) [V_n; V_m], causal within each half."""
-        m = self.cfg
-        k1r = rope(ctx["k"], ctx["positions"], m.rope_theta)
-        T = qr.shape[1]
-        causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-        mask_1xTx2T = jnp.concatenate([causal_TxT, causal_TxT], axis=1)[None]
-        return kernels.reference_attention(qr, jnp.concatenate([kr, k1r], axis=1),
-                                           jnp.concatenate([v, ctx["v"]], axis=1), mask_BxTxS=mask_1xTx2T)
+        def own(name, cur):
+            c = self.variable("cache", name, jnp.zeros, shape, dtype)
+            if not self.is_initializing():
+                c.value = jax.lax.dynamic_update_slice(c.value, cur.astype(dtype), (0, ctx.index, 0, 0))
+            return c.value
+
+        k_all = {"own": lambda: own("k", k_cur), "group": lambda: carry.group.k_all,
+                 "first": lambda: ctx.first.k_all}[p.key]()
+        v_all = {"own": lambda: own("v", v_cur), "group": lambda: carry.group.v_all,
+                 "none": lambda: (carry.shared or ctx.first).v_all}[p.value]()
+        return k_all, v_all

@@ -5,28 +5,30 @@
   layer n:   H_n = H_{n-1} + Attn_n(RMSNorm(H_{n-1}); V_1) + MLP(...)
   logits = RMSNorm(H_N) W_out         (untied from the input embedding)
 
-V_1 reaches every scanned layer as a broadcast input, never through the carry,
-so the scan's carry is only the hidden state (plus what an ablation needs).
+V_1 reaches every scanned layer as a broadcast input (`Context.first`), never
+through the carry, so the scan's carry is only the hidden state (plus what an
+ablation needs, `Carry`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resformer_jax.model.attention import Attention
+from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
+from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
 from resformer_jax.model.layers import DenseGeneral, Embed, RMSNorm, SwiGLU
 
 log = logging.getLogger(__name__)
 
-REMAT_POLICIES = {
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
+def remat_policy(name: str):
+    """The named rematerialisation policies (config.model.remat): what the backward may keep."""
+    return {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # matmul outputs kept
+            "full": jax.checkpoint_policies.nothing_saveable}[name]  # everything recomputed
 
 
 def needs_unrolled(m) -> str | None:
@@ -40,67 +42,31 @@ def needs_unrolled(m) -> str | None:
     return None
 
 
-def layer_lambdas(m) -> np.ndarray:
-    """(l1, l2) for layers 2..N as a [N-1, 2] array, for the non-learnable modes.
-
-    `learnable` lambdas live in each block and are read there; this returns
-    the fixed init as a placeholder for them.
-    """
-    n = m.num_layers - 1
-    l1, l2 = (float(x) for x in m.lambda_init)
-    if m.resformer_lambdas == "sparse":
-        l1s = np.array([m.sparse_lambda if (i + 2) in tuple(m.sparse_layers) else 0.0 for i in range(n)], np.float32)
-        return np.stack([l1s, np.ones(n, np.float32)], axis=1)
-    return np.tile(np.array([[l1, l2]], np.float32), (n, 1))
-
-
 class DecoderBlock(nn.Module):
     """Pre-norm block: h + Attn(RMSNorm(h)), then h + SwiGLU(RMSNorm(h))."""
     cfg: Any
-    layer: int | None  # 1-based; None in the scan
+    layer: int | None  # 1-based; None in the scan (a generic layer >= 2)
     decode: bool = False
     capture: bool = False
+    planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan
 
     @nn.compact
-    def __call__(self, carry, ctx, lam_2):
+    def __call__(self, carry: Carry, ctx: Context, lam_2) -> tuple[Carry, LayerTensors]:
         m = self.cfg
         dtype = jnp.dtype(m.dtype)
-        if m.value_residual in ("resformer", "resformer+neutreno") and self.layer != 1:
-            if m.resformer_lambdas == "learnable":
-                l1 = self.param("lambda1", nn.with_logical_partitioning(
-                    nn.initializers.constant(m.lambda_init[0]), ()), (), jnp.float32)
-                l2 = self.param("lambda2", nn.with_logical_partitioning(
-                    nn.initializers.constant(m.lambda_init[1]), ()), (), jnp.float32)
-                lam_2 = jnp.stack([l1, l2])
-            elif m.resformer_lambdas == "learnable_plus":
-                l2 = self.param("lambda2", nn.with_logical_partitioning(
-                    nn.initializers.constant(m.lambda_init[1]), ()), (), jnp.float32)
-                lam_2 = jnp.stack([lam_2[0], l2])
-            self.sow("intermediates", "lambdas", lam_2)
-        h_BxTxE = carry["h"]
+        plan = self.planner(m, self.layer)
+        lam_2 = block_lambdas(self, m, self.layer, lam_2)
+        h_BxTxE = carry.h
         x_BxTxE = RMSNorm(m.norm_eps, dtype, name="attn_norm")(h_BxTxE)
-        attn_out, produced = Attention(m, self.layer, self.decode, self.capture, name="attn")(
-            x_BxTxE, ctx, carry, lam_2)
+        attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(x_BxTxE, ctx, carry, lam_2)
         h_BxTxE = h_BxTxE + attn_out
         y_BxTxE = RMSNorm(m.norm_eps, dtype, name="mlp_norm")(h_BxTxE)
         h_BxTxE = h_BxTxE + SwiGLU(m.ffn_dim, m.init_std, dtype, name="mlp")(y_BxTxE)
         if self.capture:
             self.sow("intermediates", "hidden", h_BxTxE)
-
-        new = dict(carry, h=h_BxTxE)
-        v = produced["v"]
-        if "v_prev" in carry and v is not None:
-            new["v_prev"] = v
-        if "v_sum" in carry and v is not None:
-            new["v_sum"] = carry["v_sum"] + v.astype(jnp.float32)
-            new["n_prev"] = carry["n_prev"] + 1
-        if "k_layer" in carry:  # CLA: the next layer of the group reuses these
-            new.update(k_layer=produced["k"], v_layer=produced["v"],
-                       k_all_layer=produced["k_all"], v_all_layer=produced["v_all"])
-        if self.layer is not None and self.layer in tuple(m.svformer_anchors) and self.layer > 1:
-            new["v_shared"] = produced["v"]
-            new["v_all_shared"] = produced["v_all"]
-        return new, produced
+        if plan.first:
+            return carry.replace(h=h_BxTxE), tensors
+        return next_carry(plan, carry, h_BxTxE, tensors), tensors
 
 
 class ScannedBlock(nn.Module):
@@ -108,10 +74,11 @@ class ScannedBlock(nn.Module):
     cfg: Any
     decode: bool = False
     capture: bool = False
+    planner: Callable = plan_layer
 
     @nn.compact
     def __call__(self, carry, ctx, lam_2):
-        new, _ = DecoderBlock(self.cfg, None, self.decode, self.capture, name="block")(carry, ctx, lam_2)
+        new, _ = DecoderBlock(self.cfg, None, self.decode, self.capture, self.planner, name="block")(carry, ctx, lam_2)
         return new, None
 
 
@@ -121,6 +88,7 @@ class Transformer(nn.Module):
     decode: bool = False
     capture: bool = False
     max_len: int = 0  # decode cache length
+    planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan; tests pass a toy variant's
 
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False):
@@ -129,49 +97,33 @@ class Transformer(nn.Module):
         m = self.cfg
         dtype = jnp.dtype(m.dtype)
         B, T = tokens_BxT.shape
-        ctx = {}
+        index = None
         if self.decode:
-            ctx["max_len"] = self.max_len
-            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-            ctx["index"] = index.value
-            positions_BxT = jnp.broadcast_to(index.value + jnp.arange(T)[None], (B, T))
+            cache_index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+            index = cache_index.value
+            positions_BxT = jnp.broadcast_to(index + jnp.arange(T)[None], (B, T))
             if not self.is_initializing():
-                index.value = index.value + T
+                cache_index.value = index + T
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-        ctx["positions"] = positions_BxT
+        ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len)
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
-        lams_Nx2 = jnp.asarray(layer_lambdas(m))
-        if m.value_residual in ("resformer", "resformer+neutreno") and m.resformer_lambdas == "learnable_plus":
-            n = m.num_layers - 1
-            logits_N = self.param("lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)),
-                                  (n,), jnp.float32)
-            scale = self.param("lambda_scale", nn.with_logical_partitioning(
-                nn.initializers.constant(float(m.num_layers)), ()), (), jnp.float32)
-            lams_Nx2 = lams_Nx2.at[:, 0].set(scale * jax.nn.softmax(logits_N))
+        lams_Nx2 = stack_lambdas(self, m)
 
         block_cls = DecoderBlock
         if m.remat != "none" and not self.decode:
-            block_cls = nn.remat(DecoderBlock, policy=REMAT_POLICIES[m.remat], static_argnums=())
+            block_cls = nn.remat(DecoderBlock, policy=remat_policy(m.remat), static_argnums=())
 
-        # Layer 1: a standard layer that produces V_1 (and Q_1, K_1).
-        carry = {"h": h_BxTxE}
-        carry, first = block_cls(m, 1, self.decode, self.capture, name="layer_1")(carry, ctx, lams_Nx2[0])
-        ctx = dict(ctx, q=first["q"], k=first["k"], v=first["v"], k_all=first["k_all"], v_all=first["v_all"])
-        if m.value_source == "previous":
-            carry["v_prev"] = first["v"]
-        if m.value_source == "mean_of_previous" or m.mapping == "identity":
-            carry["v_sum"] = first["v"].astype(jnp.float32)
-            carry["n_prev"] = jnp.ones((), jnp.float32)
-        if m.cla_share_every > 1:
-            carry.update(k_layer=first["k"], v_layer=first["v"], k_all_layer=first["k_all"],
-                         v_all_layer=first["v_all"])
+        # Layer 1: a standard layer that produces V_1 (and Q_1, K_1) for every later layer.
+        carry, first = block_cls(m, 1, self.decode, self.capture, self.planner, name="layer_1")(Carry(h=h_BxTxE), ctx, lams_Nx2[0])
+        ctx = ctx.replace(first=first)
+        carry = first_carry(m, carry.h, first)
 
         why_unrolled = needs_unrolled(m)
         if m.scan_layers and why_unrolled is None:
             scan = nn.scan(
-                nn.remat(ScannedBlock, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
+                nn.remat(ScannedBlock, policy=remat_policy(m.remat), prevent_cse=False)
                 if m.remat != "none" and not self.decode else ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                 split_rngs={"params": True},
@@ -179,20 +131,20 @@ class Transformer(nn.Module):
                 length=m.num_layers - 1,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            carry, _ = scan(m, self.decode, self.capture, name="layers")(carry, ctx, lams_Nx2)
+            carry, _ = scan(m, self.decode, self.capture, self.planner, name="layers")(carry, ctx, lams_Nx2)
         else:
             if m.scan_layers and why_unrolled:
                 log.warning("scan_layers=True but %s; running the layers unrolled.", why_unrolled)
-            outputs = [h_BxTxE, carry["h"]]  # DenseFormer: embedding output and every block output
+            outputs = [h_BxTxE, carry.h]  # DenseFormer: embedding output and every block output
             if m.denseformer:
-                carry["h"] = DenseFormerAverage(2, name="dwa_1")(outputs)
+                carry = carry.replace(h=DenseFormerAverage(2, name="dwa_1")(outputs))
             for n in range(2, m.num_layers + 1):
-                carry, _ = block_cls(m, n, self.decode, self.capture, name=f"layer_{n}")(
+                carry, _ = block_cls(m, n, self.decode, self.capture, self.planner, name=f"layer_{n}")(
                     carry, ctx, lams_Nx2[n - 2])
                 if m.denseformer:
-                    outputs.append(carry["h"])
-                    carry["h"] = DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs)
-        h_BxTxE = carry["h"]
+                    outputs.append(carry.h)
+                    carry = carry.replace(h=DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs))
+        h_BxTxE = carry.h
 
         h_BxTxE = RMSNorm(m.norm_eps, dtype, name="final_norm")(h_BxTxE)
         if return_hidden:
@@ -203,7 +155,8 @@ class Transformer(nn.Module):
 
 
 class DenseFormerAverage(nn.Module):
-    """Depth-weighted average over [H_0, ..., H_i], init one-hot on H_i (Pagliardini et al. 2024)."""
+    """Depth-weighted average over [H_0, ..., H_i], init one-hot on H_i (Pagliardini et al. 2024).
+    Ignoring the output projections and MLPs, the paper writes it as Eq. 9: U_n = sum_i alpha_i A_i V_i."""
     n: int
 
     @nn.compact
@@ -215,12 +168,12 @@ class DenseFormerAverage(nn.Module):
         return sum(alpha[i].astype(o.dtype) * o for i, o in enumerate(outputs))
 
 
-def param_shapes(m):
-    """Parameter shapes without allocating them (jax.eval_shape)."""
+def param_shapes(m, boxed: bool = False):
+    """Parameter shapes without allocating them (jax.eval_shape); boxed: keep the logical axis names."""
     model = Transformer(m)
     T = min(8, m.max_seq_len)
     variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32)))
-    return nn.unbox(variables["params"])
+    return variables["params"] if boxed else nn.unbox(variables["params"])
 
 
 def param_counts(m) -> dict:

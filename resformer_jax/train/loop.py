@@ -3,47 +3,36 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from resformer_jax import kernels, metrics
+from resformer_jax import metrics
 from resformer_jax.checkpoint import Checkpointer, CheckpointError, config_diff
-from resformer_jax.config import SHAPE_FIELDS, ConfigError, num_kv_heads, validate
-from resformer_jax.data.pipeline import DataError, load_metadata, resolve_path, train_iterator, validation_sets
-from resformer_jax.model import Transformer
-from resformer_jax.model.transformer import flops_per_token, param_counts
-from resformer_jax.parallel.mesh import (MeshError, batch_sharding, check_divisibility, logical_shardings,
-                                         make_mesh, maybe_initialize_distributed, replicated)
-from resformer_jax.train.optimizer import lr_schedule, make_optimizer
-from resformer_jax.train.step import init_state, make_eval_step, make_train_step
+from resformer_jax.config import SHAPE_FIELDS, validate
+from resformer_jax.data.pipeline import train_iterator, validation_sets
+from resformer_jax.data.records import open_corpus
+from resformer_jax.model.lambdas import read_lambdas
+from resformer_jax.parallel.mesh import check_divisibility, make_mesh, maybe_initialize_distributed
+from resformer_jax.train.optimizer import lr_schedule
+from resformer_jax.train.setup import build, memory_precheck
 
 
 class NonFiniteError(RuntimeError):
-    pass
-
-
-class MemoryPrecheckError(RuntimeError):
-    pass
-
-
-USER_ERRORS = (ConfigError, DataError, MeshError, CheckpointError, MemoryPrecheckError, NonFiniteError,
-               kernels.KernelUnavailable)
+    """The loss or a gradient became non-finite; the message names the step and the fix."""
 
 
 def run(cfg, workdir: str, **dist) -> int:
     """Trains; returns the process exit code. User errors print one message, never a traceback."""
+    from resformer_jax.cli import report_user_error, user_errors
     try:
         return Trainer(cfg, workdir, **dist).train()
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 3 if isinstance(e, NonFiniteError) else 2
+    except user_errors() as e:
+        return report_user_error(e)
 
 
 def _get(d: dict, dotted: str):
@@ -67,27 +56,14 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _data(self):
         cfg = self.cfg
-        self.meta = None
-        if cfg.data.source != "synthetic":
-            path = resolve_path(cfg)
-            self.meta = load_metadata(path)
-            self.data_path = path
+        self.corpus = open_corpus(cfg.data)
         self.iter = train_iterator(cfg, jax.process_index(), jax.process_count())
         eval_batch = cfg.train.microbatch or cfg.train.global_batch
         self.eval_sets = validation_sets(cfg, eval_batch, cfg.train.eval_batches, jax.process_index(),
                                          jax.process_count())
 
     def _state(self):
-        cfg = self.cfg
-        self.model = Transformer(cfg.model)
-        self.tx = make_optimizer(cfg.train)
-        rng = jax.random.PRNGKey(cfg.train.seed)
-        init = lambda r: init_state(self.model, self.tx, r, cfg.data.seq_len)  # noqa: E731
-        boxed = jax.eval_shape(init, rng)
-        self.state_sh = logical_shardings(boxed, self.mesh, cfg.mesh)
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                nn.unbox(boxed), self.state_sh)
-        self.ckpt = Checkpointer(self.workdir, cfg.checkpoint)
+        self.ckpt = Checkpointer(self.workdir, self.cfg.checkpoint)
         # Check the run's config before touching its state: a shape change is the user's
         # mistake, not a damaged checkpoint, and must not set good checkpoints aside.
         for step in reversed(self.ckpt.all_steps()):
@@ -97,9 +73,9 @@ class Trainer:
                 continue
             self._check_resumed_config(old_cfg, quiet=True)
             break
-        restored = self.ckpt.restore_latest(abstract, self.iter, warn=self._warn)
+        restored = self.ckpt.restore_latest(self.setup.abstract_state, self.iter, warn=self._warn)
         if restored is None:
-            self.state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=self.state_sh)(rng)
+            self.state = self.setup.init_state()
             self.start_step = 0
             self.say(f"starting a new run in {self.workdir}")
         else:
@@ -117,11 +93,8 @@ class Trainer:
                 raise CheckpointError(
                     f"config.{field} is {b!r} but the run in {self.workdir} was started with {a!r}; a resumed run "
                     f"cannot change the model's shape. Use --config.{field}={a!r} or a new --workdir")
-        old_hash = _get(old, "data.tokenizer_hash")
-        if old_hash and self.meta and old_hash != self.meta["tokenizer"]["sha256"]:
-            raise DataError(f"{self.data_path}: tokenizer sha256 {self.meta['tokenizer']['sha256'][:12]}… differs "
-                            f"from {old_hash[:12]}… that this run started with; use the data prepared with the run's "
-                            "tokenizer, or start a new workdir")
+        if self.corpus is not None:
+            self.corpus.check_tokenizer(_get(old, "data.tokenizer_hash"))
         for field, (a, b) in ({} if quiet else diff).items():
             if field not in SHAPE_FIELDS and field != "data.tokenizer_hash":
                 self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
@@ -130,43 +103,12 @@ class Trainer:
         print(msg, file=sys.stderr, flush=True)
 
     def _compile(self):
-        cfg = self.cfg
-        A = cfg.train.global_batch // (cfg.train.microbatch or cfg.train.global_batch)
-        self.batch_sh = batch_sharding(self.mesh)
-        micro_sh = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None))
-        step = make_train_step(self.model, self.tx, A, micro_sh, cfg.train.loss_chunk_len)
-        rep = replicated(self.mesh)
-        self.step_fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh),
-                               out_shardings=(self.state_sh, rep), donate_argnums=(0,))
-        self.global_shape = (cfg.train.global_batch, cfg.data.seq_len + 1)
-        t0 = time.perf_counter()
-        abstract_batch = jax.ShapeDtypeStruct(self.global_shape, jnp.int32, sharding=self.batch_sh)
-        self.compiled = self.step_fn.lower(self.state, abstract_batch).compile()
-        self.compile_s = time.perf_counter() - t0
-        self._memory_precheck()
-        self.eval_fn = jax.jit(make_eval_step(self.model, cfg.train.loss_chunk_len), in_shardings=(self.state_sh.params, self.batch_sh),
-                               out_shardings=rep)
-
-    def _memory_precheck(self):
-        ma = self.compiled.memory_analysis()
-        if ma is None:
-            return
-        need = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
-        limit, src = None, ""
-        if self.cfg.mesh.device_memory_limit_gb > 0:
-            limit, src = self.cfg.mesh.device_memory_limit_gb * 2**30, "config.mesh.device_memory_limit_gb"
-        else:
-            stats = jax.local_devices()[0].memory_stats() or {}
-            if "bytes_limit" in stats:
-                limit, src = stats["bytes_limit"], "the device's memory"
-        gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
-        self.say(f"compiled train step in {self.compile_s:.1f}s; per-device memory: arguments "
-                 f"{gib(ma.argument_size_in_bytes)}, outputs {gib(ma.output_size_in_bytes)}, temporaries "
-                 f"{gib(ma.temp_size_in_bytes)}, total {gib(need)}" + (f" of {gib(limit)}" if limit else ""))
-        if limit and need > limit:
-            raise MemoryPrecheckError(
-                f"the train step needs {gib(need)} per device but {src} is {gib(limit)}; lower "
-                "config.train.microbatch, use --config.model.remat=full, or add devices to config.mesh.fsdp")
+        self.compiled, self.compile_s, mem = self.setup.compile()
+        line, _ = memory_precheck(mem, self.cfg.mesh)
+        self.say(f"compiled train step in {self.compile_s:.1f}s; {line}")
+        self.global_shape = self.setup.global_batch_shape
+        self.batch_sh = self.setup.batch_sh
+        self.eval_fn = self.setup.eval_step
 
     # ------------------------------------------------------------------ loop
     def _install_signals(self):
@@ -183,7 +125,6 @@ class Trainer:
     def _should_stop(self, step: int) -> bool:
         flag = self.preempt
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             flag = bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
             flag = flag or self.ckpt.reached_preemption(step)
         return flag
@@ -217,30 +158,8 @@ class Trainer:
         return jax.make_array_from_process_local_data(self.batch_sh, local, shape)
 
     def _lambdas(self) -> dict:
-        m, p = self.cfg.model, self.state.params
-        if m.value_residual not in ("resformer", "resformer+neutreno") or m.resformer_lambdas == "fixed":
-            return {}
-        out = {}
-        layers = {}
-        if "layers" in p:
-            blk = jax.device_get(p["layers"]["block"])
-            for name in ("lambda1", "lambda2"):
-                if name in blk:
-                    for i, v in enumerate(np.asarray(blk[name])):
-                        layers.setdefault(i + 2, {})[name] = float(v)
-        for n in range(2, m.num_layers + 1):
-            if f"layer_{n}" in p:
-                for name in ("lambda1", "lambda2"):
-                    if name in p[f"layer_{n}"]:
-                        layers.setdefault(n, {})[name] = float(jax.device_get(p[f"layer_{n}"][name]))
-        if "lambda_logits" in p:
-            l1 = float(p["lambda_scale"]) * jax.nn.softmax(jax.device_get(p["lambda_logits"]))
-            for i, v in enumerate(np.asarray(l1)):
-                layers.setdefault(i + 2, {})["lambda1"] = float(v)
-        for n, d in layers.items():
-            for name, v in d.items():
-                out[f"lambdas/layer_{n:02d}/{name}"] = v
-        return out
+        return {f"lambdas/layer_{n:02d}/{name}": v
+                for n, d in read_lambdas(self.state.params, self.cfg.model).items() for name, v in d.items()}
 
     def train(self) -> int:
         try:
@@ -251,33 +170,27 @@ class Trainer:
     def _train(self) -> int:
         cfg = self.cfg
         self._data()
+        self.setup = build(cfg, mesh=self.mesh, log=self.say)
+        self.state_sh = self.setup.state_sh
         self._state()
-        if self.is_main and self.meta is not None:
-            src = os.path.join(self.data_path, self.meta["tokenizer"]["file"])
-            if os.path.isfile(src):
-                os.makedirs(self.workdir, exist_ok=True)
-                shutil.copyfile(src, os.path.join(self.workdir, "tokenizer.json"))
-        if self.meta is not None:
-            cfg.data.tokenizer_hash = self.meta["tokenizer"]["sha256"]
+        if self.is_main and self.corpus is not None:
+            self.corpus.copy_tokenizer(self.workdir)
+        if self.corpus is not None:
+            cfg.data.tokenizer_hash = self.corpus.tokenizer_sha256
         if self.is_main:
             os.makedirs(self.workdir, exist_ok=True)
         writer = metrics.Writer(os.path.join(self.workdir, "tb"), enabled=self.is_main,
                                 jsonl=os.path.join(self.workdir, "metrics.jsonl"))
-        if cfg.model.attention_impl == "auto":
-            B = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, len(jax.devices())))
-            choice, rejected = kernels.probe_auto((B, cfg.data.seq_len, cfg.model.num_heads,
-                                                   cfg.model.d_model // cfg.model.num_heads),
-                                                  num_kv_heads(cfg.model), jnp.dtype(cfg.model.dtype), self.say)
-            writer.text("attention_impl", f"auto chose **{choice}**; rejected: {json.dumps(rejected)}")
+        if self.setup.attention.probed:
+            writer.text("attention_impl", f"auto chose **{self.setup.attention.impl}**; rejected: "
+                        f"{json.dumps(self.setup.attention.rejected)}")
         self._compile()
-        pc = param_counts(cfg.model)
-        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-        fpt6 = 6.0 * pc["params_non_embedding"]
+        flops = metrics.model_flops(cfg.model, cfg.data.seq_len)
         peak, peak_src = metrics.device_peak_flops()
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
-        self.say(f"model: {pc['params_total']:,} params ({pc['params_non_embedding']:,} non-embedding), "
-                 f"{cfg.model.value_residual}; {fpt / 1e9:.3f} GFLOP/token; {jax.device_count()} devices, mesh "
+        self.say(f"model: {flops.params_total:,} params ({flops.params_non_embedding:,} non-embedding), "
+                 f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} devices, mesh "
                  f"{dict(self.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
         self.say(f"logs: tensorboard --logdir {os.path.abspath(self.workdir)}")
         self._install_signals()
@@ -317,7 +230,7 @@ class Trainer:
                 vals = {"train/loss": loss, "train/learning_rate": float(schedule(step - 1)),
                         "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
                         "perf/tokens_per_s": tps, "perf/step_time_s": step_time,
-                        "perf/mfu_6n": fpt6 * tps / peak, "perf/mfu_model": fpt * tps / peak,
+                        **{f"perf/{k}": v for k, v in metrics.mfu(flops, tps, peak).items()},
                         "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count))}
                 vals.update(self._lambdas())
                 writer.scalars(step, vals)

@@ -1,0 +1,114 @@
+"""A prepared corpus on disk: metadata.json, the tokenizer, and its ArrayRecord shards.
+
+`data_prep.prepare` writes the folder; training reads it through `open_corpus`
+(which also resolves the demo corpus), `DomainSource` (one split and domain),
+and copies and checks the tokenizer with `Corpus`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import grain
+import numpy as np
+
+
+class DataError(Exception):
+    """Bad data or data config; the message names the cause and the fix."""
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def load_metadata(path: str) -> dict:
+    if not path:
+        raise DataError("config.data.path is empty; point it at a folder written by `python -m data_prep.prepare`")
+    if not os.path.isdir(path):
+        raise DataError(f"data path {path!r} does not exist; run `python -m data_prep.prepare --out {path} ...` "
+                        "or fix config.data.path")
+    meta_path = os.path.join(path, "metadata.json")
+    if not os.path.isfile(meta_path):
+        raise DataError(f"{path!r} has no metadata.json (empty or not prepared); "
+                        f"run `python -m data_prep.prepare --out {path} ...`")
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+def check_compatible(meta: dict, seq_len: int, vocab_size: int, tokenizer_hash: str = "", path: str = ""):
+    """Stops before training when prepared data and model disagree."""
+    if meta["seq_len"] != seq_len:
+        raise DataError(f"{path}: prepared with seq_len={meta['seq_len']} but config.data.seq_len={seq_len}; "
+                        f"set --config.data.seq_len={meta['seq_len']} or prepare again with --seq_len {seq_len}")
+    if meta["tokenizer"]["vocab_size"] > vocab_size:
+        raise DataError(f"{path}: token ids go up to {meta['tokenizer']['vocab_size'] - 1}, not below "
+                        f"config.model.vocab_size={vocab_size}; set "
+                        f"--config.model.vocab_size={meta['tokenizer']['vocab_size']} or use a matching tokenizer")
+    if tokenizer_hash and tokenizer_hash != meta["tokenizer"]["sha256"]:
+        raise DataError(f"{path}: tokenizer sha256 {meta['tokenizer']['sha256'][:12]}… differs from "
+                        f"{tokenizer_hash[:12]}… that this run started with; use the data prepared with the "
+                        "run's tokenizer, or start a new workdir")
+
+
+class DomainSource(grain.sources.RandomAccessDataSource):
+    """One (split, domain) of a prepared corpus: records of seq_len + 1 token ids."""
+
+    def __init__(self, path: str, meta: dict, split: str, domain: str):
+        st = meta["splits"].get(split, {}).get(domain)
+        if not st or not st.get("shards"):
+            raise DataError(f"{path}: no shards for domain {domain!r} in split {split!r}")
+        self.paths = [os.path.join(path, split, domain, s) for s in st["shards"]]
+        for p in self.paths:
+            if not os.path.isfile(p):
+                raise DataError(f"shard {p} listed in metadata.json is missing; prepare the data again")
+        self._src = grain.sources.ArrayRecordDataSource(self.paths)
+        self.dtype = np.dtype(meta["dtype"])
+        self.n = len(self._src)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A prepared corpus a run reads: its folder and metadata.json."""
+    path: str
+    meta: dict
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.meta["tokenizer"]["sha256"]
+
+    def copy_tokenizer(self, workdir: str):
+        """Puts the corpus's tokenizer in the run directory as tokenizer.json (for generate and evaluate)."""
+        src = os.path.join(self.path, self.meta["tokenizer"]["file"])
+        if os.path.isfile(src):
+            os.makedirs(workdir, exist_ok=True)
+            shutil.copyfile(src, os.path.join(workdir, "tokenizer.json"))
+
+    def check_tokenizer(self, run_sha256: str):
+        """A resumed run must read data tokenized the way it started."""
+        if run_sha256 and run_sha256 != self.tokenizer_sha256:
+            raise DataError(f"{self.path}: tokenizer sha256 {self.tokenizer_sha256[:12]}… differs from "
+                            f"{run_sha256[:12]}… that this run started with; use the data prepared with the run's "
+                            "tokenizer, or start a new workdir")
+
+
+def corpus_path(data_cfg) -> str:
+    """The folder of the configured corpus (the demo corpus is built on first use)."""
+    if data_cfg.source == "demo":
+        from resformer_jax.data.demo import demo_corpus
+        return demo_corpus(data_cfg.seq_len)
+    return data_cfg.path
+
+
+def open_corpus(data_cfg) -> Corpus | None:
+    """The configured prepared corpus, or None for synthetic data."""
+    if data_cfg.source == "synthetic":
+        return None
+    path = corpus_path(data_cfg)
+    return Corpus(path, load_metadata(path))

@@ -1,0 +1,80 @@
+"""ResFormer's mixing weights (l1, l2) of Eq. 7, all in one place: created, resolved, read back.
+
+  fixed           l1, l2 = lambda_init for every layer (Eq. 7: 1/2, 1/2; the paper's "constant": 2, 1)
+  sparse          l1 = sparse_lambda on `sparse_layers`, 0 elsewhere; l2 = 1
+  learnable       one fp32 (lambda1, lambda2) pair per layer >= 2, in that layer's block
+  learnable_plus  l1 = lambda_scale * softmax(lambda_logits) over layers; one lambda2 per layer
+
+The stack resolves a [N-1, 2] array (stack_lambdas); each block may replace its
+row with its own parameters (block_lambdas). `read_lambdas` reads the values back
+from a parameter tree for TensorBoard. Parameter names are part of checkpoints.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resformer_jax.config import learns_lambdas, mixes_values
+
+
+def fixed_lambdas(m) -> np.ndarray:
+    """(l1, l2) for layers 2..N as a [N-1, 2] array for the non-learnable settings
+    (and the init of the learnable ones)."""
+    n = m.num_layers - 1
+    l1, l2 = (float(x) for x in m.lambda_init)
+    if m.resformer_lambdas == "sparse":
+        l1s = np.array([m.sparse_lambda if (i + 2) in tuple(m.sparse_layers) else 0.0 for i in range(n)], np.float32)
+        return np.stack([l1s, np.ones(n, np.float32)], axis=1)
+    return np.tile(np.array([[l1, l2]], np.float32), (n, 1))
+
+
+def _scalar(module: nn.Module, name: str, value: float):
+    return module.param(name, nn.with_logical_partitioning(nn.initializers.constant(value), ()), (), jnp.float32)
+
+
+def stack_lambdas(module: nn.Module, m):
+    """[N-1, 2] (l1, l2) per layer >= 2; `learnable_plus` creates its stack-level parameters on `module`."""
+    lams_Nx2 = jnp.asarray(fixed_lambdas(m))
+    if mixes_values(m) and m.resformer_lambdas == "learnable_plus":
+        n = m.num_layers - 1
+        logits_N = module.param("lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)),
+                                (n,), jnp.float32)
+        scale = _scalar(module, "lambda_scale", float(m.num_layers))
+        lams_Nx2 = lams_Nx2.at[:, 0].set(scale * jax.nn.softmax(logits_N))
+    return lams_Nx2
+
+
+def block_lambdas(module: nn.Module, m, layer: int | None, lam_2):
+    """This layer's (l1, l2): the stack's row, or the block's own parameters (created on `module`)."""
+    if not mixes_values(m) or layer == 1:
+        return lam_2
+    if m.resformer_lambdas == "learnable":
+        lam_2 = jnp.stack([_scalar(module, "lambda1", m.lambda_init[0]), _scalar(module, "lambda2", m.lambda_init[1])])
+    elif m.resformer_lambdas == "learnable_plus":
+        lam_2 = jnp.stack([lam_2[0], _scalar(module, "lambda2", m.lambda_init[1])])
+    module.sow("intermediates", "lambdas", lam_2)
+    return lam_2
+
+
+def read_lambdas(params, m) -> dict[int, dict[str, float]]:
+    """{layer: {"lambda1": v, "lambda2": v}} of the learned weights in a parameter tree (empty if none)."""
+    if not learns_lambdas(m):
+        return {}
+    layers: dict[int, dict[str, float]] = {}
+    names = ("lambda1", "lambda2")
+    if "layers" in params:  # scanned blocks: one value per layer along the leading axis
+        blk = jax.device_get(params["layers"]["block"])
+        for name in names:
+            for i, v in enumerate(np.asarray(blk.get(name, []))):
+                layers.setdefault(i + 2, {})[name] = float(v)
+    for n in range(2, m.num_layers + 1):
+        for name in names:
+            if name in params.get(f"layer_{n}", {}):
+                layers.setdefault(n, {})[name] = float(jax.device_get(params[f"layer_{n}"][name]))
+    if "lambda_logits" in params:
+        l1 = float(params["lambda_scale"]) * jax.nn.softmax(jax.device_get(params["lambda_logits"]))
+        for i, v in enumerate(np.asarray(l1)):
+            layers.setdefault(i + 2, {})["lambda1"] = float(v)
+    return layers

@@ -1,0 +1,187 @@
+"""One builder of the train state for every command: model, optimizer, shardings, jitted steps.
+
+The trainer, the benchmark, generation, evaluation and analysis all come here:
+
+  build(cfg)      -> TrainSetup: the mesh, `attention_impl=auto` resolved once by probing, the
+                     model, the optimizer, the state's shardings and abstract shapes, and the
+                     jitted train and eval steps (compiled on demand, with the memory precheck)
+  load_run(dir)   -> a checkpoint's config and parameters, for inference and analysis
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resformer_jax import kernels, metrics
+from resformer_jax.checkpoint import Checkpointer, CheckpointError
+from resformer_jax.config import head_dim, num_kv_heads, validate
+from resformer_jax.model import Transformer
+from resformer_jax.parallel.mesh import batch_sharding, check_divisibility, logical_shardings, make_mesh, replicated
+from resformer_jax.train.optimizer import make_optimizer
+from resformer_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
+
+
+class MemoryPrecheckError(RuntimeError):
+    """The compiled step needs more memory per device than there is; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """The concrete attention impl a run uses, and why (what `auto` rejected)."""
+    impl: str
+    rejected: dict
+    probed: bool  # True when `auto` was resolved by probing
+
+    def describe(self) -> str:
+        if not self.probed:
+            return f"attention_impl={self.impl!r} (as configured)"
+        return f"attention_impl=auto chose {self.impl!r}" + "".join(
+            f"; rejected {k}: {v}" for k, v in self.rejected.items())
+
+
+def resolve_attention(cfg, *, override: str | None = None, batch: int | None = None,
+                      log: Callable[[str], Any] = print) -> AttentionChoice:
+    """`auto` -> the fastest impl that compiles and runs forward and backward at the run's shapes
+    (per-device batch, seq_len, heads). A named impl (or `override`, as bench and analyze pass) is
+    kept as it is: if it cannot run, the first call raises, it never falls back."""
+    impl = override or cfg.model.attention_impl
+    if impl != "auto":
+        return AttentionChoice(impl, {}, False)
+    m = cfg.model
+    if batch is None:
+        batch = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, len(jax.devices())))
+    choice, rejected = kernels.probe_auto((batch, cfg.data.seq_len, m.num_heads, head_dim(m)), num_kv_heads(m),
+                                          jnp.dtype(m.dtype), log)
+    return AttentionChoice(choice, rejected, True)
+
+
+def model_config(cfg, attention: AttentionChoice) -> ml_collections.ConfigDict:
+    """The model config the modules are built from: the run's, with the attention impl resolved.
+    (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
+    m = ml_collections.ConfigDict(cfg.model.to_dict())
+    m.attention_impl = attention.impl
+    return m
+
+
+def state_template(model, tx, seq_len: int):
+    """The boxed (logically partitioned) train state as shapes, without allocating it."""
+    return jax.eval_shape(lambda r: init_state(model, tx, r, seq_len), jax.random.PRNGKey(0))
+
+
+@dataclasses.dataclass
+class TrainSetup:
+    cfg: Any  # the run's config
+    model_cfg: Any  # cfg.model with attention resolved
+    attention: AttentionChoice
+    mesh: jax.sharding.Mesh
+    model: Transformer
+    tx: Any
+    state_sh: Any  # NamedShardings of the TrainState
+    abstract_state: Any  # ShapeDtypeStructs with those shardings
+    batch_sh: NamedSharding
+    train_step: Any  # jitted (state, tokens [B, T+1]) -> (state, metrics)
+    eval_step: Any  # jitted (params, tokens) -> loss
+
+    @property
+    def global_batch_shape(self) -> tuple[int, int]:
+        return self.cfg.train.global_batch, self.cfg.data.seq_len + 1
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """A fresh state laid out on the mesh (parameters and optimizer state sharded)."""
+        seed = self.cfg.train.seed if seed is None else seed
+        init = lambda r: nn.unbox(init_state(self.model, self.tx, r, self.cfg.data.seq_len))  # noqa: E731
+        return jax.jit(init, out_shardings=self.state_sh)(jax.random.PRNGKey(seed))
+
+    def compile(self):
+        """(compiled train step, compile seconds, XLA's memory estimate per device)."""
+        t0 = time.perf_counter()
+        batch = jax.ShapeDtypeStruct(self.global_batch_shape, jnp.int32, sharding=self.batch_sh)
+        compiled = self.train_step.lower(self.abstract_state, batch).compile()
+        return compiled, time.perf_counter() - t0, metrics.step_memory(compiled)
+
+
+def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Callable[[str], Any] = print) -> TrainSetup:
+    """Everything a command needs to train, benchmark or run the model described by `cfg`."""
+    validate(cfg)
+    mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+    check_divisibility(cfg, mesh)
+    if attention is None:
+        attention = resolve_attention(cfg, log=log)
+        if attention.probed:
+            log(attention.describe())
+    model_cfg = model_config(cfg, attention)
+    model, tx = Transformer(model_cfg), make_optimizer(cfg.train)
+    boxed = state_template(model, tx, cfg.data.seq_len)
+    state_sh = logical_shardings(boxed, mesh, cfg.mesh)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), state_sh)
+    batch_sh = batch_sharding(mesh)
+    t = cfg.train
+    num_micro = t.global_batch // (t.microbatch or t.global_batch)
+    micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
+    rep = replicated(mesh)
+    train_step = jax.jit(make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len),
+                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(model, t.loss_chunk_len), in_shardings=(state_sh.params, batch_sh),
+                        out_shardings=rep)
+    return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step)
+
+
+def memory_precheck(mem: metrics.StepMemory | None, mesh_cfg) -> tuple[str, float | None]:
+    """(a line describing the step's memory per device, the limit) ; raises where it cannot fit."""
+    if mem is None:
+        return "per-device memory: not reported by this backend", None
+    limit, src = None, ""
+    if mesh_cfg.device_memory_limit_gb > 0:
+        limit, src = mesh_cfg.device_memory_limit_gb * 2**30, "config.mesh.device_memory_limit_gb"
+    else:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            limit, src = stats["bytes_limit"], "the device's memory"
+    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+    line = (f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, temporaries "
+            f"{gib(mem.temporaries)}, total {gib(mem.total)}" + (f" of {gib(limit)}" if limit else ""))
+    if limit and mem.total > limit:
+        raise MemoryPrecheckError(
+            f"the train step needs {gib(mem.total)} per device but {src} is {gib(limit)}; lower "
+            "config.train.microbatch, use --config.model.remat=full, or add devices to config.mesh.fsdp")
+    return line, limit
+
+
+class LoadedRun(NamedTuple):
+    cfg: ml_collections.ConfigDict  # the run's config, attention_impl resolved for this machine
+    params: Any
+    step: int
+
+
+def load_run(workdir: str, step: int | None = None, *, attention_impl: str | None = None,
+             log: Callable[[str], Any] = lambda s: None) -> LoadedRun:
+    """A run's checkpoint (newest, or `step`) on the default device, for inference and analysis.
+    `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here."""
+    ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}))
+    try:
+        steps = ck.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {ck.dir}; train first "
+                                  f"(python -m resformer_jax.main --workdir={workdir})")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
+        cfg = ml_collections.ConfigDict(ck.read_config(step))
+        model = Transformer(cfg.model)
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed))
+        state, _, _ = ck.restore(step, abstract)
+    finally:
+        ck.mngr.close()
+    choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
+    cfg.model = model_config(cfg, choice)
+    return LoadedRun(cfg, state.params, step)
