@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -43,15 +44,30 @@ def _dpa(q, k, v, causal, implementation):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
 
-def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto"):
+# Kernels lowered as custom calls (Triton, Mosaic) cannot be partitioned by XLA: under a mesh they run
+# per shard of the batch, through shard_map.
+CUSTOM_CALL_IMPLS = ("pallas", "splash")
+
+
+def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh=None,
+              batch_axes=("data", "fsdp")):
     """Causal multi-head attention; dispatches to the chosen implementation.
 
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
     unresolved `auto` (a model built by hand, shape-only tracing) means `xla`, which runs on
-    every backend.
+    every backend. With a `mesh` of several devices, the custom-call kernels run on each device's
+    shard of the batch (split over `batch_axes`; heads and sequence stay whole).
     """
     if impl == "auto":
         impl = "xla"
+    shards = math.prod(mesh.shape[a] for a in batch_axes) if mesh is not None else 1
+    # A batch that does not divide (model.init traces batch 1) runs whole; train and eval batches
+    # always divide (parallel/mesh.check_divisibility).
+    if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
+        spec = jax.sharding.PartitionSpec(batch_axes)
+        per_shard = functools.partial(attention, causal=causal, impl=impl)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                             check_vma=False)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD)
     if impl == "reference":
         return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     if impl == "chunked":
@@ -67,28 +83,32 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto"):
     if impl == "pallas":
         from resformer_jax.kernels import pallas_attention
         return pallas_attention.flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+    if impl == "splash":
+        from resformer_jax.kernels import tpu_attention
+        return tpu_attention.splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
 
 
-def probe_auto(q_shape, kv_heads, dtype, log_fn=print):
+def auto_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
+    """(impls `auto` tries in order on this backend, {impl: why it is not tried})."""
+    if backend == "gpu":
+        return ["pallas", "cudnn", "xla"], {"splash": "backend 'gpu' is not a TPU"}
+    if backend == "tpu":
+        return ["splash", "xla"], {"pallas": "backend 'tpu' is not a GPU", "cudnn": "backend 'tpu' is not a GPU"}
+    why = f"backend {backend!r} is not an accelerator (the kernel runs only interpreted here)"
+    return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
+
+
+def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = None):
     """Picks the fastest impl that compiles and runs forward+backward at the real shapes.
 
-    On a GPU: pallas, then cudnn, then xla; on CPU: chunked (causal blocks in
-    plain XLA ops, ~2.9x faster than xla there), then xla; on TPU: xla. Returns
-    (choice, {rejected impl: reason}); it records nothing: the caller carries
-    the choice into the model's config (train/setup.py).
+    On a GPU: pallas (Triton), then cudnn, then xla; on a TPU: JAX's splash-attention kernel, then
+    xla; on CPU: chunked (causal blocks in plain XLA ops, ~2.9x faster than xla there), then xla.
+    `backend` defaults to JAX's default backend (tests inject one). Returns (choice, {rejected impl:
+    reason}); it records nothing: the caller carries the choice into the model's config
+    (train/setup.py).
     """
-    rejected = {}
-    if jax.default_backend() == "cpu":
-        candidates = ["chunked", "xla"]
-        rejected["pallas"] = "backend 'cpu' is not a GPU (pallas runs only interpreted here)"
-        rejected["cudnn"] = "backend 'cpu' is not a GPU"
-    elif jax.default_backend() != "gpu":
-        candidates = ["xla"]
-        rejected["pallas"] = f"backend {jax.default_backend()!r} is not a GPU"
-        rejected["cudnn"] = f"backend {jax.default_backend()!r} is not a GPU"
-    else:
-        candidates = ["pallas", "cudnn", "xla"]
+    candidates, rejected = auto_candidates(backend or jax.default_backend())
     B, T, H, D = q_shape
     choice = None
     for impl in candidates:
@@ -103,7 +123,7 @@ def probe_auto(q_shape, kv_heads, dtype, log_fn=print):
             choice = impl
             break
         except Exception as e:  # noqa: BLE001 - every failure is a reason to reject
-            rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     if choice is None:
         raise KernelUnavailable(f"no attention impl runs here: {rejected}")
     msg = f"attention_impl=auto chose {choice!r}" + "".join(

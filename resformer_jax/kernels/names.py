@@ -1,4 +1,5 @@
 """The attention implementations by name: the one list the config validates against."""
 
 # auto: resolved once at setup by probing at the run's shapes (train/setup.py).
-IMPLS = ("auto", "pallas", "cudnn", "chunked", "xla", "reference")
+# pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
+IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")

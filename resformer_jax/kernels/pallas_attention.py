@@ -10,8 +10,29 @@ entirely above the diagonal are skipped by the loop bounds. Sequence lengths
 that are not a multiple of the block are padded and masked. Accumulation is
 fp32 for bf16 and fp32 inputs.
 
-On a backend without a GPU the same kernels run in Pallas interpret mode (a
-one-time warning says so); that is how they are tested on CPU.
+Lowering, chosen deliberately: Triton (`plgpu.CompilerParams` on every
+`pallas_call`). The kernels read K/V (and Q, dO in the backward) through
+full-sequence BlockSpecs and slice them in their loops; the Triton lowering
+turns such a BlockSpec into a pointer and stages only the tiles each `dot`
+reads through shared memory, so it runs on any recent NVIDIA GPU (A100, H100,
+H200, Ada). Mosaic GPU (JAX's default for a `pallas_call` without Triton
+parameters) instead copies every BlockSpec block into shared memory: 1.1 MB for
+one 2,048 x 128 K/V block pair, which no GPU has; using it would mean
+rewriting the kernels around Hopper's TMA and wgmma, left for later.
+
+Shared memory is budgeted explicitly (`smem_bytes`, `choose_blocks`): per
+kernel, the resident tiles plus `NUM_STAGES` pipelined copies of the streamed
+ones plus the probability tile converted for the second dot, kept under
+`SMEM_BUDGET_BYTES` (A100's 163 KiB per block; H100/H200 allow 227 KiB).
+These are estimates of Triton's staging, not its allocator's exact numbers:
+block sizes and warps still need tuning on a real GPU
+(`python -m resformer_jax.bench accelerator`).
+
+The kernel is chosen per platform at lowering time (`lax.platform_dependent`):
+the Triton kernel where the program is lowered for CUDA, the same kernels in
+Pallas interpret mode elsewhere (a one-time warning says so), which is how
+they are tested on CPU; tests/test_lowering.py lowers the Triton path for
+`cuda` from a CPU machine.
 """
 from __future__ import annotations
 
@@ -23,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 log = logging.getLogger(__name__)
 MASK = -1e30
@@ -34,11 +56,51 @@ def _warn_interpreted(backend: str):
                 "(correct but slow; for tests)", backend)
 
 
-def _interpret() -> bool:
-    if jax.default_backend() == "gpu":
-        return False
-    _warn_interpreted(jax.default_backend())  # once per process
-    return True
+NUM_STAGES = 2  # Triton software pipelining of the streamed tiles
+SMEM_BUDGET_BYTES = 163 * 1024  # A100's opt-in shared memory per block (H100/H200: 227 KiB)
+
+
+def smem_bytes(bq: int, bk: int, D: int, itemsize: int, num_stages: int = NUM_STAGES) -> int:
+    """Estimated shared memory of the largest of the three kernels with these blocks.
+
+    forward: Q tile resident, K and V tiles streamed; dK/dV: K and V resident, Q and dO streamed;
+    dQ: Q and dO resident, K and V streamed. Each also converts a [bq, bk] probability tile.
+    """
+    fwd = bq * D + num_stages * 2 * bk * D + bq * bk
+    dkdv = 2 * bk * D + num_stages * 2 * bq * D + bq * bk
+    dq = 2 * bq * D + num_stages * 2 * bk * D + bq * bk
+    return itemsize * max(fwd, dkdv, dq)
+
+
+def choose_blocks(T: int, S: int, D: int, itemsize: int, block_q: int = 128, block_k: int = 128) -> tuple[int, int]:
+    """Power-of-two (block_q, block_k) >= 16 within the caps, halving the larger until they fit the budget."""
+    bq, bk = _block(T, block_q), _block(S, block_k)
+    while smem_bytes(bq, bk, D, itemsize) > SMEM_BUDGET_BYTES and max(bq, bk) > 16:
+        if bq >= bk:
+            bq //= 2
+        else:
+            bk //= 2
+    return bq, bk
+
+
+def num_warps(D: int) -> int:
+    return 4 if D <= 64 else 8
+
+
+def _pallas(kernel, *, num_warps_: int, **kw):
+    """A pallas_call lowered as a Triton kernel for CUDA and run interpreted on any other platform."""
+    def compiled(*args):
+        return pl.pallas_call(kernel, compiler_params=plgpu.CompilerParams(num_warps=num_warps_, num_stages=NUM_STAGES),
+                              **kw)(*args)
+
+    def interpreted(*args):
+        return pl.pallas_call(kernel, interpret=True, **kw)(*args)
+
+    def call(*args):
+        if jax.default_backend() != "gpu":
+            _warn_interpreted(jax.default_backend())  # once per process
+        return lax.platform_dependent(*args, cuda=compiled, default=interpreted)
+    return call
 
 
 def _block(n: int, cap: int) -> int:
@@ -110,8 +172,8 @@ def _forward(q, k, v, causal, bq, bk):
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S)
-    o, lse = pl.pallas_call(
-        kernel,
+    o, lse = _pallas(
+        kernel, num_warps_=num_warps(D),
         grid=(Tp // bq, B, H),
         in_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
                   pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
@@ -119,7 +181,6 @@ def _forward(q, k, v, causal, bq, bk):
         out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        interpret=_interpret(),
         name="flash_attention_fwd",
     )(qp, kp, vp)
     return o, lse  # padded along T
@@ -198,30 +259,29 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
     # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
     delta = jnp.einsum("bthd,bthd->bht", o_p.astype(jnp.float32), dop.astype(jnp.float32))
     scale = 1.0 / math.sqrt(D)
-    interpret = _interpret()
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
-    dk_h, dv_h = pl.pallas_call(
+    dk_h, dv_h = _pallas(
         functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, q_blocks=Tp // bq),
         grid=(Sp // bk, B, H),
         in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full],
         out_specs=[out_block, out_block],
         out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), jnp.float32)] * 2,
-        interpret=interpret,
+        num_warps_=num_warps(D),
         name="flash_attention_dkdv",
     )(qp, kp, vp, dop, lse, delta)
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
-    dq = pl.pallas_call(
+    dq = _pallas(
         functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S),
         grid=(Tp // bq, B, H),
         in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
-        interpret=interpret,
+        num_warps_=num_warps(D),
         name="flash_attention_dq",
     )(qp, kp, vp, dop, lse, delta)
     # GQA: a kv head's gradient is the sum over the query heads that read it.
@@ -253,11 +313,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128):
+    """Causal (or full) attention with q [B, T, H, D], k/v [B, S, K, D]; blocks capped at block_q/block_k
+    and shrunk to the shared-memory budget (choose_blocks)."""
     B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
         raise ValueError(f"{K} kv heads do not divide {H} query heads")
     if causal and T != S:
         raise ValueError(f"causal flash attention needs equal query and key lengths, got T={T}, S={S}")
-    bq, bk = _block(T, block_q), _block(S, block_k)
+    bq, bk = choose_blocks(T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k)
     return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)

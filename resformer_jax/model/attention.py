@@ -104,6 +104,7 @@ class Context:
     first: LayerTensors | None = None
     index: jax.Array | None = None  # decode: where this call's tokens go in the cache
     max_len: int = struct.field(pytree_node=False, default=0)  # decode cache length
+    mesh: Any = struct.field(pytree_node=False, default=None)  # the device mesh, for kernels run per shard
 
 
 @struct.dataclass
@@ -277,7 +278,7 @@ class Attention(nn.Module):
                                                                return_probs=True)
             else:  # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs)
                 u_BxTxHxD = kernels.attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True,
-                                              impl=m.attention_impl)
+                                              impl=m.attention_impl, mesh=ctx.mesh)
         if self.capture and probs is not None:
             self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
             self.sow("intermediates", "values", v_att_BxTxKxD)

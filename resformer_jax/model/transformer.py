@@ -89,6 +89,7 @@ class Transformer(nn.Module):
     capture: bool = False
     max_len: int = 0  # decode cache length
     planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan; tests pass a toy variant's
+    mesh: Any = None  # the device mesh: attention kernels that XLA cannot partition run per batch shard
 
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False):
@@ -106,7 +107,7 @@ class Transformer(nn.Module):
                 cache_index.value = index + T
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-        ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len)
+        ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
         lams_Nx2 = stack_lambdas(self, m)

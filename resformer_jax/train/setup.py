@@ -117,7 +117,7 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
         if attention.probed:
             log(attention.describe())
     model_cfg = model_config(cfg, attention)
-    model, tx = Transformer(model_cfg), make_optimizer(cfg.train)
+    model, tx = Transformer(model_cfg, mesh=mesh), make_optimizer(cfg.train)
     boxed = state_template(model, tx, cfg.data.seq_len)
     state_sh = logical_shardings(boxed, mesh, cfg.mesh)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), state_sh)

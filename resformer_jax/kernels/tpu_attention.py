@@ -1,0 +1,81 @@
+"""Attention on TPU through the kernel JAX ships and Google maintains: splash attention
+(`jax.experimental.pallas.ops.tpu.splash_attention`), forward and backward, causal block skipping.
+
+q [B, T, H, D], k/v [B, S, K, D] with K dividing H. GQA runs as splash's MQA kernel once per kv
+head (its G = H / K query heads share that head's K/V; nothing is repeated in memory), vmapped over
+kv heads and batch. Splash does not scale the logits, so q is scaled by 1/sqrt(D) first. Lengths are
+padded to a multiple of 128 (the TPU tile); padded keys sit after every real query and are masked
+by the causal mask, padded query rows are dropped.
+
+Like the GPU kernel, it is chosen per platform at lowering time: the Mosaic TPU kernel where the
+program is lowered for TPU, the same kernel in Pallas interpret mode elsewhere (how it is tested on
+CPU; tests/test_lowering.py lowers the real one for `tpu`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+log = logging.getLogger(__name__)
+TILE = 128
+
+
+@functools.cache
+def _warn_interpreted(backend: str):
+    log.warning("attention_impl='splash' on backend %r: running the TPU kernel in Pallas interpret mode "
+                "(correct but slow; for tests)", backend)
+
+
+def _block(n: int) -> int:
+    """The largest of 512, 256, 128 dividing n (n is a multiple of 128)."""
+    return next(b for b in (512, 256, 128) if n % b == 0)
+
+
+@functools.cache
+def _kernel(T: int, S: int, G: int, causal: bool, interpret: bool):
+    bq, bk = _block(T), _block(S)
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                              block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    one = splash_mask.CausalMask((T, S)) if causal else splash_mask.FullMask((T, S))
+    return splash.make_splash_mqa(splash_mask.MultiHeadMask([one] * G), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
+
+
+def _pad(x, axis, to):
+    if x.shape[axis] == to:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, to - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True):
+    B, T, H, D = q_BxTxHxD.shape
+    S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+    if H % K:
+        raise ValueError(f"{K} kv heads do not divide {H} query heads")
+    if causal and T != S:
+        raise ValueError(f"causal splash attention needs equal query and key lengths, got T={T}, S={S}")
+    if not causal and S % TILE:
+        raise ValueError(f"non-causal splash attention needs a key length that is a multiple of {TILE}, got {S}")
+    G = H // K
+    Tp, Sp = -(-T // TILE) * TILE, -(-S // TILE) * TILE
+    q = (q_BxTxHxD * (1.0 / math.sqrt(D))).astype(q_BxTxHxD.dtype)
+    q_BxKxGxTxD = _pad(q, 1, Tp).reshape(B, Tp, K, G, D).transpose(0, 2, 3, 1, 4)
+    k_BxKxSxD = _pad(k_BxSxKxD, 1, Sp).transpose(0, 2, 1, 3)
+    v_BxKxSxD = _pad(v_BxSxKxD, 1, Sp).transpose(0, 2, 1, 3)
+
+    def run(interpret):
+        return lambda q, k, v: jax.vmap(jax.vmap(_kernel(Tp, Sp, G, causal, interpret)))(q, k, v)
+
+    if jax.default_backend() != "tpu":
+        _warn_interpreted(jax.default_backend())
+    o_BxKxGxTxD = lax.platform_dependent(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, tpu=run(False), default=run(True))
+    return o_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, D)[:, :T]
