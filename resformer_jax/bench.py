@@ -6,6 +6,7 @@
   python -m resformer_jax.bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
   python -m resformer_jax.bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
       [--compare=none,svformer] [--batch=1]
+  python -m resformer_jax.bench accelerator [--out=report.json]   # first thing to run on new hardware
 
 train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
 two conventions (6N with N the non-embedding parameters, and the model's own FLOP
@@ -36,6 +37,7 @@ flags.DEFINE_string("dtype", "float32", "attention: input dtype.")
 flags.DEFINE_integer("context", 2048, "decode: prompt length.")
 flags.DEFINE_integer("new_tokens", 32, "decode: tokens to generate.")
 flags.DEFINE_integer("batch", 1, "decode: batch size.")
+flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
 FLAGS = flags.FLAGS
 
 
@@ -200,9 +202,13 @@ def bench_decode(cfg, context, new_tokens, batch) -> dict:
 def main(argv):
     from resformer_jax import cli
     cli.start()
-    if len(argv) < 2 or argv[1] not in ("train", "attention", "decode"):
-        raise app.UsageError("usage: python -m resformer_jax.bench {train,attention,decode} [flags]")
+    if len(argv) < 2 or argv[1] not in ("train", "attention", "decode", "accelerator"):
+        raise app.UsageError("usage: python -m resformer_jax.bench {train,attention,decode,accelerator} [flags]")
     what = argv[1]
+    if what == "accelerator":
+        from resformer_jax import accelerator_check
+        accelerator_check.main(FLAGS.out)
+        return
     if what == "attention":
         import jax.numpy as jnp
         for r in bench_attention(FLAGS.shapes, FLAGS.impls.split(","), jnp.dtype(FLAGS.dtype).type):

@@ -74,3 +74,27 @@ def test_gpu_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
     r = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-2000:]
+
+
+def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
+    """`bench accelerator` on CPU: reduced shapes, GPU/TPU-only rows marked, the Pallas kernels' correctness
+    checked interpreted, one train step per runnable impl, decode for vanilla and SVFormer."""
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "accelerator", f"--out={out}"], cwd=ROOT,
+                       env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == rep
+    assert rep["backend"] == "cpu" and rep["reduced_shapes"]
+    rows = {x["impl"]: x for x in rep["attention"]["rows"]}
+    assert rows["cudnn"]["status"].startswith("not applicable") and "NVIDIA GPU" in rows["cudnn"]["status"]
+    for impl in ("pallas", "splash", "chunked", "xla"):
+        err = rows[impl]["max_rel_error"]
+        assert max(err["float32"].values()) < 1e-5 and max(err["bfloat16"].values()) < 3e-2, (impl, err)
+    assert "speed not applicable" in rows["pallas"]["status"] and "speed_bf16" in rows["chunked"]
+    assert rep["auto"]["choice"] == "chunked"
+    assert {s["impl"] for s in rep["train"]["steps"]} == {"chunked", "xla"}
+    assert all(s["step_s"] > 0 and 0 < s["mfu_model"] < 1.5 for s in rep["train"]["steps"])
+    dec = {d["variant"]: d for d in rep["decode"]}
+    assert dec["svformer"]["kv_cache_bytes"] < dec["none"]["kv_cache_bytes"]
+    assert "auto chose 'chunked'" in r.stderr  # the short table

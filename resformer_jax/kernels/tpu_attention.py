@@ -38,8 +38,9 @@ def _block(n: int) -> int:
     return next(b for b in (512, 256, 128) if n % b == 0)
 
 
-@functools.cache
 def _kernel(T: int, S: int, G: int, causal: bool, interpret: bool):
+    # Built per trace, not cached: the kernel holds its mask tables as arrays, which must not leak
+    # from one trace into another.
     bq, bk = _block(T), _block(S)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                               block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)

@@ -1,0 +1,236 @@
+"""The first thing to run on new hardware: `python -m resformer_jax.bench accelerator`.
+
+One JSON report (stdout, and --out FILE) and a short table (stderr), in under 10 minutes on one GPU:
+
+  attention  every impl's correctness against the fp32 reference (forward and the three gradients,
+             fp32 and bf16 inputs) and its speed at the 468M attention shape, next to JAX's own GPU
+             Pallas attention (`jax.experimental.pallas.ops.gpu`) on a GPU
+  auto       what `attention_impl=auto` chose at the 468M shapes, and why it rejected the others
+  train      one ResFormer 468M train step per impl that passed: step time, tokens/s, MFU against the
+             chip's datasheet peak, XLA's memory estimate against the measured peak
+  decode     tokens/s of vanilla and SVFormer with a KV cache
+
+Rows that need another kind of accelerator are marked not applicable. On a CPU the same check runs
+at reduced shapes (a tiny model, short sequences), so it is exercised by the tests and cannot rot;
+its speed numbers there say nothing about an accelerator.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resformer_jax import kernels, metrics
+from resformer_jax.config import paper_config, tiny_config
+
+GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
+INTERPRETABLE = ("pallas", "splash")  # Pallas kernels that run (slowly) in interpret mode elsewhere
+IMPLS = ("pallas", "cudnn", "jax_pallas_gpu", "splash", "chunked", "xla")
+
+
+def applicable(impl: str, backend: str) -> tuple[bool, str]:
+    """(run it for speed here?, why not)."""
+    if impl in GPU_ONLY and backend != "gpu":
+        return False, f"needs an NVIDIA GPU; backend is {backend!r}"
+    if impl in TPU_ONLY and backend != "tpu":
+        return False, f"needs a TPU; backend is {backend!r}"
+    return True, ""
+
+
+def _jax_pallas_gpu(q, k, v):
+    """JAX's own GPU Pallas flash attention ([B, T, H, D] layout, no GQA: K/V repeated)."""
+    from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
+    G = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    return jax_gpu_attention.mha(q, k, v, segment_ids=None, causal=True, sm_scale=1.0 / np.sqrt(q.shape[-1]))
+
+
+def attention_fn(impl: str):
+    if impl == "jax_pallas_gpu":
+        return _jax_pallas_gpu
+    return lambda q, k, v: kernels.attention(q, k, v, causal=True, impl=impl)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
+
+
+def correctness(impl: str, shape, dtype) -> dict:
+    """Max relative error of the output and the three gradients against the fp32 reference."""
+    B, T, H, K, D = shape
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q32 = jax.random.normal(ks[0], (B, T, H, D))
+    k32, v32 = jax.random.normal(ks[1], (B, T, K, D)), jax.random.normal(ks[2], (B, T, K, D))
+    do32 = jax.random.normal(ks[3], (B, T, H, D))
+
+    def fwd_bwd(f, q, k, v, do):
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o,) + vjp(do.astype(o.dtype))
+    want = jax.jit(lambda *a: fwd_bwd(kernels.reference_attention, *a))(q32, k32, v32, do32)
+    cast = [x.astype(dtype) for x in (q32, k32, v32, do32)]
+    got = jax.jit(lambda *a: fwd_bwd(attention_fn(impl), *a))(*cast)
+    return {name: _rel(g.astype(jnp.float32), w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+def speed(impl: str, shape, dtype, peak: float, repeats: int = 5) -> dict:
+    B, T, H, K, D = shape
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+    k, v = jax.random.normal(ks[1], (B, T, K, D), dtype), jax.random.normal(ks[2], (B, T, K, D), dtype)
+    f = attention_fn(impl)
+    fwd = jax.jit(f)
+    bwd = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    flops = 2 * 2 * B * H * T * T * D / 2  # causal forward: QK^T and AV over half the matrix
+    out = {}
+    for name, fn, fl in (("fwd", fwd, flops), ("fwd_bwd", bwd, 3.5 * flops)):
+        jax.block_until_ready(fn(q, k, v))
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            ts.append(time.perf_counter() - t)
+        s = statistics.median(ts)
+        out[name] = {"ms": round(1e3 * s, 3), "tflops": round(fl / s / 1e12, 3), "fraction_of_peak": fl / s / peak}
+    return out
+
+
+def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
+    from resformer_jax.train.setup import AttentionChoice, build
+    setup = build(cfg, attention=AttentionChoice(impl, {}, False), log=lambda s: None)
+    compiled, compile_s, mem = setup.compile()
+    state = setup.init_state(seed=0)
+    tokens = jax.device_put(np.random.default_rng(0).integers(0, cfg.model.vocab_size, setup.global_batch_shape,
+                                                              dtype=np.int32), setup.batch_sh)
+    state, m = compiled(state, tokens)  # warm-up
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, tokens)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    tps = cfg.train.global_batch * cfg.data.seq_len / step_s
+    flops = metrics.model_flops(cfg.model, cfg.data.seq_len)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    measured = stats.get("peak_bytes_in_use")
+    return {"impl": impl, "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
+            "tokens_per_s": round(tps, 1), **{k: round(v, 4) for k, v in metrics.mfu(flops, tps, peak).items()},
+            "loss": float(m["loss"]), "xla_memory_estimate_bytes": mem.total if mem else None,
+            "measured_peak_bytes": measured,
+            "measured_peak_source": "device peak_bytes_in_use" if measured is not None else "not reported on CPU"}
+
+
+def decode(cfg, variant: str, context: int, new_tokens: int) -> dict:
+    import flax.linen as nn
+    from resformer_jax.model import Transformer
+    from resformer_jax.model.decode import generate
+    m = cfg.model
+    m.value_residual = variant
+    m.max_seq_len = max(m.max_seq_len, context + new_tokens)
+    params = nn.unbox(jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    prompt = np.random.default_rng(0).integers(0, m.vocab_size, (1, context), dtype=np.int32)
+    generate(m, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)  # compile
+    _, st = generate(m, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)
+    return {"variant": variant, "context": context, "new_tokens": new_tokens, "kv_cache_bytes": st["kv_cache_bytes"],
+            "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2)}
+
+
+def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict:
+    backend = jax.default_backend()
+    on_cpu = backend == "cpu"
+    peak, peak_src = metrics.device_peak_flops()
+    report = {"device_kind": jax.devices()[0].device_kind, "backend": backend, "devices": jax.device_count(),
+              "jax": jax.__version__, "peak_flops": peak, "peak_source": peak_src,
+              "reduced_shapes": on_cpu}
+    # The 468M attention shape per device (paper Table 4: 16 heads, head_dim 64, T = 2,048), reduced on CPU.
+    speed_shape = (1, 256, 4, 4, 64) if on_cpu else (4, 2048, 16, 16, 64)
+    check_shape = (1, 128, 4, 2, 64)  # correctness: GQA, small enough to run interpreted
+    rows = []
+    for impl in IMPLS:
+        ok, why = applicable(impl, backend)
+        row = {"impl": impl}
+        if not ok and impl not in INTERPRETABLE:
+            row["status"] = f"not applicable: {why}"
+            rows.append(row)
+            continue
+        try:
+            row["max_rel_error"] = {d: correctness(impl, check_shape, jnp.dtype(d)) for d in ("float32", "bfloat16")}
+            if ok:
+                row["speed_bf16"] = speed(impl, speed_shape, jnp.bfloat16, peak)
+                row["status"] = "ok"
+            else:
+                row["status"] = f"correctness checked interpreted; speed not applicable: {why}"
+        except Exception as e:  # noqa: BLE001 - the report says what failed, and the check goes on
+            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        rows.append(row)
+        log(f"attention {impl:>15}: {row['status']}")
+    report["attention"] = {"check_shape": check_shape, "speed_shape": speed_shape, "rows": rows}
+
+    B, T, H, K, D = speed_shape
+    choice, rejected = kernels.probe_auto((B, T, H, D), K, jnp.bfloat16, log_fn=log)
+    report["auto"] = {"choice": choice, "rejected": rejected, "shape": speed_shape}
+
+    cfg = tiny_config("resformer") if on_cpu else paper_config("468m", "resformer")
+    if not on_cpu:
+        cfg.train.global_batch = 8 * jax.device_count()
+        cfg.model.remat = "full"
+    cfg.mesh.data, cfg.mesh.fsdp = -1, 1
+    train = []
+    for row in rows:
+        if row["status"] != "ok" or row["impl"] == "jax_pallas_gpu":  # the comparison kernel is not a config impl
+            continue
+        try:
+            train.append(train_step(cfg.copy_and_resolve_references(), row["impl"], train_steps, peak))
+        except Exception as e:  # noqa: BLE001
+            train.append({"impl": row["impl"], "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+        log(f"train step {row['impl']:>8}: {train[-1]}")
+    report["train"] = {"config": "tiny (CPU)" if on_cpu else "resformer_468m, remat=full, 8 sequences per device",
+                       "batch": cfg.train.global_batch, "seq_len": cfg.data.seq_len, "steps": train}
+
+    dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
+    context, new = (64, 8) if on_cpu else (2048, 32)
+    report["decode"] = [decode(dcfg.copy_and_resolve_references(), v, context, new) for v in ("none", "svformer")]
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['device_kind']} ({report['backend']}, {report['devices']} devices), peak "
+             f"{report['peak_flops'] / 1e12:.1f} TFLOP/s ({report['peak_source']})"
+             + ("  [reduced shapes: CPU]" if report["reduced_shapes"] else "")]
+    lines.append(f"{'impl':>15} {'err fp32':>9} {'err bf16':>9} {'fwd ms':>8} {'fwd+bwd ms':>11}  status")
+    for r in report["attention"]["rows"]:
+        e32 = max(r["max_rel_error"]["float32"].values()) if "max_rel_error" in r else float("nan")
+        e16 = max(r["max_rel_error"]["bfloat16"].values()) if "max_rel_error" in r else float("nan")
+        sp = r.get("speed_bf16", {})
+        lines.append(f"{r['impl']:>15} {e32:9.1e} {e16:9.1e} {sp.get('fwd', {}).get('ms', float('nan')):8.2f} "
+                     f"{sp.get('fwd_bwd', {}).get('ms', float('nan')):11.2f}  {r['status'][:60]}")
+    lines.append(f"auto chose {report['auto']['choice']!r}")
+    for s in report["train"]["steps"]:
+        if "step_s" in s:
+            lines.append(f"train {s['impl']:>8}: {s['step_s']:.3f} s/step, {s['tokens_per_s']:,.0f} tok/s, MFU "
+                         f"{s['mfu_model']:.3f} (model) {s['mfu_6n']:.3f} (6N), XLA estimate "
+                         f"{(s['xla_memory_estimate_bytes'] or 0) / 2**30:.2f} GiB, measured peak "
+                         + (f"{s['measured_peak_bytes'] / 2**30:.2f} GiB" if s["measured_peak_bytes"] else "n/a"))
+        else:
+            lines.append(f"train {s['impl']:>8}: {s['status']}")
+    for d in report["decode"]:
+        lines.append(f"decode {d['variant']:>8}: {d['decode_tokens_per_s']:,.1f} tok/s, KV cache "
+                     f"{d['kv_cache_bytes'] / 2**20:.1f} MiB at context {d['context']}")
+    return "\n".join(lines)
+
+
+def main(out: str | None = None) -> dict:
+    report = check()
+    print(json.dumps(report, default=float))
+    print(table(report), file=sys.stderr)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1, default=float)
+    return report
