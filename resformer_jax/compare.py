@@ -1,6 +1,16 @@
-"""Relative training loss of runs against a baseline (the paper's Fig. 5 / Fig. 1 left).
+"""Relative training loss against a baseline (the paper's Fig. 5 / Fig. 1 left), for runs or for groups of seeds.
 
   python -m resformer_jax.compare --baseline RUN_VANILLA RUN_A RUN_B ... [--smooth 100] --out DIR
+  python -m resformer_jax.compare runs/sweep82m --group_by model.value_residual --baseline none [--out DIR]
+  python -m resformer_jax.compare runs/sizes --group_by model.value_residual --baseline none --scaling
+
+Grouped (--group_by FIELD): runs (run directories, or sweep directories holding them) are grouped by
+any config field read from each run's config.json (seeds pooled); each group's mean smoothed training
+loss is plotted relative to the baseline group with a band over seeds, and so is the validation loss
+per domain; a table prints each group's final relative loss, its spread over seeds, and a verdict
+(gap larger than the pooled seed noise or not). --scaling adds, for a sweep over model sizes, the
+validation loss against parameters and against tokens with a power law fitted per group and the
+"needs X% fewer parameters / tokens for the same loss" readout. See analysis/grouping.py.
 
 Each run's training loss is smoothed with a trailing moving window, the
 baseline's is subtracted at the steps both logged, and the result is plotted
@@ -11,6 +21,7 @@ shows the same curves) and as DIR/relative_train_loss.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,13 +55,206 @@ def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[
     return out
 
 
+def read_run(run: str):
+    """(config dict, train curve, eval curves) of a run directory."""
+    from resformer_jax.analysis.grouping import RunCurves
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run}: no metrics.jsonl; is it a run directory?")
+    train, evals = {}, {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            for k, v in rec.items():
+                if k == "train/loss":
+                    train[rec["step"]] = v
+                elif k.startswith("eval/") and k.endswith("loss"):
+                    evals.setdefault(k, {})[rec["step"]] = v
+    cfg_path = os.path.join(run, "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            config = json.load(f)
+    else:  # runs from before config.json: the checkpoint's copy
+        import ml_collections
+        from resformer_jax.checkpoint import Checkpointer
+        ck = Checkpointer(run, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}))
+        steps = ck.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{run}: neither config.json nor a checkpoint to read its config from")
+        config = ck.read_config(steps[-1])
+    return RunCurves(os.path.basename(os.path.normpath(run)), config, train, evals)
+
+
+def find_runs(paths: list[str]) -> list[str]:
+    """Run directories: each path itself, or the runs a sweep directory (sweep.json, or subdirectories) holds."""
+    out = []
+    for p in paths:
+        if os.path.isfile(os.path.join(p, "metrics.jsonl")):
+            out.append(p)
+            continue
+        manifest = os.path.join(p, "sweep.json")
+        if os.path.isfile(manifest):
+            with open(manifest) as f:
+                out += [r["workdir"] for r in json.load(f)["runs"] if os.path.isfile(os.path.join(r["workdir"],
+                                                                                                  "metrics.jsonl"))]
+            continue
+        subs = sorted(os.path.join(p, d) for d in os.listdir(p)) if os.path.isdir(p) else []
+        found = [d for d in subs if os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+        if not found:
+            raise FileNotFoundError(f"{p}: not a run directory (no metrics.jsonl) and holds no runs")
+        out += found
+    return out
+
+
+def grouped(a) -> int:
+    from resformer_jax.analysis import grouping
+    runs = [read_run(r) for r in find_runs(a.runs)]
+    try:
+        res = grouping.compare_groups(runs, a.group_by, a.baseline, a.smooth)
+    except (KeyError, ValueError) as e:
+        print(f"error: --group_by {a.group_by}: {e}", file=sys.stderr)
+        return 2
+    out = a.out or os.path.join(a.runs[0], "compare")
+    os.makedirs(out, exist_ok=True)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from resformer_jax.metrics import Writer
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, g in res.items():
+        line, = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
+        ax.fill_between(g.steps, g.low, g.high, color=line.get_color(), alpha=0.2)
+        w = Writer(os.path.join(out, "tb", name))
+        for i, st in enumerate(g.steps):
+            w.scalars(st, {"relative/train_loss": g.relative[i], "relative/train_loss_low": g.low[i],
+                           "relative/train_loss_high": g.high[i]})
+        w.close()
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train loss - ({a.group_by}={a.baseline})")
+    ax.set_title(f"relative training loss, smoothed over {a.smooth}; band over seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "relative_train_loss.png"), dpi=100)
+    plt.close(fig)
+    eval_keys = sorted({k for r in runs for k in r.evals})
+    eval_curves = {k: grouping.relative_eval_curves(runs, a.group_by, a.baseline, k) for k in eval_keys}
+    if eval_keys:
+        fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
+        for ax, key in zip(axes[0], eval_keys):
+            for name, (steps, mean, lo, hi) in eval_curves[key].items():
+                line, = ax.plot(steps, mean, marker="o", label=name)
+                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+                w = Writer(os.path.join(out, "tb", name))
+                for i, st in enumerate(steps):
+                    w.scalars(st, {f"relative/{key}": mean[i]})
+                w.close()
+            ax.axhline(0.0, color="k", lw=0.8)
+            ax.set_title(f"relative {key}")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "relative_validation_loss.png"), dpi=100)
+        plt.close(fig)
+    report = {"group_by": a.group_by, "baseline": a.baseline, "smooth": a.smooth,
+              "groups": {n: dataclasses.asdict(g) for n, g in res.items()},
+              "relative_eval": {k: {n: {"steps": c[0], "relative": c[1], "low": c[2], "high": c[3]}
+                                    for n, c in v.items()} for k, v in eval_curves.items()}}
+    print(f"{a.group_by:>24} {'seeds':>5} {'paired':>6} {'final rel. train loss':>22} {'seed spread':>11} "
+          f"{'seed noise':>10}  verdict")
+    for n, g in res.items():
+        print(f"{n:>24} {len(g.seeds):>5} {str(g.paired):>6} {g.final_relative:>+22.4f} {g.final_spread:>11.4f} "
+              f"{g.seed_noise:>10.4f}  {g.verdict}")
+        for key, v in g.final_eval_relative.items():
+            print(f"{'':>24} {key}: {v:+.4f}")
+    if a.scaling:
+        report["scaling"] = scaling(runs, a.group_by, a.baseline, out)
+    with open(os.path.join(out, "grouped_comparison.json"), "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    print(f"wrote {out}/relative_train_loss.png, relative_validation_loss.png, grouped_comparison.json and "
+          f"TensorBoard logs under {out}/tb")
+    return 0
+
+
+def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
+    """Validation loss against parameters and tokens, a power law per group, and the savings readout."""
+    import matplotlib.pyplot as plt
+    import ml_collections
+    import numpy as np
+    from resformer_jax.analysis import grouping
+    from resformer_jax.metrics import model_flops
+    by_group: dict[str, dict[int, list]] = {}
+    for r in runs:
+        key = "eval/loss"
+        if not r.evals.get(key):
+            continue
+        m = ml_collections.ConfigDict(r.config["model"])
+        n = model_flops(m, r.config["data"]["seq_len"]).params_non_embedding
+        by_group.setdefault(str(grouping.get_field(r.config, group_by)), {}).setdefault(n, []).append(r)
+    res = {}
+    fig, (ax_n, ax_d) = plt.subplots(1, 2, figsize=(10, 4))
+    fits_n, fits_d, xs = {}, {}, {}
+    for g, sizes in sorted(by_group.items()):
+        ns = sorted(sizes)
+        losses = [float(np.mean([r.evals["eval/loss"][max(r.evals["eval/loss"])] for r in sizes[n]])) for n in ns]
+        entry = {"params_non_embedding": ns, "final_validation_loss": losses}
+        if len(ns) >= 2:
+            fits_n[g] = grouping.fit_power_law(ns, losses)
+            entry["fit_params"] = {"a": fits_n[g][0], "b": fits_n[g][1], "form": "loss = a * N^-b"}
+        line, = ax_n.loglog(ns, losses, "o", label=g)
+        if g in fits_n:
+            grid = np.geomspace(min(ns), max(ns), 50)
+            ax_n.loglog(grid, fits_n[g][0] * grid ** -fits_n[g][1], color=line.get_color())
+        # tokens: the largest model's validation curve (seeds averaged), tokens = step * batch * seq_len
+        big = sizes[ns[-1]]
+        steps = sorted(set.intersection(*(set(r.evals["eval/loss"]) for r in big)) - {0})
+        tok = [s * big[0].config["train"]["global_batch"] * big[0].config["data"]["seq_len"] for s in steps]
+        curve = [float(np.mean([r.evals["eval/loss"][s] for r in big])) for s in steps]
+        entry.update(tokens=tok, validation_loss_by_tokens=curve)
+        if len(tok) >= 2:
+            fits_d[g] = grouping.fit_power_law(tok, curve)
+            entry["fit_tokens"] = {"a": fits_d[g][0], "b": fits_d[g][1], "form": "loss = a * D^-b"}
+            ax_d.loglog(tok, curve, "o-", label=g)
+        xs[g] = (ns, tok)
+        res[g] = entry
+    for g in res:
+        if g != baseline and g in fits_n and baseline in fits_n:
+            res[g]["fewer_params_for_same_loss"] = grouping.saving(fits_n[g], fits_n[baseline], xs[baseline][0])
+        if g != baseline and g in fits_d and baseline in fits_d:
+            res[g]["fewer_tokens_for_same_loss"] = grouping.saving(fits_d[g], fits_d[baseline], xs[baseline][1])
+        if "fewer_params_for_same_loss" in res[g]:
+            print(f"{g} needs {100 * res[g]['fewer_params_for_same_loss']:.2f}% fewer parameters"
+                  + (f" and {100 * res[g]['fewer_tokens_for_same_loss']:.2f}% fewer tokens"
+                     if "fewer_tokens_for_same_loss" in res[g] else "")
+                  + f" than {baseline} for the same validation loss (fitted power laws)")
+    ax_n.set_xlabel("non-embedding parameters")
+    ax_n.set_ylabel("final validation loss")
+    ax_d.set_xlabel("training tokens (largest model)")
+    for ax in (ax_n, ax_d):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "scaling.png"), dpi=100)
+    plt.close(fig)
+    return res
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m resformer_jax.compare")
-    p.add_argument("--baseline", required=True, help="the vanilla run")
-    p.add_argument("runs", nargs="+", help="runs to compare")
+    p.add_argument("--baseline", required=True,
+                   help="the vanilla run; with --group_by, the baseline group's value (e.g. none)")
+    p.add_argument("runs", nargs="+", help="runs to compare (with --group_by: runs or sweep directories)")
+    p.add_argument("--group_by", default=None, help="a config field (e.g. model.value_residual): compare groups")
+    p.add_argument("--scaling", action="store_true", help="with --group_by: loss against parameters and tokens")
     p.add_argument("--smooth", type=int, default=100, help="moving-average window in logged points")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None, help="output folder (grouped default: FIRST_PATH/compare)")
     a = p.parse_args(argv)
+    if a.group_by:
+        try:
+            return grouped(a)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if not a.out:
+        p.error("--out is required without --group_by")
     try:
         base = read_train_loss(a.baseline)
         runs = {os.path.basename(os.path.normpath(r)) or r: read_train_loss(r) for r in a.runs}

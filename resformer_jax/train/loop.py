@@ -179,6 +179,11 @@ class Trainer:
             cfg.data.tokenizer_hash = self.corpus.tokenizer_sha256
         if self.is_main:
             os.makedirs(self.workdir, exist_ok=True)
+            # The run's resolved config, readable without the checkpoint library (compare groups runs by it).
+            tmp = os.path.join(self.workdir, "config.json.tmp")
+            with open(tmp, "w") as f:
+                f.write(cfg.to_json_best_effort(indent=1))
+            os.replace(tmp, os.path.join(self.workdir, "config.json"))
         writer = metrics.Writer(os.path.join(self.workdir, "tb"), enabled=self.is_main,
                                 jsonl=os.path.join(self.workdir, "metrics.jsonl"))
         if self.setup.attention.probed:

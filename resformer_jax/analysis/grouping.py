@@ -1,0 +1,170 @@
+"""Comparisons that account for seed noise: runs grouped by a config field, seeds pooled.
+
+Plain numpy on metric dictionaries; `compare.py` reads the runs and writes the plots.
+
+A group's curve is the mean over its seeds of each run's smoothed training loss. Relative to the
+baseline group it is paired where both groups have a seed (same seed, same data order: the
+difference is taken per seed, then averaged), unpaired otherwise (difference of group means).
+The band is min-max over seeds with fewer than 3, the standard error with 3 or more. The verdict
+compares the final gap with the pooled seed spread: the pooled standard deviation, across seeds,
+of the two groups' final (smoothed) losses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from resformer_jax.analysis.measures import moving_average
+
+
+@dataclasses.dataclass
+class RunCurves:
+    name: str
+    config: dict
+    train: dict[int, float]  # step -> training loss
+    evals: dict[str, dict[int, float]]  # "eval/<domain>/loss" or "eval/loss" -> step -> loss
+
+
+def get_field(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def smoothed(curve: dict[int, float], window: int) -> dict[int, float]:
+    steps = sorted(curve)
+    return dict(zip(steps, moving_average([curve[s] for s in steps], window)))
+
+
+def band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """(low, high, kind) over axis 0 (seeds): min-max below 3 seeds, mean +- standard error from 3."""
+    if len(values) >= 3:
+        m, se = values.mean(axis=0), values.std(axis=0, ddof=1) / math.sqrt(len(values))
+        return m - se, m + se, "standard error"
+    return values.min(axis=0), values.max(axis=0), "min-max"
+
+
+def pooled_std(groups: list[np.ndarray]) -> float:
+    """Pooled standard deviation of several groups of samples (nan if no group has 2)."""
+    num = sum(((g - g.mean()) ** 2).sum() for g in groups if len(g) >= 2)
+    dof = sum(len(g) - 1 for g in groups if len(g) >= 2)
+    return float(math.sqrt(num / dof)) if dof > 0 else float("nan")
+
+
+@dataclasses.dataclass
+class GroupComparison:
+    group: str
+    seeds: list
+    paired: bool
+    steps: list[int]
+    relative: list[float]  # mean relative curve
+    low: list[float]
+    high: list[float]
+    band_kind: str
+    final_relative: float
+    final_spread: float  # max - min of the final relative value over seeds (paired) or of the group's finals
+    seed_noise: float  # pooled seed std of the final losses of this group and the baseline
+    verdict: str
+    final_eval_relative: dict[str, float]
+
+
+def _stack(curves: list[dict[int, float]], steps: list[int]) -> np.ndarray:
+    return np.array([[c[s] for s in steps] for c in curves], np.float64)
+
+
+def compare_groups(runs: list[RunCurves], group_by: str, baseline: str, smooth: int = 100,
+                   seed_field: str = "train.seed") -> dict[str, GroupComparison]:
+    groups: dict[str, list[RunCurves]] = {}
+    for r in runs:
+        groups.setdefault(str(get_field(r.config, group_by)), []).append(r)
+    if baseline not in groups:
+        raise ValueError(f"no run has {group_by}={baseline!r}; groups found: {sorted(groups)}")
+    seed = lambda r: get_field(r.config, seed_field)  # noqa: E731
+    base = {seed(r): smoothed(r.train, smooth) for r in groups[baseline]}
+    out = {}
+    for name, members in sorted(groups.items()):
+        cur = {seed(r): smoothed(r.train, smooth) for r in members}
+        shared = sorted(set(cur) & set(base))
+        paired = bool(shared)
+        used_cur = [cur[s] for s in (shared if paired else sorted(cur))]
+        used_base = [base[s] for s in (shared if paired else sorted(base))]
+        steps = sorted(set.intersection(*(set(c) for c in used_cur + used_base)))
+        if not steps:
+            continue
+        C, Bm = _stack(used_cur, steps), _stack(used_base, steps)
+        if paired:
+            rel = C - Bm  # per seed
+            mean = rel.mean(axis=0)
+            lo, hi, kind = band(rel)
+            finals = rel[:, -1]
+        else:
+            mean = C.mean(axis=0) - Bm.mean(axis=0)
+            lo_c, hi_c, kind = band(C)
+            lo, hi = lo_c - Bm.mean(axis=0), hi_c - Bm.mean(axis=0)
+            finals = C[:, -1] - Bm[:, -1].mean()
+        noise = pooled_std([C[:, -1], Bm[:, -1]]) if name != baseline else pooled_std([C[:, -1]])
+        gap = float(mean[-1])
+        if name == baseline:
+            verdict = "baseline"
+        elif math.isnan(noise):
+            verdict = "no verdict: needs 2 or more seeds in a group"
+        else:
+            verdict = ("gap larger than seed noise" if abs(gap) > noise else "within seed noise")
+        ev = {}
+        for key in sorted({k for r in members for k in r.evals}):
+            g_final = [r.evals[key][max(r.evals[key])] for r in members if r.evals.get(key)]
+            b_final = [r.evals[key][max(r.evals[key])] for r in groups[baseline] if r.evals.get(key)]
+            if g_final and b_final:
+                ev[key] = float(np.mean(g_final) - np.mean(b_final))
+        out[name] = GroupComparison(name, sorted(cur), paired, steps, mean.tolist(), lo.tolist(), hi.tolist(), kind,
+                                    gap, float(finals.max() - finals.min()), noise, verdict, ev)
+    return out
+
+
+def relative_eval_curves(runs: list[RunCurves], group_by: str, baseline: str, key: str) -> dict[str, tuple]:
+    """Per group: (steps, mean relative eval loss, low, high) for one eval key, over the groups' seeds."""
+    groups: dict[str, list[RunCurves]] = {}
+    for r in runs:
+        groups.setdefault(str(get_field(r.config, group_by)), []).append(r)
+    base = [r.evals.get(key, {}) for r in groups.get(baseline, [])]
+    out = {}
+    for name, members in groups.items():
+        cur = [r.evals.get(key, {}) for r in members]
+        sets = [set(c) for c in cur + base if c]
+        if not sets or not all(cur) or not all(base):
+            continue
+        steps = sorted(set.intersection(*sets))
+        if not steps:
+            continue
+        C, Bm = _stack(cur, steps), _stack(base, steps)
+        lo, hi, _ = band(C)
+        out[name] = (steps, (C.mean(0) - Bm.mean(0)).tolist(), (lo - Bm.mean(0)).tolist(), (hi - Bm.mean(0)).tolist())
+    return out
+
+
+# ----------------------------------------------------------------------------- scaling
+
+
+def fit_power_law(x, y) -> tuple[float, float]:
+    """(a, b) of y = a * x^(-b), least squares in log-log space."""
+    lx, ly = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
+    slope, intercept = np.polyfit(lx, ly, 1)
+    return float(math.exp(intercept)), float(-slope)
+
+
+def needed_for_same_loss(fit_variant: tuple[float, float], fit_base: tuple[float, float], x_base: float) -> float:
+    """The x (parameters or tokens) the variant needs to reach the baseline's fitted loss at x_base."""
+    a_v, b_v = fit_variant
+    a_b, b_b = fit_base
+    target = a_b * x_base ** (-b_b)
+    return (a_v / target) ** (1.0 / b_v)
+
+
+def saving(fit_variant, fit_base, xs_base) -> float:
+    """Mean fraction of x saved (1 - x_variant / x_base) for the same loss, over the baseline's xs."""
+    return float(np.mean([1.0 - needed_for_same_loss(fit_variant, fit_base, x) / x for x in xs_base]))

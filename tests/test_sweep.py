@@ -1,0 +1,144 @@
+"""Sweeps over variants and seeds, grouped comparisons with seed bands and a verdict (issue 20)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from resformer_jax.analysis import grouping
+from resformer_jax.analysis.measures import moving_average
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEP = ["--config=configs/tiny.py", "--set", "model.value_residual=none,resformer", "--set", "train.seed=0,1",
+         "--config.train.steps=30", "--config.train.log_every=1", "--config.train.eval_every=10",
+         "--config.checkpoint.every_steps=2", "--config.mesh.num_devices=1"]
+NAMES = ["value_residual-none_seed-0", "value_residual-none_seed-1", "value_residual-resformer_seed-0",
+         "value_residual-resformer_seed-1"]
+
+
+def sweep(workdir, *extra, **kw):
+    return subprocess.run([sys.executable, "-m", "resformer_jax.sweep", f"--workdir={workdir}", *SWEEP, *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, **kw)
+
+
+def losses(run):
+    out = {}
+    for line in open(os.path.join(run, "metrics.jsonl")):
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A 2 x 2 sweep, killed while its second run trains, then rerun to completion."""
+    wd = str(tmp_path_factory.mktemp("sweep") / "s")
+    proc = subprocess.Popen([sys.executable, "-m", "resformer_jax.sweep", f"--workdir={wd}", *SWEEP], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    second = os.path.join(wd, NAMES[1], "checkpoints")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(second) and any(os.path.isfile(os.path.join(second, d, "_CHECKPOINT_METADATA"))
+                                         for d in os.listdir(second) if d.isdigit()):
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the run it is training, as a preempted job
+    first_out = proc.communicate()[0]
+    assert "[1/4]" in first_out and "starting" in first_out, first_out[-2000:]
+    r = sweep(wd)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return wd, r.stdout
+
+
+def test_sweep_creates_named_runs_and_manifest_and_resumes(swept):
+    wd, out = swept
+    manifest = json.load(open(os.path.join(wd, "sweep.json")))
+    assert manifest["grid"] == {"model.value_residual": ["none", "resformer"], "train.seed": [0, 1]}
+    assert [r["name"] for r in manifest["runs"]] == NAMES
+    assert f"[1/4] {NAMES[0]}: finished (step 30), skipped" in out
+    assert "resuming from step" in out and "sweep done: 4 runs" in out
+    for name in NAMES:
+        cfg = json.load(open(os.path.join(wd, name, "config.json")))
+        assert cfg["model"]["value_residual"] == name.split("_seed")[0].split("-")[1]
+        assert sorted(losses(os.path.join(wd, name))) == list(range(1, 31))
+    again = sweep(wd)  # everything finished: nothing runs
+    assert again.returncode == 0 and again.stdout.count("skipped") == 4
+    other = sweep(wd, "--set", "model.num_layers=2,3")
+    assert other.returncode == 2 and "another grid" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_grouped_comparison_equals_direct_computation_and_verdict_flips(swept, tmp_path):
+    wd, _ = swept
+    out = str(tmp_path / "cmp")
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", wd, "--group_by", "model.value_residual",
+                        "--baseline", "none", "--smooth", "5", "--out", out], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.load(open(os.path.join(out, "grouped_comparison.json")))
+    g = rep["groups"]["resformer"]
+    # Direct: per seed, smoothed resformer minus smoothed vanilla (same seed: paired), then over seeds.
+    sm = {n: moving_average([losses(os.path.join(wd, n))[s] for s in range(1, 31)], 5) for n in NAMES}
+    rel = np.array([sm[NAMES[2]] - sm[NAMES[0]], sm[NAMES[3]] - sm[NAMES[1]]])
+    assert g["paired"] and g["seeds"] == [0, 1] and g["band_kind"] == "min-max"
+    np.testing.assert_allclose(g["relative"], rel.mean(0), atol=1e-12)
+    np.testing.assert_allclose(g["low"], rel.min(0), atol=1e-12)
+    np.testing.assert_allclose(g["high"], rel.max(0), atol=1e-12)
+    assert g["final_spread"] == pytest.approx(rel[:, -1].max() - rel[:, -1].min())
+    finals = [np.array([sm[NAMES[2]][-1], sm[NAMES[3]][-1]]), np.array([sm[NAMES[0]][-1], sm[NAMES[1]][-1]])]
+    noise = np.sqrt(sum(((f - f.mean()) ** 2).sum() for f in finals) / 2)
+    assert g["seed_noise"] == pytest.approx(noise)
+    assert (abs(g["final_relative"]) > noise) == (g["verdict"] == "gap larger than seed noise")
+    assert "eval/loss" in rep["relative_eval"] and os.path.isfile(os.path.join(out, "relative_validation_loss.png"))
+    assert os.path.isdir(os.path.join(out, "tb", "resformer")) and "verdict" in r.stdout
+
+    # Inject a gap far above the seed noise into the resformer runs: the verdict must say so.
+    shifted = str(tmp_path / "shifted")
+    shutil.copytree(wd, shifted)
+    for name in NAMES[2:]:
+        path = os.path.join(shifted, name, "metrics.jsonl")
+        recs = [json.loads(x) for x in open(path)]
+        with open(path, "w") as f:
+            for rec in recs:
+                if "train/loss" in rec:
+                    rec["train/loss"] += 10 * noise + 0.5
+                f.write(json.dumps(rec) + "\n")
+    runs = [grouping.RunCurves(n, json.load(open(os.path.join(shifted, n, "config.json"))),
+                               losses(os.path.join(shifted, n)), {}) for n in NAMES]
+    shifted_res = grouping.compare_groups(runs, "model.value_residual", "none", smooth=5)
+    assert shifted_res["resformer"].verdict == "gap larger than seed noise"
+    tiny_gap = [grouping.RunCurves(n, r.config, {s: v + (noise / 10 if "resformer" in n else 0.0)
+                                                 for s, v in losses(os.path.join(wd, NAMES[0 if "seed-0" in n else 1])).items()}, {})
+                for n, r in zip(NAMES, runs)]
+    assert grouping.compare_groups(tiny_gap, "model.value_residual", "none", smooth=5)["resformer"].verdict == \
+        "within seed noise"
+
+
+def test_power_law_fit_recovers_known_exponents_and_savings():
+    ns = np.array([2e6, 8e7, 1.8e8, 4.7e8])
+    base = (12.0, 0.08)
+    fit = grouping.fit_power_law(ns, base[0] * ns ** -base[1])
+    assert fit == pytest.approx(base, rel=1e-9)
+    # A variant that reaches, at N, the loss the baseline reaches at 1.25 N: it needs 1 - 1/1.25 = 20% fewer.
+    variant = (base[0] * 1.25 ** -base[1], base[1])
+    assert grouping.saving(variant, base, ns) == pytest.approx(0.2, rel=1e-9)
+    assert grouping.needed_for_same_loss(variant, base, 1e8) == pytest.approx(0.8e8, rel=1e-9)
+
+
+def test_sweep_writes_slurm_and_tpu_scripts_without_running(tmp_path):
+    r = sweep(str(tmp_path / "sl"), "--slurm")
+    assert r.returncode == 0, r.stderr
+    text = open(tmp_path / "sl" / "sweep.sbatch").read()
+    assert "#SBATCH --array=0-3" in text and "--signal=TERM@120" in text and NAMES[3] in text
+    assert not os.path.exists(tmp_path / "sl" / NAMES[0])
+    r = sweep(str(tmp_path / "tpu"), "--tpu_pod=rf,us-east5-a,v5p-64")
+    assert r.returncode == 0, r.stderr
+    text = open(tmp_path / "tpu" / "sweep_tpu.sh").read()
+    assert text.count("launch/tpu_pod.sh rf us-east5-a v5p-64 configs/tiny.py") == 4
+    bad = sweep(str(tmp_path / "bad"), "--set", "model.d_modle=1,2")
+    assert bad.returncode == 2 and "no such config field" in bad.stderr and "Traceback" not in bad.stderr
