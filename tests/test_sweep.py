@@ -142,3 +142,37 @@ def test_sweep_writes_slurm_and_tpu_scripts_without_running(tmp_path):
     assert text.count("launch/tpu_pod.sh rf us-east5-a v5p-64 configs/tiny.py") == 4
     bad = sweep(str(tmp_path / "bad"), "--set", "model.d_modle=1,2")
     assert bad.returncode == 2 and "no such config field" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
+    """Runs of three sizes per variant whose validation losses follow a known law L = 9 (k_n N)^-0.07 (k_d D)^-0.05:
+    the variant is worth k_n = 1.25 times the parameters and k_d = 1.1 times the tokens, so at equal tokens
+    it matches a baseline with k_n k_d^(0.05/0.07) times its parameters, and at equal size one trained on
+    k_d k_n^(0.07/0.05) times its tokens."""
+    from resformer_jax.config import tiny_config
+    from resformer_jax.metrics import model_flops
+    for variant, k_n, k_d in (("none", 1.0, 1.0), ("resformer", 1.25, 1.1)):
+        for d in (32, 64, 128):
+            c = tiny_config(variant)
+            c.model.d_model, c.model.ffn_dim = d, 2 * d
+            n = model_flops(c.model, c.data.seq_len).params_non_embedding
+            run = tmp_path / f"{variant}_{d}"
+            run.mkdir()
+            (run / "config.json").write_text(c.to_json())
+            tokens_per_step = c.train.global_batch * c.data.seq_len
+            with open(run / "metrics.jsonl", "w") as f:
+                for step in (10, 20, 30):
+                    f.write(json.dumps({"step": step, "train/loss": 5.0}) + "\n")
+                    loss = 9.0 * (k_n * n) ** -0.07 * (k_d * step * tokens_per_step) ** -0.05
+                    f.write(json.dumps({"step": step, "eval/loss": loss}) + "\n")
+    out = tmp_path / "cmp"
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path), "--group_by",
+                        "model.value_residual", "--baseline", "none", "--scaling", "--smooth", "1", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sc = json.load(open(out / "grouped_comparison.json"))["scaling"]
+    want_n = 1 - 1 / (1.25 * 1.1 ** (0.05 / 0.07))
+    want_d = 1 - 1 / (1.1 * 1.25 ** (0.07 / 0.05))
+    assert sc["resformer"]["fewer_params_for_same_loss"] == pytest.approx(want_n, abs=1e-6)
+    assert sc["resformer"]["fewer_tokens_for_same_loss"] == pytest.approx(want_d, abs=1e-6)
+    assert f"resformer needs {100 * want_n:.2f}% fewer parameters" in r.stdout and (out / "scaling.png").is_file()
