@@ -1,12 +1,18 @@
 """Orbax CheckpointManager wrapper: train state + data iterator state + config.
 
 Saves are asynchronous and keep the newest `max_to_keep` (plus every
-`keep_period`-th step). On start the newest checkpoint that restores is used;
-a damaged one is reported with its step and path, moved aside to
-`checkpoints_damaged/` (never deleted) and the previous one is tried.
+`keep_period`-th step). Every array of the state is saved with a fingerprint
+(two wrapping sums of its bits, computed on the devices that hold it) that
+restore recomputes: a flipped byte is found, not trained on. On start the
+newest checkpoint that restores is used; a damaged one is reported with its
+step, path and the array that failed, moved aside to `checkpoints_damaged/`
+(never deleted) and the previous one is tried. A checkpoint whose parameter
+tree does not match the config is not damaged: that stops the run and moves
+nothing (`saved_params_layout`).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -14,6 +20,8 @@ import shutil
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -23,33 +31,136 @@ class CheckpointError(Exception):
     """No checkpoint restores, or a resumed config conflicts; the message says what to do."""
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint's bytes do not match what was saved (raised inside restore, handled by fallback)."""
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def storage_error(e: BaseException) -> OSError | None:
+    """The OSError (disk full, quota, read-only, permission) behind an exception, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _bits_u32(x):
+    """The array's bits as uint32 words (one per element; 8-byte types fold their halves)."""
+    size = jnp.dtype(x.dtype).itemsize
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    as_uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size]
+    bits = jax.lax.bitcast_convert_type(x, as_uint)
+    if size == 8:
+        bits = (bits >> 32) ^ (bits & 0xFFFFFFFF)
+    return bits.astype(jnp.uint32)
+
+
+def _fingerprint(x):
+    """[sum of the words, sum of word * (position mod 65521 + 1)], both wrapping: any changed byte or
+    moved block changes one of them."""
+    w = _bits_u32(x).reshape(-1)
+    pos = (jnp.arange(w.shape[0], dtype=jnp.uint32) % jnp.uint32(65521)) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * pos, dtype=jnp.uint32)])
+
+
+def _path(p) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in p)
+
+
+def fingerprints(state) -> dict[str, list[int]]:
+    """{array path: [two uint32 sums]} of every array in the state, computed where the arrays live."""
+    fps = jax.jit(lambda t: jax.tree.map(_fingerprint, t))(state)
+    return {_path(p): [int(v) for v in np.asarray(jax.device_get(x))]
+            for p, x in jax.tree_util.tree_leaves_with_path(fps)}
+
+
+def params_layout(tree) -> dict[str, tuple]:
+    """{parameter path: shape} of a parameter tree (arrays, ShapeDtypeStructs or orbax metadata)."""
+    return {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 class Checkpointer:
-    def __init__(self, workdir: str, ckpt_cfg):
+    def __init__(self, workdir: str, ckpt_cfg, create: bool = True):
         absolute = (lambda p: p) if "://" in workdir else os.path.abspath  # gs:// paths stay as they are
+        self.workdir = workdir
         self.dir = absolute(os.path.join(workdir, "checkpoints"))
         self.damaged_dir = absolute(os.path.join(workdir, "checkpoints_damaged"))
+        self.history_marker = os.path.join(workdir, "checkpoints_written")
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=ckpt_cfg.max_to_keep,
             keep_period=ckpt_cfg.keep_period or None,
             enable_async_checkpointing=bool(ckpt_cfg.async_save),
-            create=True,
+            create=create,
         )
-        self.mngr = ocp.CheckpointManager(self.dir, options=opts,
-                                          item_names=("state", "data", "config", "progress"))
+        self.mngr = ocp.CheckpointManager(
+            self.dir, options=opts, item_names=("state", "data", "config", "progress", "fingerprints"),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+                           "progress": ocp.JsonCheckpointHandler(), "fingerprints": ocp.JsonCheckpointHandler()})
+
+    def saved_params_layout(self, step: int) -> dict[str, tuple] | None:
+        """{path: shape} of the parameters a checkpoint holds, from its metadata (None if unreadable)."""
+        try:
+            md = self.mngr.item_metadata(step)["state"]
+            tree = getattr(md, "tree", md)
+            return params_layout(tree["params"])
+        except Exception:  # noqa: BLE001 - unreadable metadata: restore will report the damage
+            return None
+
+    def history(self) -> list[str]:
+        """What shows this workdir once held checkpoints (the marker, damaged ones set aside)."""
+        out = []
+        if os.path.isdir(self.damaged_dir) and os.listdir(self.damaged_dir):
+            out.append(f"{self.damaged_dir} holds {sorted(os.listdir(self.damaged_dir))}")
+        if os.path.isfile(self.history_marker):
+            with open(self.history_marker) as f:
+                out.append(f"checkpoints were written here up to step {f.read().strip()}")
+        return out
 
     def all_steps(self):
+        # An in-flight asynchronous save must finish first: reloading under it forgets that step, and
+        # the manager would then keep max_to_keep + 1 checkpoints.
+        self.wait()
         self.mngr.reload()
         return sorted(self.mngr.all_steps())
 
     def save(self, step: int, state, data_iter, config_dict: dict, progress: dict, force: bool = True):
         args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_dict),
-                "progress": ocp.args.JsonSave(progress)}
+                "progress": ocp.args.JsonSave(progress),
+                "fingerprints": ocp.args.JsonSave(fingerprints(state))}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
-        self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+        except Exception as e:  # noqa: BLE001
+            raise self._write_failed(step, e) from None
+        if jax.process_index() == 0:
+            tmp = self.history_marker + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(step))
+            os.replace(tmp, self.history_marker)
 
     def wait(self):
-        self.mngr.wait_until_finished()
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._write_failed(None, e) from None
+
+    def _write_failed(self, step, e: BaseException) -> Exception:
+        err = storage_error(e)
+        if err is None:
+            return e if isinstance(e, Exception) else RuntimeError(str(e))
+        steps = [s for s in sorted(self.mngr.all_steps()) if step is None or s < step]
+        kept = f"the checkpoint at step {steps[-1]} is intact" if steps else "no earlier checkpoint exists"
+        return CheckpointError(
+            f"could not write the checkpoint{'' if step is None else f' at step {step}'} to {self.dir}: "
+            f"{err.strerror or err} ({getattr(err, 'filename', '') or 'while writing'}); {kept}. Free space, "
+            "fix the permissions, or use another --workdir, then rerun the same command")
 
     def reached_preemption(self, step: int) -> bool:
         return self.mngr.reached_preemption(step)
@@ -59,10 +170,22 @@ class Checkpointer:
         return dict(r["config"])
 
     def restore(self, step: int, abstract_state):
-        """(state, config, progress) of one step; raises if it does not restore."""
+        """(state, config, progress) of one step; raises if it does not restore or if an array's bits differ
+        from the fingerprint saved with it."""
         r = self.mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore(),
             progress=ocp.args.JsonRestore()))
+        try:
+            saved = dict(self.mngr.restore(step, args=ocp.args.Composite(
+                fingerprints=ocp.args.JsonRestore()))["fingerprints"])
+        except Exception:  # noqa: BLE001
+            saved = None  # checkpoints written before fingerprints existed
+        if saved is not None:
+            now = fingerprints(r["state"])
+            bad = [p for p in saved if now.get(p) != saved[p]]
+            if bad or set(now) != set(saved):
+                raise DamagedCheckpoint(f"array {(bad or sorted(set(now) ^ set(saved)))[0]} does not match the "
+                                        f"fingerprint saved with it ({len(bad)} arrays differ)")
         return r["state"], dict(r["config"]), dict(r["progress"])
 
     def restore_latest(self, abstract_state, data_iter=None, warn=print):
@@ -76,7 +199,8 @@ class Checkpointer:
                 state, config, progress = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
                 path = os.path.join(self.dir, str(step))
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                reason = f"{type(e).__name__}: {first}"
                 warn(f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
                      "moving it to checkpoints_damaged/ and trying the previous one")
                 failures.append((step, reason))
@@ -93,7 +217,8 @@ class Checkpointer:
             return step, state, config, progress
         raise CheckpointError(
             f"none of the checkpoints in {self.dir} restores ({failures}); they were moved to "
-            f"{self.damaged_dir}. To start over, use a new --workdir; to retry, move them back.")
+            f"{self.damaged_dir}. To retry, move them back; to start over, use a new --workdir or pass "
+            "--config.checkpoint.allow_fresh_start=True")
 
     def _quarantine(self, step: int):
         if jax.process_index() == 0:

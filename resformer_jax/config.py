@@ -125,6 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
     k.max_to_keep = 3
     k.keep_period = 0  # >0: also keep every K-th step for the record.
     k.async_save = True
+    k.allow_fresh_start = False  # True: start from step 0 even though this workdir once held checkpoints
 
     return c
 
@@ -295,12 +296,10 @@ def neutreno_lambda(m) -> float:
     return 0.2 if m.value_residual == "resformer+neutreno" else 0.4
 
 
-# Fields that define the model's parameters and data layout: a resumed run may
-# not change them. Everything else (steps, lr, logging, eval) may change.
-SHAPE_FIELDS = ("model.vocab_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
-                "model.d_model", "model.ffn_dim", "model.value_residual", "model.resformer_lambdas",
-                "model.denseformer", "model.cla_share_every", "model.cla_share",
-                "model.svformer_anchors", "model.scan_layers", "data.seq_len")
+# A resumed run may change how the model runs (these model fields), and anything outside
+# `model` (steps, lr, logging, eval, mesh); not the model's equations or parameters. Whether the
+# parameters still fit is checked against the checkpoint's own tree (train/loop.py).
+RUNTIME_MODEL_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "model.max_seq_len")
 
 
 def apply_ablation(c: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:

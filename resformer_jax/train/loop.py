@@ -12,8 +12,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from resformer_jax import metrics
-from resformer_jax.checkpoint import Checkpointer, CheckpointError, config_diff
-from resformer_jax.config import SHAPE_FIELDS, validate
+from resformer_jax.checkpoint import Checkpointer, CheckpointError, config_diff, params_layout
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, validate
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import open_corpus
 from resformer_jax.model.lambdas import read_lambdas
@@ -72,9 +72,16 @@ class Trainer:
             except Exception:  # noqa: BLE001 - unreadable: restore_latest reports it
                 continue
             self._check_resumed_config(old_cfg, quiet=True)
+            self._check_params_fit(step, old_cfg)
             break
         restored = self.ckpt.restore_latest(self.setup.abstract_state, self.iter, warn=self._warn)
         if restored is None:
+            history = self.ckpt.history()
+            if history and not self.cfg.checkpoint.allow_fresh_start:
+                raise CheckpointError(
+                    f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
+                    "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
+                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)")
             self.state = self.setup.init_state()
             self.start_step = 0
             self.say(f"starting a new run in {self.workdir}")
@@ -87,17 +94,37 @@ class Trainer:
     def _check_resumed_config(self, old: dict, quiet: bool = False):
         new = self.cfg.to_dict()
         diff = config_diff(old, new)
-        for field in SHAPE_FIELDS:
-            if field in diff:
-                a, b = diff[field]
+        for field, (a, b) in diff.items():
+            if field.startswith("model.") and field not in RUNTIME_MODEL_FIELDS:
                 raise CheckpointError(
                     f"config.{field} is {b!r} but the run in {self.workdir} was started with {a!r}; a resumed run "
-                    f"cannot change the model's shape. Use --config.{field}={a!r} or a new --workdir")
+                    f"cannot change the model. Use --config.{field}={a!r} or a new --workdir")
         if self.corpus is not None:
             self.corpus.check_tokenizer(_get(old, "data.tokenizer_hash"))
         for field, (a, b) in ({} if quiet else diff).items():
-            if field not in SHAPE_FIELDS and field != "data.tokenizer_hash":
+            if field != "data.tokenizer_hash":
                 self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
+
+    def _check_params_fit(self, step: int, old: dict):
+        """The checkpoint's parameter tree against the one this config builds: a difference is a changed
+        config, not damage, so nothing is moved (derived from the trees, not a list of fields)."""
+        saved = self.ckpt.saved_params_layout(step)
+        if saved is None:
+            return
+        want = params_layout(self.setup.abstract_state.params)
+        if saved == want:
+            return
+        only_saved, only_new = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
+        reshaped = sorted(p for p in set(saved) & set(want) if saved[p] != want[p])
+        parts = ([f"only in the checkpoint: {only_saved[:3]}"] if only_saved else []) + \
+                ([f"only in this config: {only_new[:3]}"] if only_new else []) + \
+                [f"{p}: {saved[p]} saved, {want[p]} now" for p in reshaped[:3]]
+        fields = [f for f in config_diff(old.get("model", {}), self.cfg.model.to_dict())]
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {self.workdir} holds other parameters than this config builds "
+            f"({'; '.join(parts)}); " + (f"changed model fields: {', '.join('config.model.' + f for f in fields)}; "
+                                           if fields else "") +
+            "use the run's original config or a new --workdir (nothing was moved)")
 
     def _warn(self, msg):
         print(msg, file=sys.stderr, flush=True)
@@ -162,6 +189,7 @@ class Trainer:
                 for n, d in read_lambdas(self.state.params, self.cfg.model).items() for name, v in d.items()}
 
     def train(self) -> int:
+        self._install_signals()  # first: a SIGTERM during start-up also ends in a clean save-and-exit
         try:
             return self._train()
         finally:
@@ -198,7 +226,6 @@ class Trainer:
                  f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} devices, mesh "
                  f"{dict(self.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
         self.say(f"logs: tensorboard --logdir {os.path.abspath(self.workdir)}")
-        self._install_signals()
 
         schedule = lr_schedule(cfg.train)
         self.elapsed = getattr(self, "restored_progress", {}).get("elapsed_s", 0.0)
@@ -213,6 +240,15 @@ class Trainer:
         exit_code = 0
         last_eval = first_eval
         end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
+        if self.start_step >= end:
+            which = (f"config.train.stop_at={cfg.train.stop_at}" if cfg.train.stop_at and end < cfg.train.steps
+                     else f"config.train.steps={cfg.train.steps}")
+            self.say(f"nothing to do: the run in {self.workdir} is at step {self.start_step}, and {which}; raise "
+                     "--config.train.steps to train further")
+        if self.preempt and step < end:
+            self.say("stopped during start-up (SIGTERM/SIGINT) before any step; nothing new to save. "
+                     "Rerun the same command to continue")
+            end = step
         while step < end:
             batch = self._global(next(self.iter))
             self.state, m = self.compiled(self.state, batch)
@@ -256,7 +292,7 @@ class Trainer:
             if step % cfg.checkpoint.every_steps == 0 and step < end:
                 self._save(step)
         else:
-            if step not in self.ckpt.all_steps():
+            if step > self.start_step and step not in self.ckpt.all_steps():
                 self._save(step)
         self.ckpt.close()
         writer.flush()

@@ -10,6 +10,7 @@ The trainer, the benchmark, generation, evaluation and analysis all come here:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -164,7 +165,12 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
              log: Callable[[str], Any] = lambda s: None) -> LoadedRun:
     """A run's checkpoint (newest, or `step`) on the default device, for inference and analysis.
     `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here."""
-    ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}))
+    if "://" not in workdir and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        what = "has no checkpoints/ folder" if os.path.isdir(workdir) else "does not exist"
+        raise CheckpointError(f"run directory {workdir} {what}; check --workdir (train first with "
+                              f"python -m resformer_jax.main --workdir={workdir})")
+    ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}),
+                      create=False)
     try:
         steps = ck.all_steps()
         if not steps:
