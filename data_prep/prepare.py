@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -33,6 +32,10 @@ EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 class PrepareError(Exception):
     """Bad input to prepare; the message names the cause and the fix."""
+
+
+class BadInputFile(PrepareError):
+    """One input file is truncated, corrupt or malformed (--skip_bad_files counts and skips it)."""
 
 
 def sha256_file(path: str) -> str:
@@ -76,36 +79,104 @@ def split_of(path: str, default: str) -> str:
     return default
 
 
+def _zst_bytes(path: str) -> Iterator[bytes]:
+    """The decompressed bytes of every zstd frame in a file; a truncated or corrupt file is an error
+    (a stream reader alone stops quietly at a cut-off frame)."""
+    import zstandard
+    with open(path, "rb") as raw:
+        obj, fed = zstandard.ZstdDecompressor().decompressobj(), False
+        while True:
+            chunk = raw.read(1 << 20)
+            if not chunk:
+                break
+            while chunk:
+                fed = True
+                try:
+                    out = obj.decompress(chunk)
+                except zstandard.ZstdError as e:
+                    raise BadInputFile(f"{path}: not a valid zstd file ({e})") from None
+                if out:
+                    yield out
+                if obj.eof:  # a frame ended: the rest of the chunk starts the next frame
+                    chunk, obj = obj.unused_data, zstandard.ZstdDecompressor().decompressobj()
+                    fed = bool(chunk)
+                else:
+                    chunk = b""
+        if fed and not obj.eof:
+            raise BadInputFile(f"{path}: the zstd stream ends inside a frame (the file is truncated)")
+
+
+def _lines(path: str, byte_chunks: Iterator[bytes]) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line, decoded as UTF-8; a bad byte names the file and line."""
+    rest, n = b"", 0
+    for chunk in byte_chunks:
+        rest += chunk
+        *full, rest = rest.split(b"\n")
+        for raw in full:
+            n += 1
+            yield n, _decode(path, n, raw)
+    if rest:
+        yield n + 1, _decode(path, n + 1, rest)
+
+
+def _decode(path: str, n: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInputFile(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start} of the line)") from None
+
+
+def _file_bytes(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(1 << 20), b"")
+
+
 def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
-    """Yields (domain, text) for every document in one file."""
-    def from_record(rec):
+    """Yields (domain, text) for every document in one file; a malformed file raises BadInputFile naming
+    the file (and the line, for JSON lines)."""
+    def from_record(rec, where):
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise BadInputFile(f"{where}: the record has no \"text\" string field (keys: "
+                               f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__})")
         meta = rec.get("meta") or {}
         if isinstance(meta, str):
-            meta = json.loads(meta)
+            try:
+                meta = json.loads(meta)
+            except json.JSONDecodeError:
+                raise BadInputFile(f"{where}: its \"meta\" field is a string that is not JSON") from None
         return meta.get("redpajama_set_name", domain), rec["text"]
 
     if path.endswith(".txt"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield domain, f.read()
-    elif path.endswith((".jsonl.zst", ".json.zst")):
-        import zstandard
-        with open(path, "rb") as raw:
-            stream = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8")
-            for line in stream:
-                if line.strip():
-                    yield from_record(json.loads(line))
-    elif path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield from_record(json.loads(line))
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            yield domain, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise BadInputFile(f"{path}:{line}: not UTF-8 ({e.reason}); convert the file to UTF-8") from None
+    elif path.endswith((".jsonl.zst", ".json.zst", ".jsonl")):
+        chunks = _zst_bytes(path) if path.endswith(".zst") else _file_bytes(path)
+        for n, line in _lines(path, chunks):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadInputFile(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from None
+            yield from_record(rec, f"{path}:{n}")
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
-        for rec in pq.read_table(path).to_pylist():
-            yield from_record(rec)
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise BadInputFile(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        if "text" not in table.column_names:
+            raise BadInputFile(f"{path}: no \"text\" column (columns: {table.column_names})")
+        for i, rec in enumerate(table.to_pylist()):
+            yield from_record(rec, f"{path} row {i}")
 
 
-def load_tokenizer(spec: str, files: list[str], out: str):
+def load_tokenizer(spec: str, files: list[str], out: str, docs_of=None):
     """tokenizer.json path | hub name (needs network) | train:VOCAB (byte-level BPE trained here)."""
     from tokenizers import Tokenizer
     if spec.startswith("train:"):
@@ -120,7 +191,8 @@ def load_tokenizer(spec: str, files: list[str], out: str):
         trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         train_files = [f for f in files if split_of(f, "train") == "train"] or files
-        tok.train_from_iterator((t for f in train_files for _, t in read_documents(f, "default")), trainer)
+        docs_of = docs_of or (lambda f: read_documents(f, "default"))
+        tok.train_from_iterator((t for f in train_files for _, t in docs_of(f)), trainer)
         path = os.path.join(out, "tokenizer.json")
         tok.save(path)
         return tok, path
@@ -192,16 +264,68 @@ class ShardWriter:
 def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, budgets: dict | None = None,
             workers: int = 0, domain: str = "default", split: str = "train", seed: int = 0,
             shuffle_docs: bool = False, records_per_shard: int = 65536, batch_docs: int = 256,
-            command: str = "", quiet: bool = False) -> dict:
-    """Library form of the command; returns the metadata it writes."""
+            command: str = "", quiet: bool = False, skip_bad_files: bool = False) -> dict:
+    """Library form of the command; returns the metadata it writes.
+
+    Atomic: everything is written to a folder beside `out` and renamed into place at the end, so a
+    folder with metadata.json is always complete (an interrupted run leaves the previous corpus as it
+    was, and a `.partial-PID` folder that never looks prepared)."""
     if workers > 0:
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # the tokenizers library's thread pool
     if seq_len < 1:
         raise PrepareError(f"--seq_len must be positive, got {seq_len}")
     budgets = budgets or {}
     files = list_files(inputs)
-    os.makedirs(out, exist_ok=True)
-    tok, tok_path = load_tokenizer(tokenizer, files, out)
+    out = out.rstrip("/") or out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise PrepareError(f"--out {out!r} is an existing file; name a folder (new, empty, or a prepared corpus "
+                           "to replace)")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "metadata.json")):
+        raise PrepareError(f"--out {out!r} is a non-empty folder that is not a prepared corpus; name a new or "
+                           "empty folder (prepare replaces only its own output)")
+    work = f"{out}.partial-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        os.makedirs(work)
+        meta = _prepare_into(work, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
+                             records_per_shard, batch_docs, command, quiet, skip_bad_files)
+        if os.path.isdir(out):  # swap: the old corpus stays whole until the new one is
+            old = f"{out}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(work, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not quiet:
+        print(f"[prepare] wrote {out}/metadata.json", file=sys.stderr, flush=True)
+    return meta
+
+
+def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs, records_per_shard,
+                  batch_docs, command, quiet, skip_bad_files) -> dict:
+    skipped: dict[str, str] = {}
+
+    def log(msg):
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    def docs_of(path, dom="default"):
+        """All documents of one file, or none (counted) when it is bad and --skip_bad_files is on."""
+        if path in skipped:
+            return []
+        try:
+            return list(read_documents(path, dom))
+        except BadInputFile as e:
+            if not skip_bad_files:
+                raise PrepareError(f"{e}. Fix or remove the file, or pass --skip_bad_files to skip such files") \
+                    from None
+            skipped[path] = str(e)
+            log(f"[prepare] WARNING: skipping a bad input file: {e}")
+            return []
+
+    tok, tok_path = load_tokenizer(tokenizer, files, out, docs_of)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eot = eot_id_of(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32
@@ -210,13 +334,9 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     rng = np.random.default_rng(seed)
     t0, total_tokens = time.time(), 0
 
-    def log(msg):
-        if not quiet:
-            print(msg, file=sys.stderr, flush=True)
-
     for fi, path in enumerate(files):
         sp = split_of(path, split)
-        docs = list(read_documents(path, domain))
+        docs = docs_of(path, domain)
         if shuffle_docs:
             docs = [docs[i] for i in rng.permutation(len(docs))]
         for b in range(0, len(docs), batch_docs):
@@ -260,11 +380,13 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
         "seq_len": seq_len, "record_len": seq_len + 1, "dtype": np.dtype(dtype).name,
         "seed": seed, "shuffle_docs": shuffle_docs, "budgets": budgets,
         "splits": stats, "command": command or " ".join(sys.argv),
+        "skipped_files": [{"file": f, "reason": r} for f, r in sorted(skipped.items())],
     }
     with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
-    log(f"[prepare] wrote {out}/metadata.json: {total_tokens:,} tokens in {time.time() - t0:.1f}s")
+    log(f"[prepare] {total_tokens:,} tokens in {time.time() - t0:.1f}s"
+        + (f"; skipped {len(skipped)} bad files (listed in metadata.json)" if skipped else ""))
     return meta
 
 
@@ -281,6 +403,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle_docs", action="store_true", help="shuffle documents within each file by --seed")
     p.add_argument("--records_per_shard", type=int, default=65536)
+    p.add_argument("--skip_bad_files", action="store_true",
+                   help="skip truncated or malformed input files (counted, listed in metadata.json) instead of stopping")
     a = p.parse_args(argv)
     try:
         budgets = {}
@@ -288,9 +412,14 @@ def main(argv=None):
             if "=" not in b:
                 raise PrepareError(f"--budget {b!r}: expected DOMAIN=TOKENS, e.g. RedPajamaC4=4B")
             k, v = b.split("=", 1)
-            budgets[k] = parse_tokens(v)
+            try:
+                budgets[k] = parse_tokens(v)
+            except ValueError:
+                raise PrepareError(f"--budget {b!r}: {v!r} is not a token count; use e.g. {k}=4B, 500M or 12000") \
+                    from None
         prepare(a.input, a.tokenizer, a.out, a.seq_len, budgets, a.workers, a.domain, a.split, a.seed,
-                a.shuffle_docs, a.records_per_shard, command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]))
+                a.shuffle_docs, a.records_per_shard, command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]),
+                skip_bad_files=a.skip_bad_files)
     except (PrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -211,6 +211,22 @@ def main(argv):
         return
     if what == "attention":
         import jax.numpy as jnp
+        for spec in FLAGS.shapes:
+            parts = spec.split(",")
+            if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+                print(f"error: --shapes={spec!r}: expected five positive integers B,T,H,K,D (e.g. 4,2048,16,4,64)",
+                      file=sys.stderr)
+                sys.exit(2)
+            if int(parts[2]) % int(parts[3]):
+                print(f"error: --shapes={spec!r}: K={parts[3]} kv heads do not divide H={parts[2]} query heads",
+                      file=sys.stderr)
+                sys.exit(2)
+        unknown = [i for i in FLAGS.impls.split(",") if i not in ("auto", "pallas", "cudnn", "splash", "chunked", "xla",
+                                                                    "reference")]
+        if unknown:
+            print(f"error: --impls: unknown {unknown}; choose from pallas, cudnn, splash, chunked, xla, reference",
+                  file=sys.stderr)
+            sys.exit(2)
         for r in bench_attention(FLAGS.shapes, FLAGS.impls.split(","), jnp.dtype(FLAGS.dtype).type):
             print(json.dumps(r))
         return
@@ -247,4 +263,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from resformer_jax import cli
+    cli.check_config_flags(sys.argv)
     app.run(main)

@@ -43,14 +43,156 @@ def exit_code(e: BaseException) -> int:
 
 
 def report_user_error(e: BaseException) -> int:
+    if isinstance(e, OSError):
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or e}{where}; check the path, its permissions and the free space "
+              "(a read-only or full disk, or a missing folder)", file=sys.stderr, flush=True)
+        return 2
     print(f"error: {e}", file=sys.stderr, flush=True)
     return exit_code(e)
 
 
 @contextlib.contextmanager
 def exit_on_user_error():
-    """Runs the block; a user error prints its one-line message and exits with its code."""
+    """Runs the block; a user error (or a file the system refuses) prints its one-line message and exits
+    with its code."""
     try:
         yield
-    except user_errors() as e:
+    except user_errors() + (OSError,) as e:
         sys.exit(report_user_error(e))
+
+
+class ConfigFlagError(ValueError):
+    """A --config file or --config.field flag that cannot work; the message says what to change."""
+
+
+def load_config_file(path: str):
+    """The ConfigDict a config file's get_config() returns; ConfigFlagError for a missing file, a syntax
+    error, an error while it runs, or no get_config()."""
+    import importlib.util
+    import os
+    if not os.path.isfile(path):
+        raise ConfigFlagError(f"--config file {path!r} does not exist; give a file like configs/resformer_82m.py")
+    spec = importlib.util.spec_from_file_location("_resformer_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        raise ConfigFlagError(f"--config {path}: syntax error at line {e.lineno}: {e.msg}; fix the file") from None
+    except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported, not raised
+        raise ConfigFlagError(f"--config {path} fails while loading ({type(e).__name__}: {e}); fix the file") from None
+    if not callable(getattr(mod, "get_config", None)):
+        raise ConfigFlagError(f"--config {path} has no get_config() function; define one returning a ConfigDict")
+    try:
+        return mod.get_config()
+    except Exception as e:  # noqa: BLE001
+        raise ConfigFlagError(f"--config {path}: get_config() fails ({type(e).__name__}: {e}); fix the file") from None
+
+
+def check_config_flags(argv: list[str], default_config: str | None = None, name: str = "config"):
+    """Checks --config and every --config.a.b flag before absl parses them (absl's own errors are tracebacks
+    from deep inside ml_collections): a missing or broken file, an unknown field (with the closest names),
+    a value of the wrong type. Exits 2 with one line on the first problem."""
+    import difflib
+    path, fields = default_config, []
+    args = list(argv[1:])
+    for i, a in enumerate(args):
+        if a == f"--{name}" and i + 1 < len(args):
+            path = args[i + 1]
+        elif a.startswith(f"--{name}="):
+            path = a.split("=", 1)[1]
+        elif a.startswith(f"--{name}."):
+            field, _, value = a[len(name) + 3:].partition("=")
+            if not _ and i + 1 < len(args):
+                value = args[i + 1]
+            fields.append((field, value))
+    try:
+        if path is None:
+            if fields:
+                raise ConfigFlagError(f"--{name}.{fields[0][0]} given without --{name}=FILE")
+            return
+        cfg = load_config_file(path)
+        for field, value in fields:
+            node, parts = cfg, field.split(".")
+            for j, part in enumerate(parts):
+                keys = list(node.keys()) if hasattr(node, "keys") else []
+                if part not in keys:
+                    where = ".".join(parts[:j]) or "the config"
+                    close = difflib.get_close_matches(part, keys, n=3)
+                    raise ConfigFlagError(
+                        f"--{name}.{field}: {where} has no field {part!r}"
+                        + (f"; did you mean {', '.join(close)}?" if close else f"; its fields: {', '.join(keys)}"))
+                if j < len(parts) - 1:
+                    node = node[part]
+            current = node[parts[-1]]
+            _check_type(f"--{name}.{field}", value, current)
+    except ConfigFlagError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _check_type(flag: str, value: str, current):
+    kind = type(current)
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+        elif kind is int:
+            int(value)
+        elif kind is float:
+            float(value)
+    except ValueError:
+        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        raise ConfigFlagError(f"{flag}={value!r}: expected {expected}") from None
+
+
+class _LibraryErrorFile:
+    """Where library errors go instead of the console: RUN/library_errors.log (or a temp file)."""
+
+    def __init__(self, workdir: str):
+        import os
+        import tempfile
+        self.candidates = [os.path.join(workdir, "library_errors.log"),
+                           os.path.join(tempfile.gettempdir(), f"resformer_jax_library_errors_{os.getpid()}.log")]
+        self.path = None
+
+    def write(self, text: str):
+        for path in ([self.path] if self.path else self.candidates):
+            try:
+                with open(path, "a") as f:
+                    f.write(text if text.endswith("\n") else text + "\n")
+                self.path = path
+                return
+            except OSError:
+                continue
+
+
+def divert_library_errors(workdir: str) -> _LibraryErrorFile:
+    """Errors that libraries log from their own threads (orbax's asynchronous writers, asyncio) go to a file
+    instead of the console, where they would bury the one line that says what happened; that line points to
+    the file. Warnings stay on the console."""
+    import logging
+    import threading
+    sink = _LibraryErrorFile(workdir)
+
+    class Divert(logging.Filter):
+        def filter(self, record):
+            if record.levelno >= logging.ERROR and record.name.split(".")[0] in ("absl", "asyncio", "orbax"):
+                sink.write(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s").format(record))
+                return False
+            return True
+
+    for h in logging.getLogger().handlers + logging.getLogger("absl").handlers:
+        h.addFilter(Divert())
+
+    def thread_hook(args):
+        import traceback
+        sink.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+    threading.excepthook = thread_hook
+
+    def unraisable_hook(u):
+        import traceback
+        sink.write(f"{u.err_msg or 'unraisable'}: " + "".join(traceback.format_exception(
+            type(u.exc_value), u.exc_value, u.exc_traceback)))
+    sys.unraisablehook = unraisable_hook
+    return sink

@@ -75,7 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
     d.source = "synthetic"  # synthetic | array_record | tfds | demo
     d.path = ""
     d.seq_len = 2048
-    d.mixture = ml_collections.ConfigDict()  # domain -> weight; empty: paper mixture.
+    d.mixture = ""  # "DOMAIN=WEIGHT,DOMAIN=WEIGHT" (renormalised); empty: the paper's Table 2 mixture.
     d.seed = 0
     d.num_threads = 2
     d.prefetch = 4
@@ -204,6 +204,29 @@ def learns_lambdas(m) -> bool:
     return mixes_values(m) and m.resformer_lambdas in ("learnable", "learnable_plus")
 
 
+def parse_mixture(value) -> dict[str, float]:
+    """config.data.mixture as {domain: weight}: from "RedPajamaC4=0.3,RedPajamaGithub=0.1" (what the command
+    line sets) or a dict (configs written before it was a string)."""
+    if not value:
+        return {}
+    if not isinstance(value, str):
+        return {str(k): float(v) for k, v in dict(value).items()}
+    out = {}
+    for item in value.split(","):
+        dom, eq, w = item.strip().partition("=")
+        try:
+            out[dom.strip()] = float(w)
+        except ValueError:
+            _fail("data.mixture", f"{item.strip()!r} is not DOMAIN=WEIGHT",
+                  "write e.g. --config.data.mixture=RedPajamaC4=0.3,RedPajamaGithub=0.1")
+        if not eq or not dom.strip() or out[dom.strip()] < 0:
+            _fail("data.mixture", f"{item.strip()!r} is not DOMAIN=WEIGHT with a weight >= 0",
+                  "write e.g. --config.data.mixture=RedPajamaC4=0.3,RedPajamaGithub=0.1")
+    if sum(out.values()) <= 0:
+        _fail("data.mixture", "all weights are 0", "give at least one domain a positive weight")
+    return out
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks every field that could make a run impossible; returns c."""
     m = c.model
@@ -285,6 +308,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
         _fail("train.warmup_steps", f"{t.warmup_steps} not in [0, train.steps={t.steps})",
               "use fewer warmup steps than total steps")
+    parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
         _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
     return c

@@ -252,4 +252,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from resformer_jax import cli
+    cli.check_config_flags(sys.argv)
     app.run(main)

@@ -11,7 +11,7 @@ import functools
 import grain
 import numpy as np
 
-from resformer_jax.config import PAPER_MIXTURE
+from resformer_jax.config import PAPER_MIXTURE, parse_mixture
 from resformer_jax.data.records import DataError, DomainSource, check_compatible, corpus_path, load_metadata
 from resformer_jax.data.tfds_source import tfds_domain_source
 
@@ -126,7 +126,7 @@ def train_reader(cfg, meta: dict | None = None):
     path = corpus_path(cfg.data)
     meta = meta or load_metadata(path)
     check_compatible(meta, d.seq_len, cfg.model.vocab_size, d.tokenizer_hash, path)
-    weights = domain_weights(meta, "train", dict(d.mixture) if len(d.mixture) else None)
+    weights = domain_weights(meta, "train", parse_mixture(d.mixture) or None)
     sources = [open_domain(cfg, path, meta, "train", dom) for dom in weights]
     return CorpusReader(sources, Mixture([len(s) for s in sources], list(weights.values()), d.seed)), list(weights)
 

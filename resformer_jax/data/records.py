@@ -22,6 +22,9 @@ class DataError(Exception):
 # ----------------------------------------------------------------------------- metadata
 
 
+META_KEYS = ("format", "tokenizer", "seq_len", "record_len", "dtype", "splits")
+
+
 def load_metadata(path: str) -> dict:
     if not path:
         raise DataError("config.data.path is empty; point it at a folder written by `python -m data_prep.prepare`")
@@ -32,8 +35,17 @@ def load_metadata(path: str) -> dict:
     if not os.path.isfile(meta_path):
         raise DataError(f"{path!r} has no metadata.json (empty or not prepared); "
                         f"run `python -m data_prep.prepare --out {path} ...`")
-    with open(meta_path) as f:
-        return json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{meta_path} is not valid JSON ({e}); the folder is damaged: prepare it again with "
+                        "`python -m data_prep.prepare`") from None
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing or not isinstance(meta.get("tokenizer"), dict) or "sha256" not in meta["tokenizer"]:
+        raise DataError(f"{meta_path} is incomplete (missing {missing or ['tokenizer.sha256']}); prepare the folder "
+                        "again with `python -m data_prep.prepare`")
+    return meta
 
 
 def check_compatible(meta: dict, seq_len: int, vocab_size: int, tokenizer_hash: str = "", path: str = ""):
@@ -62,9 +74,28 @@ class DomainSource(grain.sources.RandomAccessDataSource):
         for p in self.paths:
             if not os.path.isfile(p):
                 raise DataError(f"shard {p} listed in metadata.json is missing; prepare the data again")
-        self._src = grain.sources.ArrayRecordDataSource(self.paths)
+        try:
+            self._src = grain.sources.ArrayRecordDataSource(self.paths)
+            self.n = len(self._src)
+        except Exception as e:  # noqa: BLE001 - array_record raises RuntimeError/ValueError for a damaged file
+            raise DataError(f"a shard of {split}/{domain} in {path} does not open ({type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); it is truncated or "
+                            "damaged: prepare the data again") from None
         self.dtype = np.dtype(meta["dtype"])
-        self.n = len(self._src)
+        expected = st.get("sequences")
+        if expected is not None and self.n != expected:
+            raise DataError(f"{split}/{domain} in {path} holds {self.n} records but metadata.json lists {expected}; "
+                            "a shard is truncated or was replaced: prepare the data again")
+        record_bytes = meta["record_len"] * self.dtype.itemsize
+        for i in (0, self.n - 1) if self.n else ():  # the first and last record read whole
+            try:
+                rec = self._src[i]
+            except Exception as e:  # noqa: BLE001
+                raise DataError(f"record {i} of {split}/{domain} in {path} does not read ({type(e).__name__}); "
+                                "a shard is damaged: prepare the data again") from None
+            if len(rec) != record_bytes:
+                raise DataError(f"record {i} of {split}/{domain} in {path} has {len(rec)} bytes, not {record_bytes}; "
+                                "a shard is damaged: prepare the data again")
 
     def __len__(self):
         return self.n

@@ -28,11 +28,21 @@ class NonFiniteError(RuntimeError):
 
 def run(cfg, workdir: str, **dist) -> int:
     """Trains; returns the process exit code. User errors print one message, never a traceback."""
-    from resformer_jax.cli import report_user_error, user_errors
+    from resformer_jax.cli import divert_library_errors, report_user_error, user_errors
+    library_errors = divert_library_errors(workdir)
     try:
         return Trainer(cfg, workdir, **dist).train()
-    except user_errors() as e:
-        return report_user_error(e)
+    except user_errors() + (OSError,) as e:  # OSError: a read-only or full disk, a missing folder
+        code = report_user_error(e)
+        if library_errors.path:
+            print(f"(the libraries' own error reports are in {library_errors.path})", file=sys.stderr, flush=True)
+        if isinstance(e, CheckpointError) and "could not write" in str(e):
+            # Orbax's writer threads are still failing; leave without waiting on them (they would print
+            # tracebacks at interpreter shutdown). What was saved before stays intact.
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(code)
+        return code
 
 
 def _get(d: dict, dotted: str):
