@@ -30,5 +30,6 @@ setup(
         "gpu": ["jax[cuda12]>=0.4.35,<0.12"],
         "tpu": ["jax[tpu]>=0.4.35,<0.12"],
         "eval": ["tensorboard>=2.15"],
+        "beam": ["apache-beam>=2.60"],
     },
 )

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Iterator
 
@@ -131,20 +132,33 @@ def _file_bytes(path: str) -> Iterator[bytes]:
         yield from iter(lambda: f.read(1 << 20), b"")
 
 
+def from_record(rec, where: str, domain: str) -> tuple[str, str]:
+    """(domain, text) of one SlimPajama-style record."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+        raise BadInputFile(f"{where}: the record has no \"text\" string field (keys: "
+                           f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__})")
+    meta = rec.get("meta") or {}
+    if isinstance(meta, str):
+        try:
+            meta = json.loads(meta)
+        except json.JSONDecodeError:
+            raise BadInputFile(f"{where}: its \"meta\" field is a string that is not JSON") from None
+    return meta.get("redpajama_set_name", domain), rec["text"]
+
+
+def from_json_line(path: str, n: int, raw: bytes, domain: str) -> tuple[str, str]:
+    """(domain, text) of one JSON line (n: its line number, for messages)."""
+    line = _decode(path, n, raw.rstrip(b"\n"))
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadInputFile(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from None
+    return from_record(rec, f"{path}:{n}", domain)
+
+
 def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
     """Yields (domain, text) for every document in one file; a malformed file raises BadInputFile naming
     the file (and the line, for JSON lines)."""
-    def from_record(rec, where):
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise BadInputFile(f"{where}: the record has no \"text\" string field (keys: "
-                               f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__})")
-        meta = rec.get("meta") or {}
-        if isinstance(meta, str):
-            try:
-                meta = json.loads(meta)
-            except json.JSONDecodeError:
-                raise BadInputFile(f"{where}: its \"meta\" field is a string that is not JSON") from None
-        return meta.get("redpajama_set_name", domain), rec["text"]
 
     if path.endswith(".txt"):
         with open(path, "rb") as f:
@@ -163,7 +177,7 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise BadInputFile(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from None
-            yield from_record(rec, f"{path}:{n}")
+            yield from_record(rec, f"{path}:{n}", domain)
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:
@@ -173,7 +187,7 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
         if "text" not in table.column_names:
             raise BadInputFile(f"{path}: no \"text\" column (columns: {table.column_names})")
         for i, rec in enumerate(table.to_pylist()):
-            yield from_record(rec, f"{path} row {i}")
+            yield from_record(rec, f"{path} row {i}", domain)
 
 
 def load_tokenizer(spec: str, files: list[str], out: str, docs_of=None):
@@ -226,10 +240,11 @@ def eot_id_of(tok) -> int:
 class ShardWriter:
     """Packs one (split, domain) token stream into fixed-length records across shards."""
 
-    def __init__(self, folder: str, record_len: int, dtype, per_shard: int):
+    def __init__(self, folder: str, record_len: int, dtype, per_shard: int, prefix: str = "shard"):
         from array_record.python.array_record_module import ArrayRecordWriter
         self._writer_cls = ArrayRecordWriter
         self.folder, self.record_len, self.dtype, self.per_shard = folder, record_len, dtype, per_shard
+        self.prefix = prefix
         os.makedirs(folder, exist_ok=True)
         self.buf = np.zeros(0, dtype)
         self.writer, self.in_shard, self.shards, self.records = None, 0, [], 0
@@ -244,7 +259,7 @@ class ShardWriter:
     def _write(self, rec):
         if self.writer is None or self.in_shard == self.per_shard:
             self._close_shard()
-            name = f"shard-{len(self.shards):05d}.array_record"
+            name = f"{self.prefix}-{len(self.shards):05d}.array_record"
             self.writer = self._writer_cls(os.path.join(self.folder, name), "group_size:1")
             self.shards.append(name)
         self.writer.write(rec.tobytes())
@@ -264,7 +279,8 @@ class ShardWriter:
 def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, budgets: dict | None = None,
             workers: int = 0, domain: str = "default", split: str = "train", seed: int = 0,
             shuffle_docs: bool = False, records_per_shard: int = 65536, batch_docs: int = 256,
-            command: str = "", quiet: bool = False, skip_bad_files: bool = False) -> dict:
+            command: str = "", quiet: bool = False, skip_bad_files: bool = False, runner: str = "threads",
+            beam_options: str = "", beam_packing: str = "domain") -> dict:
     """Library form of the command; returns the metadata it writes.
 
     Atomic: everything is written to a folder beside `out` and renamed into place at the end, so a
@@ -275,8 +291,20 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     if seq_len < 1:
         raise PrepareError(f"--seq_len must be positive, got {seq_len}")
     budgets = budgets or {}
-    files = list_files(inputs)
+    if runner not in ("threads", "beam"):
+        raise PrepareError(f"--runner={runner!r}: use threads or beam")
+    if runner == "beam":
+        from data_prep import beam_pipeline
+        beam_pipeline.require_beam()
+        files = beam_pipeline.list_inputs(inputs)
+    else:
+        files = list_files(inputs)
     out = out.rstrip("/") or out
+    if "://" in out:
+        if runner != "beam":
+            raise PrepareError(f"--out {out!r} is not a local folder: writing to object storage needs --runner=beam")
+        return _prepare_remote(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
+                               records_per_shard, batch_docs, command, quiet, skip_bad_files, beam_options, beam_packing)
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepareError(f"--out {out!r} is an existing file; name a folder (new, empty, or a prepared corpus "
                            "to replace)")
@@ -288,7 +316,8 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     try:
         os.makedirs(work)
         meta = _prepare_into(work, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                             records_per_shard, batch_docs, command, quiet, skip_bad_files)
+                             records_per_shard, batch_docs, command, quiet, skip_bad_files, runner, beam_options,
+                             beam_packing)
         if os.path.isdir(out):  # swap: the old corpus stays whole until the new one is
             old = f"{out}.old-{os.getpid()}"
             os.rename(out, old)
@@ -303,8 +332,32 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     return meta
 
 
+def _prepare_remote(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs, records_per_shard,
+                    batch_docs, command, quiet, skip_bad_files, beam_options, beam_packing) -> dict:
+    """--out on object storage (Beam only): no rename there, so metadata.json is removed first and written last;
+    the tokenizer is prepared locally and copied up."""
+    from apache_beam.io.filesystems import FileSystems
+    meta_path = f"{out}/metadata.json"
+    if FileSystems.exists(meta_path):
+        FileSystems.delete([meta_path])
+    local = tempfile.mkdtemp(prefix="resformer_prepare_")
+    try:
+        meta = _prepare_into(local, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
+                             records_per_shard, batch_docs, command, quiet, skip_bad_files, "beam", beam_options,
+                             beam_packing, shards_out=out, write_meta=False)
+        with open(os.path.join(local, "tokenizer.json"), "rb") as src, \
+                FileSystems.create(f"{out}/tokenizer.json") as dst:
+            dst.write(src.read())
+        with FileSystems.create(meta_path) as f:
+            f.write(json.dumps(meta, indent=2).encode())
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    return meta
+
+
 def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs, records_per_shard,
-                  batch_docs, command, quiet, skip_bad_files) -> dict:
+                  batch_docs, command, quiet, skip_bad_files, runner="threads", beam_options="",
+                  beam_packing="domain", shards_out=None, write_meta=True) -> dict:
     skipped: dict[str, str] = {}
 
     def log(msg):
@@ -326,19 +379,33 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
             return []
 
     tok, tok_path = load_tokenizer(tokenizer, files, out, docs_of)
+    if runner == "beam":
+        from data_prep import beam_pipeline
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        eot = eot_id_of(tok)
+        with open(tok_path) as f:
+            tok_json = f.read()
+        t0 = time.time()
+        stats, skipped_list = beam_pipeline.run_pipeline(
+            files, tok, tok_json, eot, shards_out or out, seq_len, budgets, domain, split, seed, shuffle_docs,
+            records_per_shard, beam_options, beam_packing, skip_bad_files)
+        skipped.update({x["file"]: x["reason"] for x in skipped_list})
+        total = sum(st["tokens"] for doms in stats.values() for st in doms.values())
+        log(f"[prepare] beam: {total:,} tokens in {time.time() - t0:.1f}s ({beam_packing} packing)")
+        return _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_docs, budgets, command,
+                       skipped, log, write_meta, runner="beam", packing=beam_packing)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eot = eot_id_of(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     writers: dict[tuple[str, str], ShardWriter] = {}
     stats: dict[str, dict[str, dict]] = {}
-    rng = np.random.default_rng(seed)
     t0, total_tokens = time.time(), 0
 
     for fi, path in enumerate(files):
         sp = split_of(path, split)
         docs = docs_of(path, domain)
-        if shuffle_docs:
-            docs = [docs[i] for i in rng.permutation(len(docs))]
+        if shuffle_docs:  # seeded per file, so every runner (and a resumed preparation) gets the same order
+            docs = [docs[i] for i in np.random.default_rng([seed, fi]).permutation(len(docs))]
         for b in range(0, len(docs), batch_docs):
             chunk = docs[b:b + batch_docs]
             encs = tok.encode_batch([t for _, t in chunk], add_special_tokens=False)
@@ -361,6 +428,16 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
         left = w.close()
         stats[sp][dom].update(sequences=w.records, tokens_in_sequences=w.records * (seq_len + 1),
                               tokens_dropped=left, shards=w.shards)
+    log(f"[prepare] {total_tokens:,} tokens in {time.time() - t0:.1f}s"
+        + (f"; skipped {len(skipped)} bad files (listed in metadata.json)" if skipped else ""))
+    return _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_docs, budgets, command, skipped,
+                   log, write_meta, runner="threads", packing="domain")
+
+
+def _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_docs, budgets, command, skipped, log,
+            write_meta=True, runner="threads", packing="domain") -> dict:
+    """Drops (split, domain) streams without a whole record, and writes metadata.json (last)."""
+    dtype = np.uint16 if vocab <= 65535 else np.uint32
     for sp, doms in stats.items():
         for dom, st in list(doms.items()):
             if st.get("sequences", 0) == 0:
@@ -381,12 +458,15 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
         "seed": seed, "shuffle_docs": shuffle_docs, "budgets": budgets,
         "splits": stats, "command": command or " ".join(sys.argv),
         "skipped_files": [{"file": f, "reason": r} for f, r in sorted(skipped.items())],
+        "runner": runner,
+        # domain: each (split, domain) packed as one stream in file and document order (threads, and Beam's
+        # default); file: Beam packed each input file on its own (records never span files).
+        "packing": packing,
     }
-    with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
-    log(f"[prepare] {total_tokens:,} tokens in {time.time() - t0:.1f}s"
-        + (f"; skipped {len(skipped)} bad files (listed in metadata.json)" if skipped else ""))
+    if write_meta:
+        with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
+            json.dump(meta, f, indent=2)
+        os.replace(os.path.join(out, "metadata.json.tmp"), os.path.join(out, "metadata.json"))
     return meta
 
 
@@ -403,6 +483,13 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle_docs", action="store_true", help="shuffle documents within each file by --seed")
     p.add_argument("--records_per_shard", type=int, default=65536)
+    p.add_argument("--runner", default="threads", choices=("threads", "beam"),
+                   help="threads: this machine; beam: an Apache Beam pipeline (pip install -e '.[beam]')")
+    p.add_argument("--beam_options", default="",
+                   help='Beam pipeline options, e.g. "--runner=DirectRunner --direct_num_workers=2 '
+                        '--direct_running_mode=multi_processing" or "--runner=DataflowRunner --project=P ..."')
+    p.add_argument("--beam_packing", default="domain", choices=("domain", "file"),
+                   help="domain: records identical to the threaded path; file: pack each file on its own (parallel)")
     p.add_argument("--skip_bad_files", action="store_true",
                    help="skip truncated or malformed input files (counted, listed in metadata.json) instead of stopping")
     a = p.parse_args(argv)
@@ -419,7 +506,8 @@ def main(argv=None):
                     from None
         prepare(a.input, a.tokenizer, a.out, a.seq_len, budgets, a.workers, a.domain, a.split, a.seed,
                 a.shuffle_docs, a.records_per_shard, command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]),
-                skip_bad_files=a.skip_bad_files)
+                skip_bad_files=a.skip_bad_files, runner=a.runner, beam_options=a.beam_options,
+                beam_packing=a.beam_packing)
     except (PrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
