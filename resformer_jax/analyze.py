@@ -18,7 +18,10 @@ from absl import app, flags
 flags.DEFINE_multi_string("workdir", None, "Run directory (give twice to overlay two runs).", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("data", None, "Prepared corpus folder (default: the run's own data).")
-flags.DEFINE_integer("num_sequences", 1000, "Validation sequences to analyse.")
+flags.DEFINE_integer("num_sequences", 1000, "Sequences to analyse (the paper: 1,000).")
+flags.DEFINE_enum("split", "train", ["train", "validation"], "Analyse training sequences (as the paper) or validation.")
+flags.DEFINE_enum("value", "own", ["own", "mixed"], "Eq. 12 on each layer's own V_n (default) or the value it attends "
+                  "over (ResFormer's mix, SVFormer's V_1).")
 flags.DEFINE_integer("batch", 8, "Sequences per forward pass.")
 flags.DEFINE_string("out", None, "Output folder (default: FIRST_RUN/analysis).")
 FLAGS = flags.FLAGS
@@ -28,7 +31,7 @@ def layer_tensors(inter: dict, num_layers: int) -> dict:
     """{name: [L, ...]} stacked over layers from the capture model's intermediates."""
     import numpy as np
     out = {}
-    for name in ("attn_probs", "values", "hidden"):
+    for name in ("attn_probs", "values", "values_own", "hidden"):
         per = []
         src = inter["layer_1"]
         per.append(np.asarray((src["attn"] if name != "hidden" else src)[name][0]))
@@ -44,11 +47,21 @@ def layer_tensors(inter: dict, num_layers: int) -> dict:
     return out
 
 
-def analyze_run(workdir, step, data, num_sequences, batch) -> dict:
+def analysis_sequences(cfg, split: str, num_sequences: int, batch: int):
+    """The first `num_sequences` sequences of the training stream (the run's own mixture, in step order) or of
+    the validation split (every domain, in record order)."""
+    from resformer_jax.data.pipeline import train_reader, validation_sets
+    if split == "train":
+        read, _ = train_reader(cfg)
+        return [read(g) for g in range(num_sequences)]
+    sets = validation_sets(cfg, batch, 0, all_records=True)
+    return [row for batches in sets.values() for b in batches for row in b][:num_sequences]
+
+
+def analyze_run(workdir, step, data, num_sequences, batch, split="train", value="own") -> dict:
     import jax
     import numpy as np
     from resformer_jax.analysis import measures
-    from resformer_jax.data.pipeline import validation_sets
     from resformer_jax.model import Transformer
     from resformer_jax.train.setup import load_run
     # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
@@ -57,30 +70,38 @@ def analyze_run(workdir, step, data, num_sequences, batch) -> dict:
         cfg.data.path, cfg.data.source = data, "array_record"
     model = Transformer(cfg.model, capture=True)
     fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
-    sets = validation_sets(cfg, batch, 0, all_records=True)
-    seqs = [row for batches in sets.values() for b in batches for row in b][:num_sequences]
+    seqs = analysis_sequences(cfg, split, num_sequences, batch)
     L = cfg.model.num_layers
     acc = {k: [[] for _ in range(L)] for k in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm")}
-    second = [None] * L
-    count = 0
+    spectra = [[] for _ in range(L)]
+    sim_all = [[] for _ in range(L + 2)]  # embedding output, each block's output, final-norm output
     for b in range(0, len(seqs), batch):
         chunk = np.stack(seqs[b:b + batch])[:, :-1]
-        t = layer_tensors(jax.device_get(fwd(chunk)), L)
-        count += chunk.shape[0] * chunk.shape[1]  # tokens in the second-moment sums
+        inter = jax.device_get(fwd(chunk))
+        t = layer_tensors(inter, L)
+        ends = {0: np.asarray(inter["embedding_output"][0]), L + 1: np.asarray(inter["final_norm_output"][0])}
+        for r in range(len(chunk)):
+            for i, hs in ends.items():
+                sim_all[i].append(measures.mean_token_similarity(hs[r]))
         for n in range(L):
             for r in range(len(chunk)):
                 A, v, h = t["attn_probs"][n][r], t["values"][n][r], t["hidden"][n][r]
+                sim_all[n + 1].append(measures.mean_token_similarity(h))
+                v_spec = (t["values_own"] if value == "own" else t["values"])[n][r]
+                spectra[n].append(v_spec.reshape(len(v_spec), -1))
                 acc["entropy"][n].append(measures.token_importance_entropy(A))
                 acc["similarity"][n].append(measures.mean_token_similarity(h))
                 acc["first_token"][n].append(measures.first_token_share(A))
                 acc["value_norm"][n].append(float(np.linalg.norm(v.reshape(len(v), -1), axis=-1).mean()))
                 acc["hidden_norm"][n].append(float(np.linalg.norm(h, axis=-1).mean()))
-                vf = v.reshape(len(v), -1).astype(np.float64)
-                m = vf.T @ vf
-                second[n] = m if second[n] is None else second[n] + m
     res = {k: [float(np.mean(x)) for x in v] for k, v in acc.items()}
-    res["spectrum"] = [list(np.linalg.eigvalsh(s / count)[::-1]) for s in second]  # Eq. 12 over all tokens
+    res["spectrum"] = [measures.mean_spectrum(s).tolist() for s in spectra]  # Eq. 12: per example, then averaged
+    res["similarity_all_hidden_states"] = [float(np.mean(x)) for x in sim_all]
     return {"workdir": workdir, "step": step, "variant": cfg.model.value_residual, "num_sequences": len(seqs),
+            "split": split, "spectrum_value": "each layer's own V_n" if value == "own" else
+            "the value each layer attends over",
+            "similarity_all_hidden_states_are": ["embedding output"] + [f"block {n} output" for n in range(1, L + 1)]
+            + ["final RMSNorm output"],
             "layers": res}
 
 
@@ -126,7 +147,8 @@ def main(argv):
     cli.start()
     from resformer_jax.metrics import Writer
     with cli.exit_on_user_error():
-        results = [analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch) for w in FLAGS.workdir]
+        results = [analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value)
+                   for w in FLAGS.workdir]
     out = FLAGS.out or os.path.join(FLAGS.workdir[0], "analysis")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "analysis.json"), "w") as f:

@@ -58,7 +58,9 @@ def base_config() -> ml_collections.ConfigDict:
     m.sparse_layers = ()  # 1-based layers where l1 != 0 for `sparse`.
     m.sparse_lambda = 5.0
     m.neutreno_lambda = -1.0  # <0: paper default (0.4 alone, 0.2 with resformer).
-    m.value_source = "first"  # first | previous | mean_of_previous (Fig. 8)
+    # first | previous | mean_of_previous (Fig. 8; with the attention mapping: Eq. 5, (1/n) sum_{i<=n} V_i) |
+    # mean_of_previous_mixed (Eq. 7's mix of the mean of V_1..V_{n-1} with V_n)
+    m.value_source = "first"
     m.residual_on = "v"  # v | q | k (Fig. 6)
     m.mapping = "attention"  # attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
     m.denseformer = False
@@ -265,7 +267,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if len(tuple(m.lambda_init)) != 2:
         _fail("model.lambda_init", f"needs two values (l1, l2), got {m.lambda_init!r}",
               "set e.g. --config.model.lambda_init='(0.5,0.5)'")
-    choices = {"value_source": ("first", "previous", "mean_of_previous"),
+    choices = {"value_source": ("first", "previous", "mean_of_previous", "mean_of_previous_mixed"),
                "residual_on": ("v", "q", "k"),
                "mapping": ("attention", "identity", "cross_layer"),
                "cla_share": ("kv", "k", "v"),

@@ -126,13 +126,16 @@ def forward_general(p, tokens, m):
                 l1, l2 = (m.sparse_lambda if n in tuple(m.sparse_layers) else 0.0), 1.0
             else:
                 l1, l2 = m.lambda_init
-            src = {"first": V1, "previous": raw_values[-1] if raw_values else None,
-                   "mean_of_previous": sum(raw_values) / len(raw_values) if raw_values else None}[m.value_source]
+            mean = sum(raw_values) / len(raw_values) if raw_values else None
+            src = {"first": V1, "previous": raw_values[-1] if raw_values else None, "mean_of_previous": mean,
+                   "mean_of_previous_mixed": mean}[m.value_source]
             v_att = v
             if resformer and m.residual_on == "q":
                 q = l1 * Q1 + l2 * q
             elif resformer and m.residual_on == "k":
                 k = l1 * K1 + l2 * k
+            elif resformer and m.mapping == "attention" and m.value_source == "mean_of_previous":
+                v_att = (sum(raw_values) + v) / (len(raw_values) + 1)  # Eq. 5: (1/n) sum_{i<=n} V_i, a direct sum
             elif resformer and m.mapping == "attention":
                 v_att = l1 * src + l2 * v  # Eq. 7
             if m.value_residual == "svformer" and m.svformer_share == "v":

@@ -37,6 +37,26 @@ def test_prefill_plus_decode_equals_full_forward(mode, kv):
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_cross_layer_mapping_decode_equals_forward(scan):
+    """Eq. 2 (mapping=cross_layer) in the KV-cached decode: layer n attends over its own cache and layer 1's."""
+    c = tiny_config("resformer")
+    c.model.mapping, c.model.num_kv_heads, c.model.scan_layers = "cross_layer", 2, scan
+    validate(c)
+    m = Transformer(c.model)
+    toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
+    p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
+    full = jax.jit(m.apply)({"params": p}, toks)
+    mf = FrozenModelConfig(c.model)
+    cache = init_cache(mf, p, 2, 16)
+    logits, cache = _step(p, toks[:, :5], cache, m_frozen=mf, max_len=16)
+    outs = [logits]
+    for t in range(5, 12):
+        logits, cache = _step(p, toks[:, t:t + 1], cache, m_frozen=mf, max_len=16)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kv", [2])
 def test_svformer_cache_is_L_plus_1_over_2L_of_vanilla_and_matches_summary(kv):
     sizes = {}

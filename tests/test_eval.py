@@ -126,6 +126,11 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert r.returncode == 0, r.stderr
     an = json.load(open(tmp_path / "an" / "analysis.json"))
     assert len(an) == 2 and len(an[0]["layers"]["entropy"]) == 3 and len(an[0]["layers"]["spectrum"][0]) == 64
+    # issue 18: training sequences by default, V_n's spectrum per example, Eq. 13 also on the embedding and
+    # final-norm outputs
+    assert an[0]["split"] == "train" and an[0]["spectrum_value"] == "each layer's own V_n"
+    assert len(an[0]["layers"]["similarity_all_hidden_states"]) == 3 + 2
+    assert an[0]["similarity_all_hidden_states_are"][0] == "embedding output"
     for f in ("entropy.png", "similarity.png", "spectrum.png"):
         assert os.path.getsize(tmp_path / "an" / f) > 1000
     r = subprocess.run(py + ["resformer_jax.compare", "--baseline", runs["none"], runs["resformer"], runs["none"],

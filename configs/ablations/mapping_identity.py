@@ -1,7 +1,7 @@
-"""Fig. 7 / Eq. 6: A_n V_n + mean of earlier values. 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""Fig. 7: identity mapping, U_n = A_n V_n + V_1 (ResFormer with only the mapping changed; Eq. 6 with m = 1). 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'resformer', 'mapping': 'identity', 'value_source': 'mean_of_previous'}
+ABLATION = {'value_residual': 'resformer', 'mapping': 'identity'}
 
 
 def get_config():

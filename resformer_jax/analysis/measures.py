@@ -32,6 +32,12 @@ def value_spectrum(v_TxF: np.ndarray) -> np.ndarray:
     return np.linalg.eigvalsh(m)[::-1]
 
 
+def mean_spectrum(values: list[np.ndarray]) -> np.ndarray:
+    """Eq. 12 as the paper aggregates it (Sec. 4.5): each example's sorted eigenvalues (value_spectrum of its
+    [T, F] values), averaged over examples; not one eigendecomposition of values pooled over all examples."""
+    return np.mean([value_spectrum(v) for v in values], axis=0)
+
+
 def first_token_share(A_TxT: np.ndarray) -> float:
     """Mean attention weight on the first token (attention sinks)."""
     return float(A_TxT[:, 0].mean())

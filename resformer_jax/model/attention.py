@@ -45,7 +45,8 @@ class LayerPlan:
     key: str  # "own" | "first" (SVFormer sharing K_1, Fig. 13) | "group" (CLA: the group's first layer)
     value: str  # "own" | "none" (SVFormer: no W_V at all, Eq. 10) | "group" (CLA)
     value_source: str | None  # the earlier value the residual uses (Fig. 8): first | previous | mean_of_previous
-    mix: Callable[["ValueMix"], jax.Array]  # the value A_n is applied to: eq1_own_value | eq7_resformer_value | eq10_svformer_value
+    mix: Callable[["ValueMix"], jax.Array]  # the value A_n is applied to: eq1_own_value | eq7_resformer_value |
+    #                                         eq5_mean_value | eq10_svformer_value
     residual_on: str | None  # "q" | "k": Eq. 7's mix on queries or keys instead of values (Fig. 6)
     mapping: str  # how the earlier value reaches U_n: attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
     neutreno: float  # Eq. 8's lambda; 0 = off
@@ -76,8 +77,10 @@ def plan_layer(m, layer: int | None) -> LayerPlan:
     resformer = mixes_values(m)
     if m.mapping != "attention" or m.residual_on != "v" or not (resformer or shares == "v"):
         mix = eq1_own_value
+    elif resformer:
+        mix = eq5_mean_value if m.value_source == "mean_of_previous" else eq7_resformer_value
     else:
-        mix = eq7_resformer_value if resformer else eq10_svformer_value
+        mix = eq10_svformer_value
     return LayerPlan(first=False, query="first" if shares == "q" else "own", key=key, value=value,
                      value_source=m.value_source, mix=mix,
                      residual_on=m.residual_on if resformer and m.residual_on != "v" else None,
@@ -123,7 +126,7 @@ def first_carry(m, h_BxTxE, first: LayerTensors) -> Carry:
     c = Carry(h=h_BxTxE)
     if m.value_source == "previous":
         c = c.replace(v_prev=first.v)
-    if m.value_source == "mean_of_previous" or m.mapping == "identity":
+    if m.value_source.startswith("mean_of_previous") or m.mapping == "identity":
         c = c.replace(v_sum=first.v.astype(jnp.float32), n_prev=jnp.ones((), jnp.float32))
     if m.cla_share_every > 1:
         c = c.replace(group=first)
@@ -167,6 +170,8 @@ class ValueMix(NamedTuple):
     l1: jax.Array
     l2: jax.Array
     dtype: Any
+    earlier_sum: jax.Array | None = None  # sum of V_1..V_{n-1} (fp32), where the stack keeps it
+    earlier_count: jax.Array | None = None  # n - 1
 
 
 def eq1_own_value(x: ValueMix):
@@ -179,15 +184,19 @@ def eq7_resformer_value(x: ValueMix):
     return eq7_resformer_mix(x.earlier, x.own, x.l1, x.l2, x.dtype)
 
 
+def eq5_mean_value(x: ValueMix):
+    """Eq. 5: U_n = (1/n) A_n sum_{i<=n} V_i (value_source=mean_of_previous with the attention mapping)."""
+    return ((x.earlier_sum + x.own.astype(jnp.float32)) / (x.earlier_count + 1)).astype(x.dtype)
+
+
 def eq10_svformer_value(x: ValueMix):
     """Eq. 10: U_n = A_n V_1 (or the value of the latest anchor layer, Fig. 14)."""
     return x.shared
 
 
 def mean_of_earlier_values(carry: Carry, dtype):
-    """(1 / (n-1)) sum_{i<n} V_i: the average over earlier layers that Eq. 6 adds. value_source
-    mean_of_previous (Fig. 8) mixes it with V_n through Eq. 7, giving 1/2 mean(V_1..V_{n-1}) + 1/2 V_n,
-    which is not Eq. 5's (1/n) sum_{i<=n} V_i."""
+    """(1 / (n-1)) sum_{i<n} V_i: the average over earlier layers that Eq. 6 adds (value_source
+    mean_of_previous_mixed mixes it with V_n through Eq. 7 instead)."""
     return (carry.v_sum / carry.n_prev).astype(dtype)
 
 
@@ -195,13 +204,14 @@ def earlier_value(plan: LayerPlan, carry: Carry, first: LayerTensors, dtype):
     """The earlier value the residual uses (Fig. 8): V_1, V_{n-1}, or the mean of V_1..V_{n-1}."""
     if plan.value_source == "previous":
         return carry.v_prev
-    if plan.value_source == "mean_of_previous":
+    if plan.value_source in ("mean_of_previous", "mean_of_previous_mixed"):
         return mean_of_earlier_values(carry, dtype)
     return first.v
 
 
 def eq6_identity_mapping(u_BxTxHxD, earlier_BxTxKxD):
-    """Eq. 6: U_n = A_n V_n + (earlier value), mapped by the identity instead of A_n."""
+    """Eq. 6: U_n = A_n V_n + (earlier value), mapped by the identity instead of A_n: exactly Eq. 6 with
+    value_source=mean_of_previous (1/(n-1) sum_{i<n} V_i); with value_source=first, A_n V_n + V_1."""
     return u_BxTxHxD + repeat_kv(earlier_BxTxKxD, u_BxTxHxD.shape[2]).astype(u_BxTxHxD.dtype)
 
 
@@ -255,7 +265,7 @@ class Attention(nn.Module):
 
         # The value this layer's attention matrix is applied to.
         shared = None if p.first else (carry.shared or first).v
-        v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype))
+        v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev))
 
         qr_BxTxHxD = rope(q_BxTxHxD, ctx.positions, m.rope_theta)
         kr_BxTxKxD = rope(k_BxTxKxD, ctx.positions, m.rope_theta)
@@ -266,8 +276,14 @@ class Attention(nn.Module):
             # whole cache; a layer that owns no K or V reads the full-length one of the layer that does.
             k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
             mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= ctx.positions[:, :, None]
-            u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS,
-                                                           return_probs=True)
+            if p.mapping == "cross_layer" and not p.first:  # Eq. 2 over the caches of layer n and layer 1
+                u_BxTxHxD, probs = kernels.reference_attention(
+                    qr_BxTxHxD, jnp.concatenate([k_all, first.k_all], axis=1),
+                    jnp.concatenate([v_all, first.v_all], axis=1),
+                    mask_BxTxS=jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1), return_probs=True)
+            else:
+                u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS,
+                                                               return_probs=True)
         else:
             k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
             if p.mapping == "cross_layer" and not p.first:
@@ -281,7 +297,9 @@ class Attention(nn.Module):
                                               impl=m.attention_impl, mesh=ctx.mesh)
         if self.capture and probs is not None:
             self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
-            self.sow("intermediates", "values", v_att_BxTxKxD)
+            self.sow("intermediates", "values", v_att_BxTxKxD)  # the value A_n is applied to
+            # the layer's own V_n (a layer without W_V, SVFormer n >= 2, has none: the value it attends over)
+            self.sow("intermediates", "values_own", v_BxTxKxD if v_BxTxKxD is not None else v_att_BxTxKxD)
 
         if p.mapping == "identity" and not p.first:
             u_BxTxHxD = eq6_identity_mapping(u_BxTxHxD, v_src)

@@ -110,6 +110,8 @@ class Transformer(nn.Module):
         ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
+        if self.capture:
+            self.sow("intermediates", "embedding_output", h_BxTxE)
         lams_Nx2 = stack_lambdas(self, m)
 
         block_cls = DecoderBlock
@@ -148,6 +150,8 @@ class Transformer(nn.Module):
         h_BxTxE = carry.h
 
         h_BxTxE = RMSNorm(m.norm_eps, dtype, name="final_norm")(h_BxTxE)
+        if self.capture:
+            self.sow("intermediates", "final_norm_output", h_BxTxE)
         if return_hidden:
             return h_BxTxE
         logits_BxTxV = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype,
