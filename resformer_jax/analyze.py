@@ -31,7 +31,7 @@ def layer_tensors(inter: dict, num_layers: int) -> dict:
     """{name: [L, ...]} stacked over layers from the capture model's intermediates."""
     import numpy as np
     out = {}
-    for name in ("attn_probs", "values", "values_own", "hidden"):
+    for name in ("attn_probs", "values", "values_own", "queries", "keys", "hidden"):
         per = []
         src = inter["layer_1"]
         per.append(np.asarray((src["attn"] if name != "hidden" else src)[name][0]))
@@ -74,6 +74,7 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
     L = cfg.model.num_layers
     acc = {k: [[] for _ in range(L)] for k in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm")}
     spectra = [[] for _ in range(L)]
+    fig3 = {"eq3": [[] for _ in range(L)], "eq6": [[] for _ in range(L)]}
     sim_all = [[] for _ in range(L + 2)]  # embedding output, each block's output, final-norm output
     for b in range(0, len(seqs), batch):
         chunk = np.stack(seqs[b:b + batch])[:, :-1]
@@ -88,6 +89,11 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
                 A, v, h = t["attn_probs"][n][r], t["values"][n][r], t["hidden"][n][r]
                 sim_all[n + 1].append(measures.mean_token_similarity(h))
                 v_spec = (t["values_own"] if value == "own" else t["values"])[n][r]
+                if n >= 1:  # Fig. 3: layer n's exact cross-layer attention over layer n - 1, and its approximations
+                    sim = measures.mapping_similarity(t["queries"][n][r], t["keys"][n][r], t["values_own"][n][r],
+                                                      t["keys"][n - 1][r], t["values_own"][n - 1][r])
+                    for key in fig3:
+                        fig3[key][n].append(sim[key])
                 spectra[n].append(v_spec.reshape(len(v_spec), -1))
                 acc["entropy"][n].append(measures.token_importance_entropy(A))
                 acc["similarity"][n].append(measures.mean_token_similarity(h))
@@ -97,6 +103,9 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
     res = {k: [float(np.mean(x)) for x in v] for k, v in acc.items()}
     res["spectrum"] = [measures.mean_spectrum(s).tolist() for s in spectra]  # Eq. 12: per example, then averaged
     res["similarity_all_hidden_states"] = [float(np.mean(x)) for x in sim_all]
+    # Fig. 3 (meant for a trained vanilla model): per layer n >= 2, cosine similarity with Eq. 2 over layer n - 1
+    res["fig3_eq3_vs_eq2"] = [float(np.mean(x)) if x else None for x in fig3["eq3"]]
+    res["fig3_eq6_vs_eq2"] = [float(np.mean(x)) if x else None for x in fig3["eq6"]]
     return {"workdir": workdir, "step": step, "variant": cfg.model.value_residual, "num_sequences": len(seqs),
             "split": split, "spectrum_value": "each layer's own V_n" if value == "own" else
             "the value each layer attends over",
@@ -126,6 +135,19 @@ def plot(results: list[dict], out: str) -> list[str]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         files.append(path)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in results:
+        for key, label in (("fig3_eq3_vs_eq2", "Eq. 3"), ("fig3_eq6_vs_eq2", "Eq. 6")):
+            y = r["layers"][key]
+            ax.plot(range(2, len(y) + 1), y[1:], marker="o", label=f"{label}, {r['variant']}")
+    ax.set_xlabel("layer")
+    ax.set_title("cosine similarity to Eq. 2's output (Fig. 3)")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out, "fig3_mapping_similarity.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    files.append(path)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in results:
         for n in (0, len(r["layers"]["spectrum"]) - 1):

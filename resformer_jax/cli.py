@@ -71,6 +71,9 @@ def load_config_file(path: str):
     error, an error while it runs, or no get_config()."""
     import importlib.util
     import os
+    arg = None
+    if not os.path.isfile(path) and ":" in path and os.path.isfile(path.rsplit(":", 1)[0]):
+        path, arg = path.rsplit(":", 1)  # ml_collections' FILE:ARGUMENT form, passed to get_config(ARGUMENT)
     if not os.path.isfile(path):
         raise ConfigFlagError(f"--config file {path!r} does not exist; give a file like configs/resformer_82m.py")
     spec = importlib.util.spec_from_file_location("_resformer_config", path)
@@ -84,7 +87,7 @@ def load_config_file(path: str):
     if not callable(getattr(mod, "get_config", None)):
         raise ConfigFlagError(f"--config {path} has no get_config() function; define one returning a ConfigDict")
     try:
-        return mod.get_config()
+        return mod.get_config() if arg is None else mod.get_config(arg)
     except Exception as e:  # noqa: BLE001
         raise ConfigFlagError(f"--config {path}: get_config() fails ({type(e).__name__}: {e}); fix the file") from None
 

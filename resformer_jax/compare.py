@@ -168,11 +168,56 @@ def grouped(a) -> int:
             print(f"{'':>24} {key}: {v:+.4f}")
     if a.scaling:
         report["scaling"] = scaling(runs, a.group_by, a.baseline, out)
+    if a.vs:
+        report["critical_points"] = critical_points(runs, a.group_by, a.baseline, a.vs, a.smooth, a.last, out)
     with open(os.path.join(out, "grouped_comparison.json"), "w") as f:
         json.dump(report, f, indent=1, default=float)
     print(f"wrote {out}/relative_train_loss.png, relative_validation_loss.png, grouped_comparison.json and "
           f"TensorBoard logs under {out}/tb")
     return 0
+
+
+def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, last: int, out: str) -> dict:
+    """Fig. 11 right: for each value of `vs` (e.g. data.seq_len), each group's relative training loss and the
+    step where the baseline overtakes it (predicted by a line over the last points where it has not yet),
+    then an exponential fit of that step against `vs`."""
+    import matplotlib.pyplot as plt
+    from resformer_jax.analysis import grouping
+    by_value: dict = {}
+    for r in runs:
+        by_value.setdefault(grouping.get_field(r.config, vs), []).append(r)
+    res: dict[str, dict] = {}
+    for value, members in sorted(by_value.items()):
+        try:
+            groups = grouping.compare_groups(members, group_by, baseline, smooth)
+        except ValueError:
+            continue  # no baseline run at this value
+        for name, g in groups.items():
+            if name == baseline:
+                continue
+            step, predicted = grouping.critical_point(g.steps, g.relative, last)
+            res.setdefault(name, {})[str(value)] = {"critical_step": step, "predicted": predicted,
+                                                    "final_relative": g.final_relative}
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, per in res.items():
+        pts = [(float(v), d["critical_step"]) for v, d in per.items() if d["critical_step"]]
+        if len(pts) >= 2:
+            a_, b_ = grouping.fit_exponential(*zip(*pts))
+            per["fit"] = {"a": a_, "b": b_, "form": f"critical_step = a * exp(b * {vs})"}
+            print(f"{name}: critical step = {a_:.4g} * exp({b_:.4g} * {vs})")
+        for v, d in per.items():
+            if v != "fit":
+                print(f"{name} at {vs}={v}: critical step {d['critical_step']}"
+                      + (" (predicted by a line over the last points)" if d["predicted"] else ""))
+        if pts:
+            ax.plot(*zip(*sorted(pts)), "o-", label=name)
+    ax.set_xlabel(vs)
+    ax.set_ylabel(f"step where {baseline} overtakes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "critical_points.png"), dpi=100)
+    plt.close(fig)
+    return res
 
 
 def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
@@ -245,6 +290,9 @@ def main(argv=None):
     p.add_argument("--group_by", default=None, help="a config field (e.g. model.value_residual): compare groups")
     p.add_argument("--scaling", action="store_true", help="with --group_by: loss against parameters and tokens")
     p.add_argument("--smooth", type=int, default=100, help="moving-average window in logged points")
+    p.add_argument("--vs", default=None, help="with --group_by: a field (e.g. data.seq_len) for Fig. 11 right: "
+                   "the step where the baseline overtakes each group, against that field")
+    p.add_argument("--last", type=int, default=1000, help="--vs: points of the line that predicts a critical point")
     p.add_argument("--out", default=None, help="output folder (grouped default: FIRST_PATH/compare)")
     a = p.parse_args(argv)
     if a.group_by:

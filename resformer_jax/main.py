@@ -31,6 +31,14 @@ def summary(cfg) -> dict:
            "flops_per_token": f.per_token, "flops_per_token_6n": f.per_token_6n}
     out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
     out["seq_len"] = cfg.data.seq_len
+    out["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len
+    devices = cfg.mesh.num_devices or max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp)
+    from resformer_jax.metrics import estimate_train_memory
+    est = estimate_train_memory(cfg, devices)
+    out["memory_estimate_per_device"] = {**est, "devices": devices, "target": cfg.mesh.target or None}
+    if cfg.mesh.device_memory_limit_gb > 0:
+        limit = cfg.mesh.device_memory_limit_gb * 2**30
+        out["memory_estimate_per_device"].update(limit=int(limit), fits=est["total"] <= limit)
     out["model"] = cfg.model.to_dict()
     return out
 

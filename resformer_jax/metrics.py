@@ -82,6 +82,33 @@ def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]
     return {"mfu_6n": flops.per_token_6n * tokens_per_s / peak, "mfu_model": flops.per_token * tokens_per_s / peak}
 
 
+def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> dict:
+    """An analytic estimate of one device's memory for a train step (bytes), for presets sized for hardware
+    this machine does not have; the trainer's precheck measures the compiled step itself.
+
+    Parameters, gradients and AdamW moments in fp32 (16 bytes a parameter, sharded over fsdp); with
+    remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
+    q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
+    flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
+    block of logits.
+    """
+    import jax.numpy as jnp
+    m, t = cfg.model, cfg.train
+    fsdp = max(1, cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices)
+    n_params = model_flops(m, cfg.data.seq_len).params_total
+    act = jnp.dtype(m.dtype).itemsize
+    mb = max(1, (t.microbatch or t.global_batch) // devices)
+    T, E, F, H, L = cfg.data.seq_len, m.d_model, m.ffn_dim, m.num_heads, m.num_layers
+    state = 16 * n_params / fsdp
+    kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
+    layer = 2 * mb * T * (4 * E + 3 * F) * act
+    attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * T * 4
+    logits = 2 * mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
+    total = state + kept + layer + attention + logits
+    return {"state": int(state), "activations_kept": int(kept), "one_layer": int(layer), "attention": int(attention),
+            "logits": int(logits), "total": int(total), "per_device_micro_batch": mb}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     """XLA's per-device estimate for a compiled step."""

@@ -131,6 +131,9 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert an[0]["split"] == "train" and an[0]["spectrum_value"] == "each layer's own V_n"
     assert len(an[0]["layers"]["similarity_all_hidden_states"]) == 3 + 2
     assert an[0]["similarity_all_hidden_states_are"][0] == "embedding output"
+    fig3 = an[1]["layers"]["fig3_eq3_vs_eq2"]  # the vanilla run (Fig. 3 is measured on a trained baseline)
+    assert fig3[0] is None and all(-1 <= x <= 1 for x in fig3[1:])
+    assert os.path.getsize(tmp_path / "an" / "fig3_mapping_similarity.png") > 1000
     for f in ("entropy.png", "similarity.png", "spectrum.png"):
         assert os.path.getsize(tmp_path / "an" / f) > 1000
     r = subprocess.run(py + ["resformer_jax.compare", "--baseline", runs["none"], runs["resformer"], runs["none"],

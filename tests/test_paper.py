@@ -37,3 +37,49 @@ def test_fig7_configs_differ_only_in_the_mapping_and_eq5_eq6_have_their_own():
     assert ablation("mapping_identity_mean")["value_source"] == "mean_of_previous"  # Eq. 6 as written
     assert ablation("value_source_mean")["value_source"] == "mean_of_previous"  # Eq. 5 (tests/reference.py: a sum)
     assert ablation("value_source_mean_mixed")["value_source"] == "mean_of_previous_mixed"
+
+
+def test_fig3_measure_equals_one_where_eq3_is_exact_and_not_for_identity():
+    """With K_m = K_n, Eq. 3 is exactly Eq. 2 (the block-matrix step to Eq. 4): similarity 1."""
+    from resformer_jax.analysis.measures import mapping_similarity
+    rng = np.random.default_rng(0)
+    T, H, K, D = 12, 4, 2, 8
+    q, k = rng.normal(size=(T, H, D)), rng.normal(size=(T, K, D))
+    v, vm = rng.normal(size=(T, K, D)), rng.normal(size=(T, K, D))
+    same = mapping_similarity(q, k, v, k, vm)
+    assert abs(same["eq3"] - 1.0) < 1e-12 and same["eq6"] < 0.999
+    other = mapping_similarity(q, k, v, rng.normal(size=(T, K, D)), vm)
+    assert other["eq3"] < 1.0 - 1e-6
+
+
+def test_sequence_length_presets_make_2m_tokens_a_step_and_fit_their_hardware():
+    from resformer_jax.config import TABLE3, seq_len_config, validate
+    from resformer_jax.main import summary
+    for T in TABLE3:
+        s = summary(validate(seq_len_config("82m", "svformer", T)))
+        assert abs(s["tokens_per_step"] - 2**21) < T and s["seq_len"] == T
+        mem = s["memory_estimate_per_device"]
+        assert mem["fits"] and mem["target"] == "8x H100 80GB" and mem["devices"] == 8
+    spec = importlib.util.spec_from_file_location("kv64k", os.path.join(ROOT, "configs", "seq_len", "kv_budget_64k.py"))
+    kv64k = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv64k)
+    kv = {name: summary(validate(kv64k.get_config(name))) for name in kv64k.PRESETS}
+    van = kv["none"]["kv_cache_bytes_per_token"]
+    for name, want in (("svformer", 9 / 16), ("gqa_half", 1 / 2), ("cla2", 1 / 2), ("svformer_gqa", 9 / 64),
+                       ("gqa_eighth", 1 / 8)):
+        assert kv[name]["kv_cache_bytes_per_token"] / van == want, name
+        assert kv[name]["seq_len"] == 65536 and kv[name]["memory_estimate_per_device"]["fits"]
+
+
+def test_critical_point_found_or_predicted_and_exponential_fit():
+    from resformer_jax.analysis.grouping import critical_point, fit_exponential
+    steps = np.arange(0, 2000, 10)
+    crossing = -0.1 + steps / 10000.0  # crosses zero at step 1000
+    assert critical_point(steps, crossing) == (1000.0, False)
+    rising = -0.5 + steps / 4000.0  # still below zero at the end; the line reaches it at step 2000
+    step, predicted = critical_point(steps, rising, last=50)
+    assert predicted and abs(step - 2000.0) < 1e-6
+    assert critical_point(steps, -np.ones_like(steps, dtype=float), last=50) == (None, True)
+    x = np.array([512, 2048, 8192])
+    a, b = fit_exponential(x, 300 * np.exp(2e-4 * x))
+    assert abs(a - 300) < 1e-6 and abs(b - 2e-4) < 1e-12

@@ -176,3 +176,29 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
     assert sc["resformer"]["fewer_params_for_same_loss"] == pytest.approx(want_n, abs=1e-6)
     assert sc["resformer"]["fewer_tokens_for_same_loss"] == pytest.approx(want_d, abs=1e-6)
     assert f"resformer needs {100 * want_n:.2f}% fewer parameters" in r.stdout and (out / "scaling.png").is_file()
+
+
+def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path):
+    """Fig. 11 right from runs: SVFormer ahead early, overtaken at a step that grows with the sequence length."""
+    from resformer_jax.config import tiny_config
+    cross = {32: 30, 64: 60}  # relative loss crosses zero at these steps; 64's run ends before: predicted
+    for seq_len, at in cross.items():
+        for variant in ("none", "svformer"):
+            c = tiny_config(variant)
+            c.data.seq_len = seq_len
+            run = tmp_path / f"{variant}_{seq_len}"
+            run.mkdir()
+            (run / "config.json").write_text(c.to_json())
+            with open(run / "metrics.jsonl", "w") as f:
+                for step in range(1, 51):
+                    rel = (step - at) / 100.0 if variant == "svformer" else 0.0
+                    f.write(json.dumps({"step": step, "train/loss": 5.0 + rel}) + "\n")
+    out = tmp_path / "cmp"
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path), "--group_by",
+                        "model.value_residual", "--baseline", "none", "--vs", "data.seq_len", "--smooth", "1",
+                        "--last", "20", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cp = json.load(open(out / "grouped_comparison.json"))["critical_points"]["svformer"]
+    assert cp["32"] == {"critical_step": 30.0, "predicted": False, "final_relative": pytest.approx(0.2)}
+    assert cp["64"]["predicted"] and cp["64"]["critical_step"] == pytest.approx(60.0)
+    assert cp["fit"]["b"] > 0 and (out / "critical_points.png").is_file()

@@ -168,3 +168,29 @@ def needed_for_same_loss(fit_variant: tuple[float, float], fit_base: tuple[float
 def saving(fit_variant, fit_base, xs_base) -> float:
     """Mean fraction of x saved (1 - x_variant / x_base) for the same loss, over the baseline's xs."""
     return float(np.mean([1.0 - needed_for_same_loss(fit_variant, fit_base, x) / x for x in xs_base]))
+
+
+# ----------------------------------------------------------------------------- critical points (Fig. 11 right)
+
+
+def critical_point(steps, relative, last: int = 1000) -> tuple[float | None, bool]:
+    """The step at which the relative training loss (variant - baseline) turns non-negative for good, i.e. the
+    variant is overtaken (paper Sec. 4.6); (step, False) when it happens within the run. When it does not, the
+    paper predicts it by a linear regression over the last `last` points: (predicted step, True), or
+    (None, True) when that line does not rise towards zero."""
+    steps, rel = np.asarray(steps, np.float64), np.asarray(relative, np.float64)
+    below = np.nonzero(rel < 0)[0]
+    if len(below) and below[-1] < len(rel) - 1:
+        return float(steps[below[-1] + 1]), False
+    if not len(below):
+        return float(steps[0]), False
+    slope, intercept = np.polyfit(steps[-last:], rel[-last:], 1)
+    if slope <= 0:
+        return None, True
+    return float(-intercept / slope), True
+
+
+def fit_exponential(x, y) -> tuple[float, float]:
+    """(a, b) of y = a * exp(b x), least squares on log y (the paper's trend of critical point against length)."""
+    slope, intercept = np.polyfit(np.asarray(x, np.float64), np.log(np.asarray(y, np.float64)), 1)
+    return float(math.exp(intercept)), float(slope)

@@ -60,3 +60,39 @@ def moving_average(y: np.ndarray, window: int) -> np.ndarray:
     idx = np.arange(1, len(y) + 1)
     lo = np.maximum(0, idx - window)
     return (c[idx] - c[lo]) / (idx - lo)
+
+
+def _softmax(x, axis=-1):
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def _mean_cosine(a_TxF: np.ndarray, b_TxF: np.ndarray) -> float:
+    num = (a_TxF * b_TxF).sum(-1)
+    den = np.linalg.norm(a_TxF, axis=-1) * np.linalg.norm(b_TxF, axis=-1)
+    return float((num / np.maximum(den, 1e-12)).mean())
+
+
+def mapping_similarity(q_TxHxD, k_TxKxD, v_TxKxD, km_TxKxD, vm_TxKxD) -> dict[str, float]:
+    """Fig. 3: how well cheaper mappings approximate the exact cross-layer attention of layer n over layer m.
+
+    Eq. 2: softmax(Q_n [K_n; K_m]^T / sqrt d) [V_n; V_m] (causal in both halves); Eq. 3 (= Eq. 4): the same
+    with K_m replaced by K_n, i.e. 1/2 A_n (V_n + V_m); Eq. 6: A_n V_n + V_m (the identity mapping of the
+    earlier value). Returns the mean over tokens of the cosine similarity of each with Eq. 2's output (heads
+    concatenated). q and k are the rotated (RoPE) ones the layer attends with.
+    """
+    T, H, D = q_TxHxD.shape
+    G = H // k_TxKxD.shape[1]
+    rep = lambda x: np.repeat(x.astype(np.float64), G, axis=1)  # noqa: E731
+    q, k, v, km, vm = q_TxHxD.astype(np.float64), rep(k_TxKxD), rep(v_TxKxD), rep(km_TxKxD), rep(vm_TxKxD)
+    causal = np.tril(np.ones((T, T), bool))[None]
+    s_n = np.where(causal, np.einsum("thd,shd->hts", q, k) / np.sqrt(D), -np.inf)
+    s_m = np.where(causal, np.einsum("thd,shd->hts", q, km) / np.sqrt(D), -np.inf)
+    p = _softmax(np.concatenate([s_n, s_m], axis=-1))  # Eq. 2
+    u2 = np.einsum("hts,shd->thd", p[..., :T], v) + np.einsum("hts,shd->thd", p[..., T:], vm)
+    a_n = _softmax(s_n)
+    u3 = 0.5 * np.einsum("hts,shd->thd", a_n, v + vm)  # Eq. 3 / Eq. 4
+    u6 = np.einsum("hts,shd->thd", a_n, v) + vm  # Eq. 6 with the one earlier layer m
+    flat = lambda u: u.reshape(T, -1)  # noqa: E731
+    return {"eq3": _mean_cosine(flat(u3), flat(u2)), "eq6": _mean_cosine(flat(u6), flat(u2))}

@@ -300,6 +300,8 @@ class Attention(nn.Module):
             self.sow("intermediates", "values", v_att_BxTxKxD)  # the value A_n is applied to
             # the layer's own V_n (a layer without W_V, SVFormer n >= 2, has none: the value it attends over)
             self.sow("intermediates", "values_own", v_BxTxKxD if v_BxTxKxD is not None else v_att_BxTxKxD)
+            self.sow("intermediates", "queries", qr_BxTxHxD)  # rotated, as attended with (Fig. 3's measure)
+            self.sow("intermediates", "keys", kr_BxTxKxD)
 
         if p.mapping == "identity" and not p.first:
             u_BxTxHxD = eq6_identity_mapping(u_BxTxHxD, v_src)
