@@ -42,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     c.model = m = ml_collections.ConfigDict()
+    m.arch = "llama"  # llama: RMSNorm, SwiGLU, RoPE, untied head | gpt2: LayerNorm, GELU MLP, learned positions, tied
     m.vocab_size = 50277
     m.num_layers = 8
     m.num_heads = 8
@@ -209,6 +210,30 @@ def head_dim(m) -> int:
     return m.d_model // m.num_heads
 
 
+def arch(m) -> str:
+    """llama or gpt2 (configs saved before the field existed are llama)."""
+    return m.get("arch", "llama") if hasattr(m, "get") else getattr(m, "arch", "llama")
+
+
+def uses_rope(m) -> bool:
+    return arch(m) == "llama"
+
+
+def ties_embeddings(m) -> bool:
+    """GPT-2 reads its logits off the input embedding; the Llama-like model has its own head."""
+    return arch(m) == "gpt2"
+
+
+def with_defaults(saved: dict) -> dict:
+    """A saved config dict with the fields added since it was saved filled in from base_config()."""
+    def merge(base, over):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+        return out
+    return merge(base_config().to_dict(), saved)
+
+
 def mixes_values(m) -> bool:
     """ResFormer's mix (Eq. 7) of an earlier value into V_n, alone or with NeuTRENO."""
     return m.value_residual in ("resformer", "resformer+neutreno")
@@ -290,7 +315,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if len(tuple(m.lambda_init)) != 2:
         _fail("model.lambda_init", f"needs two values (l1, l2), got {m.lambda_init!r}",
               "set e.g. --config.model.lambda_init='(0.5,0.5)'")
-    choices = {"value_source": ("first", "previous", "mean_of_previous", "mean_of_previous_mixed"),
+    choices = {"arch": ("llama", "gpt2"),
+               "value_source": ("first", "previous", "mean_of_previous", "mean_of_previous_mixed"),
                "residual_on": ("v", "q", "k"),
                "mapping": ("attention", "identity", "cross_layer"),
                "cla_share": ("kv", "k", "v"),

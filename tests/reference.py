@@ -169,3 +169,44 @@ def forward_general(p, tokens, m):
         k_prev, v_prev = k, v
     h = rmsnorm(h, p["final_norm"]["scale"])
     return h @ p["lm_head"]["kernel"]
+
+
+def layernorm(x, scale, bias, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * scale + bias
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
+    """GPT-2 (Radford et al. 2019) with the value residual: LayerNorm, GELU (tanh) MLP, learned absolute
+    positions, biases, logits off the tied input embedding; no RoPE. Written from GPT-2's definition."""
+    T = tokens.shape[1]
+    h = p["embed"]["embedding"][tokens] + p["pos_embed"][:T][None]
+    V1 = None
+    for n in range(1, num_layers + 1):
+        lp = p[f"layer_{n}"]
+        a = lp["attn"]
+        x = layernorm(h, lp["attn_norm"]["scale"], lp["attn_norm"]["bias"])
+        proj = lambda name: jnp.einsum("bte,ehd->bthd", x, a[name]["kernel"]) + a[name]["bias"]  # noqa: E731
+        q, k = proj("query"), proj("key")
+        v = proj("value") if "value" in a else None
+        if n == 1:
+            V1 = v
+            va = v
+        elif mode == "resformer":
+            va = l1 * V1 + l2 * v  # Eq. 7
+        elif mode == "svformer":
+            va = V1  # Eq. 10
+        else:
+            va = v
+        u = attend(q, k, va)
+        h = h + jnp.einsum("bthd,hde->bte", u, a["out"]["kernel"]) + a["out"]["bias"]
+        y = layernorm(h, lp["mlp_norm"]["scale"], lp["mlp_norm"]["bias"])
+        mlp = lp["mlp"]
+        h = h + gelu_tanh(y @ mlp["up"]["kernel"] + mlp["up"]["bias"]) @ mlp["down"]["kernel"] + mlp["down"]["bias"]
+    h = layernorm(h, p["final_norm"]["scale"], p["final_norm"]["bias"])
+    return h @ p["embed"]["embedding"].T

@@ -3,6 +3,7 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 
 from resformer_jax.analysis.measures import mean_spectrum, value_spectrum
 
@@ -83,3 +84,65 @@ def test_critical_point_found_or_predicted_and_exponential_fit():
     x = np.array([512, 2048, 8192])
     a, b = fit_exponential(x, 300 * np.exp(2e-4 * x))
     assert abs(a - 300) < 1e-6 and abs(b - 2e-4) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["none", "resformer", "svformer"])
+def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode):
+    """Fig. 12 c/d: model.arch=gpt2 against tests/reference.py's GPT-2, unrolled and scanned."""
+    import flax.linen as nn
+    import jax
+    import reference as ref
+    from resformer_jax.config import tiny_config, validate
+    from resformer_jax.model import Transformer
+    c = tiny_config(mode)
+    c.model.arch, c.model.scan_layers = "gpt2", False
+    validate(c)
+    model = Transformer(c.model)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
+    # biases start at zero; move them so the test sees them
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape)
+        if path[-1].key == "bias" else x, params)
+    assert "lm_head" not in params and params["pos_embed"].shape == (c.model.max_seq_len, c.model.d_model)
+    want = ref.forward_gpt2(params, tokens, mode, c.model.num_layers)
+    np.testing.assert_allclose(jax.jit(model.apply)({"params": params}, tokens), want, atol=2e-5, rtol=2e-5)
+    c.model.scan_layers = True
+    scanned = Transformer(c.model).apply({"params": ref.stack_unrolled(params, c.model.num_layers)}, tokens)
+    np.testing.assert_allclose(scanned, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"])
+def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from resformer_jax.config import tiny_config, validate
+    from resformer_jax.model import Transformer
+    from resformer_jax.model.decode import FrozenModelConfig, _step, init_cache
+    from resformer_jax.train.step import init_state, make_train_step
+    c = tiny_config(mode)
+    c.model.arch = "gpt2"
+    validate(c)
+    model = Transformer(c.model)
+    toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
+    p = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(1), toks)["params"])
+    full = jax.jit(model.apply)({"params": p}, toks)
+    mf = FrozenModelConfig(c.model)
+    cache = init_cache(mf, p, 2, 16)
+    logits, cache = _step(p, toks[:, :5], cache, m_frozen=mf, max_len=16)
+    outs = [logits]
+    for t in range(5, 12):
+        logits, cache = _step(p, toks[:, t:t + 1], cache, m_frozen=mf, max_len=16)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
+    tx = optax.adam(3e-3)
+    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
+    step = jax.jit(make_train_step(model, tx, 1))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 256)
+    losses = []
+    for _ in range(4):
+        state, m = step(state, tokens)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0], losses

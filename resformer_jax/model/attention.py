@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from resformer_jax import kernels
-from resformer_jax.config import head_dim, mixes_values, neutreno_lambda, num_kv_heads, shares_first_value, uses_neutreno
+from resformer_jax.config import (arch, head_dim, mixes_values, neutreno_lambda, num_kv_heads, shares_first_value,
+                                  uses_neutreno, uses_rope)
 from resformer_jax.model.layers import DenseGeneral, rope
 
 
@@ -246,9 +247,10 @@ class Attention(nn.Module):
         H, K, D = m.num_heads, num_kv_heads(m), head_dim(m)
         first = ctx.first
         l1, l2 = lam_2[0], lam_2[1]
+        bias = arch(m) == "gpt2"
         dense = lambda shape, name: DenseGeneral(  # noqa: E731
             shape, ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"), in_dims=1, std=m.init_std,
-            dtype=dtype, name=name)
+            dtype=dtype, use_bias=bias, name=name)
 
         # Projections: a layer computes only those it owns.
         q_BxTxHxD = first.q if p.query == "first" else dense((H, D), "query")(x_BxTxE)
@@ -267,8 +269,10 @@ class Attention(nn.Module):
         shared = None if p.first else (carry.shared or first).v
         v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev))
 
-        qr_BxTxHxD = rope(q_BxTxHxD, ctx.positions, m.rope_theta)
-        kr_BxTxKxD = rope(k_BxTxKxD, ctx.positions, m.rope_theta)
+        # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead
+        rotate = (lambda x: rope(x, ctx.positions, m.rope_theta)) if uses_rope(m) else (lambda x: x)  # noqa: E731
+        qr_BxTxHxD = rotate(q_BxTxHxD)
+        kr_BxTxKxD = rotate(k_BxTxKxD)
 
         probs = None
         if self.decode:
@@ -288,7 +292,7 @@ class Attention(nn.Module):
             k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
             if p.mapping == "cross_layer" and not p.first:
                 u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD,
-                                            rope(first.k, ctx.positions, m.rope_theta), first.v)
+                                            rotate(first.k), first.v)
             elif self.capture:
                 u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD,
                                                                return_probs=True)
@@ -309,7 +313,7 @@ class Attention(nn.Module):
             u_BxTxHxD = eq8_neutreno(u_BxTxHxD, first.v, v_att_BxTxKxD, p.neutreno)
 
         out_BxTxE = DenseGeneral((x_BxTxE.shape[-1],), ("q_heads", "head_dim", "embed"), in_dims=2,
-                                 std=m.init_std, dtype=dtype, name="out")(u_BxTxHxD.astype(dtype))
+                                 std=m.init_std, dtype=dtype, use_bias=bias, name="out")(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
 
     def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):

@@ -38,11 +38,17 @@ class DenseGeneral(nn.Module):
     std: float = 0.02
     dtype: Dtype = jnp.float32
     out_dtype: Dtype | None = None  # e.g. fp32 logits from bf16 inputs
+    use_bias: bool = False  # GPT-2 has biases; the Llama-like default has none
 
     @nn.compact
     def __call__(self, x):
         in_shape = x.shape[-self.in_dims:]
         w = self.param("kernel", normal_init(self.std, *self.axes), in_shape + tuple(self.out_shape), jnp.float32)
+        b = None
+        if self.use_bias:
+            b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                self.axes[len(self.axes) - len(self.out_shape):]),
+                           tuple(self.out_shape), jnp.float32)
         # One 2-D matmul [tokens, in] @ [in, out]: XLA:CPU runs the backward of the
         # equivalent 3-D/4-D dot_general through extra transposes (MLP fwd+bwd at
         # the 82M shapes: 917 ms as 3-D, 595 ms as 2-D). Reshapes merge the batch
@@ -51,7 +57,8 @@ class DenseGeneral(nn.Module):
         n_in, n_out = int(np.prod(in_shape)), int(np.prod(self.out_shape))
         y = jnp.dot(x.reshape(-1, n_in).astype(self.dtype), w.reshape(n_in, n_out).astype(self.dtype),
                     preferred_element_type=self.out_dtype)
-        return y.reshape(lead + tuple(self.out_shape))
+        y = y.reshape(lead + tuple(self.out_shape))
+        return y if b is None else y + b.astype(y.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -65,6 +72,37 @@ class SwiGLU(nn.Module):
         up_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, name="up")(x_BxTxE)
         h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
         return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std, dtype=self.dtype, name="down")(h_BxTxF)
+
+
+class LayerNorm(nn.Module):
+    """GPT-2's LayerNorm: (x - mean) / sqrt(var + eps) * scale + bias, in fp32."""
+    eps: float = 1e-5
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        E = x_BxTxE.shape[-1]
+        scale_E = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (E,), jnp.float32)
+        bias_E = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (E,), jnp.float32)
+        x = x_BxTxE.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(var + self.eps) * scale_E + bias_E).astype(self.dtype)
+
+
+class GeluMLP(nn.Module):
+    """GPT-2's MLP: proj(gelu_tanh(fc(x))), with biases."""
+    ffn_dim: int
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        h_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, use_bias=True,
+                               name="up")(x_BxTxE)
+        h_BxTxF = jax.nn.gelu(h_BxTxF, approximate=True)
+        return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std, dtype=self.dtype, use_bias=True,
+                            name="down")(h_BxTxF)
 
 
 class Embed(nn.Module):

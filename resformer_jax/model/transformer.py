@@ -21,7 +21,25 @@ import numpy as np
 
 from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
 from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
-from resformer_jax.model.layers import DenseGeneral, Embed, RMSNorm, SwiGLU
+from resformer_jax.config import arch, ties_embeddings
+from resformer_jax.model.layers import DenseGeneral, Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal_init
+
+
+def norm(m, dtype, name: str) -> nn.Module:
+    """Pre-norm: RMSNorm (Llama) or LayerNorm (GPT-2)."""
+    return (LayerNorm if arch(m) == "gpt2" else RMSNorm)(m.norm_eps, dtype, name=name)
+
+
+def mlp(m, dtype) -> nn.Module:
+    """SwiGLU (Llama) or GELU (GPT-2)."""
+    return (GeluMLP if arch(m) == "gpt2" else SwiGLU)(m.ffn_dim, m.init_std, dtype, name="mlp")
+
+
+def output_embedding(params, m):
+    """W_out [E, V]: the LM head, or the transposed input embedding when tied (GPT-2)."""
+    if ties_embeddings(m):
+        return nn.unbox(params["embed"]["embedding"]).T
+    return nn.unbox(params["lm_head"]["kernel"])
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +75,11 @@ class DecoderBlock(nn.Module):
         plan = self.planner(m, self.layer)
         lam_2 = block_lambdas(self, m, self.layer, lam_2)
         h_BxTxE = carry.h
-        x_BxTxE = RMSNorm(m.norm_eps, dtype, name="attn_norm")(h_BxTxE)
+        x_BxTxE = norm(m, dtype, "attn_norm")(h_BxTxE)
         attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(x_BxTxE, ctx, carry, lam_2)
         h_BxTxE = h_BxTxE + attn_out
-        y_BxTxE = RMSNorm(m.norm_eps, dtype, name="mlp_norm")(h_BxTxE)
-        h_BxTxE = h_BxTxE + SwiGLU(m.ffn_dim, m.init_std, dtype, name="mlp")(y_BxTxE)
+        y_BxTxE = norm(m, dtype, "mlp_norm")(h_BxTxE)
+        h_BxTxE = h_BxTxE + mlp(m, dtype)(y_BxTxE)
         if self.capture:
             self.sow("intermediates", "hidden", h_BxTxE)
         if plan.first:
@@ -110,6 +128,10 @@ class Transformer(nn.Module):
         ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
+        if arch(m) == "gpt2":  # learned absolute positions
+            pos_PxE = self.param("pos_embed", normal_init(m.init_std, None, "embed"), (m.max_seq_len, m.d_model),
+                                 jnp.float32)
+            h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
         if self.capture:
             self.sow("intermediates", "embedding_output", h_BxTxE)
         lams_Nx2 = stack_lambdas(self, m)
@@ -149,11 +171,14 @@ class Transformer(nn.Module):
                     carry = carry.replace(h=DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs))
         h_BxTxE = carry.h
 
-        h_BxTxE = RMSNorm(m.norm_eps, dtype, name="final_norm")(h_BxTxE)
+        h_BxTxE = norm(m, dtype, "final_norm")(h_BxTxE)
         if self.capture:
             self.sow("intermediates", "final_norm_output", h_BxTxE)
         if return_hidden:
             return h_BxTxE
+        if ties_embeddings(m):
+            table_VxE = self.variables["params"]["embed"]["embedding"]
+            return jnp.dot(h_BxTxE, nn.unbox(table_VxE).T.astype(dtype), preferred_element_type=jnp.float32)
         logits_BxTxV = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype,
                                     out_dtype=jnp.float32, name="lm_head")(h_BxTxE)
         return logits_BxTxV
@@ -184,7 +209,9 @@ def param_shapes(m, boxed: bool = False):
 def param_counts(m) -> dict:
     shapes = param_shapes(m)
     total = int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
-    embed = int(np.prod(shapes["embed"]["embedding"].shape) + np.prod(shapes["lm_head"]["kernel"].shape))
+    embed = int(np.prod(shapes["embed"]["embedding"].shape)
+                + (np.prod(shapes["lm_head"]["kernel"].shape) if "lm_head" in shapes else 0)
+                + (np.prod(shapes["pos_embed"].shape) if "pos_embed" in shapes else 0))
     return {"params_total": total, "params_non_embedding": total - embed}
 
 
@@ -202,6 +229,8 @@ def flops_per_token(m, seq_len: int) -> float:
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
         if getattr(path[-1], "key", None) == "kernel":
             matmul += int(np.prod(x.shape))
+    if ties_embeddings(m):
+        matmul += m.vocab_size * m.d_model  # the LM head is the input embedding, transposed
     H, D = m.num_heads, m.d_model // m.num_heads
     attn_layers = m.num_layers + (m.num_layers - 1 if m.mapping == "cross_layer" else 0)
     attn = attn_layers * 2 * 2 * seq_len * H * D * 0.5

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from resformer_jax import metrics
 from resformer_jax.checkpoint import Checkpointer, CheckpointError, config_diff, params_layout
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, validate
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import open_corpus
 from resformer_jax.model.lambdas import read_lambdas
@@ -103,7 +103,7 @@ class Trainer:
 
     def _check_resumed_config(self, old: dict, quiet: bool = False):
         new = self.cfg.to_dict()
-        diff = config_diff(old, new)
+        diff = config_diff(with_defaults(old), new)  # a field added since the run started is not a change
         for field, (a, b) in diff.items():
             if field.startswith("model.") and field not in RUNTIME_MODEL_FIELDS:
                 raise CheckpointError(

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resformer_jax import kernels, metrics
 from resformer_jax.checkpoint import Checkpointer, CheckpointError
-from resformer_jax.config import head_dim, num_kv_heads, validate
+from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
 from resformer_jax.model import Transformer
 from resformer_jax.parallel.mesh import batch_sharding, check_divisibility, logical_shardings, make_mesh, replicated
 from resformer_jax.train.optimizer import make_optimizer
@@ -180,7 +180,7 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
             step = steps[-1]
         elif step not in steps:
             raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
-        cfg = ml_collections.ConfigDict(ck.read_config(step))
+        cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(step)))
         model = Transformer(cfg.model)
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len)

@@ -5,10 +5,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import optax
 from flax import struct
 
+from resformer_jax.model.transformer import output_embedding
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy  # noqa: F401 (re-exported)
 
 DEFAULT_CHUNK_LEN = 128
@@ -44,7 +44,7 @@ def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN):
     if chunk_len <= 0:
         return cross_entropy(model.apply({"params": params}, inputs_BxT), targets_BxT)
     h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True)
-    w_ExV = nn.unbox(params["lm_head"]["kernel"])
+    w_ExV = output_embedding(params, model.cfg)
     return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
 
 
