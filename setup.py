@@ -18,6 +18,7 @@ setup(
         "importlib_resources",  # undeclared need of tfds' adhoc builder
         "tensorboardX>=2.6,<3",
         "tokenizers>=0.20,<1",
+        "safetensors>=0.4",  # Hugging Face checkpoints (import for analysis and initialisation)
         "absl-py>=2.1",
         "numpy>=1.26",
         "zstandard>=0.22",

@@ -15,7 +15,12 @@ import os
 
 from absl import app, flags
 
-flags.DEFINE_multi_string("workdir", None, "Run directory (give twice to overlay two runs).", required=True)
+flags.DEFINE_multi_string("workdir", [], "Run directory (give twice to overlay two runs).")
+flags.DEFINE_multi_string("hf_model", [], "A local Hugging Face Llama/Mistral folder (config.json, *.safetensors, "
+                          "tokenizer.json) to analyse, e.g. Fig. 1 right; repeatable, overlays with --workdir.")
+flags.DEFINE_string("text_file", None, "--hf_model: text to analyse, tokenized with the model's tokenizer.json "
+                    "(or give --data, prepared with that tokenizer).")
+flags.DEFINE_integer("seq_len", 512, "--hf_model: tokens per analysed sequence.")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("data", None, "Prepared corpus folder (default: the run's own data).")
 flags.DEFINE_integer("num_sequences", 1000, "Sequences to analyse (the paper: 1,000).")
@@ -58,19 +63,52 @@ def analysis_sequences(cfg, split: str, num_sequences: int, batch: int):
     return [row for batches in sets.values() for b in batches for row in b][:num_sequences]
 
 
-def analyze_run(workdir, step, data, num_sequences, batch, split="train", value="own") -> dict:
+def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int):
+    """Consecutive windows of seq_len + 1 tokens of a text file, tokenized with the model's own tokenizer."""
+    import numpy as np
+    from tokenizers import Tokenizer
+    from resformer_jax.hf import HFError
+    tok_path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise HFError(f"{folder} has no tokenizer.json to tokenize --text_file with; give --data prepared with it")
+    with open(text_file, encoding="utf-8") as f:
+        ids = Tokenizer.from_file(tok_path).encode(f.read()).ids
+    n = min(num_sequences, len(ids) // (seq_len + 1))
+    if n == 0:
+        raise HFError(f"{text_file} has {len(ids)} tokens, fewer than one sequence of {seq_len + 1}; lower --seq_len")
+    return [np.asarray(ids[i * (seq_len + 1):(i + 1) * (seq_len + 1)], np.int32) for i in range(n)]
+
+
+def analyze_run(workdir, step, data, num_sequences, batch, split="train", value="own", hf_model=None,
+                text_file=None, seq_len=512) -> dict:
     import jax
     import numpy as np
     from resformer_jax.analysis import measures
     from resformer_jax.model import Transformer
     from resformer_jax.train.setup import load_run
-    # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
-    cfg, params, step = load_run(workdir, step, attention_impl="reference")
-    if data:
-        cfg.data.path, cfg.data.source = data, "array_record"
+    if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf.py)
+        from resformer_jax.config import base_config
+        from resformer_jax.hf import load_hf_llama
+        cfg = base_config()
+        cfg.model, params = load_hf_llama(hf_model)
+        cfg.model.attention_impl = "reference"
+        cfg.data.seq_len, step, workdir = seq_len, None, hf_model
+        if data:
+            cfg.data.path, cfg.data.source = data, "array_record"
+            seqs = analysis_sequences(cfg, split, num_sequences, batch)
+        elif text_file:
+            seqs = hf_sequences(hf_model, text_file, seq_len, num_sequences)
+        else:
+            from resformer_jax.hf import HFError
+            raise HFError("--hf_model needs --text_file or --data to analyse")
+    else:
+        # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
+        cfg, params, step = load_run(workdir, step, attention_impl="reference")
+        if data:
+            cfg.data.path, cfg.data.source = data, "array_record"
+        seqs = analysis_sequences(cfg, split, num_sequences, batch)
     model = Transformer(cfg.model, capture=True)
     fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
-    seqs = analysis_sequences(cfg, split, num_sequences, batch)
     L = cfg.model.num_layers
     acc = {k: [[] for _ in range(L)] for k in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm")}
     spectra = [[] for _ in range(L)]
@@ -106,7 +144,9 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
     # Fig. 3 (meant for a trained vanilla model): per layer n >= 2, cosine similarity with Eq. 2 over layer n - 1
     res["fig3_eq3_vs_eq2"] = [float(np.mean(x)) if x else None for x in fig3["eq3"]]
     res["fig3_eq6_vs_eq2"] = [float(np.mean(x)) if x else None for x in fig3["eq6"]]
-    return {"workdir": workdir, "step": step, "variant": cfg.model.value_residual, "num_sequences": len(seqs),
+    return {"workdir": workdir, "step": step, "num_sequences": len(seqs),
+            "variant": os.path.basename(os.path.normpath(hf_model)) if hf_model else cfg.model.value_residual,
+            "source": "hugging face checkpoint" if hf_model else "run",
             "split": split, "spectrum_value": "each layer's own V_n" if value == "own" else
             "the value each layer attends over",
             "similarity_all_hidden_states_are": ["embedding output"] + [f"block {n} output" for n in range(1, L + 1)]
@@ -169,18 +209,24 @@ def main(argv):
     cli.start()
     from resformer_jax.metrics import Writer
     with cli.exit_on_user_error():
+        if not FLAGS.workdir and not FLAGS.hf_model:
+            from resformer_jax.hf import HFError
+            raise HFError("give --workdir=RUN (or --hf_model=DIR) to analyse")
         results = [analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value)
                    for w in FLAGS.workdir]
-    out = FLAGS.out or os.path.join(FLAGS.workdir[0], "analysis")
+        results += [analyze_run(None, None, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value,
+                                hf_model=h, text_file=FLAGS.text_file, seq_len=FLAGS.seq_len) for h in FLAGS.hf_model]
+    out = FLAGS.out or os.path.join((FLAGS.workdir or FLAGS.hf_model)[0], "analysis")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "analysis.json"), "w") as f:
         json.dump(results, f, indent=1)
     files = plot(results, out)
     for r in results:
-        w = Writer(os.path.join(r["workdir"], "tb"))
+        hf = r["source"] != "run"  # never write into a model folder
+        w = Writer(os.path.join(out, "tb", r["variant"]) if hf else os.path.join(r["workdir"], "tb"))
         for key in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm"):
             for n, v in enumerate(r["layers"][key]):
-                w.scalars(r["step"], {f"analysis/{key}/layer_{n + 1:02d}": v})
+                w.scalars(r["step"] or 0, {f"analysis/{key}/layer_{n + 1:02d}": v})
         w.close()
         print(f"{r['variant']:>10} entropy per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["entropy"]))
         print(f"{r['variant']:>10} similarity per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["similarity"]))

@@ -210,3 +210,47 @@ def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
         h = h + gelu_tanh(y @ mlp["up"]["kernel"] + mlp["up"]["bias"]) @ mlp["down"]["kernel"] + mlp["down"]["bias"]
     h = layernorm(h, p["final_norm"]["scale"], p["final_norm"]["bias"])
     return h @ p["embed"]["embedding"].T
+
+
+def hf_llama_forward_numpy(sd, cfg, tokens):
+    """The HF LlamaForCausalLM forward in numpy, from its modeling code: weights as HF stores them ([out, in]),
+    RMSNorm as weight * x / sqrt(mean(x^2) + eps), RoPE with rotate_half on the two halves of each head,
+    repeat_kv for GQA, SiLU(gate) * up, causal softmax attention, lm_head (or the tied embedding)."""
+    E, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    K, L, eps = cfg.get("num_key_value_heads", H), cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    D = E // H
+    theta = cfg.get("rope_theta", 10000.0)
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+
+    def norm(x, w):
+        return f64(w) * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+    def rotate_half(x):
+        return np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1)
+
+    B, T = tokens.shape
+    inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
+    freqs = np.arange(T)[:, None] * inv[None]
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]  # [1, 1, T, D]
+    h = f64(sd["model.embed_tokens.weight"])[tokens]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        x = norm(h, sd[p + "input_layernorm.weight"])
+        q = (x @ f64(sd[p + "self_attn.q_proj.weight"]).T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        k = (x @ f64(sd[p + "self_attn.k_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
+        v = (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)
+        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        u = (a @ v).transpose(0, 2, 1, 3).reshape(B, T, E)
+        h = h + u @ f64(sd[p + "self_attn.o_proj.weight"]).T
+        y = norm(h, sd[p + "post_attention_layernorm.weight"])
+        g, up = y @ f64(sd[p + "mlp.gate_proj.weight"]).T, y @ f64(sd[p + "mlp.up_proj.weight"]).T
+        h = h + (g / (1 + np.exp(-g)) * up) @ f64(sd[p + "mlp.down_proj.weight"]).T
+    h = norm(h, sd["model.norm.weight"])
+    head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    return h @ f64(head).T
