@@ -63,7 +63,17 @@ def llama_model_config(hf: dict) -> ml_collections.ConfigDict:
     m.max_seq_len = int(hf.get("max_position_embeddings", 4096))
     m.rope_theta = float(hf.get("rope_theta", 10000.0))
     m.norm_eps = float(hf.get("rms_norm_eps", 1e-5))
-    m.value_residual, m.scan_layers, m.attention_impl = "none", False, "auto"
+    m.value_residual, m.scan_layers, m.attention_impl = hf.get("value_residual", "none"), False, "auto"
+    if m.value_residual not in ("none", "resformer", "svformer"):
+        raise HFError(f"value_residual {m.value_residual!r} in config.json is not one this project exports")
+    if m.value_residual == "resformer":
+        m.resformer_lambdas = hf.get("resformer_lambdas", "fixed")
+        table = np.asarray(hf.get("resformer_fixed_lambdas") or [[0.5, 0.5]], np.float64)
+        if m.resformer_lambdas == "sparse":
+            m.sparse_layers = tuple(int(i) + 2 for i in np.nonzero(table[:, 0])[0])
+            m.sparse_lambda = float(table[table[:, 0] != 0, 0][0]) if m.sparse_layers else 5.0
+        else:
+            m.lambda_init = (float(table[0, 0]), float(table[0, 1]))
     if int(hf.get("head_dim") or m.d_model // m.num_heads) != m.d_model // m.num_heads:
         raise HFError("head_dim != hidden_size / num_attention_heads is not supported")
     if hf.get("rope_scaling"):
@@ -95,6 +105,9 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
     embed = get("model.embed_tokens.weight", (V, E))
     params = {"embed": {"embedding": embed}, "final_norm": {"scale": get("model.norm.weight", (E,))},
               "lm_head": {"kernel": (get("lm_head.weight", (V, E)) if "lm_head.weight" in t else embed).T.copy()}}
+    for key in ("lambda_logits", "lambda_scale"):
+        if f"model.{key}" in t:
+            params[key] = np.asarray(t[f"model.{key}"], np.float32)
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
         params[f"layer_{i + 1}"] = {
@@ -103,11 +116,144 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
             "attn": {
                 "query": {"kernel": get(p + "self_attn.q_proj.weight", (H * D, E)).reshape(H, D, E).transpose(2, 0, 1)},
                 "key": {"kernel": get(p + "self_attn.k_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)},
-                "value": {"kernel": get(p + "self_attn.v_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)},
                 "out": {"kernel": get(p + "self_attn.o_proj.weight", (E, H * D)).T.reshape(H, D, E)},
             },
             "mlp": {"gate": {"kernel": get(p + "mlp.gate_proj.weight", (F, E)).T},
                     "up": {"kernel": get(p + "mlp.up_proj.weight", (F, E)).T},
                     "down": {"kernel": get(p + "mlp.down_proj.weight", (E, F)).T}},
         }
+        if i == 0 or m.value_residual != "svformer":  # Eq. 10: SVFormer's layers >= 2 have no W_V
+            params[f"layer_{i + 1}"]["attn"]["value"] = {
+                "kernel": get(p + "self_attn.v_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)}
+        for name in ("lambda1", "lambda2"):
+            if p + f"self_attn.{name}" in t:
+                params[f"layer_{i + 1}"][name] = np.asarray(t[p + f"self_attn.{name}"], np.float32)
     return m, params
+
+
+# ----------------------------------------------------------------------------- export
+
+
+EXPORTABLE = {"value_residual": ("none", "resformer", "svformer"), "value_source": ("first",), "residual_on": ("v",),
+              "mapping": ("attention",), "cla_share_every": (1,), "svformer_share": ("v",), "denseformer": (False,),
+              "arch": ("llama",)}
+SHARD_BYTES = 5 * 2**30
+
+
+def unrolled(params: dict, num_layers: int) -> dict:
+    """Scanned parameters ({'layers': {'block': [L-1, ...]}}) as one subtree per layer ({'layer_n': ...})."""
+    if "layers" not in params:
+        return dict(params)
+    out = {k: v for k, v in params.items() if k != "layers"}
+    stacked = params["layers"]["block"]
+    for i in range(num_layers - 1):
+        out[f"layer_{i + 2}"] = _tree_map(lambda x, i=i: np.asarray(x)[i], stacked)
+    return out
+
+
+def _tree_map(fn, tree):
+    return {k: _tree_map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
+    """This project's parameters as HF Llama tensors ([out, in] Linear weights); SVFormer layers >= 2 have no
+    v_proj; learnable lambdas become `self_attn.lambda1/lambda2` scalars (and `model.lambda_logits`,
+    `model.lambda_scale` for learnable_plus)."""
+    for field, allowed in EXPORTABLE.items():
+        value = m.get(field, "llama") if field == "arch" else m[field]
+        if value not in allowed:
+            raise HFError(f"config.model.{field}={value!r} has no Hugging Face export; exportable: {allowed}")
+    p = unrolled({k: _tree_map(lambda x: np.asarray(x, np.float32), v) if isinstance(v, dict) else np.asarray(v)
+                  for k, v in params.items()}, m.num_layers)
+    E = m.d_model
+    t = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["final_norm"]["scale"],
+         "lm_head.weight": p["lm_head"]["kernel"].T}
+    for key in ("lambda_logits", "lambda_scale"):
+        if key in p:
+            t[f"model.{key}"] = np.asarray(p[key], np.float32)
+    for n in range(1, m.num_layers + 1):
+        lp, pre = p[f"layer_{n}"], f"model.layers.{n - 1}."
+        a = lp["attn"]
+        t[pre + "input_layernorm.weight"] = lp["attn_norm"]["scale"]
+        t[pre + "post_attention_layernorm.weight"] = lp["mlp_norm"]["scale"]
+        for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+            if ours in a:
+                k = a[ours]["kernel"]  # [E, N, D]
+                t[pre + f"self_attn.{theirs}.weight"] = k.transpose(1, 2, 0).reshape(-1, E)
+        t[pre + "self_attn.o_proj.weight"] = a["out"]["kernel"].reshape(-1, E).T
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            t[pre + f"mlp.{theirs}.weight"] = lp["mlp"][ours]["kernel"].T
+        for name in ("lambda1", "lambda2"):
+            if name in lp:
+                t[pre + f"self_attn.{name}"] = np.asarray(lp[name], np.float32)
+    return {k: np.array(v, order="C") for k, v in t.items()}  # (ascontiguousarray would make scalars 1-d)
+
+
+def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
+    """config.json: a LlamaConfig; a value-residual model adds its fields and the auto_map of modeling_resformer.py."""
+    from resformer_jax.model.lambdas import fixed_lambdas
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+           "hidden_size": m.d_model, "intermediate_size": m.ffn_dim, "num_attention_heads": m.num_heads,
+           "num_key_value_heads": m.num_kv_heads or m.num_heads, "num_hidden_layers": m.num_layers,
+           "head_dim": m.d_model // m.num_heads, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+           "rope_theta": m.rope_theta, "max_position_embeddings": m.max_seq_len, "tie_word_embeddings": False,
+           "attention_bias": False, "mlp_bias": False, "initializer_range": m.init_std,
+           "torch_dtype": "float32", "use_cache": True}
+    if tokenizer_meta:
+        cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
+    if m.value_residual != "none":
+        cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_resformer.ResFormerLlamaForCausalLM"}
+        cfg["value_residual"] = m.value_residual
+        cfg["resformer_lambdas"] = m.resformer_lambdas
+        cfg["resformer_fixed_lambdas"] = fixed_lambdas(m).tolist()  # (l1, l2) of layers 2..N when not learned
+    return cfg
+
+
+def export_params(m, params: dict, out: str, dtype: str = "float32", tokenizer_meta: dict | None = None,
+                  shard_bytes: int = SHARD_BYTES) -> dict:
+    """Writes config.json, generation_config.json and model.safetensors (sharded above `shard_bytes`, with
+    model.safetensors.index.json) into `out`; a value-residual model also gets modeling_resformer.py."""
+    from safetensors.numpy import save_file
+    os.makedirs(out, exist_ok=True)
+    np_dtype = {"float32": np.float32, "bfloat16": None, "float16": np.float16}[dtype]
+    tensors = hf_tensors(m, params)
+    if dtype == "bfloat16":
+        import ml_dtypes
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    else:
+        tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
+    names, shards, cur, size = sorted(tensors), [], {}, 0
+    for n in names:
+        if cur and size + tensors[n].nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[n] = tensors[n]
+        size += tensors[n].nbytes
+    shards.append(cur)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, part in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(part, os.path.join(out, fname), metadata=meta)
+            weight_map.update({n: fname for n in part})
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map},
+                      f, indent=1)
+    cfg = hf_config(m, tokenizer_meta)
+    cfg["torch_dtype"] = dtype
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    gen = {"_from_model_config": True}
+    if tokenizer_meta and tokenizer_meta.get("eot_id") is not None:
+        gen.update(bos_token_id=tokenizer_meta["eot_id"], eos_token_id=tokenizer_meta["eot_id"])
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=1)
+    if m.value_residual != "none":
+        import shutil
+        shutil.copyfile(os.path.join(os.path.dirname(__file__), "hf_modeling_resformer.py"),
+                        os.path.join(out, "modeling_resformer.py"))
+    return cfg

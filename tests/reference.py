@@ -215,7 +215,9 @@ def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
 def hf_llama_forward_numpy(sd, cfg, tokens):
     """The HF LlamaForCausalLM forward in numpy, from its modeling code: weights as HF stores them ([out, in]),
     RMSNorm as weight * x / sqrt(mean(x^2) + eps), RoPE with rotate_half on the two halves of each head,
-    repeat_kv for GQA, SiLU(gate) * up, causal softmax attention, lm_head (or the tied embedding)."""
+    repeat_kv for GQA, SiLU(gate) * up, causal softmax attention, lm_head (or the tied embedding).
+    With config.json's value_residual (an exported ResFormer / SVFormer), layer i >= 1 attends over
+    l1 V_1 + l2 V_i (Eq. 7; lambda tensors where learned) or V_1 (Eq. 10), as modeling_resformer.py does."""
     E, H = cfg["hidden_size"], cfg["num_attention_heads"]
     K, L, eps = cfg.get("num_key_value_heads", H), cfg["num_hidden_layers"], cfg["rms_norm_eps"]
     D = E // H
@@ -234,12 +236,27 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
     emb = np.concatenate([freqs, freqs], -1)
     cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]  # [1, 1, T, D]
     h = f64(sd["model.embed_tokens.weight"])[tokens]
+    mode = cfg.get("value_residual", "none")
+    fixed = np.asarray(cfg.get("resformer_fixed_lambdas") or [[0.5, 0.5]] * L, np.float64)
+    if "model.lambda_logits" in sd:
+        z = f64(sd["model.lambda_logits"])
+        fixed[:, 0] = f64(sd["model.lambda_scale"]) * np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    V1 = None
     for i in range(L):
         p = f"model.layers.{i}."
         x = norm(h, sd[p + "input_layernorm.weight"])
         q = (x @ f64(sd[p + "self_attn.q_proj.weight"]).T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
         k = (x @ f64(sd[p + "self_attn.k_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
-        v = (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
+        v = (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3) \
+            if p + "self_attn.v_proj.weight" in sd else None
+        if i == 0:
+            V1 = v
+        elif mode == "svformer":
+            v = V1  # Eq. 10
+        elif mode == "resformer":
+            l1 = f64(sd[p + "self_attn.lambda1"]) if p + "self_attn.lambda1" in sd else fixed[i - 1, 0]
+            l2 = f64(sd[p + "self_attn.lambda2"]) if p + "self_attn.lambda2" in sd else fixed[i - 1, 1]
+            v = l1 * V1 + l2 * v  # Eq. 7
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)
         s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)

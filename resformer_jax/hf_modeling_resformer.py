@@ -1,0 +1,155 @@
+"""ResFormer / SVFormer for Hugging Face transformers (trust_remote_code=True), written by resformer_jax.export.
+
+The Llama architecture (LlamaConfig, the same tensor names) with the value residual of "Value Residual
+Learning" (Zhou et al., arXiv 2410.17897), exactly as resformer_jax computes it: layer 1 is standard and
+produces V_1; layer n >= 2 attends with its own attention matrix over
+  resformer  l1 * V_1 + l2 * V_n   (Eq. 7; l1, l2 fixed per layer, or the learned lambda1/lambda2 tensors)
+  svformer   V_1                   (Eq. 10; these layers have no v_proj)
+Values are in key/value-head layout (GQA) and never rotated; RoPE in the rotate-half convention.
+This file runs the full forward each call (no KV cache); generation recomputes the prefix.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (self.weight.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        E, H = config.hidden_size, config.num_attention_heads
+        self.H, self.K, self.D = H, config.num_key_value_heads, E // H
+        self.layer = layer
+        self.q_proj = nn.Linear(E, H * self.D, bias=False)
+        self.k_proj = nn.Linear(E, self.K * self.D, bias=False)
+        self.owns_value = layer == 0 or config.value_residual != "svformer"
+        if self.owns_value:
+            self.v_proj = nn.Linear(E, self.K * self.D, bias=False)
+        self.o_proj = nn.Linear(H * self.D, E, bias=False)
+        if layer > 0 and config.value_residual == "resformer" and config.resformer_lambdas == "learnable":
+            self.lambda1 = nn.Parameter(torch.zeros(()))
+        if layer > 0 and config.value_residual == "resformer" and config.resformer_lambdas in ("learnable",
+                                                                                              "learnable_plus"):
+            self.lambda2 = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, cos, sin, v1, lambdas):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.K, self.D).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.K, self.D).transpose(1, 2) if self.owns_value else None
+        if self.layer == 0:
+            v_att = v
+        elif v is None:
+            v_att = v1  # Eq. 10
+        else:
+            l1 = getattr(self, "lambda1", None)
+            l2 = getattr(self, "lambda2", None)
+            l1 = lambdas[0] if l1 is None else l1
+            l2 = lambdas[1] if l2 is None else l2
+            v_att = (l1 * v1 + l2 * v).to(v.dtype) if lambdas is not None else v  # Eq. 7
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        G = self.H // self.K
+        kr, vr = k.repeat_interleave(G, dim=1), v_att.repeat_interleave(G, dim=1)
+        s = (q.float() @ kr.float().transpose(-1, -2)) / math.sqrt(self.D)
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+        u = (F.softmax(s, dim=-1) @ vr.float()).to(x.dtype)
+        return self.o_proj(u.transpose(1, 2).reshape(B, T, -1)), (v if self.layer == 0 else None)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        E, Fd = config.hidden_size, config.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(E, Fd, bias=False), nn.Linear(E, Fd, bias=False)
+        self.down_proj = nn.Linear(Fd, E, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, v1, lambdas):
+        a, v = self.self_attn(self.input_layernorm(h), cos, sin, v1, lambdas)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), v
+
+
+class Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Layer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.value_residual == "resformer" and config.resformer_lambdas == "learnable_plus":
+            self.lambda_logits = nn.Parameter(torch.zeros(config.num_hidden_layers - 1))
+            self.lambda_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids):
+        c = self.config
+        B, T = input_ids.shape
+        D = c.hidden_size // c.num_attention_heads
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
+        ang = torch.arange(T, device=input_ids.device).float()[:, None] * inv[None]
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        fixed = torch.tensor(c.resformer_fixed_lambdas, dtype=torch.float32) if c.value_residual != "none" else None
+        if hasattr(self, "lambda_logits"):
+            fixed = fixed.clone()
+            fixed[:, 0] = self.lambda_scale * torch.softmax(self.lambda_logits, dim=0)
+        h = self.embed_tokens(input_ids)
+        v1 = None
+        for i, layer in enumerate(self.layers):
+            lambdas = fixed[i - 1] if (fixed is not None and i > 0) else None
+            h, v = layer(h, cos.to(h.dtype), sin.to(h.dtype), v1, lambdas)
+            if i == 0:
+                v1 = v
+        return self.norm(h)
+
+
+class ResFormerLlamaForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = LlamaConfig
+    base_model_prefix = "model"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids)).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return {"input_ids": input_ids}
