@@ -32,5 +32,6 @@ setup(
         "tpu": ["jax[tpu]>=0.4.35,<0.12"],
         "eval": ["tensorboard>=2.15"],
         "beam": ["apache-beam>=2.60"],
+        "lm_eval": ["lm-eval>=0.4.8"],
     },
 )

@@ -2,8 +2,8 @@
 
 Each item becomes (context, [continuations], gold). A choice's score is the
 model's summed log-likelihood of its continuation tokens given the context;
-acc takes the argmax, acc_norm the argmax of score / len(continuation in
-characters), the harness's length normalisation. Prompts follow the harness:
+acc takes the argmax, acc_norm the argmax of score / len(choice in characters,
+without the joining space), the harness's length normalisation. Prompts follow the harness:
 
   hellaswag      preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()) -> " " + preprocess(ending)
   piqa           "Question: {goal}\nAnswer:" -> " " + sol
@@ -103,7 +103,9 @@ def score_items(items: list[dict], loglik_fn) -> dict:
         n = len(it["continuations"])
         s = np.array(ll[k:k + n])
         k += n
-        lengths = np.array([float(len(x)) for x in it["continuations"]])
+        # acc_norm divides by the choice's length in characters without the " " that joins it to the context,
+        # as lm-evaluation-harness does (len(doc_to_choice(doc)[i]))
+        lengths = np.array([float(len(x[1:]) if x.startswith(" ") else len(x)) for x in it["continuations"]])
         correct += int(np.argmax(s) == it["gold"])
         correct_norm += int(np.argmax(s / lengths) == it["gold"])
     return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "n": len(items)}

@@ -1,0 +1,103 @@
+"""lm-evaluation-harness task definitions that read the six zero-shot sets from local files (nothing is
+downloaded): the harness's own prompts, choices and metrics for hellaswag, piqa, winogrande, arc_easy,
+arc_challenge and openbookqa, with `dataset_path: json` over DIR/{task}.jsonl. Task names end in `_local`.
+
+  python -m resformer_jax.eval.lm_eval_tasks --task_data=DIR --out=TASKS_DIR
+  python -m resformer_jax.harness ... --include_path TASKS_DIR --tasks piqa_local,...
+
+configs/lm_eval_tasks/ holds them written for ../shared/data/eval_samples (paths relative to the repository root).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+METRICS = """metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+PROMPTS = {  # lm-eval 0.4's default task definitions, dataset fields as Hugging Face ships them
+    "piqa": 'doc_to_text: "Question: {{goal}}\\nAnswer:"\ndoc_to_target: label\ndoc_to_choice: "{{[sol1, sol2]}}"\n',
+    "arc_easy": 'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices.label.index(answerKey)}}"\n'
+                'doc_to_choice: "{{choices.text}}"\n',
+    "arc_challenge": 'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
+                     'doc_to_target: "{{choices.label.index(answerKey)}}"\ndoc_to_choice: "{{choices.text}}"\n',
+    "openbookqa": 'doc_to_text: question_stem\ndoc_to_target: "{{choices.label.index(answerKey.lstrip())}}"\n'
+                  'doc_to_choice: "{{choices.text}}"\n',
+    "hellaswag": 'process_docs: !function resformer_local_tasks.hellaswag_process_docs\ndoc_to_text: "{{query}}"\n'
+                 'doc_to_target: "{{label}}"\ndoc_to_choice: "choices"\n',
+    "winogrande": "doc_to_text: !function resformer_local_tasks.winogrande_doc_to_text\n"
+                  "doc_to_target: !function resformer_local_tasks.winogrande_doc_to_target\n"
+                  "doc_to_choice: !function resformer_local_tasks.winogrande_doc_to_choice\n",
+}
+
+UTILS = '''"""Helpers of lm-eval 0.4's hellaswag and winogrande tasks (the same functions), for the local task files."""
+import re
+
+
+def _preprocess(text):
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub("\\\\[.*?\\\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag_process_docs(dataset):
+    def one(doc):
+        ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
+        return {"query": _preprocess(doc["activity_label"] + ": " + ctx),
+                "choices": [_preprocess(e) for e in doc["endings"]], "gold": int(doc["label"])}
+    return dataset.map(one)
+
+
+def winogrande_doc_to_text(doc):
+    return {"1": 0, "2": 1}[doc["answer"]]
+
+
+def winogrande_doc_to_target(doc):
+    return doc["sentence"][doc["sentence"].index("_") + 1:].strip()
+
+
+def winogrande_doc_to_choice(doc):
+    i = doc["sentence"].index("_")
+    return [doc["sentence"][:i] + o for o in (doc["option1"], doc["option2"])]
+'''
+
+
+def write_tasks(task_data: str, out: str, tasks=tuple(PROMPTS)) -> list[str]:
+    """Writes one {task}_local.yaml per task (reading task_data/{task}.jsonl) and their helper module."""
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for task in tasks:
+        data = os.path.join(task_data, f"{task}.jsonl")
+        text = (f"task: {task}_local\ndataset_path: json\ndataset_name: null\n"
+                f"dataset_kwargs:\n  data_files:\n    validation: {data}\n"
+                "output_type: multiple_choice\ntraining_split: null\nvalidation_split: validation\ntest_split: null\n"
+                + PROMPTS[task] + (METRICS if task != "winogrande" else METRICS.split("  - metric: acc_norm")[0])
+                + "metadata:\n  version: 1.0\n")
+        path = os.path.join(out, f"{task}_local.yaml")
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+    with open(os.path.join(out, "resformer_local_tasks.py"), "w") as f:
+        f.write(UTILS)
+    return written
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m resformer_jax.eval.lm_eval_tasks")
+    p.add_argument("--task_data", required=True, help="folder with {task}.jsonl files (Hugging Face field names)")
+    p.add_argument("--out", required=True, help="folder for the task YAMLs (give it to --include_path)")
+    a = p.parse_args(argv)
+    for path in write_tasks(a.task_data, a.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

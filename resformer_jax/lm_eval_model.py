@@ -1,0 +1,140 @@
+"""lm-evaluation-harness on this project's checkpoints: the model `resformer_jax` (pip install -e '.[lm_eval]').
+
+  python -m resformer_jax.lm_eval --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
+      --tasks piqa_local,arc_easy_local --include_path configs/lm_eval_tasks
+  import resformer_jax.lm_eval_model; lm_eval.simple_evaluate(model="resformer_jax", model_args="workdir=RUN", ...)
+
+loglikelihood and loglikelihood_rolling run the project's jitted forward on batches padded to a few bucketed
+lengths (powers of two up to the model's context), so requests of many lengths compile a handful of programs;
+inputs longer than the context are cut from the left, keeping the continuation. generate_until runs the
+KV-cache decode (greedy; sampling with temperature/top_k/top_p when asked). Context and continuation are
+encoded separately, as the project's own evaluator does (resformer_jax.evaluate), so their per-item
+log-likelihoods agree.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+
+def buckets(max_len: int, smallest: int = 32) -> list[int]:
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return out + [max_len]
+
+
+@register_model("resformer_jax")
+class ResformerLM(LM):
+    def __init__(self, workdir: str, step: int | str | None = None, batch_size: int | str = 16,
+                 max_length: int | str | None = None, **kwargs):
+        super().__init__()
+        import jax
+        from tokenizers import Tokenizer
+        from resformer_jax.model import Transformer
+        from resformer_jax.train.setup import load_run
+        self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
+        tok_path = os.path.join(workdir, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise ValueError(f"{tok_path} not found: lm-eval needs the run's tokenizer (runs on synthetic data have none)")
+        self.tok = Tokenizer.from_file(tok_path)
+        self.eot_id = self.tok.token_to_id("<|endoftext|>")
+        self.batch = int(batch_size) if str(batch_size).isdigit() else 16
+        self.max_length = int(max_length or self.cfg.data.seq_len)
+        self.buckets = buckets(self.max_length)
+        model = Transformer(self.cfg.model)
+
+        def scores(params, tokens_BxT, targets_BxT):
+            logp = jax.nn.log_softmax(model.apply({"params": params}, tokens_BxT), axis=-1)
+            tgt = jax.numpy.take_along_axis(logp, targets_BxT[..., None], axis=-1)[..., 0]
+            return tgt, logp.argmax(-1) == targets_BxT
+        self._scores = jax.jit(scores)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        """--model_args win over the harness's own --batch_size/--device (which it passes as well)."""
+        merged = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        merged.update(arg_dict or {})
+        return cls(**merged)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        from lm_eval.utils import simple_parse_args_string
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    # ------------------------------------------------------------------ scoring
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def _score(self, reqs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum log p(continuation | context), continuation is the greedy one) for token-id pairs."""
+        prepared = []
+        for ctx, cont in reqs:
+            ids = (ctx + cont)[-(self.max_length + 1):]  # keep the continuation, cut the context from the left
+            prepared.append((ids, min(len(cont), len(ids) - 1)))
+        order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))
+        out: list[tuple[float, bool] | None] = [None] * len(prepared)
+        for b in range(0, len(order), self.batch):
+            idx = order[b:b + self.batch]
+            T = next(x for x in self.buckets if x >= max(len(prepared[i][0]) - 1 for i in idx))
+            toks = np.zeros((self.batch, T), np.int32)
+            tgts = np.zeros((self.batch, T), np.int32)
+            for r, i in enumerate(idx):
+                ids = prepared[i][0]
+                toks[r, :len(ids) - 1], tgts[r, :len(ids) - 1] = ids[:-1], ids[1:]
+            lp, greedy = (np.asarray(x) for x in self._scores(self.params, toks, tgts))
+            for r, i in enumerate(idx):
+                ids, n = prepared[i]
+                sl = slice(len(ids) - 1 - n, len(ids) - 1)
+                out[i] = (float(lp[r, sl].sum()), bool(greedy[r, sl].all()))
+        return out
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        pairs = []
+        for req in requests:
+            ctx, cont = req.args
+            if not ctx:  # an empty context: condition on the end-of-text token, as the harness does
+                pairs.append(([self.eot_id], self.encode(cont)))
+            else:
+                pairs.append((self.encode(ctx), self.encode(cont)))
+        return self._score(pairs)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+        out = []
+        for req in requests:
+            (text,) = req.args[:1]
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.encode(text), prefix_token=self.eot_id, max_seq_len=self.max_length, context_len=1)]
+            out.append(sum(ll for ll, _ in self._score(windows)))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        from resformer_jax.model.decode import generate
+        out = []
+        for req in requests:
+            ctx, kw = req.args
+            kw = dict(kw or {})
+            until = kw.get("until") or [self.tok.decode([self.eot_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.get("max_gen_toks", 256))
+            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
+            prompt = (self.encode(ctx) or [self.eot_id])[-max(1, self.cfg.model.max_seq_len - max_new):]
+            max_new = min(max_new, self.cfg.model.max_seq_len - len(prompt))
+            toks, _ = generate(self.cfg.model, self.params, np.asarray([prompt]), max_new_tokens=max_new,
+                               temperature=temperature, top_k=int(kw.get("top_k", 0) or 0),
+                               top_p=float(kw.get("top_p", 1.0) or 1.0), eos_id=self.eot_id,
+                               max_len=len(prompt) + max_new)
+            new = [int(t) for t in np.asarray(toks[0, len(prompt):])]
+            if self.eot_id in new:
+                new = new[:new.index(self.eot_id)]
+            text = self.tok.decode(new)
+            for stop in until:
+                if stop and stop in text:
+                    text = text[:text.index(stop)]
+            out.append(text)
+        return out
