@@ -203,6 +203,7 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
     if m.value_residual != "none":
         cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
+        cfg["use_cache"] = False  # modeling_resformer.py recomputes the prefix (no KV cache)
         cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_resformer.ResFormerLlamaForCausalLM"}
         cfg["value_residual"] = m.value_residual
         cfg["resformer_lambdas"] = m.resformer_lambdas
