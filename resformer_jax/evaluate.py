@@ -24,17 +24,6 @@ flags.DEFINE_integer("batch", 16, "Sequences per forward pass.")
 FLAGS = flags.FLAGS
 
 
-def _model_fns(cfg, params):
-    import jax
-    from resformer_jax.model import Transformer
-    model = Transformer(cfg.model)
-
-    @jax.jit
-    def logprobs(tokens):
-        return jax.nn.log_softmax(model.apply({"params": params}, tokens), axis=-1)
-    return model, logprobs
-
-
 def validation_table(cfg, params, data: str | None, batch: int) -> dict:
     import jax
     import numpy as np
@@ -42,7 +31,8 @@ def validation_table(cfg, params, data: str | None, batch: int) -> dict:
     from resformer_jax.train.step import loss_fn
     if data:
         cfg.data.path, cfg.data.source = data, "array_record"
-    model, _ = _model_fns(cfg, params)
+    from resformer_jax.model import Transformer
+    model = Transformer(cfg.model)
     f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.get("loss_chunk_len", 128)))
     sets = validation_sets(cfg, batch, 0, all_records=True)
     table = {dom: float(np.mean([f(params, b) for b in batches])) for dom, batches in sets.items()}
@@ -50,28 +40,10 @@ def validation_table(cfg, params, data: str | None, batch: int) -> dict:
     return table
 
 
-def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
-    from tokenizers import Tokenizer
-    from resformer_jax.eval.zero_shot import make_loglik_fn, read_task, score_items, to_items
-    tok_path = os.path.join(workdir, "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        raise FileNotFoundError(f"{tok_path} not found: zero-shot scoring needs the run's tokenizer")
-    tok = Tokenizer.from_file(tok_path)
-    _, logprobs = _model_fns(cfg, params)
-    fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.data.seq_len, batch)
-    out = {}
-    for task in tasks:
-        docs = read_task(task_data, task)
-        if limit:
-            docs = docs[:limit]
-        out[task] = score_items(to_items(task, docs), fn)
-    return out
-
-
 def main(argv):
     from resformer_jax import cli
     cli.start()
-    from resformer_jax.eval.zero_shot import TaskError
+    from resformer_jax.eval.zero_shot import TaskError, zero_shot
     from resformer_jax.metrics import Writer
     from resformer_jax.train.setup import load_run
     try:

@@ -34,13 +34,12 @@ def _instances(kind, args_list):
 
 
 def test_per_item_loglikelihoods_equal_the_project_evaluator(trained, shared_data):
-    from resformer_jax.eval.zero_shot import make_loglik_fn, read_task, to_items
-    from resformer_jax.evaluate import _model_fns
+    from resformer_jax.eval.zero_shot import make_loglik_fn, model_logprobs, read_task, to_items
     wd, lm = trained
     items = to_items("piqa", read_task(str(shared_data / "eval_samples"), "piqa")[:6]) + \
         to_items("hellaswag", read_task(str(shared_data / "eval_samples"), "hellaswag")[:3])
     pairs = [(c, x) for it in items for c, x in zip(it["contexts"], it["continuations"])]
-    _, logprobs = _model_fns(lm.cfg, lm.params)
+    _, logprobs = model_logprobs(lm.cfg, lm.params)
     ours = make_loglik_fn(logprobs, lm.encode, lm.cfg.data.seq_len, 8)(pairs)
     got = lm.loglikelihood(_instances("loglikelihood", pairs))
     np.testing.assert_allclose([g for g, _ in got], ours, rtol=1e-5, atol=1e-4)
@@ -50,7 +49,7 @@ def test_per_item_loglikelihoods_equal_the_project_evaluator(trained, shared_dat
 def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    from resformer_jax.evaluate import zero_shot
+    from resformer_jax.eval.zero_shot import zero_shot
     wd, lm = trained
     tasks = ["hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
     limit = 8

@@ -158,7 +158,9 @@ def validation_sets(cfg, batch: int, num_batches: int, process_index: int = 0, p
     if d.source == "synthetic":
         src = SyntheticSource(cfg.model.vocab_size, d.seq_len + 1, d.seed + 10_000)
         reader = BatchReader(src, batch, process_index, process_count)
-        return {"synthetic": [reader(i) for i in range(num_batches)]}
+        # synthetic data has no "whole split": all_records reads the run's eval_batches (an empty set gave NaN)
+        n = max(num_batches, cfg.train.eval_batches, 1) if all_records else num_batches
+        return {"synthetic": [reader(i) for i in range(n)]}
     path = corpus_path(cfg.data)
     meta = load_metadata(path)
     check_compatible(meta, d.seq_len, cfg.model.vocab_size, "", path)

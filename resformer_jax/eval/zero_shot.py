@@ -134,3 +134,32 @@ def make_loglik_fn(apply_logits, encode, max_len: int, batch: int = 16):
                 out.append(float(logp[r, pos, tgt].sum()))
         return out
     return loglik
+
+
+def model_logprobs(cfg, params):
+    """(model, jitted tokens [B, T] -> log-softmax [B, T, V]) of a run's parameters."""
+    import jax
+    from resformer_jax.model import Transformer
+    model = Transformer(cfg.model)
+
+    @jax.jit
+    def logprobs(tokens):
+        return jax.nn.log_softmax(model.apply({"params": params}, tokens), axis=-1)
+    return model, logprobs
+
+
+def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
+    from tokenizers import Tokenizer
+    tok_path = os.path.join(workdir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(f"{tok_path} not found: zero-shot scoring needs the run's tokenizer")
+    tok = Tokenizer.from_file(tok_path)
+    _, logprobs = model_logprobs(cfg, params)
+    fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.data.seq_len, batch)
+    out = {}
+    for task in tasks:
+        docs = read_task(task_data, task)
+        if limit:
+            docs = docs[:limit]
+        out[task] = score_items(to_items(task, docs), fn)
+    return out
