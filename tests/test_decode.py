@@ -18,10 +18,8 @@ MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("mode,kv", [(m, 2) for m in MODES] + [("svformer", 0), ("none", 0)])
-def test_prefill_plus_decode_equals_full_forward(mode, kv):
-    c = tiny_config(mode)
-    c.model.num_kv_heads = kv
+def assert_decode_equals_forward(c):
+    """A 5-token prefill and 7 single-token steps through the KV cache give the full forward's logits."""
     validate(c)
     m = Transformer(c.model)
     toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
@@ -35,6 +33,14 @@ def test_prefill_plus_decode_equals_full_forward(mode, kv):
         logits, cache = _step(p, toks[:, t:t + 1], cache, m_frozen=mf, max_len=16)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
+    return m, p
+
+
+@pytest.mark.parametrize("mode,kv", [(m, 2) for m in MODES] + [("svformer", 0), ("none", 0)])
+def test_prefill_plus_decode_equals_full_forward(mode, kv):
+    c = tiny_config(mode)
+    c.model.num_kv_heads = kv
+    assert_decode_equals_forward(c)
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -42,19 +48,7 @@ def test_cross_layer_mapping_decode_equals_forward(scan):
     """Eq. 2 (mapping=cross_layer) in the KV-cached decode: layer n attends over its own cache and layer 1's."""
     c = tiny_config("resformer")
     c.model.mapping, c.model.num_kv_heads, c.model.scan_layers = "cross_layer", 2, scan
-    validate(c)
-    m = Transformer(c.model)
-    toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
-    p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
-    full = jax.jit(m.apply)({"params": p}, toks)
-    mf = FrozenModelConfig(c.model)
-    cache = init_cache(mf, p, 2, 16)
-    logits, cache = _step(p, toks[:, :5], cache, m_frozen=mf, max_len=16)
-    outs = [logits]
-    for t in range(5, 12):
-        logits, cache = _step(p, toks[:, t:t + 1], cache, m_frozen=mf, max_len=16)
-        outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
+    assert_decode_equals_forward(c)
 
 
 @pytest.mark.parametrize("kv", [2])

@@ -116,27 +116,13 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode):
 def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
     import flax.linen as nn
     import jax
-    import jax.numpy as jnp
     import optax
-    from resformer_jax.config import tiny_config, validate
-    from resformer_jax.model import Transformer
-    from resformer_jax.model.decode import FrozenModelConfig, _step, init_cache
+    from resformer_jax.config import tiny_config
     from resformer_jax.train.step import init_state, make_train_step
+    from test_decode import assert_decode_equals_forward
     c = tiny_config(mode)
     c.model.arch = "gpt2"
-    validate(c)
-    model = Transformer(c.model)
-    toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
-    p = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(1), toks)["params"])
-    full = jax.jit(model.apply)({"params": p}, toks)
-    mf = FrozenModelConfig(c.model)
-    cache = init_cache(mf, p, 2, 16)
-    logits, cache = _step(p, toks[:, :5], cache, m_frozen=mf, max_len=16)
-    outs = [logits]
-    for t in range(5, 12):
-        logits, cache = _step(p, toks[:, t:t + 1], cache, m_frozen=mf, max_len=16)
-        outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
+    model, _ = assert_decode_equals_forward(c)
     tx = optax.adam(3e-3)
     state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
     step = jax.jit(make_train_step(model, tx, 1))
