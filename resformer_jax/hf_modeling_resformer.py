@@ -116,7 +116,8 @@ class Model(nn.Module):
         c = self.config
         B, T = input_ids.shape
         D = c.hidden_size // c.num_attention_heads
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
+        theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
         ang = torch.arange(T, device=input_ids.device).float()[:, None] * inv[None]
         emb = torch.cat([ang, ang], dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
