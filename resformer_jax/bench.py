@@ -7,6 +7,8 @@
   python -m resformer_jax.bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
       [--compare=none,svformer] [--batch=1]
   python -m resformer_jax.bench accelerator [--out=report.json]   # first thing to run on new hardware
+  python -m resformer_jax.bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \
+      [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
 
 train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
 two conventions (6N with N the non-embedding parameters, and the model's own FLOP
@@ -38,6 +40,8 @@ flags.DEFINE_integer("context", 2048, "decode: prompt length.")
 flags.DEFINE_integer("new_tokens", 32, "decode: tokens to generate.")
 flags.DEFINE_integer("batch", 1, "decode: batch size.")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
+flags.DEFINE_float("step_tokens_per_s", 0.0, "data: the train step's tokens/s to compare with (0: time the "
+                   "config's step here, 3 steps).")
 FLAGS = flags.FLAGS
 
 
@@ -180,6 +184,40 @@ def bench_attention(shapes, impls, dtype) -> list[dict]:
     return res
 
 
+def bench_data(cfg, steps: int, step_tokens_per_s: float = 0.0) -> dict:
+    """The training iterator (mixture, this host's slice, grain threads and prefetch) as training reads it:
+    batches per second after a warm-up, against the tokens per second the train step consumes."""
+    import jax
+    from resformer_jax.config import validate
+    from resformer_jax.data.pipeline import train_iterator
+    validate(cfg)
+    it = train_iterator(cfg, jax.process_index(), jax.process_count())
+    for _ in range(3):  # threads started, prefetch buffer filled
+        next(it)
+    t = time.perf_counter()
+    for _ in range(steps):
+        batch = next(it)
+    dt = time.perf_counter() - t
+    local_tokens = batch.shape[0] * (batch.shape[1] - 1)
+    tps = steps * local_tokens / dt
+    out = {"source": cfg.data.source, "global_batch": cfg.train.global_batch, "seq_len": cfg.data.seq_len,
+           "processes": jax.process_count(), "threads": cfg.data.num_threads, "prefetch": cfg.data.prefetch,
+           "batches": steps, "loader_tokens_per_s_per_host": round(tps, 1),
+           "loader_batches_per_s": round(steps / dt, 2)}
+    if step_tokens_per_s <= 0:
+        b = TrainBench(cfg)
+        b.warm_up(1)
+        for _ in range(3):
+            b.timed_step()
+        step_tokens_per_s = cfg.train.global_batch * cfg.data.seq_len / statistics.median(b.times)
+        out["step_source"] = "timed here (3 steps)"
+    else:
+        out["step_source"] = "--step_tokens_per_s"
+    per_host = step_tokens_per_s / jax.process_count()
+    out.update(step_tokens_per_s=round(step_tokens_per_s, 1), loader_over_step=round(tps / per_host, 2))
+    return out
+
+
 def bench_decode(cfg, context, new_tokens, batch) -> dict:
     import flax.linen as nn
     import jax
@@ -202,8 +240,8 @@ def bench_decode(cfg, context, new_tokens, batch) -> dict:
 def main(argv):
     from resformer_jax import cli
     cli.start()
-    if len(argv) < 2 or argv[1] not in ("train", "attention", "decode", "accelerator"):
-        raise app.UsageError("usage: python -m resformer_jax.bench {train,attention,decode,accelerator} [flags]")
+    if len(argv) < 2 or argv[1] not in ("train", "attention", "decode", "accelerator", "data"):
+        raise app.UsageError("usage: python -m resformer_jax.bench {train,attention,decode,accelerator,data} [flags]")
     what = argv[1]
     if what == "accelerator":
         from resformer_jax import accelerator_check
@@ -232,6 +270,10 @@ def main(argv):
         return
     if FLAGS.config is None:
         raise app.UsageError("--config is required")
+    if what == "data":
+        with cli.exit_on_user_error():
+            print(json.dumps(bench_data(FLAGS.config, FLAGS.steps, FLAGS.step_tokens_per_s)))
+        return
     modes = FLAGS.compare.split(",") if FLAGS.compare else [FLAGS.config.model.value_residual]
     cfgs = []
     for mode in modes:

@@ -98,3 +98,13 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     dec = {d["variant"]: d for d in rep["decode"]}
     assert dec["svformer"]["kv_cache_bytes"] < dec["none"]["kv_cache_bytes"]
     assert "auto chose 'chunked'" in r.stderr  # the short table
+
+
+def test_bench_data_reports_loader_throughput_against_the_step():
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "data", "--config=configs/demo.py", "--steps=20",
+                        "--step_tokens_per_s=1000", "--config.mesh.num_devices=1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["batches"] == 20 and out["loader_tokens_per_s_per_host"] > 0
+    assert out["loader_over_step"] == round(out["loader_tokens_per_s_per_host"] / 1000, 2)
