@@ -88,3 +88,20 @@ def test_runner_beam_without_beam_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(PrepareError, match=r"pip install -e '\.\[beam\]'"):
         prepare([str(tmp_path)], "train:300", str(tmp_path / "o"), runner="beam", quiet=True)
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_ranged_reads_of_a_large_jsonl_yield_every_document_once_in_order(tmp_path, monkeypatch):
+    """Large .jsonl files are read in byte ranges by several workers: each line belongs to the range it starts in."""
+    import json
+    from data_prep import beam_pipeline
+    from data_prep.prepare import read_documents
+    path = tmp_path / "big.jsonl"
+    docs = [{"text": f"doc {i} " + "x" * (i * 7 % 50), "meta": {"redpajama_set_name": "D"}} for i in range(200)]
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    monkeypatch.setattr(beam_pipeline, "SPLIT_BYTES", 333)  # many ranges, boundaries inside lines
+    units = beam_pipeline.work_units([str(path)])
+    assert len(units) > 10
+    got = [kv for u in units for kv in beam_pipeline.read_unit(u, "default", "train", 0, False, False)]
+    assert [text for _, (_, _, text) in got] == [t for _, t in read_documents(str(path), "default")]
+    positions = [pos for _, (_, pos, _) in got]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
