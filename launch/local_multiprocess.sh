@@ -15,6 +15,8 @@ PYTHON=${PYTHON:-python}
 DEVICES=${DEVICES_PER_PROCESS:-2}
 PORT=${PORT:-$($PYTHON -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 mkdir -p "$WORKDIR/logs"
+# Create the logs first: the processes open theirs only once forked, and tail must not start before that.
+for ((i = 0; i < N; i++)); do : >"$WORKDIR/logs/process_$i.log"; done
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; }
 trap cleanup TERM INT

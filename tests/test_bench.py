@@ -108,3 +108,19 @@ def test_bench_data_reports_loader_throughput_against_the_step():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["batches"] == 20 and out["loader_tokens_per_s_per_host"] > 0
     assert out["loader_over_step"] == round(out["loader_tokens_per_s_per_host"] / 1000, 2)
+
+
+def test_bench_decode_matrix_reports_bytes_and_bandwidth():
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py",
+                        "--compare=none,svformer", "--matrix=1,2:16", "--new_tokens=3", "--rounds=1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert [(x["variant"], x["batch"]) for x in rows] == [("none", 1), ("svformer", 1), ("none", 2), ("svformer", 2)]
+    none, sv = rows[0], rows[1]
+    assert sv["kv_cache_bytes_read_per_step"] < none["kv_cache_bytes_read_per_step"]  # V cached once
+    assert sv["weight_bytes_per_step"] < none["weight_bytes_per_step"]  # no W_V in layers >= 2
+    assert all(0 < x["fraction_of_bandwidth"] and x["decode_tokens_per_s"] > 0 for x in rows)
+    bad = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py",
+                          "--matrix=1:x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "BATCHES:CONTEXTS" in bad.stderr and "Traceback" not in bad.stderr
