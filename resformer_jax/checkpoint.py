@@ -77,9 +77,13 @@ def _path(p) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in p)
 
 
+# One jitted function for every save and restore (a new lambda per call would compile again each time).
+_fingerprint_tree = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
+
+
 def fingerprints(state) -> dict[str, list[int]]:
     """{array path: [two uint32 sums]} of every array in the state, computed where the arrays live."""
-    fps = jax.jit(lambda t: jax.tree.map(_fingerprint, t))(state)
+    fps = _fingerprint_tree(state)
     return {_path(p): [int(v) for v in np.asarray(jax.device_get(x))]
             for p, x in jax.tree_util.tree_leaves_with_path(fps)}
 

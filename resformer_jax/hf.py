@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -147,12 +148,8 @@ def unrolled(params: dict, num_layers: int) -> dict:
     out = {k: v for k, v in params.items() if k != "layers"}
     stacked = params["layers"]["block"]
     for i in range(num_layers - 1):
-        out[f"layer_{i + 2}"] = _tree_map(lambda x, i=i: np.asarray(x)[i], stacked)
+        out[f"layer_{i + 2}"] = jax.tree.map(lambda x, i=i: np.asarray(x)[i], stacked)
     return out
-
-
-def _tree_map(fn, tree):
-    return {k: _tree_map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
 
 
 def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
@@ -163,8 +160,7 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
         value = m.get(field, "llama") if field == "arch" else m[field]
         if value not in allowed:
             raise HFError(f"config.model.{field}={value!r} has no Hugging Face export; exportable: {allowed}")
-    p = unrolled({k: _tree_map(lambda x: np.asarray(x, np.float32), v) if isinstance(v, dict) else np.asarray(v)
-                  for k, v in params.items()}, m.num_layers)
+    p = unrolled(jax.tree.map(lambda x: np.asarray(x, np.float32), params), m.num_layers)
     E = m.d_model
     t = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["final_norm"]["scale"],
          "lm_head.weight": p["lm_head"]["kernel"].T}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 METRICS = """metric_list:
@@ -37,36 +38,6 @@ PROMPTS = {  # lm-eval 0.4's default task definitions, dataset fields as Hugging
                   "doc_to_choice: !function resformer_local_tasks.winogrande_doc_to_choice\n",
 }
 
-UTILS = '''"""Helpers of lm-eval 0.4's hellaswag and winogrande tasks (the same functions), for the local task files."""
-import re
-
-
-def _preprocess(text):
-    text = text.strip().replace(" [title]", ". ")
-    text = re.sub("\\\\[.*?\\\\]", "", text)
-    return text.replace("  ", " ")
-
-
-def hellaswag_process_docs(dataset):
-    def one(doc):
-        ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-        return {"query": _preprocess(doc["activity_label"] + ": " + ctx),
-                "choices": [_preprocess(e) for e in doc["endings"]], "gold": int(doc["label"])}
-    return dataset.map(one)
-
-
-def winogrande_doc_to_text(doc):
-    return {"1": 0, "2": 1}[doc["answer"]]
-
-
-def winogrande_doc_to_target(doc):
-    return doc["sentence"][doc["sentence"].index("_") + 1:].strip()
-
-
-def winogrande_doc_to_choice(doc):
-    i = doc["sentence"].index("_")
-    return [doc["sentence"][:i] + o for o in (doc["option1"], doc["option2"])]
-'''
 
 
 def write_tasks(task_data: str, out: str, tasks=tuple(PROMPTS)) -> list[str]:
@@ -84,8 +55,9 @@ def write_tasks(task_data: str, out: str, tasks=tuple(PROMPTS)) -> list[str]:
         with open(path, "w") as f:
             f.write(text)
         written.append(path)
-    with open(os.path.join(out, "resformer_local_tasks.py"), "w") as f:
-        f.write(UTILS)
+    # the helpers the YAMLs name (`!function resformer_local_tasks...`) must sit beside them
+    shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_task_helpers.py"),
+                    os.path.join(out, "resformer_local_tasks.py"))
     return written
 
 
