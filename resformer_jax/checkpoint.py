@@ -31,6 +31,10 @@ class CheckpointError(Exception):
     """No checkpoint restores, or a resumed config conflicts; the message says what to do."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """Storage refused a checkpoint (full, quota, read-only, permissions); the earlier ones are intact."""
+
+
 class DamagedCheckpoint(Exception):
     """A checkpoint's bytes do not match what was saved (raised inside restore, handled by fallback)."""
 
@@ -165,7 +169,7 @@ class Checkpointer:
             return e if isinstance(e, Exception) else RuntimeError(str(e))
         steps = [s for s in sorted(self.mngr.all_steps()) if step is None or s < step]
         kept = f"the checkpoint at step {steps[-1]} is intact" if steps else "no earlier checkpoint exists"
-        return CheckpointError(
+        return CheckpointWriteError(
             f"could not write the checkpoint{'' if step is None else f' at step {step}'} to {self.dir}: "
             f"{err.strerror or err} ({getattr(err, 'filename', '') or 'while writing'}); {kept}. Free space, "
             "fix the permissions, or use another --workdir, then rerun the same command")

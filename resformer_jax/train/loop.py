@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from resformer_jax import metrics
-from resformer_jax.checkpoint import Checkpointer, CheckpointError, config_diff, params_layout
+from resformer_jax.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, config_diff, params_layout
 from resformer_jax.config import RUNTIME_MODEL_FIELDS, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import open_corpus
@@ -36,7 +36,7 @@ def run(cfg, workdir: str, **dist) -> int:
         code = report_user_error(e)
         if library_errors.path:
             print(f"(the libraries' own error reports are in {library_errors.path})", file=sys.stderr, flush=True)
-        if isinstance(e, CheckpointError) and "could not write" in str(e):
+        if isinstance(e, CheckpointWriteError):
             # Orbax's writer threads are still failing; leave without waiting on them (they would print
             # tracebacks at interpreter shutdown). What was saved before stays intact.
             sys.stderr.flush()
@@ -129,7 +129,7 @@ class Trainer:
         parts = ([f"only in the checkpoint: {only_saved[:3]}"] if only_saved else []) + \
                 ([f"only in this config: {only_new[:3]}"] if only_new else []) + \
                 [f"{p}: {saved[p]} saved, {want[p]} now" for p in reshaped[:3]]
-        fields = [f for f in config_diff(old.get("model", {}), self.cfg.model.to_dict())]
+        fields = list(config_diff(old.get("model", {}), self.cfg.model.to_dict()))
         raise CheckpointError(
             f"the checkpoint at step {step} in {self.workdir} holds other parameters than this config builds "
             f"({'; '.join(parts)}); " + (f"changed model fields: {', '.join('config.model.' + f for f in fields)}; "
