@@ -27,9 +27,14 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "test": ["pytest>=8", "tensorboard>=2.15"],
-        "gpu": ["jax[cuda12]>=0.4.35,<0.12"],
-        "tpu": ["jax[tpu]>=0.4.35,<0.12"],
+        # The emulators and clients tests/test_cloud.py runs gs:// and s3:// run directories against.
+        "test": ["pytest>=8", "tensorboard>=2.15", "gcsfs>=2024.2", "s3fs>=2024.2", "boto3>=1.34",
+                 "gcp-storage-emulator>=2024.8", "moto[server]>=5.0"],
+        # Run directories on object storage (gs://, s3://): epath goes through fsspec.
+        "gcs": ["gcsfs>=2024.2"],
+        "s3": ["s3fs>=2024.2"],
+        "gpu": ["jax[cuda12]>=0.4.35,<0.12", "gcsfs>=2024.2"],
+        "tpu": ["jax[tpu]>=0.4.35,<0.12", "gcsfs>=2024.2"],
         "eval": ["tensorboard>=2.15"],
         "beam": ["apache-beam>=2.60"],
         "lm_eval": ["lm-eval>=0.4.8"],

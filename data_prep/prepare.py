@@ -301,8 +301,14 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
         files = list_files(inputs)
     out = out.rstrip("/") or out
     if "://" in out:
+        from resformer_jax import storage
+        try:
+            storage.check_supported(out)
+        except storage.StorageError as e:
+            raise PrepareError(str(e)) from None
         if runner != "beam":
-            raise PrepareError(f"--out {out!r} is not a local folder: writing to object storage needs --runner=beam")
+            return _prepare_then_upload(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
+                                        records_per_shard, batch_docs, command, quiet, skip_bad_files)
         return _prepare_remote(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
                                records_per_shard, batch_docs, command, quiet, skip_bad_files, beam_options, beam_packing)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -329,6 +335,33 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
         shutil.rmtree(work, ignore_errors=True)
     if not quiet:
         print(f"[prepare] wrote {out}/metadata.json", file=sys.stderr, flush=True)
+    return meta
+
+
+def _prepare_then_upload(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
+                         records_per_shard, batch_docs, command, quiet, skip_bad_files) -> dict:
+    """--out on object storage with the threaded runner: ArrayRecord writes local files only, so the corpus
+    is prepared in a local temporary folder and uploaded. No rename there either: the old metadata.json
+    is removed first and the new one uploaded last, so a half-uploaded corpus never looks prepared."""
+    from etils import epath
+    dst = epath.Path(out)
+    if (dst / "metadata.json").exists():
+        (dst / "metadata.json").unlink()
+    local = tempfile.mkdtemp(prefix="resformer_prepare_")
+    try:
+        meta = _prepare_into(local, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
+                             records_per_shard, batch_docs, command, quiet, skip_bad_files)
+        from resformer_jax.storage import files_under
+        files_up = [p for p in files_under(local) if p.name != "metadata.json"]
+        for f in files_up:
+            target = dst / f.relative_to(local)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            f.copy(target, overwrite=True)
+        (epath.Path(local) / "metadata.json").copy(dst / "metadata.json", overwrite=True)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    if not quiet:
+        print(f"[prepare] uploaded {len(files_up) + 1} files; wrote {out}/metadata.json", file=sys.stderr, flush=True)
     return meta
 
 

@@ -230,7 +230,7 @@ def main(out: str | None = None) -> dict:
     report = check()
     print(json.dumps(report, default=float))
     print(table(report), file=sys.stderr)
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1, default=float)
+    if out:  # local or gs:// / s3://
+        from resformer_jax.storage import run_path, write_text_atomic
+        write_text_atomic(run_path(out), json.dumps(report, indent=1, default=float))
     return report

@@ -158,6 +158,7 @@ def plot(results: list[dict], out: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from resformer_jax.storage import save_figure
     files = []
     titles = {"entropy": "entropy of token importance (Eq. 11)", "similarity": "token similarity (Eq. 13)",
               "first_token": "attention share of the first token", "value_norm": "mean value norm",
@@ -166,13 +167,13 @@ def plot(results: list[dict], out: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for r in results:
             y = r["layers"][key]
-            ax.plot(range(1, len(y) + 1), y, marker="o", label=f"{r['variant']} ({os.path.basename(r['workdir'])})")
+            ax.plot(range(1, len(y) + 1), y, marker="o", label=f"{r['variant']} ({os.path.basename(str(r['workdir']).rstrip('/'))})")
         ax.set_xlabel("layer")
         ax.set_title(title)
         ax.legend()
         fig.tight_layout()
-        path = os.path.join(out, f"{key}.png")
-        fig.savefig(path, dpi=100)
+        path = out / f"{key}.png"
+        save_figure(fig, path)
         plt.close(fig)
         files.append(path)
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -184,8 +185,8 @@ def plot(results: list[dict], out: str) -> list[str]:
     ax.set_title("cosine similarity to Eq. 2's output (Fig. 3)")
     ax.legend()
     fig.tight_layout()
-    path = os.path.join(out, "fig3_mapping_similarity.png")
-    fig.savefig(path, dpi=100)
+    path = out / "fig3_mapping_similarity.png"
+    save_figure(fig, path)
     plt.close(fig)
     files.append(path)
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -197,8 +198,8 @@ def plot(results: list[dict], out: str) -> list[str]:
     ax.set_title("value eigen-spectrum (Eq. 12)")
     ax.legend()
     fig.tight_layout()
-    path = os.path.join(out, "spectrum.png")
-    fig.savefig(path, dpi=100)
+    path = out / "spectrum.png"
+    save_figure(fig, path)
     plt.close(fig)
     files.append(path)
     return files
@@ -208,6 +209,7 @@ def main(argv):
     from resformer_jax import cli
     cli.start()
     from resformer_jax.metrics import Writer
+    from resformer_jax.storage import run_path, write_json
     with cli.exit_on_user_error():
         if not FLAGS.workdir and not FLAGS.hf_model:
             from resformer_jax.hf import HFError
@@ -216,21 +218,21 @@ def main(argv):
                    for w in FLAGS.workdir]
         results += [analyze_run(None, None, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value,
                                 hf_model=h, text_file=FLAGS.text_file, seq_len=FLAGS.seq_len) for h in FLAGS.hf_model]
-    out = FLAGS.out or os.path.join((FLAGS.workdir or FLAGS.hf_model)[0], "analysis")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "analysis.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    with cli.exit_on_user_error():
+        out = run_path(FLAGS.out) if FLAGS.out else run_path((FLAGS.workdir or FLAGS.hf_model)[0]) / "analysis"
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "analysis.json", results, indent=1)
     files = plot(results, out)
     for r in results:
         hf = r["source"] != "run"  # never write into a model folder
-        w = Writer(os.path.join(out, "tb", r["variant"]) if hf else os.path.join(r["workdir"], "tb"))
+        w = Writer(out / "tb" / r["variant"] if hf else run_path(r["workdir"]) / "tb")
         for key in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm"):
             for n, v in enumerate(r["layers"][key]):
                 w.scalars(r["step"] or 0, {f"analysis/{key}/layer_{n + 1:02d}": v})
         w.close()
         print(f"{r['variant']:>10} entropy per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["entropy"]))
         print(f"{r['variant']:>10} similarity per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["similarity"]))
-    print(f"wrote {os.path.join(out, 'analysis.json')} and {', '.join(os.path.basename(f) for f in files)} in {out}")
+    print(f"wrote {out / 'analysis.json'} and {', '.join(f.name for f in files)} in {out}")
 
 
 if __name__ == "__main__":

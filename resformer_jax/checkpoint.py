@@ -9,6 +9,10 @@ step, path and the array that failed, moved aside to `checkpoints_damaged/`
 (never deleted) and the previous one is tried. A checkpoint whose parameter
 tree does not match the config is not damaged: that stops the run and moves
 nothing (`saved_params_layout`).
+
+The run directory may be local or on object storage (gs://, s3://): every path here is an epath.Path
+(`resformer_jax.storage`). Object storage has no atomic rename, so there Orbax marks a finished
+checkpoint with a commit file instead of renaming its temporary folder.
 """
 from __future__ import annotations
 
@@ -16,13 +20,14 @@ import errno
 import json
 import logging
 import os
-import shutil
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from resformer_jax import storage
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +104,22 @@ def params_layout(tree) -> dict[str, tuple]:
 
 class Checkpointer:
     def __init__(self, workdir: str, ckpt_cfg, create: bool = True):
-        absolute = (lambda p: p) if "://" in workdir else os.path.abspath  # gs:// paths stay as they are
         self.workdir = workdir
-        self.dir = absolute(os.path.join(workdir, "checkpoints"))
-        self.damaged_dir = absolute(os.path.join(workdir, "checkpoints_damaged"))
-        self.history_marker = os.path.join(workdir, "checkpoints_written")
+        root = storage.run_path(workdir)
+        self.dir = root / "checkpoints"
+        self.damaged_dir = root / "checkpoints_damaged"
+        self.history_marker = root / "checkpoints_written"
+        remote = storage.is_remote(root)
+        if storage.scheme(root) == "s3":
+            storage.orbax_s3_paths()
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=ckpt_cfg.max_to_keep,
             keep_period=ckpt_cfg.keep_period or None,
             enable_async_checkpointing=bool(ckpt_cfg.async_save),
             create=create,
+            # No atomic rename on object storage: a commit file marks a finished checkpoint (what Orbax
+            # does by itself for gs://; s3:// needs it said).
+            temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if remote else None,
         )
         self.mngr = ocp.CheckpointManager(
             self.dir, options=opts, item_names=("state", "data", "config", "progress", "fingerprints"),
@@ -127,11 +138,11 @@ class Checkpointer:
     def history(self) -> list[str]:
         """What shows this workdir once held checkpoints (the marker, damaged ones set aside)."""
         out = []
-        if os.path.isdir(self.damaged_dir) and os.listdir(self.damaged_dir):
-            out.append(f"{self.damaged_dir} holds {sorted(os.listdir(self.damaged_dir))}")
-        if os.path.isfile(self.history_marker):
-            with open(self.history_marker) as f:
-                out.append(f"checkpoints were written here up to step {f.read().strip()}")
+        damaged = sorted(p.name for p in self.damaged_dir.iterdir()) if self.damaged_dir.is_dir() else []
+        if damaged:
+            out.append(f"{self.damaged_dir} holds {damaged}")
+        if self.history_marker.is_file():
+            out.append(f"checkpoints were written here up to step {self.history_marker.read_text().strip()}")
         return out
 
     def all_steps(self):
@@ -152,10 +163,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise self._write_failed(step, e) from None
         if jax.process_index() == 0:
-            tmp = self.history_marker + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(str(step))
-            os.replace(tmp, self.history_marker)
+            storage.write_text_atomic(self.history_marker, str(step))
 
     def wait(self):
         try:
@@ -210,7 +218,7 @@ class Checkpointer:
             try:
                 state, config, progress = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-                path = os.path.join(self.dir, str(step))
+                path = self.dir / str(step)
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 reason = f"{type(e).__name__}: {first}"
                 warn(f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
@@ -234,13 +242,10 @@ class Checkpointer:
 
     def _quarantine(self, step: int):
         if jax.process_index() == 0:
-            src = os.path.join(self.dir, str(step))
-            if os.path.exists(src):
-                os.makedirs(self.damaged_dir, exist_ok=True)
-                dst = os.path.join(self.damaged_dir, str(step))
-                if os.path.exists(dst):
-                    shutil.rmtree(dst)
-                shutil.move(src, dst)
+            src = self.dir / str(step)
+            if src.exists():
+                self.damaged_dir.mkdir(parents=True, exist_ok=True)
+                storage.move_tree(src, self.damaged_dir / str(step))
         try:
             from jax.experimental import multihost_utils
             if jax.process_count() > 1:

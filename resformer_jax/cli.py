@@ -30,10 +30,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from resformer_jax.eval.zero_shot import TaskError
     from resformer_jax.kernels import KernelUnavailable
     from resformer_jax.parallel.mesh import MeshError
+    from resformer_jax.storage import StorageError
     from resformer_jax.train.loop import NonFiniteError
     from resformer_jax.train.setup import MemoryPrecheckError
     return (ConfigError, DataError, MeshError, CheckpointError, MemoryPrecheckError, NonFiniteError,
-            KernelUnavailable, TaskError)
+            KernelUnavailable, TaskError, StorageError)
 
 
 def exit_code(e: BaseException) -> int:
@@ -150,23 +151,36 @@ def _check_type(flag: str, value: str, current):
 
 
 class _LibraryErrorFile:
-    """Where library errors go instead of the console: RUN/library_errors.log (or a temp file)."""
+    """Where library errors go instead of the console: RUN/library_errors.log (or a temp file). On object
+    storage, which cannot append, a file per process rewritten whole (errors are rare)."""
 
     def __init__(self, workdir: str):
         import os
         import tempfile
-        self.candidates = [os.path.join(workdir, "library_errors.log"),
-                           os.path.join(tempfile.gettempdir(), f"resformer_jax_library_errors_{os.getpid()}.log")]
+        from etils import epath
+        from resformer_jax import storage
+        self._epath, self._is_remote = epath.Path, storage.is_remote  # bound now: writes may come at shutdown
+        self.candidates = [os.path.join(tempfile.gettempdir(), f"resformer_jax_library_errors_{os.getpid()}.log")]
+        if not storage.is_remote(workdir):
+            self.candidates.insert(0, os.path.join(workdir, "library_errors.log"))
+        else:
+            self.candidates.insert(0, f"{workdir.rstrip('/')}/library_errors-{os.getpid()}.log")
         self.path = None
+        self.text = ""
 
     def write(self, text: str):
+        text = text if text.endswith("\n") else text + "\n"
         for path in ([self.path] if self.path else self.candidates):
             try:
-                with open(path, "a") as f:
-                    f.write(text if text.endswith("\n") else text + "\n")
+                if self._is_remote(path):
+                    self._epath(path).write_text(self.text + text)
+                else:
+                    with open(path, "a") as f:
+                        f.write(text)
+                self.text += text
                 self.path = path
                 return
-            except OSError:
+            except Exception:  # noqa: BLE001 - the next candidate, then nowhere: never raise from logging
                 continue
 
 
@@ -188,14 +202,17 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
     for h in logging.getLogger().handlers + logging.getLogger("absl").handlers:
         h.addFilter(Divert())
 
+    import traceback
+
     def thread_hook(args):
-        import traceback
         sink.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
     threading.excepthook = thread_hook
 
     def unraisable_hook(u):
-        import traceback
-        sink.write(f"{u.err_msg or 'unraisable'}: " + "".join(traceback.format_exception(
-            type(u.exc_value), u.exc_value, u.exc_traceback)))
+        try:
+            sink.write(f"{u.err_msg or 'unraisable'}: " + "".join(traceback.format_exception(
+                type(u.exc_value), u.exc_value, u.exc_traceback)))
+        except Exception:  # noqa: BLE001 - at interpreter shutdown nothing more can be done
+            pass
     sys.unraisablehook = unraisable_hook
     return sink

@@ -26,15 +26,20 @@ import json
 import os
 import sys
 
+from resformer_jax.storage import has_lines, is_remote, read_lines, run_path, save_figure
+
+
+def run_name(run: str) -> str:
+    return os.path.basename(os.path.normpath(run.rstrip("/"))) or run
 
 
 def read_train_loss(run: str) -> dict[int, float]:
     from resformer_jax.metrics import read_jsonl
-    path = os.path.join(run, "metrics.jsonl")
-    if os.path.isfile(path):
+    path = run_path(run) / "metrics.jsonl"
+    if has_lines(path):
         return read_jsonl(path, "train/loss")
     tb = os.path.join(run, "tb")
-    if not os.path.isdir(tb):
+    if is_remote(run) or not os.path.isdir(tb):
         raise FileNotFoundError(f"{run}: neither metrics.jsonl nor tb/ found; is it a run directory?")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(tb)
@@ -58,22 +63,20 @@ def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[
 def read_run(run: str):
     """(config dict, train curve, eval curves) of a run directory."""
     from resformer_jax.analysis.grouping import RunCurves
-    path = os.path.join(run, "metrics.jsonl")
-    if not os.path.isfile(path):
+    path = run_path(run) / "metrics.jsonl"
+    if not has_lines(path):
         raise FileNotFoundError(f"{run}: no metrics.jsonl; is it a run directory?")
     train, evals = {}, {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            for k, v in rec.items():
-                if k == "train/loss":
-                    train[rec["step"]] = v
-                elif k.startswith("eval/") and k.endswith("loss"):
-                    evals.setdefault(k, {})[rec["step"]] = v
-    cfg_path = os.path.join(run, "config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            config = json.load(f)
+    for line in read_lines(path):
+        rec = json.loads(line)
+        for k, v in rec.items():
+            if k == "train/loss":
+                train[rec["step"]] = v
+            elif k.startswith("eval/") and k.endswith("loss"):
+                evals.setdefault(k, {})[rec["step"]] = v
+    cfg_path = run_path(run) / "config.json"
+    if cfg_path.is_file():
+        config = json.loads(cfg_path.read_text())
     else:  # runs from before config.json: the checkpoint's copy
         import ml_collections
         from resformer_jax.checkpoint import Checkpointer
@@ -82,24 +85,24 @@ def read_run(run: str):
         if not steps:
             raise FileNotFoundError(f"{run}: neither config.json nor a checkpoint to read its config from")
         config = ck.read_config(steps[-1])
-    return RunCurves(os.path.basename(os.path.normpath(run)), config, train, evals)
+    return RunCurves(run_name(run), config, train, evals)
 
 
 def find_runs(paths: list[str]) -> list[str]:
     """Run directories: each path itself, or the runs a sweep directory (sweep.json, or subdirectories) holds."""
     out = []
     for p in paths:
-        if os.path.isfile(os.path.join(p, "metrics.jsonl")):
+        root = run_path(p)
+        if has_lines(root / "metrics.jsonl"):
             out.append(p)
             continue
-        manifest = os.path.join(p, "sweep.json")
-        if os.path.isfile(manifest):
-            with open(manifest) as f:
-                out += [r["workdir"] for r in json.load(f)["runs"] if os.path.isfile(os.path.join(r["workdir"],
-                                                                                                  "metrics.jsonl"))]
+        manifest = root / "sweep.json"
+        if manifest.is_file():
+            out += [r["workdir"] for r in json.loads(manifest.read_text())["runs"]
+                    if has_lines(run_path(r["workdir"]) / "metrics.jsonl")]
             continue
-        subs = sorted(os.path.join(p, d) for d in os.listdir(p)) if os.path.isdir(p) else []
-        found = [d for d in subs if os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+        subs = sorted(f"{p.rstrip('/')}/{d.name}" for d in root.iterdir()) if root.is_dir() else []
+        found = [d for d in subs if has_lines(run_path(d) / "metrics.jsonl")]
         if not found:
             raise FileNotFoundError(f"{p}: not a run directory (no metrics.jsonl) and holds no runs")
         out += found
@@ -114,8 +117,8 @@ def grouped(a) -> int:
     except (KeyError, ValueError) as e:
         print(f"error: --group_by {a.group_by}: {e}", file=sys.stderr)
         return 2
-    out = a.out or os.path.join(a.runs[0], "compare")
-    os.makedirs(out, exist_ok=True)
+    out = run_path(a.out) if a.out else run_path(a.runs[0]) / "compare"
+    out.mkdir(parents=True, exist_ok=True)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -124,7 +127,7 @@ def grouped(a) -> int:
     for name, g in res.items():
         line, = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
         ax.fill_between(g.steps, g.low, g.high, color=line.get_color(), alpha=0.2)
-        w = Writer(os.path.join(out, "tb", name))
+        w = Writer(out / "tb" / name)
         for i, st in enumerate(g.steps):
             w.scalars(st, {"relative/train_loss": g.relative[i], "relative/train_loss_low": g.low[i],
                            "relative/train_loss_high": g.high[i]})
@@ -135,7 +138,7 @@ def grouped(a) -> int:
     ax.set_title(f"relative training loss, smoothed over {a.smooth}; band over seeds")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "relative_train_loss.png"), dpi=100)
+    save_figure(fig, out / "relative_train_loss.png")
     plt.close(fig)
     eval_keys = sorted({k for r in runs for k in r.evals})
     eval_curves = {k: grouping.relative_eval_curves(runs, a.group_by, a.baseline, k) for k in eval_keys}
@@ -145,7 +148,7 @@ def grouped(a) -> int:
             for name, (steps, mean, lo, hi) in eval_curves[key].items():
                 line, = ax.plot(steps, mean, marker="o", label=name)
                 ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
-                w = Writer(os.path.join(out, "tb", name))
+                w = Writer(out / "tb" / name)
                 for i, st in enumerate(steps):
                     w.scalars(st, {f"relative/{key}": mean[i]})
                 w.close()
@@ -153,7 +156,7 @@ def grouped(a) -> int:
             ax.set_title(f"relative {key}")
             ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "relative_validation_loss.png"), dpi=100)
+        save_figure(fig, out / "relative_validation_loss.png")
         plt.close(fig)
     report = {"group_by": a.group_by, "baseline": a.baseline, "smooth": a.smooth,
               "groups": {n: dataclasses.asdict(g) for n, g in res.items()},
@@ -170,8 +173,7 @@ def grouped(a) -> int:
         report["scaling"] = scaling(runs, a.group_by, a.baseline, out)
     if a.vs:
         report["critical_points"] = critical_points(runs, a.group_by, a.baseline, a.vs, a.smooth, a.last, out)
-    with open(os.path.join(out, "grouped_comparison.json"), "w") as f:
-        json.dump(report, f, indent=1, default=float)
+    (out / "grouped_comparison.json").write_text(json.dumps(report, indent=1, default=float))
     print(f"wrote {out}/relative_train_loss.png, relative_validation_loss.png, grouped_comparison.json and "
           f"TensorBoard logs under {out}/tb")
     return 0
@@ -215,7 +217,7 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
     ax.set_ylabel(f"step where {baseline} overtakes")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "critical_points.png"), dpi=100)
+    save_figure(fig, out / "critical_points.png")
     plt.close(fig)
     return res
 
@@ -277,7 +279,7 @@ def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
     for ax in (ax_n, ax_d):
         ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "scaling.png"), dpi=100)
+    save_figure(fig, out / "scaling.png")
     plt.close(fig)
     return res
 
@@ -305,12 +307,13 @@ def main(argv=None):
         p.error("--out is required without --group_by")
     try:
         base = read_train_loss(a.baseline)
-        runs = {os.path.basename(os.path.normpath(r)) or r: read_train_loss(r) for r in a.runs}
+        runs = {run_name(r): read_train_loss(r) for r in a.runs}
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     curves = relative_curves(base, runs, a.smooth)
-    os.makedirs(a.out, exist_ok=True)
+    out = run_path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -318,19 +321,19 @@ def main(argv=None):
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, (steps, rel) in curves.items():
         ax.plot(steps, rel, label=name)
-        w = Writer(os.path.join(a.out, "tb", name))
+        w = Writer(out / "tb" / name)
         for s, v in zip(steps, rel):
             w.scalars(s, {"relative/train_loss": v})
         w.close()
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss - {os.path.basename(os.path.normpath(a.baseline))}")
+    ax.set_ylabel(f"train loss - {run_name(a.baseline)}")
     ax.set_title(f"relative training loss (smoothed over {a.smooth})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "relative_train_loss.png"), dpi=100)
-    with open(os.path.join(a.out, "relative_train_loss.json"), "w") as f:
-        json.dump({n: {"steps": s, "relative": r} for n, (s, r) in curves.items()}, f)
+    save_figure(fig, out / "relative_train_loss.png")
+    (out / "relative_train_loss.json").write_text(json.dumps({n: {"steps": s, "relative": r}
+                                                              for n, (s, r) in curves.items()}))
     for name, (steps, rel) in curves.items():
         print(f"{name}: final relative train loss {rel[-1]:+.4f} at step {steps[-1]}" if rel else f"{name}: no common steps")
     print(f"wrote {a.out}/relative_train_loss.png and TensorBoard logs under {a.out}/tb")

@@ -45,11 +45,13 @@ def main(argv):
     cli.start()
     from resformer_jax.eval.zero_shot import TaskError, zero_shot
     from resformer_jax.metrics import Writer
+    from resformer_jax.storage import run_path, write_json
     from resformer_jax.train.setup import load_run
     try:
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
-        os.makedirs(os.path.join(FLAGS.workdir, "eval"), exist_ok=True)
-        writer = Writer(os.path.join(FLAGS.workdir, "tb"))
+        out_dir = run_path(FLAGS.workdir) / "eval"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        writer = Writer(run_path(FLAGS.workdir) / "tb")
         if FLAGS.tasks:
             tasks = [t.strip() for t in FLAGS.tasks.split(",") if t.strip()]
             if not FLAGS.task_data:
@@ -62,9 +64,8 @@ def main(argv):
             avg = sum(r["acc"] for r in res.values()) / len(res)
             print(f"{'average':<15}{avg:>8.4f}")
             writer.scalars(step, {f"zero_shot/{t}/{k}": r[k] for t, r in res.items() for k in ("acc", "acc_norm")})
-            path = os.path.join(FLAGS.workdir, "eval", f"zero_shot_step{step}.json")
-            with open(path, "w") as f:
-                json.dump({"step": step, "tasks": res, "average_acc": avg}, f, indent=2)
+            path = out_dir / f"zero_shot_step{step}.json"
+            write_json(path, {"step": step, "tasks": res, "average_acc": avg})
             print(f"wrote {path}")
         if FLAGS.data or not FLAGS.tasks:
             table = validation_table(cfg, params, FLAGS.data, FLAGS.batch)
@@ -72,9 +73,8 @@ def main(argv):
             print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
             print("  ".join(f"{v:>12.4f}" for v in table.values()))
             writer.scalars(step, {f"eval_full/{d}/loss": v for d, v in table.items()})
-            path = os.path.join(FLAGS.workdir, "eval", f"validation_step{step}.json")
-            with open(path, "w") as f:
-                json.dump({"step": step, "loss": table}, f, indent=2)
+            path = out_dir / f"validation_step{step}.json"
+            write_json(path, {"step": step, "loss": table})
             print(f"wrote {path}")
         writer.close()
     except cli.user_errors() + (FileNotFoundError,) as e:

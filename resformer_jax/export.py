@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 from absl import app, flags
@@ -28,22 +27,21 @@ def export_run(workdir: str, out: str, step: int | None = None, dtype: str = "fl
     import jax
     from resformer_jax.hf import export_params
     from resformer_jax.train.setup import load_run
+    from resformer_jax import storage
     cfg, params, step = load_run(workdir, step)
-    tok_src = os.path.join(workdir, "tokenizer.json")
+    tok = storage.run_tokenizer(workdir)
     meta = None
-    os.makedirs(out, exist_ok=True)
-    if os.path.isfile(tok_src):
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(tok_src)
-        eot = tok.token_to_id("<|endoftext|>")
-        meta = {"eot_id": eot}
-        shutil.copyfile(tok_src, os.path.join(out, "tokenizer.json"))
-        special = "<|endoftext|>" if eot is not None else None
-        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_seq_len,
-                       "bos_token": special, "eos_token": special, "unk_token": special,
-                       "clean_up_tokenization_spaces": False}, f, indent=1)
-    hf_cfg = export_params(cfg.model, jax.device_get(params), out, dtype, meta)
+    with storage.staged_dir(out) as local:  # safetensors writes local files; a cloud --out is uploaded after
+        if tok is not None:
+            eot = tok.token_to_id("<|endoftext|>")
+            meta = {"eot_id": eot}
+            storage.copy_file(storage.run_path(workdir) / "tokenizer.json", os.path.join(local, "tokenizer.json"))
+            special = "<|endoftext|>" if eot is not None else None
+            with open(os.path.join(local, "tokenizer_config.json"), "w") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_seq_len,
+                           "bos_token": special, "eos_token": special, "unk_token": special,
+                           "clean_up_tokenization_spaces": False}, f, indent=1)
+        hf_cfg = export_params(cfg.model, jax.device_get(params), local, dtype, meta)
     return {"step": step, "out": out, "architectures": hf_cfg["architectures"], "tokenizer": meta is not None}
 
 

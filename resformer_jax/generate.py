@@ -36,11 +36,10 @@ def main(argv):
     from resformer_jax.train.setup import load_run
     with cli.exit_on_user_error():
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
-    tok_path = os.path.join(FLAGS.workdir, "tokenizer.json")
-    tok = None
-    if os.path.isfile(tok_path):
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(tok_path)
+    from resformer_jax.storage import run_tokenizer
+    tok_path = f"{FLAGS.workdir.rstrip('/')}/tokenizer.json"
+    with cli.exit_on_user_error():
+        tok = run_tokenizer(FLAGS.workdir)
     if FLAGS.prompt_ids:
         prompts = [[int(x) for x in FLAGS.prompt_ids.split(",")]]
     else:

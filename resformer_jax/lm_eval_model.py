@@ -34,14 +34,14 @@ class ResformerLM(LM):
                  max_length: int | str | None = None, **kwargs):
         super().__init__()
         import jax
-        from tokenizers import Tokenizer
         from resformer_jax.model import Transformer
         from resformer_jax.train.setup import load_run
         self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
-        tok_path = os.path.join(workdir, "tokenizer.json")
-        if not os.path.isfile(tok_path):
-            raise ValueError(f"{tok_path} not found: lm-eval needs the run's tokenizer (runs on synthetic data have none)")
-        self.tok = Tokenizer.from_file(tok_path)
+        from resformer_jax.storage import run_tokenizer
+        self.tok = run_tokenizer(workdir)
+        if self.tok is None:
+            raise ValueError(f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
+                             "synthetic data have none)")
         self.eot_id = self.tok.token_to_id("<|endoftext|>")
         self.batch = int(batch_size) if str(batch_size).isdigit() else 16
         self.max_length = int(max_length or self.cfg.data.seq_len)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 
@@ -133,21 +134,23 @@ def step_memory(compiled) -> StepMemory | None:
 class Writer:
     """Scalars and text to TensorBoard; a no-op on processes other than 0."""
 
-    def __init__(self, logdir: str, enabled: bool = True, jsonl: str | None = None):
+    def __init__(self, logdir: str, enabled: bool = True, jsonl=None):
         self.w, self.jsonl = None, None
         if enabled:
             from tensorboardX import SummaryWriter
-            self.w = SummaryWriter(logdir, flush_secs=10)
+            from resformer_jax.storage import tensorboard_writers_for
+            tensorboard_writers_for(logdir)  # gs:// and s3:// event files through epath
+            self.w = SummaryWriter(os.fspath(logdir), flush_secs=10)
             if jsonl:  # the same scalars, machine-readable: one JSON object per logged step
-                self.jsonl = open(jsonl, "a")
+                from resformer_jax.storage import LineLog
+                self.jsonl = LineLog(jsonl)
 
     def scalars(self, step: int, values: dict):
         if self.w:
             for k, v in values.items():
                 self.w.add_scalar(k, float(v), step)
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in values.items()}}) + "\n")
-            self.jsonl.flush()
+            self.jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in values.items()}}))
 
     def text(self, tag: str, text: str, step: int = 0):
         if self.w:
@@ -164,14 +167,15 @@ class Writer:
             self.jsonl.close()
 
 
-def read_jsonl(path: str, key: str) -> dict:
-    """{step: value} of one scalar from metrics.jsonl; a resumed run's later lines win."""
+def read_jsonl(path, key: str) -> dict:
+    """{step: value} of one scalar from metrics.jsonl (local, or its segments on object storage); a
+    resumed run's later lines win."""
+    from resformer_jax.storage import read_lines
     out = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if key in rec:
-                out[rec["step"]] = rec[key]
+    for line in read_lines(path):
+        rec = json.loads(line)
+        if key in rec:
+            out[rec["step"]] = rec[key]
     return out
 
 

@@ -27,6 +27,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from resformer_jax import storage
+
 config_flags.DEFINE_config_file("config", None, "Config file of every run (ml_collections get_config()).")
 flags.DEFINE_string("workdir", None, "Sweep directory: one run directory per combination, and sweep.json.")
 flags.DEFINE_multi_string("set", [], "FIELD=V1,V2,... (repeatable): a config field and the values to sweep.")
@@ -124,27 +126,23 @@ def plan_runs(workdir: str, grid: dict) -> list[Run]:
 def write_manifest(workdir: str, config_file: str, fixed: list[str], grid: dict, runs: list[Run]) -> dict:
     manifest = {"config": config_file, "overrides": fixed, "grid": grid,
                 "runs": [{"name": r.name, "workdir": r.workdir, "values": r.values} for r in runs]}
-    path = os.path.join(workdir, MANIFEST)
-    if os.path.isfile(path):
-        with open(path) as f:
-            old = json.load(f)
+    path = storage.run_path(workdir) / MANIFEST
+    if path.is_file():
+        old = json.loads(path.read_text())
         for key in ("config", "overrides", "grid"):
             if json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(manifest[key])):
                 raise SweepError(f"{workdir} holds a sweep with another {key} ({old.get(key)!r}, now "
                                  f"{manifest[key]!r}); rerun with the same flags to resume it, or use a new --workdir")
-    os.makedirs(workdir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    storage.write_json(path, manifest, indent=1)
     return manifest
 
 
 def finished_step(run_dir: str) -> int:
     """The newest completed checkpoint's step (orbax writes _CHECKPOINT_METADATA last), or -1."""
-    ck = os.path.join(run_dir, "checkpoints")
-    steps = [int(d) for d in os.listdir(ck) if d.isdigit()
-             and os.path.isfile(os.path.join(ck, d, "_CHECKPOINT_METADATA"))] if os.path.isdir(ck) else []
+    ck = storage.run_path(run_dir) / "checkpoints"
+    steps = [int(d.name) for d in ck.iterdir() if d.name.isdigit()
+             and (d / "_CHECKPOINT_METADATA").is_file()] if ck.is_dir() else []
     return max(steps, default=-1)
 
 
@@ -239,7 +237,8 @@ def main(argv):
     if FLAGS.slurm or FLAGS.tpu_pod:
         script, text = (("sweep.sbatch", slurm_script(config_file, fixed, runs, repo)) if FLAGS.slurm else
                         ("sweep_tpu.sh", tpu_script(config_file, fixed, runs, FLAGS.tpu_pod, repo)))
-        path = os.path.join(FLAGS.workdir, script)
+        # A script runs from a local disk: beside a cloud sweep directory's name, in the current folder.
+        path = os.path.join(FLAGS.workdir if not storage.is_remote(FLAGS.workdir) else ".", script)
         with open(path, "w") as f:
             f.write(text)
         os.chmod(path, 0o755)

@@ -28,6 +28,12 @@ META_KEYS = ("format", "tokenizer", "seq_len", "record_len", "dtype", "splits")
 def load_metadata(path: str) -> dict:
     if not path:
         raise DataError("config.data.path is empty; point it at a folder written by `python -m data_prep.prepare`")
+    if "://" in path:
+        raise DataError(
+            f"data path {path!r} is on object storage, which ArrayRecord cannot read (grain's ArrayRecordDataSource "
+            "opens shards with the local file API). Copy the corpus to local disk (gcloud storage cp -r "
+            f"{path} /data/corpus, or aws s3 cp --recursive) or mount the bucket (gcsfuse, mountpoint-s3) and set "
+            "config.data.path to the local folder")
     if not os.path.isdir(path):
         raise DataError(f"data path {path!r} does not exist; run `python -m data_prep.prepare --out {path} ...` "
                         "or fix config.data.path")
@@ -116,10 +122,12 @@ class Corpus:
 
     def copy_tokenizer(self, workdir: str):
         """Puts the corpus's tokenizer in the run directory as tokenizer.json (for generate and evaluate)."""
+        from etils import epath
         src = os.path.join(self.path, self.meta["tokenizer"]["file"])
         if os.path.isfile(src):
-            os.makedirs(workdir, exist_ok=True)
-            shutil.copyfile(src, os.path.join(workdir, "tokenizer.json"))
+            root = epath.Path(workdir)
+            root.mkdir(parents=True, exist_ok=True)
+            epath.Path(src).copy(root / "tokenizer.json", overwrite=True)
 
     def check_tokenizer(self, run_sha256: str):
         """A resumed run must read data tokenized the way it started."""

@@ -149,11 +149,10 @@ def model_logprobs(cfg, params):
 
 
 def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
-    from tokenizers import Tokenizer
-    tok_path = os.path.join(workdir, "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        raise FileNotFoundError(f"{tok_path} not found: zero-shot scoring needs the run's tokenizer")
-    tok = Tokenizer.from_file(tok_path)
+    from resformer_jax.storage import run_tokenizer
+    tok = run_tokenizer(workdir)
+    if tok is None:
+        raise FileNotFoundError(f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer")
     _, logprobs = model_logprobs(cfg, params)
     fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.data.seq_len, batch)
     out = {}

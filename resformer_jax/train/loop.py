@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from resformer_jax import metrics
+from resformer_jax import metrics, storage
 from resformer_jax.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, config_diff, params_layout
 from resformer_jax.config import RUNTIME_MODEL_FIELDS, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
@@ -31,6 +31,7 @@ def run(cfg, workdir: str, **dist) -> int:
     from resformer_jax.cli import divert_library_errors, report_user_error, user_errors
     library_errors = divert_library_errors(workdir)
     try:
+        storage.check_supported(workdir)  # before anything else: a missing gcsfs/s3fs names its extra
         return Trainer(cfg, workdir, **dist).train()
     except user_errors() + (OSError,) as e:  # OSError: a read-only or full disk, a missing folder
         code = report_user_error(e)
@@ -215,15 +216,12 @@ class Trainer:
             self.corpus.copy_tokenizer(self.workdir)
         if self.corpus is not None:
             cfg.data.tokenizer_hash = self.corpus.tokenizer_sha256
+        root = storage.run_path(self.workdir)
         if self.is_main:
-            os.makedirs(self.workdir, exist_ok=True)
+            root.mkdir(parents=True, exist_ok=True)
             # The run's resolved config, readable without the checkpoint library (compare groups runs by it).
-            tmp = os.path.join(self.workdir, "config.json.tmp")
-            with open(tmp, "w") as f:
-                f.write(cfg.to_json_best_effort(indent=1))
-            os.replace(tmp, os.path.join(self.workdir, "config.json"))
-        writer = metrics.Writer(os.path.join(self.workdir, "tb"), enabled=self.is_main,
-                                jsonl=os.path.join(self.workdir, "metrics.jsonl"))
+            storage.write_text_atomic(root / "config.json", cfg.to_json_best_effort(indent=1))
+        writer = metrics.Writer(os.fspath(root / "tb"), enabled=self.is_main, jsonl=root / "metrics.jsonl")
         if self.setup.attention.probed:
             writer.text("attention_impl", f"auto chose **{self.setup.attention.impl}**; rejected: "
                         f"{json.dumps(self.setup.attention.rejected)}")
@@ -235,7 +233,7 @@ class Trainer:
         self.say(f"model: {flops.params_total:,} params ({flops.params_non_embedding:,} non-embedding), "
                  f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} devices, mesh "
                  f"{dict(self.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
-        self.say(f"logs: tensorboard --logdir {os.path.abspath(self.workdir)}")
+        self.say(f"logs: tensorboard --logdir {storage.run_path(self.workdir)}")
 
         schedule = lr_schedule(cfg.train)
         self.elapsed = getattr(self, "restored_progress", {}).get("elapsed_s", 0.0)
@@ -309,7 +307,7 @@ class Trainer:
         writer.close()
         if self.is_main and first_eval and last_eval and step == cfg.train.steps:
             self.say(f"done: validation loss {first_eval['eval/loss']:.4f} -> {last_eval['eval/loss']:.4f}. "
-                     f"TensorBoard: tensorboard --logdir {os.path.abspath(self.workdir)}")
+                     f"TensorBoard: tensorboard --logdir {storage.run_path(self.workdir)}")
         elif self.is_main and step == cfg.train.steps:
-            self.say(f"done. TensorBoard: tensorboard --logdir {os.path.abspath(self.workdir)}")
+            self.say(f"done. TensorBoard: tensorboard --logdir {storage.run_path(self.workdir)}")
         return exit_code

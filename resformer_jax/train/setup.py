@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resformer_jax import kernels, metrics
+from resformer_jax import kernels, metrics, storage
 from resformer_jax.checkpoint import Checkpointer, CheckpointError
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
 from resformer_jax.model import Transformer
@@ -165,8 +165,9 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
              log: Callable[[str], Any] = lambda s: None) -> LoadedRun:
     """A run's checkpoint (newest, or `step`) on the default device, for inference and analysis.
     `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here."""
-    if "://" not in workdir and not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        what = "has no checkpoints/ folder" if os.path.isdir(workdir) else "does not exist"
+    root = storage.run_path(workdir)
+    if not (root / "checkpoints").is_dir():
+        what = "has no checkpoints/ folder" if root.is_dir() else "does not exist"
         raise CheckpointError(f"run directory {workdir} {what}; check --workdir (train first with "
                               f"python -m resformer_jax.main --workdir={workdir})")
     ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}),

@@ -1,0 +1,342 @@
+"""Run directories on local disk or object storage (gs://, s3://), through one path type.
+
+Everything a command writes to or reads from a run directory goes through `run_path` (an
+`etils.epath.Path`, the abstraction Orbax and grain use): local paths are `pathlib` paths, gs:// and
+s3:// paths go through fsspec (gcsfs, s3fs). What object storage lacks is handled here once:
+
+- no append: `LineLog` keeps metrics.jsonl's lines in segment objects (`metrics.jsonl.parts/`), each
+  rewritten whole at every flush and closed after `SEGMENT_LINES` lines or when the process ends, so a
+  preempted run loses at most the lines since its last flush (as a local file does);
+- no rename: `write_text_atomic` relies on an object appearing whole when its upload ends;
+- Orbax 0.12 builds TensorStore specs for gs:// and local paths only; `orbax_s3_paths` gives it s3://
+  (TensorStore's own s3 driver) by building the gs:// spec and swapping the driver.
+
+TensorBoard event files go through epath too (`tensorboard_writers_for`).
+
+Emulators: gcsfs follows STORAGE_EMULATOR_HOST, TensorStore follows TENSORSTORE_GCS_HTTP_URL (and
+GOOGLE_AUTH_TOKEN_FOR_TESTING); s3fs and TensorStore follow AWS_ENDPOINT_URL. tests/test_cloud.py runs real runs against gcp-storage-emulator and moto's server.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import shutil
+
+from etils import epath
+
+SEGMENT_LINES = 1000
+
+# scheme -> (modules it needs, the pip extra that installs them)
+_CLOUD_PACKAGES = {
+    "gs": (("gcsfs",), "gcs"),
+    "s3": (("s3fs",), "s3"),
+}
+
+
+class StorageError(ValueError):
+    """A run path this installation cannot use; the message names the package and the extra."""
+
+
+def scheme(path) -> str:
+    """'gs', 's3', ... for a URL; '' for a local path."""
+    s = os.fspath(path) if not isinstance(path, str) else path
+    return s.split("://", 1)[0] if "://" in s else ""
+
+
+def is_remote(path) -> bool:
+    return scheme(path) != ""
+
+
+def check_supported(path) -> None:
+    """Raises StorageError naming the extra to install when `path`'s scheme needs a missing package."""
+    sch = scheme(path)
+    if not sch:
+        return
+    if sch not in _CLOUD_PACKAGES:
+        raise StorageError(f"{path}: {sch}:// is not supported; use a local path, gs:// or s3://")
+    modules, extra = _CLOUD_PACKAGES[sch]
+    missing = [m for m in modules if not _importable(m)]
+    if missing:
+        raise StorageError(
+            f"{path} needs {' and '.join(missing)} for {sch}:// paths; install them with "
+            f"pip install -e '.[{extra}]' (the tpu and gpu extras include gcs)")
+
+
+def _importable(module: str) -> bool:
+    import sys
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
+
+
+def run_path(path) -> epath.Path:
+    """The path as an epath.Path (local paths made absolute), after checking its scheme is usable."""
+    check_supported(path)
+    s = os.fspath(path)
+    return epath.Path(s if is_remote(s) else os.path.abspath(s))
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Writes a file so a reader never sees half of it: a local rename, or an object upload (objects
+    appear whole when the upload ends)."""
+    p = epath.Path(path)
+    if is_remote(p):
+        p.write_text(text)
+        return
+    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+
+
+def write_json(path, obj, indent: int | None = 2) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def read_json(path):
+    return json.loads(epath.Path(path).read_text())
+
+
+def move_tree(src, dst) -> None:
+    """Moves a directory (replacing `dst`); on object storage a copy of every object, then a delete."""
+    src, dst = epath.Path(src), epath.Path(dst)
+    if dst.exists():
+        dst.rmtree()
+    if not is_remote(src):
+        shutil.move(os.fspath(src), os.fspath(dst))
+        return
+    for f in files_under(src):
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f.copy(out)
+    src.rmtree()
+
+
+def files_under(root) -> list[epath.Path]:
+    """Every file below `root`, sorted (epath's rglob is refused on gs://, so a walk of iterdir)."""
+    out, todo = [], [epath.Path(root)]
+    while todo:
+        for p in todo.pop().iterdir():
+            (todo if p.is_dir() else out).append(p)
+    return sorted(out, key=str)
+
+
+def copy_file(src, dst) -> None:
+    epath.Path(src).copy(epath.Path(dst), overwrite=True)
+
+
+@contextlib.contextmanager
+def local_copy(path):
+    """A local filesystem path holding `path`'s bytes (the path itself when it is local): for libraries
+    that only open local files."""
+    if not is_remote(path):
+        yield os.fspath(path)
+        return
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        local = os.path.join(d, epath.Path(path).name)
+        epath.Path(path).copy(epath.Path(local))
+        yield local
+
+
+class LineLog:
+    """Appends lines to `path` and keeps them on a kill.
+
+    Local: an appended file, flushed at each write. Object storage cannot append, so lines go to
+    segment objects `path.parts/SSSSSS.jsonl`: each is rewritten whole at every write (an upload
+    replaces an object atomically) and a new one starts after SEGMENT_LINES lines or when a new
+    process opens the log, so no earlier segment is ever rewritten. `read_lines` reads both layouts.
+    """
+
+    def __init__(self, path):
+        self.path = epath.Path(path)
+        self.remote = is_remote(self.path)
+        if not self.remote:
+            self.f = open(self.path, "a")
+            return
+        self.parts = _parts_dir(self.path)
+        self.parts.mkdir(parents=True, exist_ok=True)
+        self.segment = _next_segment(self.parts)
+        self.lines: list[str] = []
+
+    def write(self, line: str) -> None:
+        line = line.rstrip("\n") + "\n"
+        if not self.remote:
+            self.f.write(line)
+            self.f.flush()
+            return
+        self.lines.append(line)
+        (self.parts / f"{self.segment:06d}.jsonl").write_text("".join(self.lines))
+        if len(self.lines) >= SEGMENT_LINES:
+            self.segment, self.lines = self.segment + 1, []
+
+    def close(self) -> None:
+        if not self.remote:
+            self.f.close()
+
+
+def _parts_dir(path: epath.Path) -> epath.Path:
+    return path.with_name(path.name + ".parts")
+
+
+def _next_segment(parts: epath.Path) -> int:
+    nums = [int(p.stem) for p in parts.glob("*.jsonl") if p.stem.isdigit()]
+    return max(nums) + 1 if nums else 0
+
+
+def has_lines(path) -> bool:
+    p = epath.Path(path)
+    return p.is_file() or (_parts_dir(p).is_dir() and any(_parts_dir(p).glob("*.jsonl")))
+
+
+def read_lines(path) -> list[str]:
+    """Every line a LineLog wrote to `path`, in order (the plain file, then its segments)."""
+    p = epath.Path(path)
+    out = []
+    if p.is_file():
+        out += p.read_text().splitlines()
+    parts = _parts_dir(p)
+    if parts.is_dir():
+        for seg in sorted(parts.glob("*.jsonl"), key=lambda q: q.name):
+            out += seg.read_text().splitlines()
+    return [ln for ln in out if ln.strip()]
+
+
+# --- Orbax on s3:// ----------------------------------------------------------------------------------
+
+def _swap_gcs_for_s3(spec):
+    """The kvstore spec with every gcs driver replaced by TensorStore's s3 driver (same bucket/path)."""
+    if isinstance(spec, dict):
+        out = {k: _swap_gcs_for_s3(v) for k, v in spec.items()}
+        if out.get("driver") in ("gcs", "gcs_grpc"):
+            out = {"driver": "s3", "bucket": out["bucket"], "path": out.get("path", "")}
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                out["endpoint"] = endpoint
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            if region:
+                out["aws_region"] = region
+        return out
+    if isinstance(spec, list):
+        return [_swap_gcs_for_s3(v) for v in spec]
+    return spec
+
+
+def _s3_aware(build):
+    @functools.wraps(build)
+    def wrapped(directory, *args, **kwargs):
+        d = os.fspath(directory)
+        if not d.startswith("s3://"):
+            return build(directory, *args, **kwargs)
+        return _swap_gcs_for_s3(build("gs://" + d[len("s3://"):], *args, **kwargs))
+    wrapped.resformer_s3 = True
+    return wrapped
+
+
+def orbax_s3_paths() -> None:
+    """Lets Orbax write and read arrays under s3:// paths.
+
+    Orbax 0.12 builds TensorStore kvstore specs with a `gcs` driver for gs:// and a `file` driver for
+    everything else, so s3:// fails ("Checkpoint path should be absolute") although TensorStore has an
+    s3 driver. This wraps Orbax's two spec builders once per process: an s3:// directory is built as
+    its gs:// twin and the driver swapped. Orbax's own files (metadata, JSON items) already go through
+    epath. Raises StorageError when the Orbax version lacks the builders (then s3:// is unsupported)."""
+    try:
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+    except ImportError as e:  # pragma: no cover - depends on the orbax version
+        raise StorageError(f"this Orbax version has no tensorstore_utils ({e}); s3:// checkpoints are "
+                           "unsupported with it: use gs://, a local path or an s3 mount") from None
+    for name in ("_build_ocdbt_kvstore_tspec", "_build_non_ocdbt_kvstore_tspec"):
+        fn = getattr(tsu, name, None)
+        if fn is None:
+            raise StorageError(f"this Orbax version has no {name}; s3:// checkpoints are unsupported with it: "
+                               "use gs://, a local path or an s3 mount (mountpoint-s3)")
+        if not getattr(fn, "resformer_s3", False):
+            setattr(tsu, name, _s3_aware(fn))
+
+
+# --- what a run directory holds ----------------------------------------------------------------------
+
+def run_tokenizer(workdir):
+    """The run's tokenizer (RUN/tokenizer.json, copied from the corpus at the start), or None when the run
+    trained on synthetic data."""
+    p = run_path(workdir) / "tokenizer.json"
+    if not p.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(p.read_text())
+
+
+def save_figure(fig, path, dpi: int = 100) -> None:
+    """A matplotlib figure as PNG at `path` (local or object storage)."""
+    with epath.Path(path).open("wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+
+
+@contextlib.contextmanager
+def staged_dir(out):
+    """A local folder to write into for libraries that write local files only (safetensors); when `out` is
+    on object storage its files are uploaded after the block succeeds (nothing is uploaded on an error)."""
+    if not is_remote(out):
+        os.makedirs(out, exist_ok=True)
+        yield os.fspath(out)
+        return
+    check_supported(out)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        yield d
+        dst = epath.Path(out)
+        for f in files_under(d):
+            target = dst / f.relative_to(d)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            f.copy(target, overwrite=True)
+
+
+# --- TensorBoard event files on object storage ----------------------------------------------------------
+
+class _ObjectRecordWriter:
+    """An event file on object storage: the bytes written so far, uploaded whole at each flush (objects cannot
+    be appended to); nothing is uploaded again after close."""
+
+    def __init__(self, path: str):
+        import io
+        self.path, self.buffer, self.dirty, self.closed = epath.Path(path), io.BytesIO(), False, False
+
+    def write(self, data: bytes):
+        self.buffer.write(data)
+        self.dirty = True
+
+    def flush(self):
+        if self.dirty and not self.closed:
+            self.path.write_bytes(self.buffer.getvalue())
+            self.dirty = False
+
+    def close(self):
+        self.flush()
+        self.closed = True
+
+
+class _ObjectWriterFactory:
+    def open(self, path):
+        return _ObjectRecordWriter(path)
+
+    def directory_check(self, path):
+        pass  # object storage has no folders to create
+
+
+def tensorboard_writers_for(logdir) -> None:
+    """Has tensorboardX write `logdir`'s event files through epath when it is on object storage.
+
+    tensorboardX's own gs:// and s3:// writers need google-cloud-storage / boto3 and upload the file again from
+    their __del__ after close (at interpreter exit, with retries that last minutes when storage is gone); this
+    registers one writer for both schemes through tensorboardX's `register_writer_factory`."""
+    sch = scheme(logdir)
+    if sch:
+        check_supported(logdir)
+        from tensorboardX import record_writer
+        record_writer.register_writer_factory(sch, _ObjectWriterFactory())
