@@ -5,7 +5,11 @@
 #   launch/tpu_pod.sh NAME ZONE ACCELERATOR CONFIG WORKDIR [--config.x=v ...]
 #   launch/tpu_pod.sh rf-v5p us-east5-a v5p-64 configs/resformer_468m.py gs://bucket/runs/r468
 #
-# WORKDIR should be a GCS path (orbax and tensorboardX write there) so every worker sees it.
+# WORKDIR should be a GCS path so every worker sees the same run: checkpoints, TensorBoard events,
+# metrics.jsonl (in segments), config and evaluation outputs all go there (the tpu extra installs gcsfs).
+# The prepared corpus must be on each worker's local disk (ArrayRecord reads local files): set
+# DATA_FROM=gs://bucket/corpus and it is copied to DATA_DIR (default ~/corpus, a path under the home folder) on every worker and used
+# as config.data.path (or mount the bucket with gcsfuse and pass --config.data.path yourself).
 # Rerunning resumes from the newest checkpoint; preemption (SIGTERM) saves at a step that all
 # hosts agree on through JAX's preemption sync point.
 set -euo pipefail
@@ -38,6 +42,14 @@ else
   gcloud compute tpus tpu-vm scp /tmp/resformer_jax.tgz "$NAME":~ --zone="$ZONE" --worker=all
   ssh_all "set -e; mkdir -p resformer_jax && tar xzf resformer_jax.tgz -C resformer_jax && cd resformer_jax &&
     python3 -m venv .venv && .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e '.[tpu]'"
+fi
+
+if [ -n "${DATA_FROM:-}" ]; then
+  DATA_DIR=${DATA_DIR:-corpus}
+  echo "copying $DATA_FROM to $DATA_DIR on every worker"
+  ssh_all "set -e; if [ ! -f $DATA_DIR/metadata.json ]; then mkdir -p $DATA_DIR &&
+    gcloud storage cp -r '$DATA_FROM/*' $DATA_DIR/; fi"
+  set -- "--config.data.path=../$DATA_DIR" "$@"  # relative to ~/resformer_jax, where training runs
 fi
 
 ARGS=$(printf ' %q' "$@")
