@@ -1,6 +1,6 @@
 """Benchmarks on whatever device is present. Each prints one JSON object per measurement.
 
-  python -m resformer_jax.bench train --config=configs/transformer_82m.py --steps=5 \
+  python -m resformer_jax.bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
       --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \
       [--compare=none,resformer,svformer] [--compile_only]
   python -m resformer_jax.bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
@@ -19,6 +19,7 @@ outputs + temporaries) and the device's peak in use (GPU/TPU) or process RSS (CP
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
@@ -31,6 +32,10 @@ config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=Fals
 flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
 flags.DEFINE_string("compare", None, "Comma-separated value_residual modes to run at the same shapes.")
 flags.DEFINE_bool("compile_only", False, "train: only lower and compile; report compile seconds.")
+flags.DEFINE_integer("profile_steps", 1, "train: steps run under jax.profiler (one per round, in the last rounds), for the "
+                     "step_breakdown (matmuls, attention, LM head + CE, norms/elementwise, optimizer, host); 0: none.")
+flags.DEFINE_string("profile_dir", None, "train: keep the profiler traces here (DIR/<variant>; open with TensorBoard's "
+                    "profile plugin: tensorboard --logdir DIR). Default: a temporary folder, deleted.")
 flags.DEFINE_bool("interleave", True, "train --compare: variants take turns step by step (False: one after "
                   "another, one state in memory at a time).")
 flags.DEFINE_multi_string("shapes", ["2,1024,8,8,64"], "attention: B,T,H,K,D (repeatable).")
@@ -71,7 +76,7 @@ class TrainBench:
                     "device_kind": jax.devices()[0].device_kind, "compile_s": round(compile_s, 3),
                     "xla_memory_bytes_per_device": mem.total if mem is not None else None,
                     "xla_temp_bytes_per_device": mem.temporaries if mem is not None else None}
-        self.times, self.state = [], None
+        self.times, self.state, self.profiles, self.hlo = [], None, [], None
         self._tokens = lambda: jax.device_put(  # noqa: E731
             np.random.default_rng(0).integers(0, cfg.model.vocab_size, self.shape, dtype=np.int32),
             self.setup.batch_sh)
@@ -91,6 +96,25 @@ class TrainBench:
         jax.block_until_ready(self.metrics)
         self.times.append(time.perf_counter() - t)
 
+    def profiled_step(self, profile_dir: str):
+        """One step under the profiler (step_profile.py); its trace stays in profile_dir."""
+        from resformer_jax.step_profile import profile_step
+        self.hlo = self.hlo or self.compiled.as_text()
+        p = profile_step(self.compiled, self.state, self.tokens, self.hlo, profile_dir)
+        self.state, self.metrics = p.state, p.metrics
+        # Paired with this round's timed step: the ratio cancels the host's drift between rounds.
+        self.profiles.append({**p.breakdown, "trace_dir": p.trace_dir,
+                              "ratio": p.breakdown["profiled_step_s"] / self.times[-1]})
+
+    def breakdown(self) -> dict | None:
+        """The profiled step of median wall time (None when none was profiled)."""
+        if not self.profiles:
+            return None
+        runs = sorted(self.profiles, key=lambda b: b["profiled_step_s"])
+        out = {k: v for k, v in runs[len(runs) // 2].items() if k != "ratio"}
+        return {**out, "profiled_steps": len(runs),
+                "profiled_over_timed_step": round(statistics.median(b["ratio"] for b in self.profiles), 4)}
+
     def release(self):
         self.state = self.tokens = None
 
@@ -109,10 +133,12 @@ class TrainBench:
                 "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
                 "peak_memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in stats
                 else "process RSS (all variants of this process)",
-                "loss": float(self.metrics["loss"])}
+                "loss": float(self.metrics["loss"]),
+                **({"step_breakdown": self.breakdown()} if self.profiles else {})}
 
 
-def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, attention=None) -> list[dict]:
+def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, attention=None,
+                profile_dir: str | None = None, profile_steps: int = 1) -> list[dict]:
     """Compiles every variant, then times `steps` steps of each.
 
     interleave: the variants take turns step by step (round robin), so a slow
@@ -122,25 +148,38 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
     sample (with the start-up measurement) is the MFU denominator: a shared
     host's throughput drifts, and the best it reached is the conservative
     choice (it gives the lower MFU).
+
+    profile_steps > 0: in the last `profile_steps` rounds each variant also runs one step under the profiler
+    (interleaved with the timed steps, so host drift touches both alike) and reports the median one as
+    `step_breakdown` (step_profile.py); traces go to profile_dir/<variant>/step<i> (a temporary folder,
+    deleted, when None).
     """
+    import tempfile
     import jax
     from resformer_jax import metrics
     benches = [TrainBench(c, attention) for c in cfgs]
     if compile_only:
         return [b.out for b in benches]
+    tmp = tempfile.TemporaryDirectory() if profile_steps and profile_dir is None else None
+    root = profile_dir or (tmp.name if tmp else None)
     on_cpu = jax.devices()[0].platform == "cpu"
     samples = [metrics.measure_cpu_matmul_peak()] if on_cpu else []
     groups = [benches] if interleave else [[b] for b in benches]
     for group in groups:
         for b in group:
             b.warm_up()
-        for _ in range(steps):
+        for i in range(steps):
             if on_cpu:
                 samples.append(metrics.sample_cpu_matmul_peak())
             for b in group:
                 b.timed_step()
+            if i >= steps - profile_steps:
+                for b in group:
+                    b.profiled_step(os.path.join(root, b.cfg.model.value_residual, f"step{i}"))
         if not interleave:
             group[0].release()
+    if tmp is not None:
+        tmp.cleanup()
     if on_cpu:
         peak = max(samples)
         src = (f"best of {len(samples)} fp32 matmul throughput samples of this host's CPU, taken at start-up and "
@@ -346,7 +385,8 @@ def main(argv):
             # `auto` is probed once, at the first variant's shapes, and used by every variant.
             from resformer_jax.train.setup import resolve_attention
             attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
-            results = bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention)
+            results = bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention,
+                                  FLAGS.profile_dir, FLAGS.profile_steps)
         else:
             if FLAGS.matrix:
                 b_text, _, c_text = FLAGS.matrix.partition(":")

@@ -124,3 +124,64 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
     bad = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py",
                           "--matrix=1:x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "BATCHES:CONTEXTS" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
+    """The attribution rules on a hand-made profile: nesting (a loop's body ops inside it), two threads running
+    at once, and the HLO lookup that puts each op in its group."""
+    from types import SimpleNamespace as NS
+    from resformer_jax.step_profile import breakdown
+    hlo = "\n".join([
+        "HloModule m",
+        "%fused_computation.1 (p: f32[4]) -> f32[4] {",
+        "  ROOT %dot.9 = f32[4]{0} dot(%p, %p), metadata={op_name=\"x\"}",
+        "}",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        "  %while.1 = (s32[], f32[4]) while(%t), condition=%cond, body=%body",
+        "  %fusion.1 = f32[4]{0} fusion(%a), kind=kOutput, calls=%fused_computation.1, "
+        "metadata={op_name=\"jit(step)/jvp(Transformer)/layers/mlp/up/dot_general\"}",
+        "  %fusion.2 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, "
+        "metadata={op_name=\"jit(step)/transpose(jvp(Transformer))/attn/attention_kernel/dot_general\"}",
+        "  %add.3 = f32[4]{0} add(%a, %a), metadata={op_name=\"jit(step)/jvp(Transformer)/norm/add\"}",
+        "  %dot.4 = f32[4]{0} dot(%a, %a), metadata={op_name=\"jit(step)/jvp()/lm_head_xent/dot_general\"}",
+        "  ROOT %multiply.5 = f32[4]{0} multiply(%a, %a), metadata={op_name=\"jit(step)/optimizer/mul\"}",
+        "}"])
+    ev = lambda name, start, dur: NS(name=name, start_ns=start, duration_ns=dur)  # noqa: E731
+    # thread 1: a 100 ns loop holding fusion.1 (40) and add.3 (20); then dot.4 (30) and multiply.5 (10)
+    # thread 2: fusion.2 (40) at the same time as fusion.1
+    t1 = NS(name="worker1", events=[ev("while.1", 0, 100), ev("fusion.1", 10, 40), ev("end: fusion.1", 50, 0),
+                                    ev("add.3", 60, 20), ev("dot.4", 100, 30), ev("multiply.5", 130, 10),
+                                    ev("ThunkExecutor::Execute", 0, 140)])
+    t2 = NS(name="worker2", events=[ev("fusion.2", 10, 40)])
+    profile = NS(planes=[NS(name="/host:CPU", lines=[NS(name="python", events=[ev("fusion.1", 0, 999)]), t1, t2])])
+    b = breakdown(profile, hlo, wall_s=200e-9)
+    sec = {k: v * 1e9 for k, v in b["seconds"].items()}
+    # busy time: [10, 50) u [60, 80) u [100, 140) = 100 ns; op self time 40+40+20+30+10 = 140 ns -> scale 100/140
+    scale = 100 / 140
+    expected = {"matmul_projections_mlp": 40 * scale, "attention": 40 * scale, "norms_elementwise": 20 * scale,
+                "lm_head_xent": 30 * scale, "optimizer": 10 * scale, "host_overhead": 100}
+    for k, v in expected.items():
+        assert abs(sec[k] - v) < 0.6, (k, sec[k], v)  # reported to the nanosecond
+    assert abs(sum(b["seconds"].values()) - 200e-9) < 1e-10 and b["ops_not_in_hlo"] == 0
+
+
+def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
+    """One profiled step of a small model (the demo's shape): every group present, and the groups add up to the
+    measured step time within 10%; the trace is written where --profile_dir says."""
+    from resformer_jax.bench import bench_train
+    from resformer_jax.cli import load_config_file
+    from resformer_jax.step_profile import GROUPS
+    cfg = load_config_file(os.path.join(ROOT, "configs", "demo.py"))
+    cfg.mesh.num_devices = 1
+    (r,) = bench_train([cfg], steps=5, compile_only=False, profile_dir=str(tmp_path), profile_steps=5)
+    b = r["step_breakdown"]
+    assert set(b["seconds"]) == set(GROUPS) and min(b["seconds"].values()) >= 0
+    total = sum(b["seconds"].values())
+    assert abs(total - b["profiled_step_s"]) < 1e-3 * b["profiled_step_s"]
+    # Each profiled step against the timed step of its own round (the host drifts between rounds): the
+    # breakdown accounts for the measured step time within 10%.
+    assert abs(b["profiled_over_timed_step"] - 1) <= 0.10, (b["profiled_over_timed_step"], total, r["step_s"])
+    for g in ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer"):
+        assert b["seconds"][g] > 0, g
+    assert b["ops_not_in_hlo"] == 0
+    assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(tmp_path / "resformer") for f in fs)

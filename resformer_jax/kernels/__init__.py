@@ -18,6 +18,16 @@ class KernelUnavailable(RuntimeError):
     """A named attention impl cannot run here; the message says why."""
 
 
+def _scoped(fn):
+    """Names the attention's ops (forward and backward) for the step profile (step_profile.py)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.named_scope("attention_kernel"):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+@_scoped
 def reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, mask_BxTxS=None,
                         return_probs=False):
     """Plain einsum + fp32 softmax. Can return the attention matrix A [B, H, T, S]."""
@@ -49,6 +59,7 @@ def _dpa(q, k, v, causal, implementation):
 CUSTOM_CALL_IMPLS = ("pallas", "splash")
 
 
+@_scoped
 def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh=None,
               batch_axes=("data", "fsdp")):
     """Causal multi-head attention; dispatches to the chosen implementation.

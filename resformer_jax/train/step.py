@@ -42,10 +42,13 @@ def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN):
     """
     inputs_BxT, targets_BxT = tokens_BxTp1[:, :-1], tokens_BxTp1[:, 1:]
     if chunk_len <= 0:
-        return cross_entropy(model.apply({"params": params}, inputs_BxT), targets_BxT)
+        logits = model.apply({"params": params}, inputs_BxT)
+        with jax.named_scope("lm_head_xent"):
+            return cross_entropy(logits, targets_BxT)
     h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True)
-    w_ExV = output_embedding(params, model.cfg)
-    return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
+    with jax.named_scope("lm_head_xent"):  # named for the step profile (step_profile.py)
+        w_ExV = output_embedding(params, model.cfg)
+        return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
 
 
 def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_chunk_len: int = DEFAULT_CHUNK_LEN):
@@ -70,20 +73,21 @@ def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
             (loss, grads), _ = jax.lax.scan(body, zeros, micro_AxMxT)
             loss, grads = jax.tree.map(lambda x: x / num_microbatches, (loss, grads))
-        grad_norm = optax.tree.norm(grads)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite step never touches the state: the last good state stays intact.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        new_state = state.replace(
-            step=state.step + 1,
-            params=keep(new_params, state.params),
-            opt_state=keep(new_opt, state.opt_state),
-            nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
-            first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~ok, state.step,
-                                           state.first_nonfinite_step),
-        )
+        with jax.named_scope("optimizer"):  # named for the step profile (step_profile.py)
+            grad_norm = optax.tree.norm(grads)
+            updates, new_opt = tx.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            # A non-finite step never touches the state: the last good state stays intact.
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            new_state = state.replace(
+                step=state.step + 1,
+                params=keep(new_params, state.params),
+                opt_state=keep(new_opt, state.opt_state),
+                nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+                first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~ok, state.step,
+                                               state.first_nonfinite_step),
+            )
         metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.int32)}
         return new_state, metrics
 

@@ -1,0 +1,160 @@
+"""Where a train step's time goes, from a real profile: XLA's per-op timings of one step, grouped.
+
+  profiled = profile_step(compiled, state, tokens, hlo_text, profile_dir)   # one step under jax.profiler
+  profiled.breakdown  -> {"matmul_projections_mlp": s, "attention": s, "lm_head_xent": s,
+                          "norms_elementwise": s, "optimizer": s, "host_overhead": s}
+
+The step is traced with `jax.profiler.trace` (the directory opens in TensorBoard's profile plugin). Each
+executed op (an HLO instruction: a dot, a fusion, a copy, ...) is looked up in the compiled module's HLO text
+and put in one group by the name scope it came from and what it computes:
+
+- optimizer: under `jax.named_scope("optimizer")` (train/step.py: norm, AdamW update, apply, keep-if-finite);
+- lm_head_xent: under `named_scope("lm_head_xent")` (the fused LM head + cross entropy, train/loss.py);
+- attention: under `named_scope("attention_kernel")` (kernels.attention and the reference), forward and backward;
+- matmul_projections_mlp: any other dot (Q/K/V/O projections, the MLP), or a fusion around one;
+- norms_elementwise: everything else (norms, RoPE, value mixing, residual adds, copies, transposes);
+- host_overhead: the step's wall time in which no XLA op ran (dispatch, loop control, synchronisation).
+
+Ops nest (a while loop holds its body's ops): each op counts only its own time, not its children's. Ops on
+different threads may overlap; the groups are scaled by (time any op ran) / (sum of op times), so they add up
+to the busy time, and host_overhead is the rest of the wall time: the groups sum to the profiled step's time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import time
+
+GROUPS = ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer", "host_overhead")
+_SCOPES = (("optimizer", "optimizer"), ("lm_head_xent", "lm_head_xent"), ("attention_kernel", "attention"))
+_CONTROL = ("while", "conditional", "call")
+_MATMUL_OPS = ("dot", "convolution")
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    opcode: str
+    op_name: str
+    calls: tuple[str, ...]
+
+
+def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
+    """{instruction name: Instruction} and {computation name: opcodes it holds} of an HLO module's text."""
+    insts, comps, current = {}, {}, None
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            rest = m.group("rest")
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            calls = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest)
+            insts[m.group("name")] = Instruction(m.group("op"), op_name.group(1) if op_name else "", tuple(calls))
+            if current is not None:
+                comps[current].add(m.group("op"))
+            continue
+        c = _COMPUTATION.match(line)
+        if c and " = " not in line:
+            current = c.group("name")
+            comps.setdefault(current, set())
+    return insts, comps
+
+
+def classify(inst: Instruction | None, comps: dict[str, set[str]]) -> str:
+    if inst is None:
+        return "norms_elementwise"
+    for scope, group in _SCOPES:
+        if scope in inst.op_name:
+            return group
+    if inst.opcode in _MATMUL_OPS or any(comps.get(c, set()) & set(_MATMUL_OPS) for c in inst.calls
+                                         if inst.opcode in ("fusion", "custom-call")):
+        return "matmul_projections_mlp"
+    return "norms_elementwise"
+
+
+def _op_lines(profile):
+    """The timelines holding XLA ops: a device's "XLA Ops" lines (GPU/TPU), else the CPU's worker threads."""
+    device = [ln for p in profile.planes if p.name.startswith("/device:") for ln in p.lines if ln.name == "XLA Ops"]
+    if device:
+        return device
+    return [ln for p in profile.planes if p.name == "/host:CPU" for ln in p.lines if ln.name != "python"]
+
+
+def breakdown(profile, hlo_text: str, wall_s: float) -> dict:
+    insts, comps = parse_hlo(hlo_text)
+    self_ns = dict.fromkeys(GROUPS, 0.0)
+    intervals, unknown = [], 0
+    for line in _op_lines(profile):
+        events = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
+                         if e.duration_ns > 0 and "::" not in e.name and not e.name.startswith("end:")),
+                        key=lambda x: (x[0], -x[1]))
+        stack: list[list] = []  # [end, name, child time]
+        def close(item):
+            end, name, start, child = item
+            own = (end - start) - child
+            inst = insts.get(name)
+            if inst is not None and inst.opcode in _CONTROL:
+                return  # a loop's own time is control flow: counted as host overhead below
+            nonlocal unknown
+            unknown += inst is None
+            self_ns[classify(inst, comps)] += max(own, 0.0)
+        for start, end, name in events:
+            while stack and stack[-1][0] <= start:
+                close(stack.pop())
+            if stack:
+                stack[-1][3] += end - start
+            inst = insts.get(name)
+            if inst is None or inst.opcode not in _CONTROL:
+                intervals.append((start, end))
+            stack.append([end, name, start, 0.0])
+        while stack:
+            close(stack.pop())
+    # Time in which any op other than loop control ran (the union over threads).
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    ops_total = sum(self_ns.values())
+    wall_ns = wall_s * 1e9
+    busy = min(busy, wall_ns)
+    scale = busy / ops_total if ops_total else 0.0
+    out = {g: self_ns[g] * scale / 1e9 for g in GROUPS if g != "host_overhead"}
+    out["host_overhead"] = (wall_ns - busy) / 1e9
+    return {"seconds": {g: round(out[g], 9) for g in GROUPS},
+            "fraction": {g: round(out[g] / wall_s, 4) for g in GROUPS},
+            "profiled_step_s": round(wall_s, 9), "op_time_over_busy_time": round(ops_total / busy, 3) if busy else None,
+            "ops_not_in_hlo": unknown}
+
+
+@dataclasses.dataclass
+class ProfiledStep:
+    state: object
+    metrics: object
+    breakdown: dict
+    trace_dir: str
+
+
+def profile_step(step_fn, state, tokens, hlo_text: str, profile_dir: str) -> ProfiledStep:
+    """Runs one step under the profiler, writes the trace to profile_dir and returns the grouped breakdown."""
+    import jax
+    os.makedirs(profile_dir, exist_ok=True)
+    with jax.profiler.trace(profile_dir):
+        t = time.perf_counter()
+        state, metrics = step_fn(state, tokens)
+        jax.block_until_ready(metrics)
+        wall = time.perf_counter() - t
+    # The profiler names a trace by the second it started: give each profiled step its own profile_dir.
+    new = sorted(glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not new:
+        raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {profile_dir}")
+    profile = jax.profiler.ProfileData.from_file(new[-1])
+    return ProfiledStep(state, metrics, breakdown(profile, hlo_text, wall), os.path.dirname(new[-1]))
