@@ -163,14 +163,15 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
     tmp = tempfile.TemporaryDirectory() if profile_steps and profile_dir is None else None
     root = profile_dir or (tmp.name if tmp else None)
     on_cpu = jax.devices()[0].platform == "cpu"
-    samples = [metrics.measure_cpu_matmul_peak()] if on_cpu else []
+    dtype = cfgs[0].model.dtype  # MFU against the matmul peak at the compute dtype
+    samples = [metrics.measure_cpu_matmul_peak(dtype=dtype)] if on_cpu else []
     groups = [benches] if interleave else [[b] for b in benches]
     for group in groups:
         for b in group:
             b.warm_up()
         for i in range(steps):
             if on_cpu:
-                samples.append(metrics.sample_cpu_matmul_peak())
+                samples.append(metrics.sample_cpu_matmul_peak(dtype=dtype))
             for b in group:
                 b.timed_step()
             if i >= steps - profile_steps:
@@ -182,10 +183,11 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
         tmp.cleanup()
     if on_cpu:
         peak = max(samples)
-        src = (f"best of {len(samples)} fp32 matmul throughput samples of this host's CPU, taken at start-up and "
+        src = (f"best of {len(samples)} {'bf16' if dtype == 'bfloat16' else 'fp32'} matmul throughput samples of this "
+               "host's CPU, taken at start-up and "
                f"between the timed steps (they ranged {min(samples) / 1e9:.0f}-{max(samples) / 1e9:.0f} GFLOP/s)")
     else:
-        peak, src = metrics.device_peak_flops()
+        peak, src = metrics.device_peak_flops(dtype)
     return [b.report(peak, src) for b in benches]
 
 
@@ -383,7 +385,9 @@ def main(argv):
     with cli.exit_on_user_error():
         if what == "train":
             # `auto` is probed once, at the first variant's shapes, and used by every variant.
-            from resformer_jax.train.setup import resolve_attention
+            from resformer_jax.train.setup import resolve_attention, resolve_dtype
+            for c in cfgs:  # model.dtype=auto: measured once per variant here, as training would
+                resolve_dtype(c, log=lambda m: print(m, file=sys.stderr))
             attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
             results = bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention,
                                   FLAGS.profile_dir, FLAGS.profile_steps)

@@ -307,8 +307,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if m.attention_impl not in ATTENTION_IMPLS:
         _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}",
               f"use one of {', '.join(ATTENTION_IMPLS)}")
-    if m.dtype not in ("float32", "bfloat16", "float16"):
-        _fail("model.dtype", f"unknown dtype {m.dtype!r}", "use float32 or bfloat16")
+    if m.dtype not in ("float32", "bfloat16", "float16", "auto"):
+        _fail("model.dtype", f"unknown dtype {m.dtype!r}", "use float32, bfloat16 or auto (the faster on this host)")
     if m.resformer_lambdas not in ("fixed", "learnable", "learnable_plus", "sparse"):
         _fail("model.resformer_lambdas", f"unknown {m.resformer_lambdas!r}",
               "use fixed, learnable, learnable_plus or sparse")

@@ -53,6 +53,8 @@ def main(argv):
     with cli.exit_on_user_error():
         validate(cfg)
     if FLAGS.mode == "summary":
+        from resformer_jax.train.setup import resolve_dtype
+        resolve_dtype(cfg, log=lambda m: print(m, file=sys.stderr))
         print(json.dumps(summary(cfg), default=list))
         return
     from resformer_jax.train.loop import run

@@ -25,37 +25,53 @@ PEAK_FLOPS = {
 }
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8) -> float:
-    """fp32 matmul FLOP/s of this host, measured once per process: the best of several sizes and
+def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8, dtype: str = "float32") -> float:
+    """Matmul FLOP/s of this host at `dtype` (inputs; fp32 accumulation), the best of several sizes and
     repeats (all local CPU devices share the cores, so this is the peak of all of them together)."""
-    return max(sample_cpu_matmul_peak(n, repeats) for n in sizes)
+    return max(sample_cpu_matmul_peak(n, repeats, dtype) for n in sizes)
 
 
-def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 8) -> float:
-    """One fresh sample of the fp32 matmul FLOP/s (best of `repeats`), not cached: a shared
-    host's throughput drifts, so benchmarks sample it next to the work they time."""
-    a = jnp.ones((n, n), jnp.float32)
+def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 8, dtype: str = "float32", shape=None) -> float:
+    """One fresh sample of the matmul FLOP/s (best of `repeats`), not cached: a shared host's throughput
+    drifts, so benchmarks sample it next to the work they time. `shape` = (M, K, N) instead of n^3."""
+    m, k, n_ = shape or (n, n, n)
+    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n_), dtype)
     f = _matmul_fn()
-    f(a).block_until_ready()
+    f(a, b).block_until_ready()
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
-        f(a).block_until_ready()
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+        f(a, b).block_until_ready()
+        best = max(best, 2 * m * k * n_ / (time.perf_counter() - t))
     return best
 
 
 @functools.lru_cache(maxsize=1)
 def _matmul_fn():
-    return jax.jit(lambda x: x @ x)
+    # fp32 accumulation: the form the model's matmuls take (and XLA:CPU's fast bf16 path)
+    return jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
 
 
-def device_peak_flops() -> tuple[float, str]:
-    """(peak FLOP/s of all devices together, where the number comes from)."""
+def faster_cpu_dtype(m, tokens: int, min_gain: float = 1.2) -> tuple[str, str]:
+    """("bfloat16" or "float32", why): bf16 when this CPU multiplies the model's MLP shape
+    ([tokens, d_model] x [d_model, ffn_dim]) at least `min_gain` times as fast in bf16 as in fp32
+    (CPUs with AVX-512 BF16 or AMX do; others convert bf16 to fp32 and gain nothing)."""
+    shape = (max(tokens, 64), m.d_model, m.ffn_dim)
+    f32 = max(sample_cpu_matmul_peak(shape=shape, repeats=4) for _ in range(2))
+    b16 = max(sample_cpu_matmul_peak(shape=shape, repeats=4, dtype="bfloat16") for _ in range(2))
+    choice = "bfloat16" if b16 >= min_gain * f32 else "float32"
+    return choice, (f"bf16 {b16 / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s at the MLP's matmul "
+                    f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU")
+
+
+def device_peak_flops(dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s of all devices together, where the number comes from). On CPU measured at the
+    compute dtype (bf16 matmuls run about twice as fast where the CPU has bf16 instructions)."""
     devs = jax.devices()
     kind = devs[0].device_kind
     if devs[0].platform == "cpu":
-        return measure_cpu_matmul_peak(), "measured fp32 matmul peak of this host's CPU"
+        name = "bf16" if dtype == "bfloat16" else "fp32"
+        return measure_cpu_matmul_peak(dtype=dtype), f"measured {name} matmul peak of this host's CPU"
     for name, peak in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
             return peak * len(devs), f"{name} table peak x {len(devs)} devices"

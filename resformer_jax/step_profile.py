@@ -75,6 +75,11 @@ def classify(inst: Instruction | None, comps: dict[str, set[str]]) -> str:
     return "norms_elementwise"
 
 
+def _is_op(name: str) -> bool:
+    """An XLA op's event: not Python's ("$file:line fn"), the executor's ("A::B") or an end marker."""
+    return not name.startswith(("$", "end:")) and "::" not in name
+
+
 def _op_lines(profile):
     """The timelines holding XLA ops: a device's "XLA Ops" lines (GPU/TPU), else the CPU's worker threads."""
     device = [ln for p in profile.planes if p.name.startswith("/device:") for ln in p.lines if ln.name == "XLA Ops"]
@@ -89,7 +94,7 @@ def breakdown(profile, hlo_text: str, wall_s: float) -> dict:
     intervals, unknown = [], 0
     for line in _op_lines(profile):
         events = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
-                         if e.duration_ns > 0 and "::" not in e.name and not e.name.startswith("end:")),
+                         if e.duration_ns > 0 and _is_op(e.name)),
                         key=lambda x: (x[0], -x[1]))
         stack: list[list] = []  # [end, name, child time]
         def close(item):

@@ -19,7 +19,7 @@ from resformer_jax.data.records import open_corpus
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.parallel.mesh import check_divisibility, make_mesh, maybe_initialize_distributed
 from resformer_jax.train.optimizer import lr_schedule
-from resformer_jax.train.setup import build, memory_precheck
+from resformer_jax.train.setup import build, memory_precheck, resolve_dtype
 
 
 class NonFiniteError(RuntimeError):
@@ -60,6 +60,7 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
         self.say = self.progress.message
+        resolve_dtype(cfg, log=self.say)
         self.mesh = make_mesh(cfg.mesh)
         check_divisibility(cfg, self.mesh)
         self.preempt = False
@@ -227,7 +228,7 @@ class Trainer:
                         f"{json.dumps(self.setup.attention.rejected)}")
         self._compile()
         flops = metrics.model_flops(cfg.model, cfg.data.seq_len)
-        peak, peak_src = metrics.device_peak_flops()
+        peak, peak_src = metrics.device_peak_flops(cfg.model.dtype)
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
         self.say(f"model: {flops.params_total:,} params ({flops.params_non_embedding:,} non-embedding), "

@@ -16,6 +16,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from resformer_jax.model.layers import transposed
+
 
 def cross_entropy(logits_BxTxV, targets_BxT):
     """Mean next-token cross entropy in fp32."""
@@ -71,6 +73,9 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len):
     h_n, t_n = _blocks(h_BxTxE, targets_BxT, chunk_len)
     inv_count = 1.0 / targets_BxT.size
     w_c = w_ExV.astype(h_BxTxE.dtype)
+    # bf16: the backward's matmuls in canonical layout (model/layers.py `transposed`); fp32 as it always was.
+    fp32 = jnp.dtype(h_BxTxE.dtype) == jnp.float32
+    w_VxE = w_c.T if fp32 else transposed(w_c)
 
     def body(carry, xs):
         total, dw_ExV = carry
@@ -86,8 +91,9 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len):
         Bc, C, E = h_BxCxE.shape
         dlogits_NxV = dlogits_BxCxV.reshape(Bc * C, -1)
         h_NxE = h_BxCxE.reshape(Bc * C, E)
-        dh_BxCxE = jnp.dot(dlogits_NxV, w_c.T, preferred_element_type=jnp.float32).reshape(Bc, C, E)
-        dw_ExV = dw_ExV + jnp.dot(h_NxE.T, dlogits_NxV, preferred_element_type=jnp.float32)
+        dh_BxCxE = jnp.dot(dlogits_NxV, w_VxE, preferred_element_type=jnp.float32).reshape(Bc, C, E)
+        h_ExN = h_NxE.T if fp32 else transposed(h_NxE)
+        dw_ExV = dw_ExV + jnp.dot(h_ExN, dlogits_NxV, preferred_element_type=jnp.float32)
         return (total, dw_ExV), dh_BxCxE.astype(h_BxTxE.dtype)
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(w_ExV.shape, jnp.float32))

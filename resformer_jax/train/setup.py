@@ -63,6 +63,22 @@ def resolve_attention(cfg, *, override: str | None = None, batch: int | None = N
     return AttentionChoice(choice, rejected, True)
 
 
+def resolve_dtype(cfg, log: Callable[[str], Any] = print) -> str:
+    """`model.dtype=auto` -> a concrete compute dtype, written into cfg (once, before anything reads it):
+    bfloat16 on accelerators; on CPU whichever multiplies the model's shapes faster here (measured,
+    printed). A named dtype is kept."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    if jax.devices()[0].platform != "cpu":
+        choice, why = "bfloat16", f"{jax.devices()[0].platform} computes in bf16 natively"
+    else:
+        per_device = (cfg.train.microbatch or cfg.train.global_batch) // max(1, jax.device_count())
+        choice, why = metrics.faster_cpu_dtype(cfg.model, max(1, per_device) * cfg.data.seq_len)
+    log(f"model.dtype=auto chose {choice}: {why}")
+    cfg.model.dtype = choice
+    return choice
+
+
 def model_config(cfg, attention: AttentionChoice) -> ml_collections.ConfigDict:
     """The model config the modules are built from: the run's, with the attention impl resolved.
     (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
@@ -111,6 +127,7 @@ class TrainSetup:
 def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Callable[[str], Any] = print) -> TrainSetup:
     """Everything a command needs to train, benchmark or run the model described by `cfg`."""
     validate(cfg)
+    resolve_dtype(cfg, log=log)
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
     check_divisibility(cfg, mesh)
     if attention is None:
