@@ -12,9 +12,11 @@
 
 train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
 two conventions (6N with N the non-embedding parameters, and the model's own FLOP
-count with causal attention) against the device peak (on CPU: a measured fp32 matmul
-peak), and memory: XLA's per-device estimate of the compiled step (arguments +
-outputs + temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU).
+count with causal attention) against the device peak (on CPU: matmul throughput measured
+at the compute dtype, the best sample; `mfu_model_vs_median_peak` against the median
+sample), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
+temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU), and
+`step_breakdown`: the step's time by group from a real XLA profile (step_profile.py).
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ class TrainBench:
     def release(self):
         self.state = self.tokens = None
 
-    def report(self, peak, peak_src) -> dict:
+    def report(self, peak, peak_src, peak_median=None) -> dict:
         import jax
         from resformer_jax import metrics
         cfg = self.cfg
@@ -129,6 +131,8 @@ class TrainBench:
         return {**self.out, "median_step_s": round(med, 4), "step_s": [round(x, 4) for x in self.times],
                 "tokens_per_s": round(tps, 1), "tokens_per_s_per_device": round(tps / jax.device_count(), 1),
                 **metrics.mfu(flops, tps, peak),
+                **({"mfu_model_vs_median_peak": flops.per_token * tps / peak_median,
+                    "peak_flops_median": peak_median} if peak_median else {}),
                 "peak_flops": peak, "peak_source": peak_src, "flops_per_token": flops.per_token,
                 "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
                 "peak_memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in stats
@@ -181,6 +185,7 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
             group[0].release()
     if tmp is not None:
         tmp.cleanup()
+    peak_median = statistics.median(samples) if on_cpu else None
     if on_cpu:
         peak = max(samples)
         src = (f"best of {len(samples)} {'bf16' if dtype == 'bfloat16' else 'fp32'} matmul throughput samples of this "
@@ -188,7 +193,7 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
                f"between the timed steps (they ranged {min(samples) / 1e9:.0f}-{max(samples) / 1e9:.0f} GFLOP/s)")
     else:
         peak, src = metrics.device_peak_flops(dtype)
-    return [b.report(peak, src) for b in benches]
+    return [b.report(peak, src, peak_median) for b in benches]
 
 
 def bench_attention(shapes, impls, dtype) -> list[dict]:
