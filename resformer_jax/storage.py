@@ -98,10 +98,6 @@ def write_json(path, obj, indent: int | None = 2) -> None:
     write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def read_json(path):
-    return json.loads(epath.Path(path).read_text())
-
-
 def move_tree(src, dst) -> None:
     """Moves a directory (replacing `dst`); on object storage a copy of every object, then a delete."""
     src, dst = epath.Path(src), epath.Path(dst)
@@ -128,20 +124,6 @@ def files_under(root) -> list[epath.Path]:
 
 def copy_file(src, dst) -> None:
     epath.Path(src).copy(epath.Path(dst), overwrite=True)
-
-
-@contextlib.contextmanager
-def local_copy(path):
-    """A local filesystem path holding `path`'s bytes (the path itself when it is local): for libraries
-    that only open local files."""
-    if not is_remote(path):
-        yield os.fspath(path)
-        return
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        local = os.path.join(d, epath.Path(path).name)
-        epath.Path(path).copy(epath.Path(local))
-        yield local
 
 
 class LineLog:
