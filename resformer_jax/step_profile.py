@@ -15,12 +15,18 @@ and put in one group by the name scope it came from and what it computes:
 - norms_elementwise: everything else (norms, RoPE, value mixing, residual adds, copies, transposes);
 - host_overhead: the step's wall time in which no XLA op ran (dispatch, loop control, synchronisation).
 
+An op's work can outlive its own event: XLA:CPU's Eigen matmuls (and other parallel loops) hand shards to the
+thread pool and return, and the shards run as thread-pool tasks (the profiler's "ThreadpoolListener" regions,
+linked to the op that scheduled them by a context id). Each task that runs no op itself is counted as work of
+the op that scheduled it, following the links through tasks that schedule tasks.
+
 Ops nest (a while loop holds its body's ops): each op counts only its own time, not its children's. Ops on
 different threads may overlap; the groups are scaled by (time any op ran) / (sum of op times), so they add up
 to the busy time, and host_overhead is the rest of the wall time: the groups sum to the profiled step's time.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import glob
 import os
@@ -91,13 +97,73 @@ def _op_lines(profile):
     return [ln for ln in host if ln.name.startswith("tf_XLA")] or [ln for ln in host if ln.name != "python"]
 
 
-def breakdown(profile, hlo_text: str, wall_s: float) -> dict:
+_TASK_START, _TASK_STOP, _TASK_RECORD = ("ThreadpoolListener::StartRegion", "ThreadpoolListener::StopRegion",
+                                          "ThreadpoolListener::Record")
+
+
+def _stat(event, key):
+    for k, v in getattr(event, "stats", ()):
+        if k == key:
+            return v
+    return None
+
+
+def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
+    """Per line, the thread-pool tasks that run no op, as (start, end, name of the op that scheduled them).
+
+    A task is a StartRegion..StopRegion pair on one thread with a context id `_c`; the Record event with the
+    same id `_p` was emitted by whatever ran on the scheduling thread at that moment: an op (that op), or
+    another task (whoever scheduled that task). Tasks that hold ops (the executor running thunks) or whose
+    origin is not an op are left out: their time stays host overhead."""
+    regions, records = [], {}  # per line: [(start, end, ctx)];  ctx -> (line index, time)
+    for li, line in enumerate(lines):
+        mine, open_ = [], None
+        for e in sorted(line.events, key=lambda e: e.start_ns):
+            if e.name == _TASK_START:
+                open_ = (e.start_ns, _stat(e, "_c"))
+            elif e.name == _TASK_STOP and open_ is not None:
+                mine.append((open_[0], e.start_ns, open_[1]))
+                open_ = None
+            elif e.name == _TASK_RECORD and _stat(e, "_p") is not None:
+                records[_stat(e, "_p")] = (li, e.start_ns)
+        # leaf tasks only: no op event starts inside
+        starts = sorted(s for s, _, _ in ops_by_line[li])
+        regions.append([(s, t, c) for s, t, c in mine if c is not None
+                        and bisect.bisect_left(starts, s) == bisect.bisect_left(starts, t)])
+    by_ctx = {c: (li, s, t) for li, rs in enumerate(regions) for s, t, c in rs}
+    memo: dict = {}
+
+    def origin(ctx, depth=0):
+        """Name of the op on whose behalf task `ctx` ran (None when it is not an op's work)."""
+        if ctx in memo or depth > 64:
+            return memo.get(ctx)
+        memo[ctx] = None
+        if ctx in records:
+            li, t = records[ctx]
+            inner_op = max((o for o in ops_by_line[li] if o[0] <= t < o[1]), key=lambda o: o[0], default=None)
+            inner_task = max(((s, e, c) for s, e, c in regions[li] if s <= t < e), key=lambda r: r[0], default=None)
+            if inner_task is not None and (inner_op is None or inner_task[0] > inner_op[0]):
+                memo[ctx] = origin(inner_task[2], depth + 1)
+            elif inner_op is not None:
+                memo[ctx] = inner_op[2]
+        return memo[ctx]
+
+    return [[(s, e, origin(c)) for s, e, c in rs if origin(c) is not None] for rs in regions]
+
+
+def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
     insts, comps = parse_hlo(hlo_text)
     self_ns = dict.fromkeys(GROUPS, 0.0)
+    by_op: dict[str, float] = {}
     intervals, unknown = [], 0
-    for line in _op_lines(profile):
-        events = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
-                         if e.duration_ns > 0 and _is_op(e.name)),
+    lines = _op_lines(profile)
+    is_work = lambda n: _is_op(n) and (n not in insts or insts[n].opcode not in _CONTROL)  # noqa: E731
+    ops_by_line = [[(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
+                    if e.duration_ns > 0 and is_work(e.name)] for line in lines]
+    tasks_by_line = _thread_pool_tasks(lines, ops_by_line)
+    for line, tasks in zip(lines, tasks_by_line):
+        events = sorted([(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
+                         if e.duration_ns > 0 and _is_op(e.name)] + tasks,
                         key=lambda x: (x[0], -x[1]))
         stack: list[list] = []  # [end, name, child time]
         def close(item):
@@ -109,6 +175,7 @@ def breakdown(profile, hlo_text: str, wall_s: float) -> dict:
             nonlocal unknown
             unknown += inst is None
             self_ns[classify(inst, comps)] += max(own, 0.0)
+            by_op[name] = by_op.get(name, 0.0) + max(own, 0.0)
         for start, end, name in events:
             while stack and stack[-1][0] <= start:
                 close(stack.pop())
@@ -140,7 +207,11 @@ def breakdown(profile, hlo_text: str, wall_s: float) -> dict:
     return {"seconds": {g: round(out[g], 9) for g in GROUPS},
             "fraction": {g: round(out[g] / wall_s, 4) for g in GROUPS},
             "profiled_step_s": round(wall_s, 9), "op_time_over_busy_time": round(ops_total / busy, 3) if busy else None,
-            "ops_not_in_hlo": unknown}
+            "ops_not_in_hlo": unknown,
+            # the ten ops that took longest (own time, before the overlap scaling), with where they came from
+            "top_ops": [{"op": n, "group": classify(insts.get(n), comps), "seconds": round(t / 1e9, 9),
+                         "source": insts[n].op_name if n in insts else ""}
+                        for n, t in sorted(by_op.items(), key=lambda x: -x[1])[:top_ops]]}
 
 
 @dataclasses.dataclass

@@ -164,6 +164,27 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
         assert abs(sec[k] - v) < 0.6, (k, sec[k], v)  # reported to the nanosecond
     assert abs(sum(b["seconds"].values()) - 200e-9) < 1e-10 and b["ops_not_in_hlo"] == 0
 
+    # XLA:CPU's Eigen matmuls return before their work is done: the shards run as thread-pool tasks (linked by a
+    # context id to the Record event of whoever scheduled them). dot.4 schedules task 7 (on thread 2, after dot.4's
+    # event ended), which schedules task 8 (thread 1): both are dot.4's work. Task 9 was scheduled from outside any
+    # op (loop control) and task 10 ran ops itself (the executor): neither is an op's work.
+    tp = lambda name, t, **stats: NS(name=name, start_ns=t, duration_ns=0, stats=list(stats.items()))  # noqa: E731
+    start, stop, rec = ("ThreadpoolListener::StartRegion", "ThreadpoolListener::StopRegion",
+                        "ThreadpoolListener::Record")
+    t1.events += [tp(rec, 105, _p=7), tp(start, 145, _c=8), tp(stop, 165), tp(rec, 5, _p=9), tp(rec, 2, _p=10)]
+    t2.events += [tp(start, 0, _c=10), tp(stop, 60), tp(start, 130, _c=7), tp(rec, 140, _p=8), tp(stop, 160),
+                  tp(start, 170, _c=9), tp(stop, 180)]
+    b = breakdown(profile, hlo, wall_s=200e-9)
+    sec = {k: v * 1e9 for k, v in b["seconds"].items()}
+    # busy: [10, 50) u [60, 80) u [100, 165) = 125 ns; own time 40+40+20+(30+30+20)+10 = 190 ns
+    scale = 125 / 190
+    expected = {"matmul_projections_mlp": 40 * scale, "attention": 40 * scale, "norms_elementwise": 20 * scale,
+                "lm_head_xent": 80 * scale, "optimizer": 10 * scale, "host_overhead": 75}
+    for k, v in expected.items():
+        assert abs(sec[k] - v) < 0.6, (k, sec[k], v)
+    assert b["top_ops"][0] == {"op": "dot.4", "group": "lm_head_xent", "seconds": 8e-08,
+                               "source": "jit(step)/jvp()/lm_head_xent/dot_general"}
+
 
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the
