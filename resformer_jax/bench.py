@@ -70,6 +70,7 @@ class TrainBench:
         self.cfg = cfg
         self.setup = build(cfg, attention=attention, log=lambda m: print(m, file=sys.stderr))
         self.compiled, compile_s, mem = self.setup.compile()
+        self.mem = mem
         self.shape = self.setup.global_batch_shape
         self.out = {"variant": cfg.model.value_residual, "scan_layers": cfg.model.scan_layers,
                     "remat": cfg.model.remat, "attention_impl": self.setup.model_cfg.attention_impl,
@@ -85,6 +86,8 @@ class TrainBench:
 
     def warm_up(self, steps=2):
         import jax
+        from resformer_jax.train.setup import memory_precheck
+        memory_precheck(self.mem, self.cfg.mesh)  # a clear error before a step that cannot fit, as training does
         self.state = self.setup.init_state(seed=0)
         self.tokens = self._tokens()
         for _ in range(steps):

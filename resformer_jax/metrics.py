@@ -56,7 +56,7 @@ def faster_cpu_dtype(m, tokens: int, min_gain: float = 1.2) -> tuple[str, str]:
     """("bfloat16" or "float32", why): bf16 when this CPU multiplies the model's MLP shape
     ([tokens, d_model] x [d_model, ffn_dim]) at least `min_gain` times as fast in bf16 as in fp32
     (CPUs with AVX-512 BF16 or AMX do; others convert bf16 to fp32 and gain nothing)."""
-    shape = (max(tokens, 64), m.d_model, m.ffn_dim)
+    shape = (min(max(tokens, 64), 8192), m.d_model, m.ffn_dim)  # rows capped: representative, never huge
     f32 = max(sample_cpu_matmul_peak(shape=shape, repeats=4) for _ in range(2))
     b16 = max(sample_cpu_matmul_peak(shape=shape, repeats=4, dtype="bfloat16") for _ in range(2))
     choice = "bfloat16" if b16 >= min_gain * f32 else "float32"

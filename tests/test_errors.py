@@ -175,6 +175,19 @@ def test_bench_attention_malformed_shapes():
     assert_one_line(cmd("resformer_jax.bench", "attention", "--shapes=4,2048,16"), "--shapes", "B,T,H,K,D")
 
 
+def test_a_step_that_cannot_fit_in_host_memory_stops_before_running(tmp_path):
+    """A batch far beyond this host's RAM: XLA:CPU reports no memory limit, so without a check the step would
+    start and die inside the runtime ("Out of memory allocating ..."). Training and the benchmark both stop
+    first, naming the size and the fix; nothing is created in the workdir."""
+    huge = ["--config.train.global_batch=1048576", "--config.mesh.num_devices=1"]
+    r = cmd("resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=1", *huge)
+    assert_one_line(r, "the train step needs", "this host's memory", "config.train.global_batch")
+    r = cmd("resformer_jax.main", "--config=configs/tiny.py", "--config.train.steps=4", *huge,
+            f"--workdir={tmp_path / 'w'}")
+    assert_one_line(r, "the train step needs", "config.train.global_batch")
+    assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
+
+
 def test_read_only_workdir(tmp_path):
     r = cmd(*TRAIN, "--workdir=/sys/kernel/resformer_run")
     assert_one_line(r, "/sys/kernel")

@@ -159,16 +159,23 @@ def memory_precheck(mem: metrics.StepMemory | None, mesh_cfg) -> tuple[str, floa
     if mesh_cfg.device_memory_limit_gb > 0:
         limit, src = mesh_cfg.device_memory_limit_gb * 2**30, "config.mesh.device_memory_limit_gb"
     else:
-        stats = jax.local_devices()[0].memory_stats() or {}
+        device = jax.local_devices()[0]
+        stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             limit, src = stats["bytes_limit"], "the device's memory"
+        elif device.platform == "cpu":
+            # XLA:CPU reports no limit: the host's RAM shared by its CPU devices (an allocation beyond it fails
+            # deep inside the runtime, after the step has started)
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count())
+            src = "this host's memory per CPU device"
     gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
     line = (f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, temporaries "
             f"{gib(mem.temporaries)}, total {gib(mem.total)}" + (f" of {gib(limit)}" if limit else ""))
     if limit and mem.total > limit:
         raise MemoryPrecheckError(
             f"the train step needs {gib(mem.total)} per device but {src} is {gib(limit)}; lower "
-            "config.train.microbatch, use --config.model.remat=full, or add devices to config.mesh.fsdp")
+            "config.train.global_batch or config.train.microbatch, use --config.model.remat=full, or add devices to "
+            "config.mesh.fsdp")
     return line, limit
 
 
