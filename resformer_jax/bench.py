@@ -14,7 +14,8 @@ train: compile seconds, median step seconds, tokens/s (total and per device), MF
 two conventions (6N with N the non-embedding parameters, and the model's own FLOP
 count with causal attention) against the device peak (on CPU: matmul throughput measured
 at the compute dtype, the best sample; `mfu_model_vs_median_peak` against the median
-sample), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
+sample; `mfu_model_vs_paired_peak` each step against the sample taken just before it, the
+median over steps), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
 temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU), and
 `step_breakdown`: the step's time by group from a real XLA profile (step_profile.py).
 """
@@ -80,6 +81,7 @@ class TrainBench:
                     "xla_memory_bytes_per_device": mem.total if mem is not None else None,
                     "xla_temp_bytes_per_device": mem.temporaries if mem is not None else None}
         self.times, self.state, self.profiles, self.hlo = [], None, [], None
+        self.round_peaks = []  # CPU: the matmul peak sampled just before each timed step
         self._tokens = lambda: jax.device_put(  # noqa: E731
             np.random.default_rng(0).integers(0, cfg.model.vocab_size, self.shape, dtype=np.int32),
             self.setup.batch_sh)
@@ -136,6 +138,11 @@ class TrainBench:
                 **metrics.mfu(flops, tps, peak),
                 **({"mfu_model_vs_median_peak": flops.per_token * tps / peak_median,
                     "peak_flops_median": peak_median} if peak_median else {}),
+                # each step against the peak sampled just before it, the median over steps: a shared host's
+                # slow spells touch both sides of each ratio alike
+                **({"mfu_model_vs_paired_peak": statistics.median(
+                    flops.per_token * cfg.train.global_batch * cfg.data.seq_len / t / p
+                    for t, p in zip(self.times, self.round_peaks))} if self.round_peaks else {}),
                 "peak_flops": peak, "peak_source": peak_src, "flops_per_token": flops.per_token,
                 "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
                 "peak_memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in stats
@@ -181,6 +188,8 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
                 samples.append(metrics.sample_cpu_matmul_peak(dtype=dtype))
             for b in group:
                 b.timed_step()
+                if on_cpu:
+                    b.round_peaks.append(samples[-1])
             if i >= steps - profile_steps:
                 for b in group:
                     b.profiled_step(os.path.join(root, b.cfg.model.value_residual, f"step{i}"))

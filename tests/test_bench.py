@@ -210,4 +210,7 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     for g in ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer"):
         assert b["seconds"][g] > 0, g
     assert b["ops_not_in_hlo"] == 0
+    assert b["top_ops"] and all(o["group"] in GROUPS and o["seconds"] > 0 for o in b["top_ops"])
+    # MFU against the paired peak samples lies between those against the best and the lowest sample
+    assert r["mfu_model"] * 0.999 <= r["mfu_model_vs_paired_peak"], r
     assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(tmp_path / "resformer") for f in fs)
