@@ -2,7 +2,7 @@
 
   python -m resformer_jax.bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
       --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \
-      [--compare=none,resformer,svformer] [--compile_only]
+      [--compare=none,resformer,svformer] [--compare_dtypes=float32,bfloat16] [--compile_only]
   python -m resformer_jax.bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
   python -m resformer_jax.bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
       [--compare=none,svformer] [--batch=1]
@@ -34,6 +34,8 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
 flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
 flags.DEFINE_string("compare", None, "Comma-separated value_residual modes to run at the same shapes.")
+flags.DEFINE_string("compare_dtypes", None, "train: comma-separated compute dtypes (e.g. float32,bfloat16) to run "
+                    "at the same shapes, interleaved like --compare (with --compare: every variant in every dtype).")
 flags.DEFINE_bool("compile_only", False, "train: only lower and compile; report compile seconds.")
 flags.DEFINE_integer("profile_steps", 1, "train: steps run under jax.profiler (one per round, in the last rounds), for the "
                      "step_breakdown (matmuls, attention, LM head + CE, norms/elementwise, optimizer, host); 0: none.")
@@ -165,8 +167,8 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
 
     profile_steps > 0: in the last `profile_steps` rounds each variant also runs one step under the profiler
     (interleaved with the timed steps, so host drift touches both alike) and reports the median one as
-    `step_breakdown` (step_profile.py); traces go to profile_dir/<variant>/step<i> (a temporary folder,
-    deleted, when None).
+    `step_breakdown` (step_profile.py); traces go to profile_dir/<variant>[-<dtype> when several]/step<i>
+    (a temporary folder, deleted, when None).
     """
     import tempfile
     import jax
@@ -177,35 +179,40 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
     tmp = tempfile.TemporaryDirectory() if profile_steps and profile_dir is None else None
     root = profile_dir or (tmp.name if tmp else None)
     on_cpu = jax.devices()[0].platform == "cpu"
-    dtype = cfgs[0].model.dtype  # MFU against the matmul peak at the compute dtype
-    samples = [metrics.measure_cpu_matmul_peak(dtype=dtype)] if on_cpu else []
+    # MFU against the matmul peak at each variant's compute dtype (sampled per dtype present)
+    dtypes = list(dict.fromkeys(c.model.dtype for c in cfgs))
+    samples = {d: [metrics.measure_cpu_matmul_peak(dtype=d)] if on_cpu else [] for d in dtypes}
     groups = [benches] if interleave else [[b] for b in benches]
     for group in groups:
         for b in group:
             b.warm_up()
         for i in range(steps):
             if on_cpu:
-                samples.append(metrics.sample_cpu_matmul_peak(dtype=dtype))
+                for d in dict.fromkeys(b.cfg.model.dtype for b in group):
+                    samples[d].append(metrics.sample_cpu_matmul_peak(dtype=d))
             for b in group:
                 b.timed_step()
                 if on_cpu:
-                    b.round_peaks.append(samples[-1])
+                    b.round_peaks.append(samples[b.cfg.model.dtype][-1])
             if i >= steps - profile_steps:
                 for b in group:
-                    b.profiled_step(os.path.join(root, b.cfg.model.value_residual, f"step{i}"))
+                    name = b.cfg.model.value_residual + (f"-{b.cfg.model.dtype}" if len(dtypes) > 1 else "")
+                    b.profiled_step(os.path.join(root, name, f"step{i}"))
         if not interleave:
             group[0].release()
     if tmp is not None:
         tmp.cleanup()
-    peak_median = statistics.median(samples) if on_cpu else None
-    if on_cpu:
-        peak = max(samples)
-        src = (f"best of {len(samples)} {'bf16' if dtype == 'bfloat16' else 'fp32'} matmul throughput samples of this "
-               "host's CPU, taken at start-up and "
-               f"between the timed steps (they ranged {min(samples) / 1e9:.0f}-{max(samples) / 1e9:.0f} GFLOP/s)")
-    else:
-        peak, src = metrics.device_peak_flops(dtype)
-    return [b.report(peak, src, peak_median) for b in benches]
+    out = []
+    for b in benches:
+        dtype, ss = b.cfg.model.dtype, samples[b.cfg.model.dtype]
+        if on_cpu:
+            src = (f"best of {len(ss)} {'bf16' if dtype == 'bfloat16' else 'fp32'} matmul throughput samples of "
+                   "this host's CPU, taken at start-up and "
+                   f"between the timed steps (they ranged {min(ss) / 1e9:.0f}-{max(ss) / 1e9:.0f} GFLOP/s)")
+            out.append(b.report(max(ss), src, statistics.median(ss)))
+        else:
+            out.append(b.report(*metrics.device_peak_flops(dtype)))
+    return out
 
 
 def bench_attention(shapes, impls, dtype) -> list[dict]:
@@ -394,11 +401,15 @@ def main(argv):
             print(json.dumps(bench_data(FLAGS.config, FLAGS.steps, FLAGS.step_tokens_per_s)))
         return
     modes = FLAGS.compare.split(",") if FLAGS.compare else [FLAGS.config.model.value_residual]
+    dtypes = FLAGS.compare_dtypes.split(",") if FLAGS.compare_dtypes else [FLAGS.config.model.dtype]
     cfgs = []
     for mode in modes:
-        cfg = FLAGS.config.copy_and_resolve_references()
-        cfg.model.value_residual = mode
-        cfgs.append(cfg)
+        for dtype in dtypes:
+            cfg = FLAGS.config.copy_and_resolve_references()
+            cfg.model.value_residual, cfg.model.dtype = mode, dtype
+            cfgs.append(cfg)
+    # what the ratios are keyed by: the variant, and its dtype where several are compared
+    label = (lambda r: f"{r['variant']}/{r.get('dtype')}") if FLAGS.compare_dtypes else (lambda r: r["variant"])
     with cli.exit_on_user_error():
         if what == "train":
             # `auto` is probed once, at the first variant's shapes, and used by every variant.
@@ -427,14 +438,14 @@ def main(argv):
         base = results[0]
         key = "median_step_s" if what == "train" else "decode_tokens_per_s"
         if key in base:
-            ratios = {r["variant"]: round(r[key] / base[key], 4) for r in results}
-            extra = {"kv_cache_ratio": {r["variant"]: round(r["kv_cache_bytes"] / base["kv_cache_bytes"], 4)
+            ratios = {label(r): round(r[key] / base[key], 4) for r in results}
+            extra = {"kv_cache_ratio": {label(r): round(r["kv_cache_bytes"] / base["kv_cache_bytes"], 4)
                                         for r in results}} if what == "decode" else {}
             if what == "train" and FLAGS.interleave and not FLAGS.compile_only:
                 # Steps of one round ran back to back: the median of per-round ratios cancels host drift.
-                extra["paired_median_step_ratio"] = {r["variant"]: round(statistics.median(
+                extra["paired_median_step_ratio"] = {label(r): round(statistics.median(
                     a / b for a, b in zip(r["step_s"], base["step_s"])), 4) for r in results}
-            print(json.dumps({"ratio_to_" + base["variant"]: {key: ratios}, **extra}))
+            print(json.dumps({"ratio_to_" + label(base): {key: ratios}, **extra}))
 
 
 if __name__ == "__main__":

@@ -214,3 +214,20 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     # MFU against the paired peak samples lies between those against the best and the lowest sample
     assert r["mfu_model"] * 0.999 <= r["mfu_model_vs_paired_peak"], r
     assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(tmp_path / "resformer") for f in fs)
+
+
+def test_bench_train_compares_dtypes_interleaved():
+    """--compare_dtypes runs fp32 and bf16 of one variant in one process, step by step, each against the matmul
+    peak of its own dtype, and prints their ratio (the bf16-vs-fp32 speed-up without two runs' host drift)."""
+    p = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=2",
+                        "--profile_steps=0", "--config.mesh.num_devices=1", "--compare_dtypes=float32,bfloat16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    f32, b16, ratio = rows
+    assert (f32["dtype"], b16["dtype"]) == ("float32", "bfloat16")
+    assert "fp32 matmul" in f32["peak_source"] and "bf16 matmul" in b16["peak_source"]
+    assert len(f32["step_s"]) == len(b16["step_s"]) == 2
+    want = round(b16["median_step_s"] / f32["median_step_s"], 4)
+    assert ratio["ratio_to_resformer/float32"]["median_step_s"] == {"resformer/float32": 1.0, "resformer/bfloat16": want}
+    assert set(ratio["paired_median_step_ratio"]) == {"resformer/float32", "resformer/bfloat16"}
