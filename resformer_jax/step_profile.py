@@ -130,7 +130,6 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
         starts = sorted(s for s, _, _ in ops_by_line[li])
         regions.append([(s, t, c) for s, t, c in mine if c is not None
                         and bisect.bisect_left(starts, s) == bisect.bisect_left(starts, t)])
-    by_ctx = {c: (li, s, t) for li, rs in enumerate(regions) for s, t, c in rs}
     memo: dict = {}
 
     def origin(ctx, depth=0):
