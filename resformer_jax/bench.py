@@ -401,6 +401,11 @@ def main(argv):
             print(json.dumps(bench_data(FLAGS.config, FLAGS.steps, FLAGS.step_tokens_per_s)))
         return
     modes = FLAGS.compare.split(",") if FLAGS.compare else [FLAGS.config.model.value_residual]
+    if what == "train" and not FLAGS.compare_dtypes:
+        # model.dtype=auto: measured once, so every compared variant runs in the same dtype
+        from resformer_jax.train.setup import resolve_dtype
+        with cli.exit_on_user_error():
+            resolve_dtype(FLAGS.config, log=lambda m: print(m, file=sys.stderr))
     dtypes = FLAGS.compare_dtypes.split(",") if FLAGS.compare_dtypes else [FLAGS.config.model.dtype]
     cfgs = []
     for mode in modes:
@@ -413,9 +418,7 @@ def main(argv):
     with cli.exit_on_user_error():
         if what == "train":
             # `auto` is probed once, at the first variant's shapes, and used by every variant.
-            from resformer_jax.train.setup import resolve_attention, resolve_dtype
-            for c in cfgs:  # model.dtype=auto: measured once per variant here, as training would
-                resolve_dtype(c, log=lambda m: print(m, file=sys.stderr))
+            from resformer_jax.train.setup import resolve_attention
             attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
             results = bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention,
                                   FLAGS.profile_dir, FLAGS.profile_steps)
