@@ -95,7 +95,8 @@ def test_rolling_and_generation(trained):
     assert out == want
 
 
-def test_harness_command_line(trained):
+def test_harness_command_line(trained, shared_data):
+    # shared_data: the shipped piqa_local task reads ../shared/data/eval_samples (skips where it is absent)
     wd, _ = trained
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-m", "resformer_jax.harness", "--model", "resformer_jax", "--model_args",
