@@ -10,10 +10,17 @@ Each is about overlapping communication with the scanned layers' compute,
 or about picking the faster GEMM path; none changes numerics beyond the
 summation order of collectives.
 
-CPU and TPU: nothing. On CPU the XNNPACK/oneDNN/YNN paths of this XLA were
-measured on the attention of the 82M step and were no faster (within the
-host's noise); on TPU libtpu's defaults already overlap
-collectives and its flags cannot be checked without a TPU.
+CPU: row reductions stay with XLA's own emitter instead of YNNPACK
+(`xla_cpu_experimental_ynn_fusion_type=-reduce`, set only where the installed
+jaxlib knows the flag). XLA 0.10 hands the LM head's logsumexp (an exp fused
+into a sum over 50,277 logits) to YNNPACK, which ran it on one thread at
+~450 ms per 1,024-position block of the 82M step, plus a ~350 ms stall before
+the next matmul; XLA's emitter does the same reduction in ~40 ms. Matmuls stay
+with YNNPACK (faster than Eigen at these shapes). The other XNNPACK/oneDNN
+paths were measured on the 82M step's attention and were no faster.
+
+TPU: nothing; libtpu's defaults already overlap collectives and its flags
+cannot be checked without a TPU.
 """
 from __future__ import annotations
 
@@ -39,6 +46,33 @@ GPU_XLA_FLAGS = {
 }
 
 
+# Set on every host (only XLA's CPU compiler reads them), where the installed jaxlib knows the flag.
+CPU_XLA_FLAGS = {
+    "xla_cpu_experimental_ynn_fusion_type": (
+        "-reduce", "keep reductions (the LM head's logsumexp) on XLA's threaded, vectorised emitter; YNNPACK "
+                   "ran them on one thread, 10x slower, and stalled the next matmul"),
+}
+
+
+def jaxlib_knows_flag(name: str) -> bool:
+    """Whether the installed jaxlib registers XLA flag `name`: an unknown flag in XLA_FLAGS aborts the process
+    at start-up, and the experimental ones come and go between releases. Looks for the name in jaxlib's own
+    library (memory-mapped; a few ms) without starting JAX."""
+    import mmap
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    needle = b"\0" + name.encode() + b"\0"
+    for folder in spec.submodule_search_locations:
+        for lib in ("libjax_common.so", "xla_extension.so", "_jax.so"):
+            path = os.path.join(folder, lib)
+            if os.path.isfile(path) and os.path.getsize(path) > (1 << 20):
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    if m.find(needle) >= 0:
+                        return True
+    return False
+
+
 def cuda_plugin_present() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("cpu", "tpu"):
         return False
@@ -51,12 +85,13 @@ def cuda_plugin_present() -> bool:
     return False
 
 
-def xla_flags_for(existing: str, gpu: bool) -> tuple[str, list[str]]:
+def xla_flags_for(existing: str, gpu: bool, known=jaxlib_knows_flag) -> tuple[str, list[str]]:
     """(new XLA_FLAGS, flags added): project defaults appended, the user's own settings kept."""
-    if not gpu:
-        return existing, []
     present = {tok.split("=")[0].lstrip("-") for tok in existing.split()}
-    added = [f"--{name}={value}" for name, (value, _) in GPU_XLA_FLAGS.items() if name not in present]
+    defaults = {**{k: v for k, v in CPU_XLA_FLAGS.items() if known(k)}, **(GPU_XLA_FLAGS if gpu else {})}
+    added = [f"--{name}={value}" for name, (value, _) in defaults.items() if name not in present]
+    if not added:
+        return existing, []
     return " ".join([existing.strip()] + added).strip(), added
 
 

@@ -6,6 +6,11 @@ import pathlib
 # these tiny programs (about 30% faster here; numerics are checked against references either way).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The project's XLA defaults, as every command sets them (runtime.py): tests compare in-process runs with
+# subprocess ones bitwise, so both must compile alike.
+from resformer_jax.runtime import configure_xla  # noqa: E402
+
+configure_xla()
 # XLA's CPU compiles dominate this suite; many tests (and their subprocesses) compile the same
 # tiny programs, so share a persistent compilation cache.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/resformer_jax_test_jit_cache")

@@ -59,16 +59,25 @@ def test_bench_train_prints_json_and_compare_ratios():
     assert "svformer" in lines[2]["ratio_to_none"]["median_step_s"]
 
 
-def test_gpu_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
-    from resformer_jax.runtime import GPU_XLA_FLAGS, configure_xla, cuda_plugin_present, xla_flags_for
+def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
+    from resformer_jax.runtime import (CPU_XLA_FLAGS, GPU_XLA_FLAGS, configure_xla, cuda_plugin_present,
+                                       jaxlib_knows_flag, xla_flags_for)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     assert cuda_plugin_present() is False  # this machine has no CUDA plugin; the lookup must not raise
+    # The CPU defaults are flags of the jaxlib this suite installs; a made-up one is not found.
+    assert all(jaxlib_knows_flag(name) for name in CPU_XLA_FLAGS)
+    assert not jaxlib_knows_flag("xla_cpu_no_such_flag_anywhere")
+    cpu = [f"--{k}={v}" for k, (v, _) in CPU_XLA_FLAGS.items()]
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
-    assert configure_xla() == [] and os.environ["XLA_FLAGS"] == "--xla_foo=1"
-    assert xla_flags_for("--xla_foo=1", gpu=False) == ("--xla_foo=1", [])
+    assert configure_xla() == cpu and os.environ["XLA_FLAGS"] == " ".join(["--xla_foo=1"] + cpu)
+    # a jaxlib without the flag gets nothing (an unknown flag would abort it at start-up)
+    assert xla_flags_for("--xla_foo=1", gpu=False, known=lambda name: False) == ("--xla_foo=1", [])
+    # the user's own value wins
+    mine = "--xla_cpu_experimental_ynn_fusion_type=dot"
+    assert xla_flags_for(mine, gpu=False) == (mine, [])
     flags, added = xla_flags_for("--xla_gpu_enable_triton_gemm=true", gpu=True)
     assert "--xla_gpu_enable_triton_gemm=true" in flags and "--xla_gpu_enable_triton_gemm=false" not in flags
-    assert len(added) == len(GPU_XLA_FLAGS) - 1
+    assert len(added) == len(GPU_XLA_FLAGS) - 1 + len(CPU_XLA_FLAGS)
     # Unknown flags abort XLA at start-up: every default must be a flag this jaxlib knows.
     env = dict(os.environ, XLA_FLAGS=xla_flags_for("", gpu=True)[0], JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
