@@ -9,7 +9,7 @@ import numpy as np
 
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
-from resformer_jax.model.layers import mixed_matmul, swiglu_low_precision, transposed
+from resformer_jax.model.layers import mixed_matmul, swiglu_mlp, transposed
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
 from resformer_jax.train.step import loss_fn
 
@@ -39,20 +39,47 @@ def test_mixed_matmul_value_and_gradients_against_autodiff_of_the_plain_product(
     np.testing.assert_array_less(np.abs(np.asarray(dw) - np.asarray(dw_ref)), 1e-2 * scale_w + 1e-3)
 
 
-def test_swiglu_low_precision_against_autodiff_of_silu_times_up_in_fp32():
-    """The bf16 SwiGLU activation (fp32 inside, saves only gate and up) against jax's own silu(g) * u in fp32 on
-    the same rounded inputs: value and both gradients within one bf16 rounding of the result."""
-    kg, ku, kd = jax.random.split(jax.random.PRNGKey(3), 3)
-    g = (3 * jax.random.normal(kg, (64, 96), jnp.float32)).astype(jnp.bfloat16)
-    u = jax.random.normal(ku, (64, 96), jnp.float32).astype(jnp.bfloat16)
-    d = jax.random.normal(kd, (64, 96), jnp.float32).astype(jnp.bfloat16)
-    ref = lambda g, u: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)  # noqa: E731
-    h, vjp = jax.vjp(swiglu_low_precision, g, u)
-    h_ref, vjp_ref = jax.vjp(ref, g, u)
-    assert h.dtype == jnp.bfloat16
-    for got, want in zip((h, *jax.jit(vjp)(d)), (h_ref, *vjp_ref(d.astype(jnp.float32)))):
+def _mlp_inputs(dtype):
+    k = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = jax.random.normal(k[0], (64, 32), jnp.float32).astype(dtype)
+    wg, wu = (0.3 * jax.random.normal(kk, (32, 96), jnp.float32) for kk in k[1:3])
+    wd = 0.3 * jax.random.normal(k[3], (96, 32), jnp.float32)
+    dy = jax.random.normal(k[4], (64, 32), jnp.float32).astype(dtype)
+    return (x, wg, wu, wd), dy
+
+
+def _plain_mlp(x, wg, wu, wd):
+    """What autodiff differentiates without swiglu_mlp: down(silu(gate(x)) * up(x)) in fp32."""
+    x = x.astype(jnp.float32)
+    return jnp.dot(jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
+
+
+def test_swiglu_mlp_fp32_is_the_plain_expression_with_its_gradients():
+    """fp32: the fused MLP's value is the plain expression bit for bit; its hand-written VJP (saves gate and up,
+    recomputes the product) gives autodiff's gradients to fp32 rounding."""
+    args, dy = _mlp_inputs(jnp.float32)
+    y, vjp = jax.vjp(lambda *a: swiglu_mlp(*a, jnp.dtype(jnp.float32)), *args)
+    y_ref, vjp_ref = jax.vjp(_plain_mlp, *args)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    for got, want in zip(jax.jit(vjp)(dy), vjp_ref(dy)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_swiglu_mlp_bf16_against_autodiff_in_fp32():
+    """bf16: value and the four gradients against autodiff of the fp32 expression on the same rounded inputs,
+    within bf16 rounding of each product; weight gradients stay fp32, the input's is bf16."""
+    args, dy = _mlp_inputs(jnp.bfloat16)
+    y, vjp = jax.vjp(lambda *a: swiglu_mlp(*a, jnp.dtype(jnp.bfloat16)), *args)
+    rounded = [a.astype(jnp.bfloat16).astype(jnp.float32) for a in args]
+    y_ref, vjp_ref = jax.vjp(_plain_mlp, *rounded)
+    grads, grads_ref = jax.jit(vjp)(dy), vjp_ref(dy.astype(jnp.float32))
+    assert y.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+    assert all(g.dtype == jnp.float32 for g in grads[1:])  # parameters' gradients never rounded to bf16
+    for got, want in zip((y, *grads), (y_ref, *grads_ref)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        np.testing.assert_array_less(np.abs(got - want), 2 ** -8 * np.abs(want) + 1e-6)
+        # three roundings to bf16 on the way (gate/up, the product, the cotangent): a few 2^-8 of the scale
+        np.testing.assert_array_less(np.abs(got - want), 4 * 2 ** -8 * np.abs(want).max())
 
 
 def test_chunked_loss_bf16_equals_full_logits_within_bf16_tolerance():
