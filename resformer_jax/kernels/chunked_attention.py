@@ -7,7 +7,11 @@ attention matrix is never computed (about half the work at n blocks:
 [.., T, D] output rather than the [.., T, S] probabilities, which saves one
 pass over the largest tensor. The backward is a custom VJP that keeps only
 q, k, v, the output and the log-sum-exp (O(T), as FlashAttention-2 does) and
-recomputes each block's probabilities.
+recomputes each block's probabilities. With bf16 inputs the matmuls take bf16
+operands (probabilities and their gradients rounded once, as FlashAttention
+does) and accumulate in fp32; the softmax statistics stay fp32. One 82M layer,
+forward + backward on the 2-core CPU: 126 -> 93 ms in bf16; fp32 is unchanged
+bit for bit.
 
 Why it exists: on CPU the step is bound by memory traffic over the
 [B, H, T, S] logits, not by FLOPs (jax.nn.dot_product_attention's xla path
@@ -41,10 +45,13 @@ def chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block=Non
     G = H // K
     dtype = q_BxTxHxD.dtype
     # [B, K, G, T, D] queries and [B, K, S, D] keys/values: GQA without repeating K/V.
-    q_BxKxGxTxD = (q_BxTxHxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)).astype(jnp.float32)
-    q_BxKxGxTxD = q_BxKxGxTxD * (1.0 / math.sqrt(D))
-    k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3).astype(jnp.float32)
-    v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3).astype(jnp.float32)
+    # Matmul operands stay in the compute dtype (fp32, or bf16 with fp32 accumulation: XLA:CPU's and every
+    # accelerator's fast path); the softmax and its statistics are fp32.
+    op = jnp.float32 if dtype == jnp.float32 else dtype
+    q_BxKxGxTxD = q_BxTxHxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    q_BxKxGxTxD = (q_BxKxGxTxD.astype(jnp.float32) * (1.0 / math.sqrt(D))).astype(op)
+    k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3).astype(op)
+    v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3).astype(op)
     spans = _spans(T, S, block or (block_size(T) if causal else T), causal)
     out_BxKxGxTxD = _attend(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, spans)
     return out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(dtype)
@@ -59,7 +66,8 @@ def _spans(T, S, C, causal):
 
 
 def _block_logits(q_BxKxGxTxD, k_BxKxSxD, start, stop, keys, causal_offset):
-    logits = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxD[:, :, :, start:stop], k_BxKxSxD[:, :, :keys])
+    logits = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxD[:, :, :, start:stop], k_BxKxSxD[:, :, :keys],
+                        preferred_element_type=jnp.float32)
     if causal_offset is None:
         return logits, None
     visible_CxS = jnp.arange(keys)[None, :] <= (jnp.arange(start, stop) + causal_offset)[:, None]
@@ -74,7 +82,8 @@ def _forward(q, k, v, spans):
         row_max = logits.max(axis=-1, keepdims=True)
         e = jnp.exp(logits - row_max)
         denom = e.sum(axis=-1, keepdims=True)
-        outs.append(jnp.einsum("bkgts,bksd->bkgtd", e, v[:, :, :keys]) / denom)
+        outs.append(jnp.einsum("bkgts,bksd->bkgtd", e.astype(v.dtype), v[:, :, :keys],
+                               preferred_element_type=jnp.float32) / denom)
         lses.append(row_max + jnp.log(denom))
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)  # noqa: E731
     return cat(outs), cat(lses)
@@ -95,23 +104,25 @@ def _attend_fwd(q, k, v, spans):
 
 def _attend_bwd(spans, res, g):
     q, k, v, out, lse = res
-    delta = jnp.sum(g * out, axis=-1, keepdims=True)  # rowsum(dO * O) = rowsum(P * dP)
+    op, f32 = q.dtype, jnp.float32
+    delta = jnp.sum(g.astype(f32) * out.astype(f32), axis=-1, keepdims=True)  # rowsum(dO * O) = rowsum(P * dP)
+    g = g.astype(op)
     dqs = []
-    dk = jnp.zeros_like(k)
-    dv = jnp.zeros_like(v)
+    dk = jnp.zeros(k.shape, f32)
+    dv = jnp.zeros(v.shape, f32)
     for start, stop, keys, offset in spans:
         logits, visible = _block_logits(q, k, start, stop, keys, offset)
         p = jnp.exp(logits - lse[:, :, :, start:stop])
         if visible is not None:
             p = jnp.where(visible, p, 0.0)
         g_i = g[:, :, :, start:stop]
-        dv = dv.at[:, :, :keys].add(jnp.einsum("bkgts,bkgtd->bksd", p, g_i))
-        dp = jnp.einsum("bkgtd,bksd->bkgts", g_i, v[:, :, :keys])
-        ds = p * (dp - delta[:, :, :, start:stop])
-        dqs.append(jnp.einsum("bkgts,bksd->bkgtd", ds, k[:, :, :keys]))
-        dk = dk.at[:, :, :keys].add(jnp.einsum("bkgts,bkgtd->bksd", ds, q[:, :, :, start:stop]))
+        dv = dv.at[:, :, :keys].add(jnp.einsum("bkgts,bkgtd->bksd", p.astype(op), g_i, preferred_element_type=f32))
+        dp = jnp.einsum("bkgtd,bksd->bkgts", g_i, v[:, :, :keys], preferred_element_type=f32)
+        ds = (p * (dp - delta[:, :, :, start:stop])).astype(op)
+        dqs.append(jnp.einsum("bkgts,bksd->bkgtd", ds, k[:, :, :keys], preferred_element_type=f32))
+        dk = dk.at[:, :, :keys].add(jnp.einsum("bkgts,bkgtd->bksd", ds, q[:, :, :, start:stop], preferred_element_type=f32))
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
-    return dq, dk, dv
+    return dq.astype(op), dk.astype(op), dv.astype(op)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
