@@ -46,7 +46,8 @@ GPU_XLA_FLAGS = {
 }
 
 
-# Set on every host (only XLA's CPU compiler reads them), where the installed jaxlib knows the flag.
+# Set on hosts without a CUDA plugin (CPU, TPU: only XLA's CPU compiler reads them), where the installed
+# jaxlib knows the flag.
 CPU_XLA_FLAGS = {
     "xla_cpu_experimental_ynn_fusion_type": (
         "-reduce", "keep reductions (the LM head's logsumexp) on XLA's threaded, vectorised emitter; YNNPACK "
@@ -88,7 +89,9 @@ def cuda_plugin_present() -> bool:
 def xla_flags_for(existing: str, gpu: bool, known=jaxlib_knows_flag) -> tuple[str, list[str]]:
     """(new XLA_FLAGS, flags added): project defaults appended, the user's own settings kept."""
     present = {tok.split("=")[0].lstrip("-") for tok in existing.split()}
-    defaults = {**{k: v for k, v in CPU_XLA_FLAGS.items() if known(k)}, **(GPU_XLA_FLAGS if gpu else {})}
+    # A GPU host computes on the GPU: its CUDA plugin parses XLA_FLAGS with its own XLA build, so only the GPU
+    # flags go there.
+    defaults = GPU_XLA_FLAGS if gpu else {k: v for k, v in CPU_XLA_FLAGS.items() if known(k)}
     added = [f"--{name}={value}" for name, (value, _) in defaults.items() if name not in present]
     if not added:
         return existing, []
