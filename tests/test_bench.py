@@ -7,6 +7,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 
 from resformer_jax.config import tiny_config, validate
 from resformer_jax.model import Transformer
@@ -83,6 +84,39 @@ def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
     r = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-2000:]
+
+
+_YNN_REDUCTIONS = """
+import jax, jax.numpy as jnp
+from resformer_jax.step_profile import parse_hlo
+from resformer_jax.train.loss import chunked_cross_entropy
+h, w, t = jnp.ones((2, 64, 32)), jnp.ones((32, 300)), jnp.zeros((2, 64), jnp.int32)
+hlo = jax.jit(jax.grad(lambda h, w: chunked_cross_entropy(h, w, t, 16), argnums=(0, 1))).lower(h, w).compile().as_text()
+insts, comps = parse_hlo(hlo)
+fused = [set().union(*(comps.get(c, set()) for c in insts[line.split("=")[0].split()[-1].lstrip("%")].calls))
+         for line in hlo.splitlines() if '"__ynn_fusion"' in line]
+print(sum("dot" in ops for ops in fused), sum(any(op.startswith("reduce") for op in ops) for ops in fused))
+"""
+
+
+def test_cpu_default_keeps_the_lm_head_reductions_off_ynnpack():
+    """runtime.py's CPU default in effect: the fused LM head's compiled backward still sends its matmuls to
+    YNNPACK but none of its reductions (the logsumexp that ran ~10x slower there); without the project's
+    defaults this XLA does send them."""
+    def count(xla_flags):
+        env = dict(os.environ, XLA_FLAGS=xla_flags, RESFORMER_NO_XLA_DEFAULTS="1", JAX_PLATFORMS="cpu")
+        r = subprocess.run([sys.executable, "-c", _YNN_REDUCTIONS], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return tuple(int(x) for x in r.stdout.split())
+    from resformer_jax.runtime import xla_flags_for
+    dots, reductions = count("")
+    if reductions == 0:
+        pytest.skip("this jaxlib no longer sends reductions to YNNPACK by default; runtime.py's CPU default "
+                    "(xla_cpu_experimental_ynn_fusion_type=-reduce) may go")
+    assert dots > 0
+    dots, reductions = count(xla_flags_for("", gpu=False)[0])
+    assert dots > 0 and reductions == 0, f"with the project's defaults: {dots} YNN matmuls, {reductions} reductions"
 
 
 def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
