@@ -10,7 +10,6 @@ TensorBoard scalars; a second --workdir is overlaid in the same plots.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags

@@ -8,8 +8,6 @@ Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from absl import app, flags

@@ -8,7 +8,6 @@ Reports the KV-cache bytes it allocated and decode tokens/s.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from absl import app, flags

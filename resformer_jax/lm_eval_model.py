@@ -13,7 +13,6 @@ log-likelihoods agree.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from lm_eval.api.model import LM

@@ -1,14 +1,9 @@
 """Nothing silently lost or wrong (issue 17): checkpoint fingerprints, no restart from zero over a workdir
 that held checkpoints, config changes told apart from damage, and the smaller resume cases."""
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
-
-import numpy as np
-import pytest
 
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
