@@ -10,7 +10,8 @@ Each is about overlapping communication with the scanned layers' compute,
 or about picking the faster GEMM path; none changes numerics beyond the
 summation order of collectives.
 
-CPU: row reductions stay with XLA's own emitter instead of YNNPACK
+CPU-only hosts (no CUDA plugin, no libtpu): row reductions stay with XLA's own
+emitter instead of YNNPACK
 (`xla_cpu_experimental_ynn_fusion_type=-reduce`, set only where the installed
 jaxlib knows the flag). XLA 0.10 hands the LM head's logsumexp (an exp fused
 into a sum over 50,277 logits) to YNNPACK, which ran it on one thread at
@@ -46,8 +47,7 @@ GPU_XLA_FLAGS = {
 }
 
 
-# Set on hosts without a CUDA plugin (CPU, TPU: only XLA's CPU compiler reads them), where the installed
-# jaxlib knows the flag.
+# Set on CPU-only hosts (no CUDA plugin, no libtpu), where the installed jaxlib knows the flag.
 CPU_XLA_FLAGS = {
     "xla_cpu_experimental_ynn_fusion_type": (
         "-reduce", "keep reductions (the LM head's logsumexp) on XLA's threaded, vectorised emitter; YNNPACK "
@@ -86,12 +86,21 @@ def cuda_plugin_present() -> bool:
     return False
 
 
-def xla_flags_for(existing: str, gpu: bool, known=jaxlib_knows_flag) -> tuple[str, list[str]]:
+def libtpu_present() -> bool:
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("cpu", "cuda", "gpu"):
+        return False
+    try:
+        return importlib.util.find_spec("libtpu") is not None
+    except ImportError:
+        return False
+
+
+def xla_flags_for(existing: str, gpu: bool, known=jaxlib_knows_flag, tpu: bool = False) -> tuple[str, list[str]]:
     """(new XLA_FLAGS, flags added): project defaults appended, the user's own settings kept."""
     present = {tok.split("=")[0].lstrip("-") for tok in existing.split()}
-    # A GPU host computes on the GPU: its CUDA plugin parses XLA_FLAGS with its own XLA build, so only the GPU
-    # flags go there.
-    defaults = GPU_XLA_FLAGS if gpu else {k: v for k, v in CPU_XLA_FLAGS.items() if known(k)}
+    # An accelerator host computes on the accelerator, and its plugin (CUDA, libtpu) may parse XLA_FLAGS with
+    # its own XLA build: only the GPU flags go to a GPU host, none of the CPU ones to either.
+    defaults = GPU_XLA_FLAGS if gpu else {} if tpu else {k: v for k, v in CPU_XLA_FLAGS.items() if known(k)}
     added = [f"--{name}={value}" for name, (value, _) in defaults.items() if name not in present]
     if not added:
         return existing, []
@@ -102,7 +111,7 @@ def configure_xla() -> list[str]:
     """Applies the defaults to os.environ["XLA_FLAGS"]; returns the flags it added."""
     if os.environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1":
         return []
-    flags, added = xla_flags_for(os.environ.get("XLA_FLAGS", ""), cuda_plugin_present())
+    flags, added = xla_flags_for(os.environ.get("XLA_FLAGS", ""), cuda_plugin_present(), tpu=libtpu_present())
     if added:
         os.environ["XLA_FLAGS"] = flags
     return added

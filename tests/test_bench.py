@@ -62,9 +62,10 @@ def test_bench_train_prints_json_and_compare_ratios():
 
 def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
     from resformer_jax.runtime import (CPU_XLA_FLAGS, GPU_XLA_FLAGS, configure_xla, cuda_plugin_present,
-                                       jaxlib_knows_flag, xla_flags_for)
+                                       jaxlib_knows_flag, libtpu_present, xla_flags_for)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     assert cuda_plugin_present() is False  # this machine has no CUDA plugin; the lookup must not raise
+    assert libtpu_present() is False
     # The CPU defaults are flags of the jaxlib this suite installs; a made-up one is not found.
     assert all(jaxlib_knows_flag(name) for name in CPU_XLA_FLAGS)
     assert not jaxlib_knows_flag("xla_cpu_no_such_flag_anywhere")
@@ -73,6 +74,8 @@ def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
     assert configure_xla() == cpu and os.environ["XLA_FLAGS"] == " ".join(["--xla_foo=1"] + cpu)
     # a jaxlib without the flag gets nothing (an unknown flag would abort it at start-up)
     assert xla_flags_for("--xla_foo=1", gpu=False, known=lambda name: False) == ("--xla_foo=1", [])
+    # none on a TPU host (libtpu may parse XLA_FLAGS with its own XLA build)
+    assert xla_flags_for("--xla_foo=1", gpu=False, tpu=True) == ("--xla_foo=1", [])
     # the user's own value wins
     mine = "--xla_cpu_experimental_ynn_fusion_type=dot"
     assert xla_flags_for(mine, gpu=False) == (mine, [])
