@@ -13,7 +13,6 @@ log-likelihoods agree.
 """
 from __future__ import annotations
 
-
 import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
