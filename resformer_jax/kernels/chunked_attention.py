@@ -47,11 +47,10 @@ def chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block=Non
     # [B, K, G, T, D] queries and [B, K, S, D] keys/values: GQA without repeating K/V.
     # Matmul operands stay in the compute dtype (fp32, or bf16 with fp32 accumulation: XLA:CPU's and every
     # accelerator's fast path); the softmax and its statistics are fp32.
-    op = jnp.float32 if dtype == jnp.float32 else dtype
     q_BxKxGxTxD = q_BxTxHxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
-    q_BxKxGxTxD = (q_BxKxGxTxD.astype(jnp.float32) * (1.0 / math.sqrt(D))).astype(op)
-    k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3).astype(op)
-    v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3).astype(op)
+    q_BxKxGxTxD = (q_BxKxGxTxD.astype(jnp.float32) * (1.0 / math.sqrt(D))).astype(dtype)
+    k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3).astype(dtype)
+    v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3).astype(dtype)
     spans = _spans(T, S, block or (block_size(T) if causal else T), causal)
     out_BxKxGxTxD = _attend(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, spans)
     return out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(dtype)
