@@ -37,7 +37,7 @@ def require_beam():
     try:
         import apache_beam  # noqa: F401
     except ImportError:
-        from data_prep.prepare import PrepareError
+        from data_prep.corpus_io import PrepareError
         raise PrepareError("--runner=beam needs Apache Beam: pip install -e '.[beam]' (or pip install apache-beam)") \
             from None
 
@@ -54,7 +54,7 @@ def remote(path: str) -> bool:
 def list_inputs(inputs: list[str]) -> list[str]:
     """Input files in a fixed order: local folders walked like the threaded path; remote paths matched
     with Beam's filesystems (a folder, or a glob)."""
-    from data_prep.prepare import TEXT_EXTS, PrepareError, list_files
+    from data_prep.corpus_io import TEXT_EXTS, PrepareError, list_files
     local = [p for p in inputs if not remote(p)]
     files = list_files(local) if local else []
     for p in inputs:
@@ -93,7 +93,7 @@ def work_units(files: list[str]) -> list[tuple[int, str, int, int]]:
 def read_unit(unit, domain: str, split: str, seed: int, shuffle_docs: bool, skip_bad_files: bool):
     """Yields ((split, domain), (file index, position, text)) for one work unit; position orders documents
     within a file (byte offset for ranged .jsonl reads, document index otherwise)."""
-    from data_prep.prepare import BadInputFile, PrepareError, from_json_line, read_documents, split_of
+    from data_prep.corpus_io import BadInputFile, PrepareError, from_json_line, read_documents, split_of
     fi, path, start, end = unit
     sp = split_of(path, split)
     if end >= 0:  # a byte range of a large .jsonl: the lines that start inside it
@@ -150,7 +150,7 @@ class Tokenize:
 def pack_and_write(kv, out: str, seq_len: int, dtype: str, budgets: dict, records_per_shard: int, packing: str):
     """One (split, domain) stream (or one file's part of it): ordered, budgeted, packed, written. Yields its
     stats as (split, domain, stats)."""
-    from data_prep.prepare import ShardWriter
+    from data_prep.corpus_io import ShardWriter
     (sp, dom, part), docs = kv
     docs = sorted(docs, key=lambda d: (d[0], d[1]))
     folder = f"{out}/{sp}/{dom}"
@@ -197,7 +197,7 @@ def run_pipeline(files: list[str], tok, tokenizer_json: str, eot: int, out: str,
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
     if packing not in ("domain", "file"):
-        from data_prep.prepare import PrepareError
+        from data_prep.corpus_io import PrepareError
         raise PrepareError(f"--beam_packing={packing!r}: use domain or file")
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab <= 65535 else "uint32"

@@ -28,11 +28,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resformer_jax import storage
+from resformer_jax.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """No checkpoint restores, or a resumed config conflicts; the message says what to do."""
 
 
@@ -102,13 +103,20 @@ def params_layout(tree) -> dict[str, tuple]:
     return {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def finished_checkpoint_steps(directory) -> list[int]:
+    """The steps of the finalized checkpoints in an Orbax checkpoints folder, oldest first (Orbax's own query; no
+    manager is opened, nothing is created)."""
+    return sorted(ocp.path.step.checkpoint_steps(directory))
+
+
 class Checkpointer:
-    def __init__(self, workdir: str, ckpt_cfg, create: bool = True):
-        self.workdir = workdir
-        root = storage.run_path(workdir)
-        self.dir = root / "checkpoints"
-        self.damaged_dir = root / "checkpoints_damaged"
-        self.history_marker = root / "checkpoints_written"
+    def __init__(self, run, ckpt_cfg, create: bool = True):
+        """`run`: the RunDir (rundir.py) whose checkpoints these are; RunDir.checkpointer() makes one."""
+        self.workdir = run.workdir
+        root = run.path
+        self.dir = run.checkpoints
+        self.damaged_dir = run.checkpoints_damaged
+        self.history_marker = run.checkpoints_written_marker
         remote = storage.is_remote(root)
         if storage.scheme(root) == "s3":
             storage.orbax_s3_paths()

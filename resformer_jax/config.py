@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
+from resformer_jax.errors import UserError
 
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
 REMAT_POLICIES = ("none", "dots", "full")
@@ -34,7 +35,7 @@ PAPER_MIXTURE = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An impossible or inconsistent config; the message names field and fix."""
 
 

@@ -1,23 +1,4 @@
-"""lm-evaluation-harness's command line with this project's model registered as `resformer_jax`.
-
-  python -m resformer_jax.harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
-      --tasks piqa_local,arc_easy_local,arc_challenge_local,hellaswag_local,winogrande_local,openbookqa_local \\
-      --include_path configs/lm_eval_tasks
-
-Every lm_eval flag works as with `lm_eval`. (lm-eval 0.4 discovers models only among its own modules, so the
-stock `lm_eval` command cannot see a model that lives in another package; this command imports the adapter,
-resformer_jax/lm_eval_model.py, and then runs lm-eval's own CLI.)
-"""
-from __future__ import annotations
-
-
-def main():
-    from resformer_jax import cli
-    cli.start()
-    import resformer_jax.lm_eval_model  # noqa: F401 - registers the model "resformer_jax"
-    from lm_eval.__main__ import cli_evaluate
-    cli_evaluate()
-
-
+"""`python -m resformer_jax.harness`, kept at the path README and scripts use; the command is resformer_jax/commands/harness.py."""
 if __name__ == "__main__":
-    main()
+    from resformer_jax.commands.harness import __doc__, cli_main  # noqa: F401 - its docstring is the usage --help prints
+    cli_main()

@@ -1,6 +1,6 @@
 """Run directories on local disk or object storage (gs://, s3://), through one path type.
 
-Everything a command writes to or reads from a run directory goes through `run_path` (an
+Every path a command writes to or reads from goes through `run_path` (an
 `etils.epath.Path`, the abstraction Orbax and grain use): local paths are `pathlib` paths, gs:// and
 s3:// paths go through fsspec (gcsfs, s3fs). What object storage lacks is handled here once:
 
@@ -26,6 +26,7 @@ import os
 import shutil
 
 from etils import epath
+from resformer_jax.errors import UserError
 
 SEGMENT_LINES = 1000
 
@@ -36,7 +37,7 @@ _CLOUD_PACKAGES = {
 }
 
 
-class StorageError(ValueError):
+class StorageError(UserError, ValueError):
     """A run path this installation cannot use; the message names the package and the extra."""
 
 
@@ -240,18 +241,6 @@ def orbax_s3_paths() -> None:
                                "use gs://, a local path or an s3 mount (mountpoint-s3)")
         if not getattr(fn, "resformer_s3", False):
             setattr(tsu, name, _s3_aware(fn))
-
-
-# --- what a run directory holds ----------------------------------------------------------------------
-
-def run_tokenizer(workdir):
-    """The run's tokenizer (RUN/tokenizer.json, copied from the corpus at the start), or None when the run
-    trained on synthetic data."""
-    p = run_path(workdir) / "tokenizer.json"
-    if not p.is_file():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_str(p.read_text())
 
 
 def save_figure(fig, path, dpi: int = 100) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import reference as ref
 from resformer_jax.config import apply_ablation, paper_config, tiny_config, validate
-from resformer_jax.main import summary
+from resformer_jax.perf import summary
 from resformer_jax.model import Transformer
 from resformer_jax.train.step import init_state, make_train_step
 

@@ -91,7 +91,7 @@ def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
 
 _YNN_REDUCTIONS = """
 import jax, jax.numpy as jnp
-from resformer_jax.step_profile import parse_hlo
+from resformer_jax.benchmarks.step_profile import parse_hlo
 from resformer_jax.train.loss import chunked_cross_entropy
 h, w, t = jnp.ones((2, 64, 32)), jnp.ones((32, 300)), jnp.zeros((2, 64), jnp.int32)
 hlo = jax.jit(jax.grad(lambda h, w: chunked_cross_entropy(h, w, t, 16), argnums=(0, 1))).lower(h, w).compile().as_text()
@@ -176,7 +176,7 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
     """The attribution rules on a hand-made profile: nesting (a loop's body ops inside it), two threads running
     at once, and the HLO lookup that puts each op in its group."""
     from types import SimpleNamespace as NS
-    from resformer_jax.step_profile import breakdown
+    from resformer_jax.benchmarks.step_profile import breakdown
     hlo = "\n".join([
         "HloModule m",
         "%fused_computation.1 (p: f32[4]) -> f32[4] {",
@@ -235,7 +235,7 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the
     measured step time within 10%; the trace is written where --profile_dir says."""
-    from resformer_jax.step_profile import GROUPS
+    from resformer_jax.benchmarks.step_profile import GROUPS
     # A subprocess: resformer_jax.bench defines absl flags that other tests' imports (resformer_jax.main) also do.
     p = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=5",
                         "--profile_steps=5", f"--profile_dir={tmp_path}", "--config.mesh.num_devices=1",

@@ -116,7 +116,7 @@ FLAGS = ["--config.data.source=array_record", "--config.data.seq_len=32", "--con
 def reference(tmp_path_factory, corpus):
     """The same run uninterrupted on local disk: storage must not change a bit."""
     from resformer_jax.metrics import read_jsonl
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     wd = str(tmp_path_factory.mktemp("ref"))
     assert run(_cfg(corpus), wd) == 0
     return read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss")
@@ -133,7 +133,7 @@ def test_cloud_workdir_trains_survives_sigkill_resumes_exactly_and_reads_back(cl
     from etils import epath
     from resformer_jax.storage import files_under
     from resformer_jax.metrics import read_jsonl
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     scheme, env = cloud
     wd = f"{scheme}://{BUCKET}/exp/run"
     root = epath.Path(wd)
@@ -222,7 +222,7 @@ def test_metrics_log_on_object_storage_keeps_every_line_in_segments(cloud, monke
 @pytest.mark.parametrize("cloud", ["gs"], indirect=True)
 def test_cloud_outputs_of_analyze_compare_export_and_prepare(cloud, corpus, tmp_path, capsys):
     from etils import epath
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     scheme, env = cloud
     wd = f"gs://{BUCKET}/exp/short"
     assert run(_cfg(corpus, steps=6), wd) == 0
@@ -252,7 +252,7 @@ def test_cloud_outputs_of_analyze_compare_export_and_prepare(cloud, corpus, tmp_
 
 
 def test_missing_cloud_package_is_one_message_naming_the_extra(tmp_path, monkeypatch, capsys):
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     assert run(tiny_config("resformer"), "gs://bucket/run") == 2
     err = capsys.readouterr().err

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from resformer_jax.config import paper_config, tiny_config, validate
-from resformer_jax.main import summary
+from resformer_jax.perf import summary
 from resformer_jax.model import Transformer
 from resformer_jax.model.decode import FrozenModelConfig, _step, init_cache, kv_bytes, sample_logits
 
@@ -85,7 +85,7 @@ def test_sampling_limits():
 
 def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     from data_prep.prepare import prepare
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     line = "the cat sat on the mat and the dog ate the bone. "
     raw = tmp_path / "raw" / "train"
     raw.mkdir(parents=True)

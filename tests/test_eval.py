@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from resformer_jax.analysis import measures
-from resformer_jax.compare import relative_curves
+from resformer_jax.analysis.runs import relative_curves
 from resformer_jax.eval.zero_shot import TASKS, read_task, score_items, to_items
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +100,7 @@ def test_relative_curve_of_run_against_itself_is_zero():
 def test_three_commands_end_to_end(tmp_path, shared_data):
     from data_prep.prepare import prepare
     from resformer_jax.config import tiny_config
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     prepare([str(shared_data / "slimpajama_sample")], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
     data = str(tmp_path / "data")
     runs = {}

@@ -194,7 +194,7 @@ def test_exported_model_loads_in_transformers(tmp_path):
 
 def test_export_command_on_a_run(tmp_path):
     from resformer_jax.config import tiny_config
-    from resformer_jax.train.loop import run
+    from resformer_jax.commands.training import run
     c = tiny_config("svformer")
     c.train.steps, c.mesh.num_devices = 3, 1
     assert run(c, str(tmp_path / "run")) == 0

@@ -7,7 +7,7 @@ import pytest
 from resformer_jax import kernels
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
-from resformer_jax.train.loop import run
+from resformer_jax.commands.training import run
 
 SHAPES = [(T, H, K, 64) for T in (1, 7, 128, 300) for H, K in ((4, 4), (8, 2), (8, 1))]
 SHAPES += [(7, 8, 2, 128), (300, 8, 1, 128), (128, 4, 4, 128)]

@@ -11,7 +11,7 @@ import pytest
 
 import reference as ref
 from resformer_jax.config import ConfigError, base_config, paper_config, tiny_config, validate
-from resformer_jax.main import summary
+from resformer_jax.perf import summary
 from resformer_jax.model import Transformer
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]

@@ -55,7 +55,7 @@ def test_fig3_measure_equals_one_where_eq3_is_exact_and_not_for_identity():
 
 def test_sequence_length_presets_make_2m_tokens_a_step_and_fit_their_hardware():
     from resformer_jax.config import TABLE3, seq_len_config, validate
-    from resformer_jax.main import summary
+    from resformer_jax.perf import summary
     for T in TABLE3:
         s = summary(validate(seq_len_config("82m", "svformer", T)))
         assert abs(s["tokens_per_step"] - 2**21) < T and s["seq_len"] == T

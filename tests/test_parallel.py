@@ -9,7 +9,8 @@ import pytest
 
 from resformer_jax.config import tiny_config
 from resformer_jax.parallel.mesh import MeshError, make_mesh
-from resformer_jax.train.loop import Trainer, run
+from resformer_jax.commands.training import run
+from resformer_jax.train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

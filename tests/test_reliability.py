@@ -7,7 +7,7 @@ import sys
 
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
-from resformer_jax.train.loop import run
+from resformer_jax.commands.training import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -150,7 +150,7 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
     it matches a baseline with k_n k_d^(0.05/0.07) times its parameters, and at equal size one trained on
     k_d k_n^(0.07/0.05) times its tokens."""
     from resformer_jax.config import tiny_config
-    from resformer_jax.metrics import model_flops
+    from resformer_jax.perf import model_flops
     for variant, k_n, k_d in (("none", 1.0, 1.0), ("resformer", 1.25, 1.1)):
         for d in (32, 64, 128):
             c = tiny_config(variant)

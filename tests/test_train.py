@@ -11,7 +11,7 @@ import pytest
 
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
-from resformer_jax.train.loop import run
+from resformer_jax.commands.training import run
 from resformer_jax.train.optimizer import lr_schedule, make_optimizer
 from resformer_jax.train.step import init_state, make_train_step
 

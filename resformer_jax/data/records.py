@@ -12,9 +12,10 @@ import os
 
 import grain
 import numpy as np
+from resformer_jax.errors import UserError
 
 
-class DataError(Exception):
+class DataError(UserError):
     """Bad data or data config; the message names the cause and the fix."""
 
 
@@ -119,14 +120,14 @@ class Corpus:
     def tokenizer_sha256(self) -> str:
         return self.meta["tokenizer"]["sha256"]
 
-    def copy_tokenizer(self, workdir: str):
-        """Puts the corpus's tokenizer in the run directory as tokenizer.json (for generate and evaluate)."""
+    def copy_tokenizer(self, dest):
+        """Copies the corpus's tokenizer to `dest` (the run's tokenizer.json, for generate and evaluate)."""
         from etils import epath
         src = os.path.join(self.path, self.meta["tokenizer"]["file"])
         if os.path.isfile(src):
-            root = epath.Path(workdir)
-            root.mkdir(parents=True, exist_ok=True)
-            epath.Path(src).copy(root / "tokenizer.json", overwrite=True)
+            dest = epath.Path(dest)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            epath.Path(src).copy(dest, overwrite=True)
 
     def check_tokenizer(self, run_sha256: str):
         """A resumed run must read data tokenized the way it started."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import numpy as np
 
@@ -92,16 +91,6 @@ def tfds_domain_source(corpus_path: str, split: str, domain: str):
     return TfdsDomainSource(corpus_path, split, domain)
 
 
-def main(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m resformer_jax.data.tfds_source")
-    p.add_argument("--data", required=True, help="a folder written by data_prep.prepare")
-    a = p.parse_args(argv)
-    # Import by name: tfds resolves a builder's files through its module, which must not be __main__.
-    from resformer_jax.data import tfds_source
-    print(tfds_source.build(a.data))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the old command path; the command is resformer_jax/commands/tfds_build.py
+    from resformer_jax.commands.tfds_build import __doc__, cli_main  # noqa: F401 - usage for --help
+    cli_main()

@@ -9,10 +9,8 @@ configs/lm_eval_tasks/ holds them written for ../shared/data/eval_samples (paths
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 
 METRICS = """metric_list:
   - metric: acc
@@ -61,15 +59,6 @@ def write_tasks(task_data: str, out: str, tasks=tuple(PROMPTS)) -> list[str]:
     return written
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m resformer_jax.eval.lm_eval_tasks")
-    p.add_argument("--task_data", required=True, help="folder with {task}.jsonl files (Hugging Face field names)")
-    p.add_argument("--out", required=True, help="folder for the task YAMLs (give it to --include_path)")
-    a = p.parse_args(argv)
-    for path in write_tasks(a.task_data, a.out):
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the old command path; the command is resformer_jax/commands/lm_eval_tasks.py
+    from resformer_jax.commands.lm_eval_tasks import __doc__, cli_main  # noqa: F401 - usage for --help
+    cli_main()

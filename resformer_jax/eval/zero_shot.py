@@ -19,11 +19,12 @@ import os
 import re
 
 import numpy as np
+from resformer_jax.errors import UserError
 
 TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 
 
-class TaskError(Exception):
+class TaskError(UserError):
     pass
 
 
@@ -149,8 +150,8 @@ def model_logprobs(cfg, params):
 
 
 def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
-    from resformer_jax.storage import run_tokenizer
-    tok = run_tokenizer(workdir)
+    from resformer_jax.rundir import RunDir
+    tok = RunDir(workdir).tokenizer()
     if tok is None:
         raise FileNotFoundError(f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer")
     _, logprobs = model_logprobs(cfg, params)

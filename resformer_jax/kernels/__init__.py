@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from resformer_jax.kernels.names import IMPLS
+from resformer_jax.errors import UserError
 
 
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(UserError, RuntimeError):
     """A named attention impl cannot run here; the message says why."""
 
 

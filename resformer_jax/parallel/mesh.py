@@ -8,11 +8,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from resformer_jax.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh or sharding that cannot work; the message names the field and the fix."""
 
 

@@ -1,8 +1,9 @@
-"""The training loop: wires config, mesh, data, model, optimizer, checkpoints and logs."""
+"""The training loop: the one state builder (train/setup.py) plus what only training needs: data,
+checkpoints, logs, evaluation and the loop itself. The command (commands/main.py) makes the RunDir and
+turns errors into one line."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -11,39 +12,23 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from resformer_jax import metrics, storage
-from resformer_jax.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, config_diff, params_layout
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, validate, with_defaults
+from resformer_jax import metrics, perf
+from resformer_jax.checkpoint import CheckpointError, config_diff, params_layout
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import open_corpus
+from resformer_jax.errors import UserError
 from resformer_jax.model.lambdas import read_lambdas
-from resformer_jax.parallel.mesh import check_divisibility, make_mesh, maybe_initialize_distributed
+from resformer_jax.parallel.mesh import maybe_initialize_distributed
+from resformer_jax.rundir import RunDir
 from resformer_jax.train.optimizer import lr_schedule
-from resformer_jax.train.setup import build, memory_precheck, resolve_dtype
+from resformer_jax.train.setup import build, memory_precheck
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or a gradient became non-finite; the message names the step and the fix."""
-
-
-def run(cfg, workdir: str, **dist) -> int:
-    """Trains; returns the process exit code. User errors print one message, never a traceback."""
-    from resformer_jax.cli import divert_library_errors, report_user_error, user_errors
-    library_errors = divert_library_errors(workdir)
-    try:
-        storage.check_supported(workdir)  # before anything else: a missing gcsfs/s3fs names its extra
-        return Trainer(cfg, workdir, **dist).train()
-    except user_errors() + (OSError,) as e:  # OSError: a read-only or full disk, a missing folder
-        code = report_user_error(e)
-        if library_errors.path:
-            print(f"(the libraries' own error reports are in {library_errors.path})", file=sys.stderr, flush=True)
-        if isinstance(e, CheckpointWriteError):
-            # Orbax's writer threads are still failing; leave without waiting on them (they would print
-            # tracebacks at interpreter shutdown). What was saved before stays intact.
-            sys.stderr.flush()
-            sys.stdout.flush()
-            os._exit(code)
-        return code
+class NonFiniteError(UserError, RuntimeError):
+    """The loss or a gradient became non-finite; the message names the step and the fix. Exit code 3: the run
+    itself diverged (its input may be fine)."""
+    exit_code = 3
 
 
 def _get(d: dict, dotted: str):
@@ -53,16 +38,14 @@ def _get(d: dict, dotted: str):
 
 
 class Trainer:
-    def __init__(self, cfg, workdir: str, coordinator_address=None, num_processes=None, process_id=None):
+    def __init__(self, cfg, run: RunDir | str, coordinator_address=None, num_processes=None, process_id=None):
         maybe_initialize_distributed(coordinator_address, num_processes, process_id)
-        self.cfg = validate(cfg)
-        self.workdir = workdir
+        self.run = RunDir(run)
+        self.workdir = self.run.workdir
         self.is_main = jax.process_index() == 0
         self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
         self.say = self.progress.message
-        resolve_dtype(cfg, log=self.say)
-        self.mesh = make_mesh(cfg.mesh)
-        check_divisibility(cfg, self.mesh)
+        self.cfg = cfg
         self.preempt = False
 
     # ------------------------------------------------------------------ setup
@@ -75,7 +58,7 @@ class Trainer:
                                          jax.process_count())
 
     def _state(self):
-        self.ckpt = Checkpointer(self.workdir, self.cfg.checkpoint)
+        self.ckpt = self.run.checkpointer(self.cfg.checkpoint)
         # Check the run's config before touching its state: a shape change is the user's
         # mistake, not a damaged checkpoint, and must not set good checkpoints aside.
         for step in reversed(self.ckpt.all_steps()):
@@ -208,107 +191,126 @@ class Trainer:
             self._restore_signals()
 
     def _train(self) -> int:
+        self._start()
+        end = self._end_step()
+        step, exit_code = self.start_step, 0
+        pending = []  # step metrics, pulled to the host only at log intervals (after the next dispatch)
+        while step < end:
+            batch = self._global(next(self.iter))
+            self.state, m = self.compiled(self.state, batch)
+            step += 1
+            pending.append(m)
+            if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
+                self._log(step, pending)
+                pending = []
+            if self.eval_sets and (step % self.cfg.train.eval_every == 0 or step == self.cfg.train.steps):
+                self._log_evaluation(step)
+            if self._should_stop(step):
+                self._save(step)
+                self.ckpt.wait()
+                self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
+                break
+            if step % self.cfg.checkpoint.every_steps == 0 and step < end:
+                self._save(step)
+        else:
+            if step > self.start_step and step not in self.ckpt.all_steps():
+                self._save(step)
+        self._finish(step)
+        return exit_code
+
+    # ------------------------------------------------------------------ the loop's named steps
+    def _start(self):
+        """Data, the state (resumed or new), the run's files, the compiled step, the first evaluation."""
         cfg = self.cfg
+        # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
+        self.setup = build(cfg, log=self.say)
+        self.mesh, self.state_sh = self.setup.mesh, self.setup.state_sh
         self._data()
-        self.setup = build(cfg, mesh=self.mesh, log=self.say)
-        self.state_sh = self.setup.state_sh
         self._state()
         if self.is_main and self.corpus is not None:
-            self.corpus.copy_tokenizer(self.workdir)
+            self.corpus.copy_tokenizer(self.run.tokenizer_json)
         if self.corpus is not None:
             cfg.data.tokenizer_hash = self.corpus.tokenizer_sha256
-        root = storage.run_path(self.workdir)
         if self.is_main:
-            root.mkdir(parents=True, exist_ok=True)
+            self.run.path.mkdir(parents=True, exist_ok=True)
             # The run's resolved config, readable without the checkpoint library (compare groups runs by it).
-            storage.write_text_atomic(root / "config.json", cfg.to_json_best_effort(indent=1))
-        writer = metrics.Writer(os.fspath(root / "tb"), enabled=self.is_main, jsonl=root / "metrics.jsonl")
+            self.run.write_config(cfg.to_json_best_effort(indent=1))
+        self.writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl)
         if self.setup.attention.probed:
-            writer.text("attention_impl", f"auto chose **{self.setup.attention.impl}**; rejected: "
-                        f"{json.dumps(self.setup.attention.rejected)}")
+            self.writer.text("attention_impl", f"auto chose **{self.setup.attention.impl}**; rejected: "
+                             f"{json.dumps(self.setup.attention.rejected)}")
         self._compile()
-        flops = metrics.model_flops(cfg.model, cfg.data.seq_len)
-        peak, peak_src = metrics.device_peak_flops(cfg.model.dtype)
-        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
-        self.say(f"model: {flops.params_total:,} params ({flops.params_non_embedding:,} non-embedding), "
-                 f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} devices, mesh "
-                 f"{dict(self.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
-        self.say(f"logs: tensorboard --logdir {storage.run_path(self.workdir)}")
-
-        schedule = lr_schedule(cfg.train)
+        self.flops = perf.model_flops(cfg.model, cfg.data.seq_len)
+        self.peak, peak_src = perf.device_peak_flops(cfg.model.dtype)
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.schedule = lr_schedule(cfg.train)
+        self.writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
+        self.say(f"model: {self.flops.params_total:,} params ({self.flops.params_non_embedding:,} non-embedding), "
+                 f"{cfg.model.value_residual}; {self.flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "
+                 f"devices, mesh {dict(self.mesh.shape)}; peak {self.peak / 1e12:.3f} TFLOP/s ({peak_src})")
+        self.say(f"logs: tensorboard --logdir {self.run.path}")
         self.elapsed = getattr(self, "restored_progress", {}).get("elapsed_s", 0.0)
-        self.t_start = time.perf_counter()
-        first_eval = None
+        self.t_start = self.t_last = time.perf_counter()
+        self.last_logged = self.start_step
+        self.first_eval = self.last_eval = None
         if self.start_step == 0 and self.eval_sets:
-            first_eval = self._evaluate(0)
-            writer.scalars(0, first_eval)
-            self.say(f"step {0:>7}  validation loss {first_eval['eval/loss']:.4f}")
-        pending, t_last, last_logged = [], time.perf_counter(), self.start_step
-        step = self.start_step
-        exit_code = 0
-        last_eval = first_eval
+            self.first_eval = self.last_eval = self._evaluate(0)
+            self.writer.scalars(0, self.first_eval)
+            self.say(f"step {0:>7}  validation loss {self.first_eval['eval/loss']:.4f}")
+
+    def _end_step(self) -> int:
+        """Where this invocation stops: train.steps, or train.stop_at before it (0 steps when preempted during
+        start-up or already there, saying so)."""
+        cfg = self.cfg
         end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
         if self.start_step >= end:
             which = (f"config.train.stop_at={cfg.train.stop_at}" if cfg.train.stop_at and end < cfg.train.steps
                      else f"config.train.steps={cfg.train.steps}")
             self.say(f"nothing to do: the run in {self.workdir} is at step {self.start_step}, and {which}; raise "
                      "--config.train.steps to train further")
-        if self.preempt and step < end:
+        if self.preempt and self.start_step < end:
             self.say("stopped during start-up (SIGTERM/SIGINT) before any step; nothing new to save. "
                      "Rerun the same command to continue")
-            end = step
-        while step < end:
-            batch = self._global(next(self.iter))
-            self.state, m = self.compiled(self.state, batch)
-            step += 1
-            pending.append(m)  # pulled to the host only at log intervals, after the next dispatch
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                host = jax.device_get(pending)
-                pending = []
-                now = time.perf_counter()
-                n = step - last_logged
-                step_time = (now - t_last) / max(n, 1)
-                t_last, last_logged = now, step
-                losses = [h["loss"] for h in host]
-                bad = sum(int(h["nonfinite"]) for h in host)
-                if bad and not cfg.train.skip_nonfinite_steps:
-                    raise self._nonfinite(int(jax.device_get(self.state.first_nonfinite_step)))
-                finite = [x for x in losses if np.isfinite(x)]
-                loss = float(np.mean(finite)) if finite else float("nan")
-                tps = tokens_per_step / step_time
-                vals = {"train/loss": loss, "train/learning_rate": float(schedule(step - 1)),
-                        "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
-                        "perf/tokens_per_s": tps, "perf/step_time_s": step_time,
-                        **{f"perf/{k}": v for k, v in metrics.mfu(flops, tps, peak).items()},
-                        "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count))}
-                vals.update(self._lambdas())
-                writer.scalars(step, vals)
-                self.progress.update(step, loss, tps, step_time,
-                                     f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
-                                     if np.isfinite(peak) else "")
-            if self.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                last_eval = self._evaluate(step)
-                writer.scalars(step, last_eval)
-                self.say(f"step {step:>7}  validation loss {last_eval['eval/loss']:.4f}  " + "  ".join(
-                    f"{k.split('/')[1]} {v:.3f}" for k, v in last_eval.items() if k.count("/") == 2))
-            if self._should_stop(step):
-                self._save(step)
-                self.ckpt.wait()
-                self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
-                exit_code = 0
-                break
-            if step % cfg.checkpoint.every_steps == 0 and step < end:
-                self._save(step)
-        else:
-            if step > self.start_step and step not in self.ckpt.all_steps():
-                self._save(step)
+            end = self.start_step
+        return end
+
+    def _log(self, step: int, pending: list):
+        """The steps since the last log, averaged: loss, learning rate, grad norm, throughput, MFU, lambdas."""
+        cfg = self.cfg
+        host = jax.device_get(pending)
+        now = time.perf_counter()
+        step_time = (now - self.t_last) / max(step - self.last_logged, 1)
+        self.t_last, self.last_logged = now, step
+        losses = [h["loss"] for h in host]
+        bad = sum(int(h["nonfinite"]) for h in host)
+        if bad and not cfg.train.skip_nonfinite_steps:
+            raise self._nonfinite(int(jax.device_get(self.state.first_nonfinite_step)))
+        finite = [x for x in losses if np.isfinite(x)]
+        loss = float(np.mean(finite)) if finite else float("nan")
+        tps = self.tokens_per_step / step_time
+        vals = {"train/loss": loss, "train/learning_rate": float(self.schedule(step - 1)),
+                "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
+                "perf/tokens_per_s": tps, "perf/step_time_s": step_time,
+                **{f"perf/{k}": v for k, v in perf.mfu(self.flops, tps, self.peak).items()},
+                "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count))}
+        vals.update(self._lambdas())
+        self.writer.scalars(step, vals)
+        self.progress.update(step, loss, tps, step_time,
+                             f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
+                             if np.isfinite(self.peak) else "")
+
+    def _log_evaluation(self, step: int):
+        self.last_eval = self._evaluate(step)
+        self.writer.scalars(step, self.last_eval)
+        self.say(f"step {step:>7}  validation loss {self.last_eval['eval/loss']:.4f}  " + "  ".join(
+            f"{k.split('/')[1]} {v:.3f}" for k, v in self.last_eval.items() if k.count("/") == 2))
+
+    def _finish(self, step: int):
         self.ckpt.close()
-        writer.flush()
-        writer.close()
-        if self.is_main and first_eval and last_eval and step == cfg.train.steps:
-            self.say(f"done: validation loss {first_eval['eval/loss']:.4f} -> {last_eval['eval/loss']:.4f}. "
-                     f"TensorBoard: tensorboard --logdir {storage.run_path(self.workdir)}")
-        elif self.is_main and step == cfg.train.steps:
-            self.say(f"done. TensorBoard: tensorboard --logdir {storage.run_path(self.workdir)}")
-        return exit_code
+        self.writer.flush()
+        self.writer.close()
+        if self.is_main and self.first_eval and self.last_eval and step == self.cfg.train.steps:
+            self.say(f"done: validation loss {self.first_eval['eval/loss']:.4f} -> {self.last_eval['eval/loss']:.4f}. "
+                     f"TensorBoard: tensorboard --logdir {self.run.path}")
+        elif self.is_main and step == self.cfg.train.steps:
+            self.say(f"done. TensorBoard: tensorboard --logdir {self.run.path}")

@@ -20,16 +20,18 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resformer_jax import kernels, metrics, storage
-from resformer_jax.checkpoint import Checkpointer, CheckpointError
+from resformer_jax import kernels, perf
+from resformer_jax.checkpoint import CheckpointError
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
 from resformer_jax.model import Transformer
 from resformer_jax.parallel.mesh import batch_sharding, check_divisibility, logical_shardings, make_mesh, replicated
+from resformer_jax.rundir import RunDir
 from resformer_jax.train.optimizer import make_optimizer
 from resformer_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
+from resformer_jax.errors import UserError
 
 
-class MemoryPrecheckError(RuntimeError):
+class MemoryPrecheckError(UserError, RuntimeError):
     """The compiled step needs more memory per device than there is; the message says what to change."""
 
 
@@ -73,7 +75,7 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print) -> str:
         choice, why = "bfloat16", f"{jax.devices()[0].platform} computes in bf16 natively"
     else:
         per_device = (cfg.train.microbatch or cfg.train.global_batch) // max(1, jax.device_count())
-        choice, why = metrics.faster_cpu_dtype(cfg.model, max(1, per_device) * cfg.data.seq_len)
+        choice, why = perf.faster_cpu_dtype(cfg.model, max(1, per_device) * cfg.data.seq_len)
     log(f"model.dtype=auto chose {choice}: {why}")
     cfg.model.dtype = choice
     return choice
@@ -121,7 +123,7 @@ class TrainSetup:
         t0 = time.perf_counter()
         batch = jax.ShapeDtypeStruct(self.global_batch_shape, jnp.int32, sharding=self.batch_sh)
         compiled = self.train_step.lower(self.abstract_state, batch).compile()
-        return compiled, time.perf_counter() - t0, metrics.step_memory(compiled)
+        return compiled, time.perf_counter() - t0, perf.step_memory(compiled)
 
 
 def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Callable[[str], Any] = print) -> TrainSetup:
@@ -151,7 +153,7 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step)
 
 
-def memory_precheck(mem: metrics.StepMemory | None, mesh_cfg) -> tuple[str, float | None]:
+def memory_precheck(mem: perf.StepMemory | None, mesh_cfg) -> tuple[str, float | None]:
     """(a line describing the step's memory per device, the limit) ; raises where it cannot fit."""
     if mem is None:
         return "per-device memory: not reported by this backend", None
@@ -189,13 +191,12 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
              log: Callable[[str], Any] = lambda s: None) -> LoadedRun:
     """A run's checkpoint (newest, or `step`) on the default device, for inference and analysis.
     `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here."""
-    root = storage.run_path(workdir)
-    if not (root / "checkpoints").is_dir():
-        what = "has no checkpoints/ folder" if root.is_dir() else "does not exist"
+    run = RunDir(workdir)
+    if not run.checkpoints.is_dir():
+        what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
         raise CheckpointError(f"run directory {workdir} {what}; check --workdir (train first with "
                               f"python -m resformer_jax.main --workdir={workdir})")
-    ck = Checkpointer(workdir, ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False}),
-                      create=False)
+    ck = run.checkpointer(read_only=True)
     try:
         steps = ck.all_steps()
         if not steps:

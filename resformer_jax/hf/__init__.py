@@ -251,6 +251,6 @@ def export_params(m, params: dict, out: str, dtype: str = "float32", tokenizer_m
         json.dump(gen, f, indent=1)
     if m.value_residual != "none":
         import shutil
-        shutil.copyfile(os.path.join(os.path.dirname(__file__), "hf_modeling_resformer.py"),
+        shutil.copyfile(os.path.join(os.path.dirname(__file__), "modeling_resformer.py"),
                         os.path.join(out, "modeling_resformer.py"))
     return cfg

@@ -1,16 +1,19 @@
 """What every command does first and last: XLA defaults before JAX starts, quiet library logs,
-and a user's mistake turned into one line on stderr and an exit code, never a traceback.
+and a user's mistake (any `UserError`, or a file the system refuses) turned into one line on stderr
+and an exit code, never a traceback.
 
-  from resformer_jax import cli
+  from resformer_jax.commands import common
   def main(argv):
-      cli.start()
-      with cli.exit_on_user_error():
+      common.start()
+      with common.exit_on_user_error():
           ...
 """
 from __future__ import annotations
 
 import contextlib
 import sys
+
+from resformer_jax.errors import UserError
 
 
 def start():
@@ -22,35 +25,15 @@ def start():
     absl_logging.set_verbosity(absl_logging.WARNING)
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Every exception class that means 'the user must change something' (each message says what)."""
-    from resformer_jax.checkpoint import CheckpointError
-    from resformer_jax.config import ConfigError
-    from resformer_jax.data.records import DataError
-    from resformer_jax.eval.zero_shot import TaskError
-    from resformer_jax.kernels import KernelUnavailable
-    from resformer_jax.parallel.mesh import MeshError
-    from resformer_jax.storage import StorageError
-    from resformer_jax.train.loop import NonFiniteError
-    from resformer_jax.train.setup import MemoryPrecheckError
-    return (ConfigError, DataError, MeshError, CheckpointError, MemoryPrecheckError, NonFiniteError,
-            KernelUnavailable, TaskError, StorageError)
-
-
-def exit_code(e: BaseException) -> int:
-    """2 for a mistake in the input or config; 3 for a non-finite loss (the run itself diverged)."""
-    from resformer_jax.train.loop import NonFiniteError
-    return 3 if isinstance(e, NonFiniteError) else 2
-
-
 def report_user_error(e: BaseException) -> int:
+    """One line on stderr for a UserError (its message) or an OSError (the path and what to check); the exit code."""
     if isinstance(e, OSError):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         print(f"error: {e.strerror or e}{where}; check the path, its permissions and the free space "
               "(a read-only or full disk, or a missing folder)", file=sys.stderr, flush=True)
         return 2
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return exit_code(e)
+    return getattr(e, "exit_code", 2)
 
 
 @contextlib.contextmanager
@@ -59,11 +42,11 @@ def exit_on_user_error():
     with its code."""
     try:
         yield
-    except user_errors() + (OSError,) as e:
+    except (UserError, OSError) as e:
         sys.exit(report_user_error(e))
 
 
-class ConfigFlagError(ValueError):
+class ConfigFlagError(UserError, ValueError):
     """A --config file or --config.field flag that cannot work; the message says what to change."""
 
 
@@ -159,12 +142,17 @@ class _LibraryErrorFile:
         import tempfile
         from etils import epath
         from resformer_jax import storage
+        from resformer_jax.rundir import RunDir
         self._epath, self._is_remote = epath.Path, storage.is_remote  # bound now: writes may come at shutdown
         self.candidates = [os.path.join(tempfile.gettempdir(), f"resformer_jax_library_errors_{os.getpid()}.log")]
-        if not storage.is_remote(workdir):
-            self.candidates.insert(0, os.path.join(workdir, "library_errors.log"))
-        else:
-            self.candidates.insert(0, f"{workdir.rstrip('/')}/library_errors-{os.getpid()}.log")
+        try:
+            log = RunDir(workdir).library_errors_log
+        except UserError:  # an unusable path: the command reports it; errors go to the temp file meanwhile
+            log = None
+        if log is not None and not storage.is_remote(workdir):
+            self.candidates.insert(0, os.fspath(log))
+        elif log is not None:  # object storage cannot append: a file per process
+            self.candidates.insert(0, f"{os.fspath(log.parent).rstrip('/')}/{log.stem}-{os.getpid()}{log.suffix}")
         self.path = None
         self.text = ""
 

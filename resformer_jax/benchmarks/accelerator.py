@@ -17,16 +17,18 @@ its speed numbers there say nothing about an accelerator.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resformer_jax import kernels, metrics
+from resformer_jax import kernels, perf
+from resformer_jax.benchmarks.attention import time_attention
+from resformer_jax.benchmarks.decode import bench_decode
+from resformer_jax.benchmarks.train import TrainBench
 from resformer_jax.config import paper_config, tiny_config
+from resformer_jax.train.setup import AttentionChoice
 
 GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
 INTERPRETABLE = ("pallas", "splash")  # Pallas kernels that run (slowly) in interpret mode elsewhere
@@ -79,73 +81,35 @@ def correctness(impl: str, shape, dtype) -> dict:
 
 
 def speed(impl: str, shape, dtype, peak: float, repeats: int = 5) -> dict:
-    B, T, H, K, D = shape
-    ks = jax.random.split(jax.random.PRNGKey(1), 3)
-    q = jax.random.normal(ks[0], (B, T, H, D), dtype)
-    k, v = jax.random.normal(ks[1], (B, T, K, D), dtype), jax.random.normal(ks[2], (B, T, K, D), dtype)
-    f = attention_fn(impl)
-    fwd = jax.jit(f)
-    bwd = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-    flops = 2 * 2 * B * H * T * T * D / 2  # causal forward: QK^T and AV over half the matrix
-    out = {}
-    for name, fn, fl in (("fwd", fwd, flops), ("fwd_bwd", bwd, 3.5 * flops)):
-        jax.block_until_ready(fn(q, k, v))
-        ts = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v))
-            ts.append(time.perf_counter() - t)
-        s = statistics.median(ts)
-        out[name] = {"ms": round(1e3 * s, 3), "tflops": round(fl / s / 1e12, 3), "fraction_of_peak": fl / s / peak}
-    return out
+    out = time_attention(attention_fn(impl), shape, dtype, peak, repeats=repeats, seed=1)
+    return {name: {**r, "tflops": round(r["tflops"], 3)} for name, r in out.items()}
 
 
 def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
-    from resformer_jax.train.setup import AttentionChoice, build
-    setup = build(cfg, attention=AttentionChoice(impl, {}, False), log=lambda s: None)
-    compiled, compile_s, mem = setup.compile()
-    state = setup.init_state(seed=0)
-    tokens = jax.device_put(np.random.default_rng(0).integers(0, cfg.model.vocab_size, setup.global_batch_shape,
-                                                              dtype=np.int32), setup.batch_sh)
-    state, m = compiled(state, tokens)  # warm-up
-    jax.block_until_ready(m)
-    times = []
+    """One impl's train step, built as training builds it (benchmarks/train.py's TrainBench)."""
+    bench = TrainBench(cfg, AttentionChoice(impl, {}, False), log=lambda s: None)
+    bench.warm_up(1)
     for _ in range(steps):
-        t = time.perf_counter()
-        state, m = compiled(state, tokens)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
-    tps = cfg.train.global_batch * cfg.data.seq_len / step_s
-    flops = metrics.model_flops(cfg.model, cfg.data.seq_len)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    measured = stats.get("peak_bytes_in_use")
-    return {"impl": impl, "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
-            "tokens_per_s": round(tps, 1), **{k: round(v, 4) for k, v in metrics.mfu(flops, tps, peak).items()},
-            "loss": float(m["loss"]), "xla_memory_estimate_bytes": mem.total if mem else None,
+        bench.timed_step()
+    r = bench.report(peak, "")
+    measured = r["peak_memory_bytes"] if r["peak_memory_source"].startswith("device") else None
+    return {"impl": impl, "compile_s": round(r["compile_s"], 2), "step_s": round(r["median_step_s"], 4),
+            "tokens_per_s": r["tokens_per_s"], "mfu_6n": round(r["mfu_6n"], 4), "mfu_model": round(r["mfu_model"], 4),
+            "loss": r["loss"], "xla_memory_estimate_bytes": r["xla_memory_bytes_per_device"],
             "measured_peak_bytes": measured,
             "measured_peak_source": "device peak_bytes_in_use" if measured is not None else "not reported on CPU"}
 
 
 def decode(cfg, variant: str, context: int, new_tokens: int) -> dict:
-    import flax.linen as nn
-    from resformer_jax.model import Transformer
-    from resformer_jax.model.decode import generate
-    m = cfg.model
-    m.value_residual = variant
-    m.max_seq_len = max(m.max_seq_len, context + new_tokens)
-    params = nn.unbox(jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    prompt = np.random.default_rng(0).integers(0, m.vocab_size, (1, context), dtype=np.int32)
-    generate(m, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)  # compile
-    _, st = generate(m, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)
-    return {"variant": variant, "context": context, "new_tokens": new_tokens, "kv_cache_bytes": st["kv_cache_bytes"],
-            "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2)}
+    cfg.model.value_residual = variant
+    r = bench_decode(cfg, context, new_tokens, batch=1)
+    return {k: v for k, v in r.items() if k != "batch"}
 
 
 def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict:
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
-    peak, peak_src = metrics.device_peak_flops()
+    peak, peak_src = perf.device_peak_flops()
     report = {"device_kind": jax.devices()[0].device_kind, "backend": backend, "devices": jax.device_count(),
               "jax": jax.__version__, "peak_flops": peak, "peak_source": peak_src,
               "reduced_shapes": on_cpu}

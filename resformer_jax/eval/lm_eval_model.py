@@ -35,8 +35,8 @@ class ResformerLM(LM):
         from resformer_jax.model import Transformer
         from resformer_jax.train.setup import load_run
         self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
-        from resformer_jax.storage import run_tokenizer
-        self.tok = run_tokenizer(workdir)
+        from resformer_jax.rundir import RunDir
+        self.tok = RunDir(workdir).tokenizer()
         if self.tok is None:
             raise ValueError(f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
                              "synthetic data have none)")

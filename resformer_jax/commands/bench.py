@@ -1,0 +1,177 @@
+"""Benchmarks on whatever device is present. Each prints one JSON object per measurement.
+
+  python -m resformer_jax.bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
+      --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \
+      [--compare=none,resformer,svformer] [--compare_dtypes=float32,bfloat16] [--compile_only]
+  python -m resformer_jax.bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
+  python -m resformer_jax.bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
+      [--compare=none,svformer] [--batch=1]
+  python -m resformer_jax.bench accelerator [--out=report.json]   # first thing to run on new hardware
+  python -m resformer_jax.bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \
+      [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
+
+train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
+two conventions (6N with N the non-embedding parameters, and the model's own FLOP
+count with causal attention) against the device peak (on CPU: matmul throughput measured
+at the compute dtype, the best sample; `mfu_model_vs_median_peak` against the median
+sample; `mfu_model_vs_paired_peak` each step against the sample taken just before it, the
+median over steps), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
+temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU), and
+`step_breakdown`: the step's time by group from a real XLA profile (benchmarks/step_profile.py).
+Each benchmark is a module of resformer_jax/benchmarks/; BENCHMARKS below maps the subcommands to them.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from resformer_jax.commands import common as cli
+
+config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
+flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
+flags.DEFINE_string("compare", None, "Comma-separated value_residual modes to run at the same shapes.")
+flags.DEFINE_string("compare_dtypes", None, "train: comma-separated compute dtypes (e.g. float32,bfloat16) to run "
+                    "at the same shapes, interleaved like --compare (with --compare: every variant in every dtype).")
+flags.DEFINE_bool("compile_only", False, "train: only lower and compile; report compile seconds.")
+flags.DEFINE_integer("profile_steps", 1, "train: steps run under jax.profiler (one per round, in the last rounds), for the "
+                     "step_breakdown (matmuls, attention, LM head + CE, norms/elementwise, optimizer, host); 0: none.")
+flags.DEFINE_string("profile_dir", None, "train: keep the profiler traces here (DIR/<variant>; open with TensorBoard's "
+                    "profile plugin: tensorboard --logdir DIR). Default: a temporary folder, deleted.")
+flags.DEFINE_bool("interleave", True, "train --compare: variants take turns step by step (False: one after "
+                  "another, one state in memory at a time).")
+flags.DEFINE_multi_string("shapes", ["2,1024,8,8,64"], "attention: B,T,H,K,D (repeatable).")
+flags.DEFINE_string("impls", "xla,pallas,reference", "attention: impls to time.")
+flags.DEFINE_string("dtype", "float32", "attention: input dtype.")
+flags.DEFINE_integer("context", 2048, "decode: prompt length.")
+flags.DEFINE_integer("new_tokens", 32, "decode: tokens to generate.")
+flags.DEFINE_integer("batch", 1, "decode: batch size.")
+flags.DEFINE_string("matrix", None, "decode: BATCHES:CONTEXTS, e.g. 1,16:512,2048 -- every combination, the --compare "
+                    "variants interleaved, with bytes read per token and the fraction of measured memory bandwidth.")
+flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
+flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
+flags.DEFINE_float("step_tokens_per_s", 0.0, "data: the train step's tokens/s to compare with (0: time the "
+                   "config's step here, 3 steps).")
+FLAGS = flags.FLAGS
+
+
+def run_train(modes: list[str]) -> list[dict]:
+    from resformer_jax.benchmarks.train import bench_train
+    from resformer_jax.train.setup import resolve_attention, resolve_dtype
+    if not FLAGS.compare_dtypes:
+        # model.dtype=auto: measured once, so every compared variant runs in the same dtype
+        resolve_dtype(FLAGS.config, log=lambda m: print(m, file=sys.stderr))
+    cfgs = _variants(modes, FLAGS.compare_dtypes.split(",") if FLAGS.compare_dtypes else [FLAGS.config.model.dtype])
+    # `auto` is probed once, at the first variant's shapes, and used by every variant.
+    attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
+    return bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention, FLAGS.profile_dir,
+                       FLAGS.profile_steps)
+
+
+def run_decode(modes: list[str]) -> list[dict]:
+    from resformer_jax.benchmarks.decode import bench_decode, bench_decode_matrix
+    cfgs = _variants(modes, [FLAGS.config.model.dtype])
+    if FLAGS.matrix:
+        b_text, _, c_text = FLAGS.matrix.partition(":")
+        try:
+            batches, contexts = [int(x) for x in b_text.split(",")], [int(x) for x in c_text.split(",")]
+        except ValueError:
+            raise cli.ConfigFlagError(f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048") from None
+        for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds):
+            print(json.dumps(r))
+        return []
+    return [bench_decode(c, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for c in cfgs]
+
+
+def run_data(modes: list[str]) -> list[dict]:
+    from resformer_jax.benchmarks.data import bench_data
+    return [bench_data(FLAGS.config, FLAGS.steps, FLAGS.step_tokens_per_s)]
+
+
+def run_attention(modes: list[str]) -> list[dict]:
+    import jax.numpy as jnp
+    from resformer_jax.benchmarks.attention import bench_attention
+    from resformer_jax.kernels.names import IMPLS
+    for spec in FLAGS.shapes:
+        parts = spec.split(",")
+        if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise cli.ConfigFlagError(f"--shapes={spec!r}: expected five positive integers B,T,H,K,D (e.g. 4,2048,16,4,64)")
+        if int(parts[2]) % int(parts[3]):
+            raise cli.ConfigFlagError(f"--shapes={spec!r}: K={parts[3]} kv heads do not divide H={parts[2]} query heads")
+    unknown = [i for i in FLAGS.impls.split(",") if i not in IMPLS]
+    if unknown:
+        raise cli.ConfigFlagError(f"--impls: unknown {unknown}; choose from {', '.join(i for i in IMPLS if i != 'auto')}")
+    return bench_attention(FLAGS.shapes, FLAGS.impls.split(","), jnp.dtype(FLAGS.dtype).type)
+
+
+def run_accelerator(modes: list[str]) -> list[dict]:
+    from resformer_jax.benchmarks import accelerator
+    accelerator.main(FLAGS.out)
+    return []
+
+
+# subcommand -> (runner, needs --config, the result key compared across variants)
+BENCHMARKS = {
+    "train": (run_train, True, "median_step_s"),
+    "attention": (run_attention, False, None),
+    "decode": (run_decode, True, "decode_tokens_per_s"),
+    "data": (run_data, True, None),
+    "accelerator": (run_accelerator, False, None),
+}
+
+
+def _variants(modes: list[str], dtypes: list[str]) -> list:
+    cfgs = []
+    for mode in modes:
+        for dtype in dtypes:
+            cfg = FLAGS.config.copy_and_resolve_references()
+            cfg.model.value_residual, cfg.model.dtype = mode, dtype
+            cfgs.append(cfg)
+    return cfgs
+
+
+def print_ratios(what: str, results: list[dict], key: str):
+    """The variants' ratios to the first one (and, for interleaved train steps, the median per-round ratio)."""
+    # what the ratios are keyed by: the variant, and its dtype where several are compared
+    label = (lambda r: f"{r['variant']}/{r.get('dtype')}") if FLAGS.compare_dtypes else (lambda r: r["variant"])
+    base = results[0]
+    if key not in base:
+        return
+    ratios = {label(r): round(r[key] / base[key], 4) for r in results}
+    extra = {"kv_cache_ratio": {label(r): round(r["kv_cache_bytes"] / base["kv_cache_bytes"], 4)
+                                for r in results}} if what == "decode" else {}
+    if what == "train" and FLAGS.interleave and not FLAGS.compile_only:
+        # Steps of one round ran back to back: the median of per-round ratios cancels host drift.
+        extra["paired_median_step_ratio"] = {label(r): round(statistics.median(
+            a / b for a, b in zip(r["step_s"], base["step_s"])), 4) for r in results}
+    print(json.dumps({"ratio_to_" + label(base): {key: ratios}, **extra}))
+
+
+def main(argv):
+    cli.start()
+    if len(argv) < 2 or argv[1] not in BENCHMARKS:
+        raise app.UsageError(f"usage: python -m resformer_jax.bench {{{','.join(BENCHMARKS)}}} [flags]")
+    what = argv[1]
+    runner, needs_config, key = BENCHMARKS[what]
+    if needs_config and FLAGS.config is None:
+        raise app.UsageError("--config is required")
+    modes = (FLAGS.compare.split(",") if FLAGS.compare else [FLAGS.config.model.value_residual]) if needs_config else []
+    with cli.exit_on_user_error():
+        results = runner(modes)
+    for r in results:
+        print(json.dumps(r))
+    if len(results) > 1 and key:
+        print_ratios(what, results, key)
+
+
+def cli_main():
+    from resformer_jax.commands import common as cli
+    cli.check_config_flags(sys.argv)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,277 @@
+"""Relative training loss against a baseline (the paper's Fig. 5 / Fig. 1 left), for runs or for groups of seeds.
+
+  python -m resformer_jax.compare --baseline RUN_VANILLA RUN_A RUN_B ... [--smooth 100] --out DIR
+  python -m resformer_jax.compare runs/sweep82m --group_by model.value_residual --baseline none [--out DIR]
+  python -m resformer_jax.compare runs/sizes --group_by model.value_residual --baseline none --scaling
+
+Grouped (--group_by FIELD): runs (run directories, or sweep directories holding them) are grouped by
+any config field read from each run's config.json (seeds pooled); each group's mean smoothed training
+loss is plotted relative to the baseline group with a band over seeds, and so is the validation loss
+per domain; a table prints each group's final relative loss, its spread over seeds, and a verdict
+(gap larger than the pooled seed noise or not). --scaling adds, for a sweep over model sizes, the
+validation loss against parameters and against tokens with a power law fitted per group and the
+"needs X% fewer parameters / tokens for the same loss" readout. See analysis/grouping.py.
+
+Each run's training loss is smoothed with a trailing moving window, the
+baseline's is subtracted at the steps both logged, and the result is plotted
+to DIR/relative_train_loss.png and written as TensorBoard scalars
+`relative/train_loss` under DIR/tb/<run name> (so `tensorboard --logdir DIR/tb`
+shows the same curves) and as DIR/relative_train_loss.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+from absl import app, flags
+
+from resformer_jax.analysis.runs import find_runs, read_run, read_train_loss, relative_curves, run_name
+from resformer_jax.commands import common as cli
+from resformer_jax.storage import run_path, save_figure
+
+
+def grouped(a) -> int:
+    from resformer_jax.analysis import grouping
+    runs = [read_run(r) for r in find_runs(a.runs)]
+    try:
+        res = grouping.compare_groups(runs, a.group_by, a.baseline, a.smooth)
+    except (KeyError, ValueError) as e:
+        print(f"error: --group_by {a.group_by}: {e}", file=sys.stderr)
+        return 2
+    out = run_path(a.out) if a.out else run_path(a.runs[0]) / "compare"
+    out.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from resformer_jax.metrics import Writer
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, g in res.items():
+        line, = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
+        ax.fill_between(g.steps, g.low, g.high, color=line.get_color(), alpha=0.2)
+        w = Writer(out / "tb" / name)
+        for i, st in enumerate(g.steps):
+            w.scalars(st, {"relative/train_loss": g.relative[i], "relative/train_loss_low": g.low[i],
+                           "relative/train_loss_high": g.high[i]})
+        w.close()
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train loss - ({a.group_by}={a.baseline})")
+    ax.set_title(f"relative training loss, smoothed over {a.smooth}; band over seeds")
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out / "relative_train_loss.png")
+    plt.close(fig)
+    eval_keys = sorted({k for r in runs for k in r.evals})
+    eval_curves = {k: grouping.relative_eval_curves(runs, a.group_by, a.baseline, k) for k in eval_keys}
+    if eval_keys:
+        fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
+        for ax, key in zip(axes[0], eval_keys):
+            for name, (steps, mean, lo, hi) in eval_curves[key].items():
+                line, = ax.plot(steps, mean, marker="o", label=name)
+                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+                w = Writer(out / "tb" / name)
+                for i, st in enumerate(steps):
+                    w.scalars(st, {f"relative/{key}": mean[i]})
+                w.close()
+            ax.axhline(0.0, color="k", lw=0.8)
+            ax.set_title(f"relative {key}")
+            ax.legend()
+        fig.tight_layout()
+        save_figure(fig, out / "relative_validation_loss.png")
+        plt.close(fig)
+    report = {"group_by": a.group_by, "baseline": a.baseline, "smooth": a.smooth,
+              "groups": {n: dataclasses.asdict(g) for n, g in res.items()},
+              "relative_eval": {k: {n: {"steps": c[0], "relative": c[1], "low": c[2], "high": c[3]}
+                                    for n, c in v.items()} for k, v in eval_curves.items()}}
+    print(f"{a.group_by:>24} {'seeds':>5} {'paired':>6} {'final rel. train loss':>22} {'seed spread':>11} "
+          f"{'seed noise':>10}  verdict")
+    for n, g in res.items():
+        print(f"{n:>24} {len(g.seeds):>5} {str(g.paired):>6} {g.final_relative:>+22.4f} {g.final_spread:>11.4f} "
+              f"{g.seed_noise:>10.4f}  {g.verdict}")
+        for key, v in g.final_eval_relative.items():
+            print(f"{'':>24} {key}: {v:+.4f}")
+    if a.scaling:
+        report["scaling"] = scaling(runs, a.group_by, a.baseline, out)
+    if a.vs:
+        report["critical_points"] = critical_points(runs, a.group_by, a.baseline, a.vs, a.smooth, a.last, out)
+    (out / "grouped_comparison.json").write_text(json.dumps(report, indent=1, default=float))
+    print(f"wrote {out}/relative_train_loss.png, relative_validation_loss.png, grouped_comparison.json and "
+          f"TensorBoard logs under {out}/tb")
+    return 0
+
+
+def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, last: int, out: str) -> dict:
+    """Fig. 11 right: for each value of `vs` (e.g. data.seq_len), each group's relative training loss and the
+    step where the baseline overtakes it (predicted by a line over the last points where it has not yet),
+    then an exponential fit of that step against `vs`."""
+    import matplotlib.pyplot as plt
+    from resformer_jax.analysis import grouping
+    by_value: dict = {}
+    for r in runs:
+        by_value.setdefault(grouping.get_field(r.config, vs), []).append(r)
+    res: dict[str, dict] = {}
+    for value, members in sorted(by_value.items()):
+        try:
+            groups = grouping.compare_groups(members, group_by, baseline, smooth)
+        except ValueError:
+            continue  # no baseline run at this value
+        for name, g in groups.items():
+            if name == baseline:
+                continue
+            step, predicted = grouping.critical_point(g.steps, g.relative, last)
+            res.setdefault(name, {})[str(value)] = {"critical_step": step, "predicted": predicted,
+                                                    "final_relative": g.final_relative}
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, per in res.items():
+        pts = [(float(v), d["critical_step"]) for v, d in per.items() if d["critical_step"]]
+        if len(pts) >= 2:
+            a_, b_ = grouping.fit_exponential(*zip(*pts))
+            per["fit"] = {"a": a_, "b": b_, "form": f"critical_step = a * exp(b * {vs})"}
+            print(f"{name}: critical step = {a_:.4g} * exp({b_:.4g} * {vs})")
+        for v, d in per.items():
+            if v != "fit":
+                print(f"{name} at {vs}={v}: critical step {d['critical_step']}"
+                      + (" (predicted by a line over the last points)" if d["predicted"] else ""))
+        if pts:
+            ax.plot(*zip(*sorted(pts)), "o-", label=name)
+    ax.set_xlabel(vs)
+    ax.set_ylabel(f"step where {baseline} overtakes")
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out / "critical_points.png")
+    plt.close(fig)
+    return res
+
+
+def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
+    """Validation loss against parameters and tokens, a power law per group, and the savings readout."""
+    import matplotlib.pyplot as plt
+    import ml_collections
+    import numpy as np
+    from resformer_jax.analysis import grouping
+    from resformer_jax.perf import model_flops
+    by_group: dict[str, dict[int, list]] = {}
+    for r in runs:
+        key = "eval/loss"
+        if not r.evals.get(key):
+            continue
+        m = ml_collections.ConfigDict(r.config["model"])
+        n = model_flops(m, r.config["data"]["seq_len"]).params_non_embedding
+        by_group.setdefault(str(grouping.get_field(r.config, group_by)), {}).setdefault(n, []).append(r)
+    res = {}
+    fig, (ax_n, ax_d) = plt.subplots(1, 2, figsize=(10, 4))
+    fits_n, fits_d, xs = {}, {}, {}
+    for g, sizes in sorted(by_group.items()):
+        ns = sorted(sizes)
+        losses = [float(np.mean([r.evals["eval/loss"][max(r.evals["eval/loss"])] for r in sizes[n]])) for n in ns]
+        entry = {"params_non_embedding": ns, "final_validation_loss": losses}
+        if len(ns) >= 2:
+            fits_n[g] = grouping.fit_power_law(ns, losses)
+            entry["fit_params"] = {"a": fits_n[g][0], "b": fits_n[g][1], "form": "loss = a * N^-b"}
+        line, = ax_n.loglog(ns, losses, "o", label=g)
+        if g in fits_n:
+            grid = np.geomspace(min(ns), max(ns), 50)
+            ax_n.loglog(grid, fits_n[g][0] * grid ** -fits_n[g][1], color=line.get_color())
+        # tokens: the largest model's validation curve (seeds averaged), tokens = step * batch * seq_len
+        big = sizes[ns[-1]]
+        steps = sorted(set.intersection(*(set(r.evals["eval/loss"]) for r in big)) - {0})
+        tok = [s * big[0].config["train"]["global_batch"] * big[0].config["data"]["seq_len"] for s in steps]
+        curve = [float(np.mean([r.evals["eval/loss"][s] for r in big])) for s in steps]
+        entry.update(tokens=tok, validation_loss_by_tokens=curve)
+        if len(tok) >= 2:
+            fits_d[g] = grouping.fit_power_law(tok, curve)
+            entry["fit_tokens"] = {"a": fits_d[g][0], "b": fits_d[g][1], "form": "loss = a * D^-b"}
+            ax_d.loglog(tok, curve, "o-", label=g)
+        xs[g] = (ns, tok)
+        res[g] = entry
+    for g in res:
+        if g != baseline and g in fits_n and baseline in fits_n:
+            res[g]["fewer_params_for_same_loss"] = grouping.saving(fits_n[g], fits_n[baseline], xs[baseline][0])
+        if g != baseline and g in fits_d and baseline in fits_d:
+            res[g]["fewer_tokens_for_same_loss"] = grouping.saving(fits_d[g], fits_d[baseline], xs[baseline][1])
+        if "fewer_params_for_same_loss" in res[g]:
+            print(f"{g} needs {100 * res[g]['fewer_params_for_same_loss']:.2f}% fewer parameters"
+                  + (f" and {100 * res[g]['fewer_tokens_for_same_loss']:.2f}% fewer tokens"
+                     if "fewer_tokens_for_same_loss" in res[g] else "")
+                  + f" than {baseline} for the same validation loss (fitted power laws)")
+    ax_n.set_xlabel("non-embedding parameters")
+    ax_n.set_ylabel("final validation loss")
+    ax_d.set_xlabel("training tokens (largest model)")
+    for ax in (ax_n, ax_d):
+        ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out / "scaling.png")
+    plt.close(fig)
+    return res
+
+
+flags.DEFINE_string("baseline", None, "The vanilla run; with --group_by, the baseline group's value (e.g. none).")
+flags.DEFINE_string("group_by", None, "A config field (e.g. model.value_residual): compare groups.")
+flags.DEFINE_bool("scaling", False, "With --group_by: loss against parameters and tokens.")
+flags.DEFINE_integer("smooth", 100, "Moving-average window in logged points.")
+flags.DEFINE_string("vs", None, "With --group_by: a field (e.g. data.seq_len) for Fig. 11 right: the step where the "
+                    "baseline overtakes each group, against that field.")
+flags.DEFINE_integer("last", 1000, "--vs: points of the line that predicts a critical point.")
+flags.DEFINE_string("out", None, "Output folder (grouped default: FIRST_PATH/compare).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    cli.start()
+    if FLAGS.baseline is None:
+        raise app.UsageError("--baseline is required: the vanilla run (with --group_by, the baseline group's value)")
+    if len(argv) < 2:
+        raise app.UsageError("give the runs to compare (with --group_by: runs or sweep directories)")
+    a = types.SimpleNamespace(runs=argv[1:], **{k: FLAGS[k].value for k in (
+        "baseline", "group_by", "scaling", "smooth", "vs", "last", "out")})
+    if a.group_by:
+        try:
+            return grouped(a)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if not a.out:
+        raise app.UsageError("--out is required without --group_by")
+    try:
+        base = read_train_loss(a.baseline)
+        runs = {run_name(r): read_train_loss(r) for r in a.runs}
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    curves = relative_curves(base, runs, a.smooth)
+    out = run_path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from resformer_jax.metrics import Writer
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (steps, rel) in curves.items():
+        ax.plot(steps, rel, label=name)
+        w = Writer(out / "tb" / name)
+        for s, v in zip(steps, rel):
+            w.scalars(s, {"relative/train_loss": v})
+        w.close()
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train loss - {run_name(a.baseline)}")
+    ax.set_title(f"relative training loss (smoothed over {a.smooth})")
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out / "relative_train_loss.png")
+    (out / "relative_train_loss.json").write_text(json.dumps({n: {"steps": s, "relative": r}
+                                                              for n, (s, r) in curves.items()}))
+    for name, (steps, rel) in curves.items():
+        print(f"{name}: final relative train loss {rel[-1]:+.4f} at step {steps[-1]}" if rel else f"{name}: no common steps")
+    print(f"wrote {a.out}/relative_train_loss.png and TensorBoard logs under {a.out}/tb")
+    return 0
+
+
+def cli_main():
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,89 @@
+"""Evaluate a checkpoint: per-domain validation loss (paper Table 5) and zero-shot accuracy (Table 1).
+
+  python -m resformer_jax.evaluate --workdir=RUN [--step N] --data=PREPARED_DIR
+  python -m resformer_jax.evaluate --workdir=RUN --tasks=hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa \
+      --task_data=DIR [--limit N]
+
+Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
+"""
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "Run directory.", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
+flags.DEFINE_string("data", None, "Prepared corpus folder for validation loss (default: the run's own data).")
+flags.DEFINE_string("tasks", None, "Comma-separated zero-shot tasks.")
+flags.DEFINE_string("task_data", None, "Folder with the tasks' files (.jsonl/.parquet/.arrow).")
+flags.DEFINE_integer("limit", 0, "Items per task (0: all).")
+flags.DEFINE_integer("batch", 16, "Sequences per forward pass.")
+FLAGS = flags.FLAGS
+
+
+def validation_table(cfg, params, data: str | None, batch: int) -> dict:
+    import jax
+    import numpy as np
+    from resformer_jax.data.pipeline import validation_sets
+    from resformer_jax.train.step import loss_fn
+    if data:
+        cfg.data.path, cfg.data.source = data, "array_record"
+    from resformer_jax.model import Transformer
+    model = Transformer(cfg.model)
+    f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.get("loss_chunk_len", 128)))
+    sets = validation_sets(cfg, batch, 0, all_records=True)
+    table = {dom: float(np.mean([f(params, b) for b in batches])) for dom, batches in sets.items()}
+    table["mean"] = float(np.mean(list(table.values())))
+    return table
+
+
+def main(argv):
+    from resformer_jax.commands import common as cli
+    cli.start()
+    from resformer_jax.eval.zero_shot import TaskError, zero_shot
+    from resformer_jax.metrics import Writer
+    from resformer_jax.rundir import RunDir
+    from resformer_jax.storage import write_json
+    from resformer_jax.train.setup import load_run
+    try:
+        run = RunDir(FLAGS.workdir)
+        cfg, params, step = load_run(run.workdir, FLAGS.step)
+        out_dir = run.eval_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        writer = Writer(run.tensorboard)
+        if FLAGS.tasks:
+            tasks = [t.strip() for t in FLAGS.tasks.split(",") if t.strip()]
+            if not FLAGS.task_data:
+                raise TaskError("--tasks needs --task_data=DIR")
+            res = zero_shot(cfg, params, FLAGS.workdir, tasks, FLAGS.task_data, FLAGS.limit, FLAGS.batch)
+            print(f"zero-shot accuracy at step {step} (Table 1 layout)")
+            print(f"{'task':<15}{'acc':>8}{'acc_norm':>10}{'n':>6}")
+            for t, r in res.items():
+                print(f"{t:<15}{r['acc']:>8.4f}{r['acc_norm']:>10.4f}{r['n']:>6}")
+            avg = sum(r["acc"] for r in res.values()) / len(res)
+            print(f"{'average':<15}{avg:>8.4f}")
+            writer.scalars(step, {f"zero_shot/{t}/{k}": r[k] for t, r in res.items() for k in ("acc", "acc_norm")})
+            path = out_dir / f"zero_shot_step{step}.json"
+            write_json(path, {"step": step, "tasks": res, "average_acc": avg})
+            print(f"wrote {path}")
+        if FLAGS.data or not FLAGS.tasks:
+            table = validation_table(cfg, params, FLAGS.data, FLAGS.batch)
+            print(f"validation loss at step {step} (Table 5 layout)")
+            print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
+            print("  ".join(f"{v:>12.4f}" for v in table.values()))
+            writer.scalars(step, {f"eval_full/{d}/loss": v for d, v in table.items()})
+            path = out_dir / f"validation_step{step}.json"
+            write_json(path, {"step": step, "loss": table})
+            print(f"wrote {path}")
+        writer.close()
+    except cli.user_errors() + (FileNotFoundError,) as e:
+        sys.exit(cli.report_user_error(e))
+
+
+def cli_main():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

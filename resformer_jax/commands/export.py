@@ -1,0 +1,41 @@
+"""Export a run to Hugging Face format.
+
+  python -m resformer_jax.export --workdir=RUN --out=DIR [--step=S] [--dtype=float32|bfloat16]
+
+Writes DIR/config.json, model.safetensors (sharded above 5 GiB, with model.safetensors.index.json),
+generation_config.json and the run's tokenizer (tokenizer.json, tokenizer_config.json). A vanilla run is a
+standard LlamaForCausalLM; ResFormer and SVFormer runs (GQA and learned lambdas included) carry the same
+tensors (SVFormer's layers >= 2 without v_proj) and modeling_resformer.py for trust_remote_code=True.
+Read back with resformer_jax.hf.load_hf_llama (analysis, initialisation).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "Run directory.", required=True)
+flags.DEFINE_string("out", None, "Output folder.", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Tensor dtype in the files.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    from resformer_jax.commands import common as cli
+    cli.start()
+    with cli.exit_on_user_error():
+        from resformer_jax.hf.run_export import export_run
+        r = export_run(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.dtype)
+    print(json.dumps(r))
+    if not r["tokenizer"]:
+        print(f"note: {FLAGS.workdir} has no tokenizer.json (synthetic data); the export has none", file=sys.stderr)
+
+
+def cli_main():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

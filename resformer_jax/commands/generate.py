@@ -1,0 +1,104 @@
+"""Generate text from a checkpoint with a KV cache.
+
+  python -m resformer_jax.generate --workdir=RUN --prompt "def fib(n):" --max_new_tokens 64
+  python -m resformer_jax.generate --workdir=RUN --prompts_file prompts.txt --temperature 0.8 --top_p 0.95
+
+Reports the KV-cache bytes it allocated and decode tokens/s.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "Run directory with checkpoints/ and tokenizer.json.", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
+flags.DEFINE_string("prompt", None, "Prompt text.")
+flags.DEFINE_string("prompts_file", None, "File with one prompt per line.")
+flags.DEFINE_string("prompt_ids", None, "Comma-separated token ids (runs without a tokenizer).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.")
+flags.DEFINE_float("temperature", 0.0, "0: greedy.")
+flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    from resformer_jax.commands import common as cli
+    cli.start()
+    import numpy as np
+    from resformer_jax.model.decode import generate
+    from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
+    from resformer_jax.train.setup import load_run
+    with cli.exit_on_user_error():
+        cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
+    from resformer_jax.rundir import RunDir
+    tok_path = f"{FLAGS.workdir.rstrip('/')}/tokenizer.json"
+    with cli.exit_on_user_error():
+        tok = RunDir(FLAGS.workdir).tokenizer()
+    if FLAGS.prompt_ids:
+        prompts = [[int(x) for x in FLAGS.prompt_ids.split(",")]]
+    else:
+        texts = [FLAGS.prompt] if FLAGS.prompt is not None else []
+        if FLAGS.prompts_file:
+            with open(FLAGS.prompts_file) as f:
+                texts += [ln.rstrip("\n") for ln in f if ln.strip()]
+        if not texts:
+            print("error: give --prompt, --prompts_file or --prompt_ids", file=sys.stderr)
+            sys.exit(2)
+        if tok is None:
+            print(f"error: {tok_path} not found (a run on synthetic data has no tokenizer); use --prompt_ids",
+                  file=sys.stderr)
+            sys.exit(2)
+        prompts = [tok.encode(t, add_special_tokens=False).ids or [0] for t in texts]
+    eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
+    max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
+    if max_len > cfg.model.max_seq_len:
+        print(f"error: prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
+              "lower --max_new_tokens", file=sys.stderr)
+        sys.exit(2)
+    # The cache and parameters are laid out like training's: parameters by the logical-axis rules,
+    # the cache over the batch axes of a mesh of all devices.
+    mesh_cfg = cfg.mesh
+    mesh_cfg.num_devices = 0
+    try:
+        mesh = make_mesh(mesh_cfg)
+    except MeshError:  # a different device count than training: plain data parallelism
+        mesh_cfg.data, mesh_cfg.fsdp = -1, 1
+        mesh = make_mesh(mesh_cfg)
+    from resformer_jax.model.transformer import param_shapes
+    param_sh = logical_shardings(param_shapes(cfg.model, boxed=True), mesh, mesh_cfg)
+    # Prompts of equal length decode together as one batch.
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    results = [None] * len(prompts)
+    for _, idx in sorted(groups.items()):
+        out, stats = generate(cfg.model, params, np.array([prompts[i] for i in idx]),
+                              max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, max_len=max_len, eos_id=eot,
+                              mesh=mesh, param_shardings=param_sh)
+        for row, i in enumerate(idx):
+            new = [int(t) for t in np.asarray(out[row, len(prompts[i]):])]
+            if eot is not None and eot in new:
+                new = new[: new.index(eot)]
+            results[i] = new
+        print(json.dumps({"step": step, "batch": len(idx), "kv_cache_bytes": stats["kv_cache_bytes"],
+                          "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 1)}), file=sys.stderr)
+    for p, new in zip(prompts, results):
+        if tok is not None:
+            print(tok.decode(p) + tok.decode(new))
+        else:
+            print(",".join(str(t) for t in p + new))
+        print("-" * 40)
+
+
+def cli_main():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,29 @@
+"""Writes lm-eval task YAMLs for local copies of the zero-shot sets (give the folder to --include_path).
+
+  python -m resformer_jax.eval.lm_eval_tasks --task_data=DIR --out=configs/lm_eval_tasks
+"""
+from __future__ import annotations
+
+from absl import app, flags
+
+from resformer_jax.commands import common as cli
+
+flags.DEFINE_string("task_data", None, "Folder with {task}.jsonl files (Hugging Face field names).", required=True)
+flags.DEFINE_string("out", None, "Folder for the task YAMLs (give it to --include_path).", required=True)
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    cli.start()
+    from resformer_jax.eval.lm_eval_tasks import write_tasks
+    with cli.exit_on_user_error():
+        for path in write_tasks(FLAGS.task_data, FLAGS.out):
+            print(path)
+
+
+def cli_main():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,55 @@
+"""Train (default), or print a model summary.
+
+  python -m resformer_jax.main                      # the offline demo
+  python -m resformer_jax.main --config=configs/resformer_82m.py --workdir=RUN
+  python -m resformer_jax.main --config=configs/resformer_468m.py --mode=summary
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from resformer_jax.commands import common
+
+_DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "demo.py")
+config_flags.DEFINE_config_file("config", _DEMO, "Config file (ml_collections get_config()).", lock_config=True)
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, TensorBoard logs (default: runs/<config name>).")
+flags.DEFINE_enum("mode", "train", ["train", "summary"], "train: pretrain; summary: print model facts as JSON.")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port (auto on TPU pods and SLURM).")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    common.start()
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; fields are set as --config.section.field=value")
+    from resformer_jax.config import validate
+    cfg = FLAGS.config
+    with common.exit_on_user_error():
+        validate(cfg)
+    if FLAGS.mode == "summary":
+        from resformer_jax.perf import summary
+        from resformer_jax.train.setup import resolve_dtype
+        resolve_dtype(cfg, log=lambda m: print(m, file=sys.stderr))
+        print(json.dumps(summary(cfg), default=list))
+        return
+    workdir = FLAGS.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
+        FLAGS["config"].config_filename if hasattr(FLAGS["config"], "config_filename") else "demo"))[0])
+    from resformer_jax.commands.training import run
+    sys.exit(run(cfg, workdir, coordinator_address=FLAGS.coordinator_address,
+                 num_processes=FLAGS.num_processes, process_id=FLAGS.process_id))
+
+
+def cli_main():
+    common.check_config_flags(sys.argv, default_config=_DEMO)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,170 @@
+"""The arithmetic of performance, in one place: FLOPs per token, MFU, peak FLOP/s (datasheet on
+accelerators, measured on CPU), a compiled step's memory, the analytic memory estimate, and the model
+summary `--mode=summary` prints. The trainer, the benchmarks and the commands all count here."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+    "A10G": 125e12, "L4": 121e12, "V100": 125e12, "RTX 4090": 165e12,
+    "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12,
+    "TPU v4": 275e12, "TPU v3": 123e12,
+}
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8, dtype: str = "float32") -> float:
+    """Matmul FLOP/s of this host at `dtype` (inputs; fp32 accumulation), the best of several sizes and
+    repeats (all local CPU devices share the cores, so this is the peak of all of them together)."""
+    return max(sample_cpu_matmul_peak(n, repeats, dtype) for n in sizes)
+
+
+def sample_cpu_matmul_peak(n: int = 1024, repeats: int = 8, dtype: str = "float32", shape=None) -> float:
+    """One fresh sample of the matmul FLOP/s (best of `repeats`), not cached: a shared host's throughput
+    drifts, so benchmarks sample it next to the work they time. `shape` = (M, K, N) instead of n^3."""
+    m, k, n_ = shape or (n, n, n)
+    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n_), dtype)
+    f = _matmul_fn()
+    f(a, b).block_until_ready()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = max(best, 2 * m * k * n_ / (time.perf_counter() - t))
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def _matmul_fn():
+    # fp32 accumulation: the form the model's matmuls take (and XLA:CPU's fast bf16 path)
+    return jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+
+
+def faster_cpu_dtype(m, tokens: int, min_gain: float = 1.2) -> tuple[str, str]:
+    """("bfloat16" or "float32", why): bf16 when this CPU multiplies the model's MLP shape
+    ([tokens, d_model] x [d_model, ffn_dim]) at least `min_gain` times as fast in bf16 as in fp32
+    (CPUs with AVX-512 BF16 or AMX do; others convert bf16 to fp32 and gain nothing)."""
+    shape = (min(max(tokens, 64), 8192), m.d_model, m.ffn_dim)  # rows capped: representative, never huge
+    f32 = max(sample_cpu_matmul_peak(shape=shape, repeats=4) for _ in range(2))
+    b16 = max(sample_cpu_matmul_peak(shape=shape, repeats=4, dtype="bfloat16") for _ in range(2))
+    choice = "bfloat16" if b16 >= min_gain * f32 else "float32"
+    return choice, (f"bf16 {b16 / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s at the MLP's matmul "
+                    f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU")
+
+
+def device_peak_flops(dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s of all devices together, where the number comes from). On CPU measured at the
+    compute dtype (bf16 matmuls run about twice as fast where the CPU has bf16 instructions)."""
+    devs = jax.devices()
+    kind = devs[0].device_kind
+    if devs[0].platform == "cpu":
+        name = "bf16" if dtype == "bfloat16" else "fp32"
+        return measure_cpu_matmul_peak(dtype=dtype), f"measured {name} matmul peak of this host's CPU"
+    for name, peak in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak * len(devs), f"{name} table peak x {len(devs)} devices"
+    return float("nan"), f"unknown device kind {kind!r}: add it to metrics.PEAK_FLOPS"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlops:
+    """Parameter counts and training FLOPs per token of a model config."""
+    params_total: int
+    params_non_embedding: int
+    per_token: float  # the model's own count: every matmul, causal attention at half (model/transformer.py)
+    per_token_6n: float  # the 6N convention, N the non-embedding parameters
+
+
+def model_flops(m, seq_len: int) -> ModelFlops:
+    from resformer_jax.model.transformer import flops_per_token, param_counts
+    pc = param_counts(m)
+    return ModelFlops(pc["params_total"], pc["params_non_embedding"], flops_per_token(m, seq_len),
+                      6.0 * pc["params_non_embedding"])
+
+
+def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]:
+    """Model FLOPs utilisation in both conventions."""
+    return {"mfu_6n": flops.per_token_6n * tokens_per_s / peak, "mfu_model": flops.per_token * tokens_per_s / peak}
+
+
+def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> dict:
+    """An analytic estimate of one device's memory for a train step (bytes), for presets sized for hardware
+    this machine does not have; the trainer's precheck measures the compiled step itself.
+
+    Parameters, gradients and AdamW moments in fp32 (16 bytes a parameter, sharded over fsdp); with
+    remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
+    q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
+    flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
+    block of logits.
+    """
+    import jax.numpy as jnp
+    m, t = cfg.model, cfg.train
+    fsdp = max(1, cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices)
+    n_params = model_flops(m, cfg.data.seq_len).params_total
+    act = jnp.dtype(m.dtype).itemsize
+    mb = max(1, (t.microbatch or t.global_batch) // devices)
+    T, E, F, H, L = cfg.data.seq_len, m.d_model, m.ffn_dim, m.num_heads, m.num_layers
+    state = 16 * n_params / fsdp
+    kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
+    layer = 2 * mb * T * (4 * E + 3 * F) * act
+    attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * T * 4
+    logits = 2 * mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
+    total = state + kept + layer + attention + logits
+    return {"state": int(state), "activations_kept": int(kept), "one_layer": int(layer), "attention": int(attention),
+            "logits": int(logits), "total": int(total), "per_device_micro_batch": mb}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """XLA's per-device estimate for a compiled step."""
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # donated arguments reused as outputs
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+def step_memory(compiled) -> StepMemory | None:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return None
+    return StepMemory(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes,
+                      ma.alias_size_in_bytes)
+
+
+
+
+def summary(cfg) -> dict:
+    """Parameter counts, training FLOPs per token, KV-cache bytes per token and the memory estimate per
+    device, as `--mode=summary` prints them (allocates nothing)."""
+    from resformer_jax.model.decode import kv_cache_bytes_per_token
+    f = model_flops(cfg.model, cfg.data.seq_len)
+    out = {"params_total": f.params_total, "params_non_embedding": f.params_non_embedding,
+           "flops_per_token": f.per_token, "flops_per_token_6n": f.per_token_6n}
+    out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
+    out["seq_len"] = cfg.data.seq_len
+    out["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len
+    devices = cfg.mesh.num_devices or max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp)
+    est = estimate_train_memory(cfg, devices)
+    out["memory_estimate_per_device"] = {**est, "devices": devices, "target": cfg.mesh.target or None}
+    if cfg.mesh.device_memory_limit_gb > 0:
+        limit = cfg.mesh.device_memory_limit_gb * 2**30
+        out["memory_estimate_per_device"].update(limit=int(limit), fits=est["total"] <= limit)
+    out["model"] = cfg.model.to_dict()
+    return out
+
+
+def causal_attention_flops(batch: int, seq_len: int, heads: int, head_dim: int) -> tuple[float, float]:
+    """(forward, forward+backward) FLOPs of causal attention: QK^T and AV over half the T x T matrix, two
+    FLOPs a multiply-add; the backward is 2.5x the forward (five matmuls)."""
+    fwd = 2 * 2 * batch * heads * seq_len * seq_len * head_dim / 2
+    return fwd, 3.5 * fwd
