@@ -69,9 +69,9 @@ def test_a_changed_structure_field_is_a_config_error_and_moves_nothing(tmp_path,
     assert not os.path.exists(os.path.join(wd, "checkpoints_damaged"))
     assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
     # A change only the parameter tree shows (the saved config agrees): named from the trees.
-    from resformer_jax.checkpoint import Checkpointer
+    from resformer_jax.rundir import RunDir
     import ml_collections
-    ck = Checkpointer(wd, ml_collections.ConfigDict({"max_to_keep": 3, "keep_period": 0, "async_save": False}))
+    ck = RunDir(wd).checkpointer(ml_collections.ConfigDict({"max_to_keep": 3, "keep_period": 0, "async_save": False}))
     layout = ck.saved_params_layout(3)
     ck.close()
     assert any("value" in p for p in layout if p.startswith("layer_1")) and not any(

@@ -127,15 +127,49 @@ def _imports(path: pathlib.Path) -> set[str]:
     return mods
 
 
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """Imports outside an `if __name__ == "__main__":` block (where old command paths call their command)."""
+    tree = ast.parse(path.read_text())
+    guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    skip = {id(x) for g in guards for x in ast.walk(g)}
+    mods = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module)
+        elif isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+    return mods
+
+
+def _library_files():
+    return [f for f in PKG.rglob("*.py") if "commands" not in f.relative_to(PKG).parts]
+
+
+def _module_name(f: pathlib.Path) -> str:
+    rel = f.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def test_folder_boundaries():
-    """checkpoint.py knows nothing of training; model/ nothing of training or data; data/ nothing of models;
-    train/ no file formats (metadata.json and the tokenizer are data/'s)."""
+    """Commands on top: nothing in the library imports resformer_jax.commands (the old `python -m` paths call
+    their command only from their `__main__` block). checkpoint.py knows nothing of training; model/ nothing of
+    training or data; data/ nothing of models; train/ no file formats (metadata.json and the tokenizer are
+    data/'s); metrics.py (the writers) nothing of the model."""
+    for f in _library_files():
+        bad = [m for m in _top_level_imports(f) if m.startswith("resformer_jax.commands")]
+        assert not bad, f"{f.relative_to(PKG)} imports the commands {bad}: the library never imports a command"
+    for f in (PKG.parent / "data_prep").glob("*.py"):
+        assert not [m for m in _imports(f) if m.startswith("resformer_jax.commands")], f.name
     assert not [m for m in _imports(PKG / "checkpoint.py") if m.startswith("resformer_jax.train")]
+    assert not [m for m in _imports(PKG / "metrics.py") if m.startswith("resformer_jax.model")]
     for f in (PKG / "model").glob("*.py"):
         bad = [m for m in _imports(f) if m.startswith(("resformer_jax.train", "resformer_jax.data"))]
         assert not bad, f"{f.name} imports {bad}"
     for f in (PKG / "data").glob("*.py"):
-        bad = [m for m in _imports(f) if m.startswith(("resformer_jax.model", "resformer_jax.train"))]
+        bad = [m for m in _top_level_imports(f) if m.startswith(("resformer_jax.model", "resformer_jax.train"))]
         assert not bad, f"{f.name} imports {bad}"
     for f in (PKG / "train").glob("*.py"):
         text = f.read_text()
@@ -144,7 +178,109 @@ def test_folder_boundaries():
     assert "resformer_jax.data.pipeline" not in _imports(PKG / "data" / "tfds_source.py")
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """Library module -> the library modules it imports (anywhere in the file, function bodies included)."""
+    files = {_module_name(f): f for f in _library_files()}
+    files.update({f"data_prep.{f.stem}": f for f in (PKG.parent / "data_prep").glob("*.py") if f.stem != "__init__"})
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for m in _top_level_imports(f):
+            # `from resformer_jax import kernels` names a module too
+            for cand in (m, *[f"{m}.{a}" for a in _imported_names(f, m)]):
+                if cand in files and cand != name:
+                    deps.add(cand)
+        graph[name] = deps
+    return graph
+
+
+def _imported_names(path: pathlib.Path, module: str) -> list[str]:
+    return [a.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == module for a in node.names]
+
+
+def test_no_import_cycles_among_library_modules():
+    graph = _import_graph()
+    assert len(graph) > 40
+    state, cycles = {}, []
+
+    def visit(n, stack):
+        state[n] = "open"
+        for d in sorted(graph[n]):
+            if state.get(d) == "open":
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[n] = "done"
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "import cycles among library modules: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# Every command, by the `python -m` path README shows, and where it lives.
+COMMANDS = {
+    "resformer_jax.main": "main", "resformer_jax.bench": "bench", "resformer_jax.compare": "compare",
+    "resformer_jax.sweep": "sweep", "resformer_jax.analyze": "analyze", "resformer_jax.evaluate": "evaluate",
+    "resformer_jax.generate": "generate", "resformer_jax.export": "export", "resformer_jax.harness": "harness",
+    "resformer_jax.data.tfds_source": "tfds_build", "resformer_jax.eval.lm_eval_tasks": "lm_eval_tasks",
+}
+
+
+def test_every_command_lives_in_commands_and_the_old_paths_only_call_it():
+    readme = (PKG.parent / "README.md").read_text()
+    import re
+    shown = set(re.findall(r"python -m (resformer_jax(?:\.\w+)+)", readme)) - {"resformer_jax.lm_eval"}
+    assert shown <= set(COMMANDS), f"README shows commands this test does not know: {shown - set(COMMANDS)}"
+    for path, cmd in COMMANDS.items():
+        assert (PKG / "commands" / f"{cmd}.py").is_file(), cmd
+        f = PKG.parent / (path.replace(".", "/") + ".py")
+        tree = ast.parse(f.read_text())
+        main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        assert len(main_blocks) == 1 and f"resformer_jax.commands.{cmd}" in ast.unparse(main_blocks[0]), path
+    shims = [f for f in PKG.glob("*.py") if f"resformer_jax.{f.stem}" in COMMANDS]
+    for f in shims:  # at the package root a command path is nothing but the call
+        body = [n for n in ast.parse(f.read_text()).body if not isinstance(n, ast.Expr)]
+        assert len(body) == 1, f"{f.name} must only call its command"
+
+
+def test_every_command_answers_help():
+    """Each command line README shows starts: --help prints the command's own usage (absl exits 1 after it)."""
+    import subprocess
+    import sys
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for path, cmd in COMMANDS.items():
+        if path == "resformer_jax.harness":  # lm-eval's own CLI; without lm-eval one line says what to install
+            continue
+        r = subprocess.run([sys.executable, "-m", path, "--help"], capture_output=True, text=True, env=env, timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode in (0, 1) and "Traceback" not in out, f"{path} --help: {out[-2000:]}"
+        # (read from the file: importing several commands here would define their absl flags twice)
+        doc = ast.get_docstring(ast.parse((PKG / "commands" / f"{cmd}.py").read_text())).splitlines()[0]
+        assert doc in out, f"{path} --help does not show its command's usage ({doc!r}): {out[:500]}"
+
+
 def test_every_paper_equation_the_model_implements_is_findable_by_number():
     text = "\n".join(f.read_text() for f in (PKG / "model").glob("*.py"))
     for n in (1, 2, 4, 5, 6, 7, 8, 9, 10):
         assert f"Eq. {n}" in text, f"Eq. {n} is not named in model/"
+
+
+def test_the_export_writes_the_plan_and_refuses_what_it_cannot_express():
+    """config.json carries which layers own W_V and which value each attends over, from the plan (the torch twin
+    reads these fields, not the variant's name); a plan the format cannot express stops the export by name."""
+    import pytest
+    from resformer_jax.hf import HFError, hf_config
+    for variant, owns, mix in (("none", [True] * 3, ["own"] * 3),
+                               ("resformer", [True] * 3, ["own", "lambda_mix", "lambda_mix"]),
+                               ("svformer", [True, False, False], ["own", "first", "first"])):
+        m = tiny_config(variant).model
+        cfg = hf_config(m)
+        assert [plan_layer(m, n).owns[2] for n in range(1, 4)] == owns
+        if variant == "none":
+            assert "layer_owns_value" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
+        else:
+            assert cfg["layer_owns_value"] == owns and cfg["layer_value_mix"] == mix, cfg
+    m = tiny_config("neutreno").model
+    with pytest.raises(HFError, match="NeuTRENO"):
+        hf_config(m)

@@ -231,7 +231,7 @@ def main(argv):
         write_manifest(FLAGS.workdir, config_file, fixed, grid, runs)
     except SweepError as e:
         sys.exit(cli.report_user_error(e))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     if FLAGS.slurm or FLAGS.tpu_pod:
         script, text = (("sweep.sbatch", slurm_script(config_file, fixed, runs, repo)) if FLAGS.slurm else
                         ("sweep_tpu.sh", tpu_script(config_file, fixed, runs, FLAGS.tpu_pod, repo)))

@@ -197,14 +197,44 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
            "torch_dtype": "float32", "use_cache": True}
     if tokenizer_meta:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
-    if m.value_residual != "none":
+    plans = exported_plans(m)
+    if any(mix != "own" for mix in plans["layer_value_mix"]):
         cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
         cfg["use_cache"] = False  # modeling_resformer.py recomputes the prefix (no KV cache)
         cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_resformer.ResFormerLlamaForCausalLM"}
         cfg["value_residual"] = m.value_residual
         cfg["resformer_lambdas"] = m.resformer_lambdas
         cfg["resformer_fixed_lambdas"] = fixed_lambdas(m).tolist()  # (l1, l2) of layers 2..N when not learned
+        cfg.update(plans)  # what each layer computes, as the model's plan says: modeling_resformer.py reads these
     return cfg
+
+
+# How each layer's attended value is formed, by the plan's equation function (model/attention.py), as
+# config.json names it for modeling_resformer.py: V_n | V_1 | l1 V_1 + l2 V_n.
+_EXPORTED_MIXES = {"eq1_own_value": "own", "eq10_svformer_value": "first", "eq7_resformer_value": "lambda_mix"}
+
+
+def exported_plans(m) -> dict:
+    """The per-layer plan as config.json carries it: which layers own W_V and how each forms the value it attends
+    over. A plan this format cannot express (NeuTRENO, Q/K residuals, other mappings or value sources, shared
+    Q/K, anchors, CLA) is refused by name: an export is exact or it stops."""
+    from resformer_jax.model.attention import plan_layer
+    owns, mixes = [], []
+    for n in range(1, m.num_layers + 1):
+        p = plan_layer(m, n)
+        unsupported = [name for name, bad in (
+            ("NeuTRENO (Eq. 8)", p.neutreno != 0.0), (f"residual_on={p.residual_on}", p.residual_on is not None),
+            (f"mapping={p.mapping}", p.mapping != "attention"),
+            (f"value_source={p.value_source}", p.value_source not in (None, "first")),
+            (f"query={p.query}", p.query != "own"), (f"key={p.key}", p.key != "own"),
+            (f"value={p.value}", p.value not in ("own", "none")), ("an SVFormer anchor", p.anchor),
+            (f"value mix {p.mix.__name__}", p.mix.__name__ not in _EXPORTED_MIXES)) if bad]
+        if unsupported:
+            raise HFError(f"layer {n} uses {', '.join(unsupported)}, which the Hugging Face export cannot express; "
+                          "export runs of none, resformer or svformer (GQA and ResFormer's lambda modes included)")
+        owns.append(p.owns[2])
+        mixes.append(_EXPORTED_MIXES[p.mix.__name__])
+    return {"layer_owns_value": owns, "layer_value_mix": mixes}
 
 
 def export_params(m, params: dict, out: str, dtype: str = "float32", tokenizer_meta: dict | None = None,

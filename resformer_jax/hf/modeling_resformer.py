@@ -41,14 +41,17 @@ class Attention(nn.Module):
         self.layer = layer
         self.q_proj = nn.Linear(E, H * self.D, bias=False)
         self.k_proj = nn.Linear(E, self.K * self.D, bias=False)
-        self.owns_value = layer == 0 or config.value_residual != "svformer"
+        # The exporter writes each layer's plan (resformer_jax's LayerPlan): whether it owns W_V, and which value
+        # it attends over ("own": V_n, "first": V_1, "lambda_mix": l1 V_1 + l2 V_n).
+        self.owns_value = config.layer_owns_value[layer]
+        self.value_mix = config.layer_value_mix[layer]
         if self.owns_value:
             self.v_proj = nn.Linear(E, self.K * self.D, bias=False)
         self.o_proj = nn.Linear(H * self.D, E, bias=False)
-        if layer > 0 and config.value_residual == "resformer" and config.resformer_lambdas == "learnable":
+        # Learned lambdas are parameters of the mixing layers (their layout is the lambda mode's, not the variant's).
+        if self.value_mix == "lambda_mix" and config.resformer_lambdas == "learnable":
             self.lambda1 = nn.Parameter(torch.zeros(()))
-        if layer > 0 and config.value_residual == "resformer" and config.resformer_lambdas in ("learnable",
-                                                                                              "learnable_plus"):
+        if self.value_mix == "lambda_mix" and config.resformer_lambdas in ("learnable", "learnable_plus"):
             self.lambda2 = nn.Parameter(torch.zeros(()))
 
     def forward(self, x, cos, sin, v1, lambdas):
@@ -56,16 +59,16 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.K, self.D).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.K, self.D).transpose(1, 2) if self.owns_value else None
-        if self.layer == 0:
+        if self.value_mix == "own":
             v_att = v
-        elif v is None:
+        elif self.value_mix == "first":
             v_att = v1  # Eq. 10
         else:
             l1 = getattr(self, "lambda1", None)
             l2 = getattr(self, "lambda2", None)
             l1 = lambdas[0] if l1 is None else l1
             l2 = lambdas[1] if l2 is None else l2
-            v_att = (l1 * v1 + l2 * v).to(v.dtype) if lambdas is not None else v  # Eq. 7
+            v_att = (l1 * v1 + l2 * v).to(v.dtype)  # Eq. 7
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         G = self.H // self.K
@@ -108,7 +111,7 @@ class Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([Layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.value_residual == "resformer" and config.resformer_lambdas == "learnable_plus":
+        if "lambda_mix" in config.layer_value_mix and config.resformer_lambdas == "learnable_plus":
             self.lambda_logits = nn.Parameter(torch.zeros(config.num_hidden_layers - 1))
             self.lambda_scale = nn.Parameter(torch.zeros(()))
 
@@ -121,7 +124,8 @@ class Model(nn.Module):
         ang = torch.arange(T, device=input_ids.device).float()[:, None] * inv[None]
         emb = torch.cat([ang, ang], dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        fixed = torch.tensor(c.resformer_fixed_lambdas, dtype=torch.float32) if c.value_residual != "none" else None
+        fixed = (torch.tensor(c.resformer_fixed_lambdas, dtype=torch.float32) if "lambda_mix" in c.layer_value_mix
+                 else None)
         if hasattr(self, "lambda_logits"):
             fixed = fixed.clone()
             fixed[:, 0] = self.lambda_scale * torch.softmax(self.lambda_logits, dim=0)
