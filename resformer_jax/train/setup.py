@@ -42,12 +42,6 @@ class AttentionChoice:
     rejected: dict
     probed: bool  # True when `auto` was resolved by probing
 
-    def describe(self) -> str:
-        if not self.probed:
-            return f"attention_impl={self.impl!r} (as configured)"
-        return f"attention_impl=auto chose {self.impl!r}" + "".join(
-            f"; rejected {k}: {v}" for k, v in self.rejected.items())
-
 
 def resolve_attention(cfg, *, override: str | None = None, batch: int | None = None,
                       log: Callable[[str], Any] = print) -> AttentionChoice:
@@ -133,9 +127,7 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
     check_divisibility(cfg, mesh)
     if attention is None:
-        attention = resolve_attention(cfg, log=log)
-        if attention.probed:
-            log(attention.describe())
+        attention = resolve_attention(cfg, log=log)  # the probe logs its choice and what it rejected, once
     model_cfg = model_config(cfg, attention)
     model, tx = Transformer(model_cfg, mesh=mesh), make_optimizer(cfg.train)
     boxed = state_template(model, tx, cfg.data.seq_len)
