@@ -29,16 +29,17 @@ def main(argv):
     common.start()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; fields are set as --config.section.field=value")
-    from resformer_jax.config import validate
     cfg = FLAGS.config
-    with common.exit_on_user_error():
-        validate(cfg)
     if FLAGS.mode == "summary":
+        from resformer_jax.config import validate
         from resformer_jax.perf import summary
         from resformer_jax.train.setup import resolve_dtype
+        with common.exit_on_user_error():
+            validate(cfg)
         resolve_dtype(cfg, log=lambda m: print(m, file=sys.stderr))
         print(json.dumps(summary(cfg), default=list))
         return
+    # training validates the config once, in the one builder (train/setup.build)
     workdir = FLAGS.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
         FLAGS["config"].config_filename if hasattr(FLAGS["config"], "config_filename") else "demo"))[0])
     from resformer_jax.commands.training import run
