@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from resformer_jax.errors import UserError
+
 
 class Writer:
     """Scalars and text to TensorBoard; a no-op on processes other than 0."""
@@ -45,16 +47,37 @@ class Writer:
             self.jsonl.close()
 
 
-def read_jsonl(path, key: str) -> dict:
-    """{step: value} of one scalar from metrics.jsonl (local, or its segments on object storage); a
-    resumed run's later lines win."""
+class MetricsFileError(UserError):
+    """metrics.jsonl has a damaged line that is not the last one (a last line may still be being written)."""
+
+
+def read_records(path, warn=None) -> list[dict]:
+    """metrics.jsonl's records (local, or its segments on object storage). A half-written last line (a run training
+    now, or killed mid-write) is left out, saying so through `warn`; a damaged line before it is an error naming
+    the file and the line."""
     from resformer_jax.storage import read_lines
-    out = {}
-    for line in read_lines(path):
-        rec = json.loads(line)
-        if key in rec:
-            out[rec["step"]] = rec[key]
+    lines = read_lines(path)
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "step" not in rec:
+                raise ValueError("not a metrics record")
+        except ValueError:
+            if i == len(lines) - 1:
+                if warn:
+                    warn(f"note: {path}: the last line is incomplete (a run still writing, or killed mid-write); "
+                         "read without it")
+                break
+            raise MetricsFileError(f"{path}: line {i + 1} is damaged ({line[:60]!r}); restore the file or remove "
+                                   "that line") from None
+        out.append(rec)
     return out
+
+
+def read_jsonl(path, key: str, warn=None) -> dict:
+    """{step: value} of one scalar from metrics.jsonl; a resumed run's later lines win."""
+    return {rec["step"]: rec[key] for rec in read_records(path, warn) if key in rec}
 
 
 def fmt_eta(seconds: float) -> str:

@@ -94,7 +94,8 @@ class RunDir:
                 or storage.has_lines(self.metrics_jsonl))
 
     def has_metrics(self) -> bool:
-        return storage.has_lines(self.metrics_jsonl)
+        """Whether the run has logged at least one line to metrics.jsonl (an empty file is a run not yet logging)."""
+        return storage.has_lines(self.metrics_jsonl) and any(ln.strip() for ln in storage.read_lines(self.metrics_jsonl))
 
     def read_config(self) -> dict:
         """config.json as written at the run's start (json.JSONDecodeError / OSError as they come)."""

@@ -5,8 +5,20 @@ from __future__ import annotations
 import json
 import os
 
+import sys
+
+from resformer_jax.errors import UserError
+from resformer_jax.metrics import read_jsonl, read_records
 from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
-from resformer_jax.storage import has_lines, is_remote, read_lines
+from resformer_jax.storage import has_lines, is_remote
+
+
+class RunsError(UserError):
+    """A path given to compare that is not a readable run (or sweep) directory; the message names it."""
+
+
+def _note(msg: str):
+    print(msg, file=sys.stderr, flush=True)
 
 
 def run_name(run: str) -> str:
@@ -14,13 +26,17 @@ def run_name(run: str) -> str:
 
 
 def read_train_loss(run: str) -> dict[int, float]:
-    from resformer_jax.metrics import read_jsonl
     path = RunDir(run).metrics_jsonl
     if has_lines(path):
-        return read_jsonl(path, "train/loss")
+        curve = read_jsonl(path, "train/loss", warn=_note)
+        if not curve:
+            raise RunsError(f"{run}: metrics.jsonl holds no training loss yet; wait for the run's first logged step "
+                            "or leave it out")
+        return curve
     tb = os.fspath(RunDir(run).tensorboard)
     if is_remote(run) or not os.path.isdir(tb):
-        raise FileNotFoundError(f"{run}: neither metrics.jsonl nor tb/ found; is it a run directory?")
+        raise RunsError(f"{run}: neither a non-empty metrics.jsonl nor tb/ found; is it a run directory that has "
+                        "logged a step?")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(tb)
     ea.Reload()
@@ -46,28 +62,35 @@ def read_run(run: str):
     rd = RunDir(run)
     path = rd.metrics_jsonl
     if not has_lines(path):
-        raise FileNotFoundError(f"{run}: no metrics.jsonl; is it a run directory?")
+        raise RunsError(f"{run}: no logged steps (metrics.jsonl missing or empty); is it a run directory that has "
+                        "logged a step?")
     train, evals = {}, {}
-    for line in read_lines(path):
-        rec = json.loads(line)
+    for rec in read_records(path, warn=_note):
         for k, v in rec.items():
             if k == "train/loss":
                 train[rec["step"]] = v
             elif k.startswith("eval/") and k.endswith("loss"):
                 evals.setdefault(k, {})[rec["step"]] = v
     if rd.config_json.is_file():
-        config = rd.read_config()
+        try:
+            config = rd.read_config()
+        except ValueError as e:
+            raise RunsError(f"{rd.config_json} is not valid JSON ({e}); remove it (compare then reads the config from the "
+                            "run's checkpoints) or leave the run out") from None
+        if not isinstance(config, dict):
+            raise RunsError(f"{rd.config_json} does not hold a config object; restore it or leave the run out")
     else:  # runs from before config.json: the checkpoint's copy
         ck = rd.checkpointer(read_only=True)
         steps = ck.all_steps()
         if not steps:
-            raise FileNotFoundError(f"{run}: neither config.json nor a checkpoint to read its config from")
+            raise RunsError(f"{run}: neither config.json nor a checkpoint to read its config from")
         config = ck.read_config(steps[-1])
     return RunCurves(run_name(run), config, train, evals)
 
 
 def find_runs(paths: list[str]) -> list[str]:
-    """Run directories: each path itself, or the runs a sweep directory (sweep.json, or subdirectories) holds."""
+    """Run directories: each path itself, or the runs a sweep directory (sweep.json, or subdirectories) holds. A
+    run in a sweep that has logged nothing yet is left out, saying so."""
     out = []
     for p in paths:
         root = RunDir(p)
@@ -76,11 +99,23 @@ def find_runs(paths: list[str]) -> list[str]:
             continue
         manifest = root.path / SWEEP_MANIFEST
         if manifest.is_file():
-            out += [r["workdir"] for r in json.loads(manifest.read_text())["runs"] if RunDir(r["workdir"]).has_metrics()]
-            continue
-        subs = sorted(f"{p.rstrip('/')}/{d.name}" for d in root.path.iterdir()) if root.path.is_dir() else []
-        found = [d for d in subs if RunDir(d).has_metrics()]
+            try:
+                listed = [r["workdir"] for r in json.loads(manifest.read_text())["runs"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise RunsError(f"{manifest} is damaged ({type(e).__name__}: {e}); rerun the sweep command to "
+                                "rewrite it") from None
+        elif root.path.is_dir():
+            listed = [f"{p.rstrip('/')}/{d.name}" for d in sorted(root.path.iterdir(), key=lambda d: d.name)
+                      if RunDir(f"{p.rstrip('/')}/{d.name}").is_run()]
+        else:
+            raise RunsError(f"{p}: no such run or sweep directory")
+        found = [d for d in listed if RunDir(d).has_metrics()]
         if not found:
-            raise FileNotFoundError(f"{p}: not a run directory (no metrics.jsonl) and holds no runs")
+            raise RunsError(f"{p}: not a run directory (no logged steps in metrics.jsonl) and holds no runs that "
+                            "have logged a step")
+        skipped = [d for d in listed if d not in found]
+        if skipped:
+            _note(f"note: {p}: left out {len(skipped)} run(s) with no logged steps yet: "
+                  + ", ".join(run_name(d) for d in skipped))
         out += found
     return out

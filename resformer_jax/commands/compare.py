@@ -218,6 +218,18 @@ flags.DEFINE_string("out", None, "Output folder (grouped default: FIRST_PATH/com
 FLAGS = flags.FLAGS
 
 
+def check_flags(a) -> None:
+    """Bad values stop before anything is read or written."""
+    if a.smooth < 1:
+        raise cli.ConfigFlagError(f"--smooth={a.smooth}: the moving-average window must be at least 1 point")
+    if a.last < 2:
+        raise cli.ConfigFlagError(f"--last={a.last}: the critical-point line needs at least 2 points")
+    if not a.group_by and not a.out:
+        raise cli.ConfigFlagError("--out is required without --group_by (the folder for the plot and logs)")
+    if a.out and run_path(a.out).exists() and not run_path(a.out).is_dir():
+        raise cli.ConfigFlagError(f"--out={a.out} is a file, not a folder; give a folder for the plots and logs")
+
+
 def main(argv):
     cli.start()
     if FLAGS.baseline is None:
@@ -226,23 +238,16 @@ def main(argv):
         raise app.UsageError("give the runs to compare (with --group_by: runs or sweep directories)")
     a = types.SimpleNamespace(runs=argv[1:], **{k: FLAGS[k].value for k in (
         "baseline", "group_by", "scaling", "smooth", "vs", "last", "out")})
-    if a.group_by:
-        try:
+    with cli.exit_on_user_error():
+        check_flags(a)
+        if a.group_by:
             return grouped(a)
-        except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    if not a.out:
-        raise app.UsageError("--out is required without --group_by")
-    try:
         base = read_train_loss(a.baseline)
         runs = {run_name(r): read_train_loss(r) for r in a.runs}
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     curves = relative_curves(base, runs, a.smooth)
     out = run_path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    with cli.exit_on_user_error():
+        out.mkdir(parents=True, exist_ok=True)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -100,6 +100,9 @@ def parse_grid(cfg, sets: list[str]) -> dict[str, list]:
             raise SweepError(f"--set {field}: {e}") from None
         if not grid[field]:
             raise SweepError(f"--set {field}: no values")
+        dups = sorted({str(v) for v in grid[field] if grid[field].count(v) > 1})
+        if dups:
+            raise SweepError(f"--set {field}: {', '.join(dups)} given more than once; list each value once")
     if not grid:
         raise SweepError("no --set FIELD=V1,V2,...: nothing to sweep")
     return grid
@@ -116,12 +119,45 @@ def run_name(values: dict) -> str:
 
 
 def plan_runs(workdir: str, grid: dict) -> list[Run]:
-    runs = []
+    runs, by_name = [], {}
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo))
         name = run_name(values)
+        if name in by_name:
+            raise SweepError(f"the combinations {by_name[name]} and {values} map to the same run directory {name!r}; "
+                             "use values that differ after replacing characters other than letters, digits and "
+                             "_.+=- with '-'")
+        by_name[name] = values
         runs.append(Run(name, os.path.join(workdir, name), values))
     return runs
+
+
+def check_runs(cfg, runs: list[Run]) -> None:
+    """Every combination's config as its run will validate it, before anything is written or submitted (a value
+    the config rejects is found here, not on the cluster)."""
+    from resformer_jax.config import ConfigError, validate
+    for r in runs:
+        c = cfg.copy_and_resolve_references()
+        for field, value in r.values.items():
+            *parents, last = field.split(".")
+            node = c
+            for part in parents:
+                node = node[part]
+            try:
+                node[last] = value
+            except (TypeError, ValueError) as e:
+                raise SweepError(f"run {r.name}: config.{field}={value!r} does not fit the field ({e})") from None
+        try:
+            validate(c)
+        except (ConfigError, TypeError, ValueError) as e:
+            raise SweepError(f"run {r.name}: {e}") from None
+
+
+def check_sweep_dir(workdir: str) -> None:
+    """The sweep directory must be a folder (or not exist yet)."""
+    path = storage.run_path(workdir)
+    if path.exists() and not path.is_dir():
+        raise SweepError(f"--workdir={workdir} is a file, not a folder; give a folder for the sweep's run directories")
 
 
 def write_manifest(workdir: str, config_file: str, fixed: list[str], grid: dict, runs: list[Run]) -> dict:
@@ -227,9 +263,11 @@ def main(argv):
         grid = parse_grid(FLAGS.config, FLAGS.set)
         if FLAGS.tpu_pod and len(FLAGS.tpu_pod.split(",")) != 3:
             raise SweepError(f"--tpu_pod={FLAGS.tpu_pod!r}: expected NAME,ZONE,ACCELERATOR (e.g. rf,us-east5-a,v5p-64)")
+        check_sweep_dir(FLAGS.workdir)
         runs = plan_runs(FLAGS.workdir, grid)
+        check_runs(FLAGS.config, runs)
         write_manifest(FLAGS.workdir, config_file, fixed, grid, runs)
-    except SweepError as e:
+    except (UserError, OSError) as e:
         sys.exit(cli.report_user_error(e))
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     if FLAGS.slurm or FLAGS.tpu_pod:
