@@ -89,9 +89,15 @@ class RunDir:
 
     # ---- reading it
     def is_run(self) -> bool:
-        """Whether this folder holds a run (checkpoints, a config or logged metrics)."""
-        return (self.checkpoints.is_dir() or self.config_json.is_file()
-                or storage.has_lines(self.metrics_jsonl))
+        """Whether this folder holds a run: checkpoints, logged metrics, or a training config.json (a Hugging Face
+        export's config.json is not one)."""
+        if self.checkpoints.is_dir() or self.checkpoints_written_marker.is_file() or storage.has_lines(self.metrics_jsonl):
+            return True
+        try:
+            cfg = self.read_config()
+        except (OSError, ValueError):
+            return False
+        return isinstance(cfg, dict) and "train" in cfg and "model" in cfg
 
     def has_metrics(self) -> bool:
         """Whether the run has logged at least one line to metrics.jsonl (an empty file is a run not yet logging)."""

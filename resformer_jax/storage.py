@@ -262,7 +262,8 @@ def staged_dir(out):
     with tempfile.TemporaryDirectory() as d:
         yield d
         dst = epath.Path(out)
-        for f in files_under(d):
+        # config.json last: a folder whose upload stopped part-way never looks like a finished model
+        for f in sorted(files_under(d), key=lambda f: f.name == "config.json"):
             target = dst / f.relative_to(d)
             target.parent.mkdir(parents=True, exist_ok=True)
             f.copy(target, overwrite=True)

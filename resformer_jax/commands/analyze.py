@@ -211,6 +211,9 @@ def main(argv):
     from resformer_jax.rundir import RunDir
     from resformer_jax.storage import run_path, write_json
     with cli.exit_on_user_error():
+        for name, least in (("num_sequences", 1), ("batch", 1), ("seq_len", 2)):
+            if FLAGS[name].value < least:
+                raise cli.ConfigFlagError(f"--{name}={FLAGS[name].value}: must be at least {least}")
         if not FLAGS.workdir and not FLAGS.hf_model:
             from resformer_jax.hf import HFError
             raise HFError("give --workdir=RUN (or --hf_model=DIR) to analyse")

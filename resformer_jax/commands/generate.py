@@ -12,6 +12,8 @@ import sys
 
 from absl import app, flags
 
+from resformer_jax.commands import common as cli
+
 flags.DEFINE_string("workdir", None, "Run directory with checkpoints/ and tokenizer.json.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("prompt", None, "Prompt text.")
@@ -26,6 +28,31 @@ flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token
 FLAGS = flags.FLAGS
 
 
+def check_sampling_flags():
+    if FLAGS.max_new_tokens < 1:
+        raise cli.ConfigFlagError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be at least 1")
+    if FLAGS.temperature < 0:
+        raise cli.ConfigFlagError(f"--temperature={FLAGS.temperature}: must be >= 0 (0: greedy)")
+    if FLAGS.top_k < 0:
+        raise cli.ConfigFlagError(f"--top_k={FLAGS.top_k}: must be >= 0 (0: off)")
+    if not 0 < FLAGS.top_p <= 1:
+        raise cli.ConfigFlagError(f"--top_p={FLAGS.top_p}: must be in (0, 1] (1: off)")
+
+
+def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
+    """Token ids from "1,2,3", each in [0, vocab_size) (an id outside would be clamped by the gather, silently
+    generating for another prompt)."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise cli.ConfigFlagError(f"--prompt_ids={text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if not ids or bad:
+        raise cli.ConfigFlagError(f"--prompt_ids: {bad or 'no ids'}: token ids must be in [0, {vocab_size}) (the "
+                                  "model's vocabulary)")
+    return ids
+
+
 def main(argv):
     from resformer_jax.commands import common as cli
     cli.start()
@@ -34,13 +61,15 @@ def main(argv):
     from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
     from resformer_jax.train.setup import load_run
     with cli.exit_on_user_error():
+        check_sampling_flags()
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
     from resformer_jax.rundir import RunDir
     tok_path = f"{FLAGS.workdir.rstrip('/')}/tokenizer.json"
     with cli.exit_on_user_error():
         tok = RunDir(FLAGS.workdir).tokenizer()
     if FLAGS.prompt_ids:
-        prompts = [[int(x) for x in FLAGS.prompt_ids.split(",")]]
+        with cli.exit_on_user_error():
+            prompts = [parse_prompt_ids(FLAGS.prompt_ids, cfg.model.vocab_size)]
     else:
         texts = [FLAGS.prompt] if FLAGS.prompt is not None else []
         if FLAGS.prompts_file:
