@@ -20,7 +20,7 @@ def trained(tmp_path_factory):
     from resformer_jax.config import tiny_config
     from resformer_jax.commands.training import run
     c = tiny_config("resformer")
-    c.data.source, c.model.vocab_size, c.data.seq_len = "demo", 1024, 64
+    c.data.source, c.model.vocab_size, c.data.seq_len, c.model.max_seq_len = "demo", 1024, 64, 256
     c.train.steps, c.train.eval_every, c.mesh.num_devices = 10, 1000, 1
     wd = str(tmp_path_factory.mktemp("lm_eval_run"))
     assert run(c, wd) == 0
@@ -40,10 +40,10 @@ def test_per_item_loglikelihoods_equal_the_project_evaluator(trained, shared_dat
         to_items("hellaswag", read_task(str(shared_data / "eval_samples"), "hellaswag")[:3])
     pairs = [(c, x) for it in items for c, x in zip(it["contexts"], it["continuations"])]
     _, logprobs = model_logprobs(lm.cfg, lm.params)
-    ours = make_loglik_fn(logprobs, lm.encode, lm.cfg.data.seq_len, 8)(pairs)
+    ours = make_loglik_fn(logprobs, lm.encode, lm.max_length, 8)(pairs)
     got = lm.loglikelihood(_instances("loglikelihood", pairs))
     np.testing.assert_allclose([g for g, _ in got], ours, rtol=1e-5, atol=1e-4)
-    assert len(lm.buckets) <= 3  # a few compiled lengths, not one per request
+    assert len(lm.buckets) <= 4  # a few compiled lengths (powers of two from 32 to the 256 context), not one per request
 
 
 def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
@@ -76,7 +76,7 @@ def test_rolling_and_generation(trained):
     full = [lm.eot_id] + lm.encode(short)
     direct = sum(lm._score([(full[:i], [full[i]])])[0][0] for i in range(1, len(full)))
     assert rolled == pytest.approx(direct, rel=1e-5, abs=1e-4)
-    long = short * 12  # longer than the 64-token context: the harness's disjoint windows cover each token once
+    long = short * 40  # longer than the 256-token context: the harness's disjoint windows cover each token once
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     ids = lm.encode(long)
     windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
@@ -104,3 +104,14 @@ def test_harness_command_line(trained, shared_data):
                         "--limit", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "piqa_local" in r.stdout and "acc" in r.stdout
+
+
+def test_context_defaults_to_the_exports_and_a_too_long_continuation_is_refused_with_a_count(trained):
+    """The adapter's context is the model's max_seq_len (the export's max_position_embeddings, what the stock
+    `lm_eval --model hf` uses), not data.seq_len; a continuation longer than it is not scored in part."""
+    wd, lm = trained
+    assert lm.max_length == lm.cfg.model.max_seq_len != lm.cfg.data.seq_len
+    long_cont = " x" * (lm.max_length + 5)
+    reqs = _instances("loglikelihood", [("a", " b"), ("a", long_cont), ("c", long_cont)])
+    with pytest.raises(ValueError, match=r"2 of 3 requests have a continuation longer than the context"):
+        lm.loglikelihood(reqs)

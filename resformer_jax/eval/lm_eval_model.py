@@ -1,12 +1,14 @@
 """lm-evaluation-harness on this project's checkpoints: the model `resformer_jax` (pip install -e '.[lm_eval]').
 
-  python -m resformer_jax.lm_eval --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
+  python -m resformer_jax.harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
       --tasks piqa_local,arc_easy_local --include_path configs/lm_eval_tasks
-  import resformer_jax.lm_eval_model; lm_eval.simple_evaluate(model="resformer_jax", model_args="workdir=RUN", ...)
+  import resformer_jax.eval.lm_eval_model; lm_eval.simple_evaluate(model="resformer_jax", model_args="workdir=RUN", ...)
 
 loglikelihood and loglikelihood_rolling run the project's jitted forward on batches padded to a few bucketed
 lengths (powers of two up to the model's context), so requests of many lengths compile a handful of programs;
-inputs longer than the context are cut from the left, keeping the continuation. generate_until runs the
+inputs longer than the context (the model's max_seq_len, as the export's max_position_embeddings; or
+max_length=N) are cut from the left, keeping the continuation; a continuation longer than the context
+stops the evaluation with the count of such requests (the stock model refuses them too). generate_until runs the
 KV-cache decode (greedy; sampling with temperature/top_k/top_p when asked). Context and continuation are
 encoded separately, as the project's own evaluator does (resformer_jax.evaluate), so their per-item
 log-likelihoods agree.
@@ -42,7 +44,12 @@ class ResformerLM(LM):
                              "synthetic data have none)")
         self.eot_id = self.tok.token_to_id("<|endoftext|>")
         self.batch = int(batch_size) if str(batch_size).isdigit() else 16
-        self.max_length = int(max_length or self.cfg.data.seq_len)
+        # The context a request may use: the model's max_seq_len by default, what the export's
+        # max_position_embeddings tells the stock `lm_eval --model hf`, so both score the same items alike.
+        self.max_length = int(max_length or self.cfg.model.max_seq_len)
+        if not 1 < self.max_length <= self.cfg.model.max_seq_len:
+            raise ValueError(f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the "
+                             "model's max_seq_len)")
         self.buckets = buckets(self.max_length)
         model = Transformer(self.cfg.model)
 
@@ -70,6 +77,14 @@ class ResformerLM(LM):
 
     def _score(self, reqs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(sum log p(continuation | context), continuation is the greedy one) for token-id pairs."""
+        too_long = [i for i, (_, cont) in enumerate(reqs) if len(cont) > self.max_length]
+        if too_long:
+            # The stock Hugging Face model refuses these too: a continuation cut to its last tokens would be
+            # scored in part, and its number would not be the task's.
+            raise ValueError(f"{len(too_long)} of {len(reqs)} requests have a continuation longer than the context "
+                             f"(max_length={self.max_length} tokens; the longest is "
+                             f"{max(len(reqs[i][1]) for i in too_long)}); they cannot be scored whole. Leave the "
+                             "task out, or use a model with a longer max_seq_len")
         prepared = []
         for ctx, cont in reqs:
             ids = (ctx + cont)[-(self.max_length + 1):]  # keep the continuation, cut the context from the left

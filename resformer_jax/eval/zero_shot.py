@@ -115,12 +115,17 @@ def score_items(items: list[dict], loglik_fn) -> dict:
 def make_loglik_fn(apply_logits, encode, max_len: int, batch: int = 16):
     """Builds loglik_fn from a jitted tokens[B, L] -> log-probs and a tokenizer encode."""
     def loglik(pairs):
-        reqs = []
+        reqs, too_long = [], 0
         for ctx, cont in pairs:
             c_ids, x_ids = encode(ctx), encode(cont)
+            too_long += len(x_ids) > max_len
             ids = (c_ids + x_ids)[-(max_len + 1):]  # keep the continuation, cut the context from the left
             n_cont = min(len(x_ids), len(ids) - 1)
             reqs.append((ids, n_cont))
+        if too_long:  # scored in part, the number would not be the task's (the lm-eval adapter refuses them too)
+            raise TaskError(f"{too_long} of {len(pairs)} choices have a continuation longer than the context "
+                            f"({max_len} tokens); they cannot be scored whole: leave the task out or use a model "
+                            "with a longer max_seq_len")
         out = []
         for b in range(0, len(reqs), batch):
             chunk = reqs[b:b + batch]
@@ -155,7 +160,7 @@ def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
     if tok is None:
         raise FileNotFoundError(f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer")
     _, logprobs = model_logprobs(cfg, params)
-    fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.data.seq_len, batch)
+    fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.model.max_seq_len, batch)  # the context the export declares
     out = {}
     for task in tasks:
         docs = read_task(task_data, task)
