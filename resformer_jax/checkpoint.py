@@ -131,8 +131,12 @@ class Checkpointer:
         )
         self.mngr = ocp.CheckpointManager(
             self.dir, options=opts, item_names=("state", "data", "config", "progress", "fingerprints"),
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
-                           "progress": ocp.JsonCheckpointHandler(), "fingerprints": ocp.JsonCheckpointHandler()})
+            # Every item's handler is registered, the data iterator's (grain) included: Orbax then knows each item
+            # when it reads a checkpoint's metadata or restores only some items (it warned that "data could not
+            # be restored" otherwise, although the data position is restored, through its own restore call).
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+                           "config": ocp.JsonCheckpointHandler(), "progress": ocp.JsonCheckpointHandler(),
+                           "fingerprints": ocp.JsonCheckpointHandler()})
 
     def saved_params_layout(self, step: int) -> dict[str, tuple] | None:
         """{path: shape} of the parameters a checkpoint holds, from its metadata (None if unreadable)."""
