@@ -35,6 +35,7 @@ class RunDir:
             workdir = workdir.workdir
         self.workdir = str(workdir)
         self.path: epath.Path = storage.run_path(self.workdir)  # raises StorageError naming a missing extra
+        storage.probe_access(self.workdir)  # credentials and network, in seconds, before any work
 
     def __str__(self) -> str:
         return self.workdir

@@ -1,0 +1,184 @@
+"""Every command's bad input ends in one line (issue 33): exit code 2, exactly one `error:` line on stderr that names
+the input and the fix, no traceback, nothing written where it should not be (a run directory a command only reads
+stays byte-identical), and object storage without credentials or network answered in seconds."""
+import hashlib
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resformer_jax.commands.training import run
+from resformer_jax.config import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two finished tiny runs (vanilla and SVFormer) in one sweep-like folder."""
+    root = tmp_path_factory.mktemp("runs")
+    for v in ("none", "svformer"):
+        c = tiny_config(v)
+        c.train.steps, c.train.log_every, c.train.warmup_steps, c.mesh.num_devices = 4, 1, 1, 1
+        assert run(c, str(root / v)) == 0
+    return root
+
+
+def _digest(folder: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(folder)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _one_line(args, cwd, env=None, bound_s=60):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    took = time.perf_counter() - t
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (args, r.returncode, r.stderr[-3000:])
+    assert took < bound_s, f"{args}: {took:.1f} s"
+    return errors[0]
+
+
+CASES = [
+    # (name, command args with {run}/{runs}/{file}/{other}/{tmp} placeholders, words the line must hold)
+    ("sweep workdir is a file", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={file}",
+                                 "--set", "train.seed=0,1"], ["is a file", "folder"]),
+    ("sweep duplicated value", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={tmp}/sw", "--slurm",
+                                "--set", "train.seed=0,0"], ["more than once"]),
+    ("sweep colliding names", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={tmp}/sw", "--slurm",
+                               "--set", "data.path=a/b,a-b"], ["same run directory"]),
+    ("sweep value the config rejects", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={tmp}/sw",
+                                        "--slurm", "--set", "model.num_heads=4,5"], ["num_heads", "divide"]),
+    ("compare --out a file", ["resformer_jax.compare", "--baseline", "{run}", "{other}",
+                                                               "--out={file}"], ["--out", "is a file"]),
+    ("compare negative smooth", ["resformer_jax.compare", "--baseline", "{run}", "{other}", "--out={tmp}/c",
+                                 "--smooth=-5"], ["--smooth", "at least 1"]),
+    ("compare invalid config.json", ["resformer_jax.compare", "{badcfg}", "--group_by", "model.value_residual",
+                                     "--baseline", "none"], ["config.json", "not valid JSON"]),
+    ("compare empty metrics", ["resformer_jax.compare", "--baseline", "{run}", "{empty}", "--out={tmp}/c"],
+     ["no training loss"]),
+    ("analyze zero sequences", ["resformer_jax.analyze", "--workdir={run}", "--num_sequences=0"], ["--num_sequences"]),
+    ("generate negative tokens", ["resformer_jax.generate", "--workdir={run}", "--prompt_ids=1,2",
+                                  "--max_new_tokens=-3"], ["--max_new_tokens"]),
+    ("generate id outside vocab", ["resformer_jax.generate", "--workdir={run}", "--prompt_ids=1,256"],
+     ["256", "vocabulary"]),
+    ("export into another run", ["resformer_jax.export", "--workdir={run}", "--out={other}"], ["run directory"]),
+    ("export into its own run", ["resformer_jax.export", "--workdir={run}", "--out={run}"], ["run directory"]),
+    ("export into a non-empty folder", ["resformer_jax.export", "--workdir={run}", "--out={nonempty}"],
+     ["not empty"]),
+    ("bench attention bad shape", ["resformer_jax.bench", "attention", "--shapes=1,2,3"], ["--shapes"]),
+]
+
+
+@pytest.mark.parametrize("name,args,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, name, args, words):
+    runs = tmp_path / "runs"
+    shutil.copytree(trained, runs)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "nonempty").mkdir()
+    (tmp_path / "nonempty" / "notes.txt").write_text("keep me")
+    bad = tmp_path / "bad"
+    shutil.copytree(runs / "svformer", bad / "svformer")
+    (bad / "svformer" / "config.json").write_text("{bad")
+    empty = tmp_path / "empty"
+    shutil.copytree(runs / "svformer", empty)
+    (empty / "metrics.jsonl").write_text("")
+    subs = {"{run}": str(runs / "none"), "{other}": str(runs / "svformer"), "{file}": str(tmp_path / "afile"),
+            "{tmp}": str(tmp_path), "{badcfg}": str(bad), "{empty}": str(empty), "{nonempty}": str(tmp_path / "nonempty")}
+    args = [a for a in args]
+    for i, a in enumerate(args):
+        for k, v in subs.items():
+            a = a.replace(k, v)
+        args[i] = a
+    before = _digest(runs)
+    line = _one_line(args, cwd=ROOT)
+    for w in words:
+        assert w in line, f"{name}: {line!r} lacks {w!r}"
+    assert _digest(runs) == before, f"{name} changed a run directory"
+    assert not (tmp_path / "sw").exists(), f"{name} wrote a sweep folder"
+    assert (tmp_path / "nonempty" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (tmp_path / "nonempty").iterdir()) == ["notes.txt"]
+
+
+def test_a_partial_last_metrics_line_is_read_without_it(trained, tmp_path):
+    """A run training now (or killed mid-write) ends its metrics.jsonl in half a line: compare reads the rest."""
+    runs = tmp_path / "runs"
+    shutil.copytree(trained, runs)
+    with open(runs / "svformer" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train/lo')
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", "--baseline", str(runs / "none"),
+                        str(runs / "svformer"), f"--out={tmp_path / 'c'}", "--smooth=1"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 0 and "last line is incomplete" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "final relative train loss" in r.stdout
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_cloud_env(home) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "STORAGE_EMULATOR",
+                                                                       "CLOUDSDK", "TENSORSTORE_GCS"))}
+    return {**env, "HOME": str(home), "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+CLOUD_CASES = [
+    ("gs without credentials", "gs://bkt/run", {}, ["no Google Cloud credentials", "GOOGLE_APPLICATION_CREDENTIALS"]),
+    ("s3 without credentials", "s3://bkt/run", {}, ["no AWS credentials", "AWS_ACCESS_KEY_ID"]),
+    ("gs endpoint unreachable", "gs://bkt/run", {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:{port}"},
+     ["cannot reach", "127.0.0.1"]),
+    ("s3 endpoint unreachable", "s3://bkt/run", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                                                  "AWS_ENDPOINT_URL": "http://127.0.0.1:{port}"}, ["cannot reach"]),
+    ("s3 unknown host", "s3://bkt/run", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                                          "AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000"}, ["cannot resolve"]),
+]
+
+
+@pytest.mark.parametrize("name,workdir,env,words", CLOUD_CASES, ids=[c[0] for c in CLOUD_CASES])
+def test_object_storage_without_credentials_or_network_is_one_line_in_seconds(tmp_path, name, workdir, env, words):
+    pytest.importorskip("gcsfs" if workdir.startswith("gs") else "s3fs",
+                        reason="the cloud clients come with the test extra: pip install -e '.[test]'")
+    port = _closed_port()
+    env = {**_no_cloud_env(tmp_path / "home"), **{k: v.replace("{port}", str(port)) for k, v in env.items()}}
+    line = _one_line(["resformer_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", f"--workdir={workdir}"],
+                     cwd=tmp_path, env=env, bound_s=15)
+    for w in words:
+        assert w in line, f"{name}: {line!r}"
+    assert not list(tmp_path.iterdir()), f"{name}: created {list(tmp_path.iterdir())} locally"
+
+
+def test_s3_credentials_an_emulator_refuses_are_one_line(tmp_path):
+    """moto's server with authentication on (INITIAL_NO_AUTH_ACTION_COUNT=0) refuses unknown keys."""
+    pytest.importorskip("moto", reason="the S3 emulator comes with the test extra: pip install -e '.[test]'")
+    pytest.importorskip("s3fs", reason="the S3 client comes with the test extra: pip install -e '.[test]'")
+    port = _closed_port()
+    log = open(tmp_path / "moto.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        env = {**_no_cloud_env(tmp_path / "home"), "AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong",
+               "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        line = _one_line(["resformer_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", "--workdir=s3://bkt/run"],
+                         cwd=tmp_path, env=env, bound_s=15)
+        assert "refused" in line and "AWS_ACCESS_KEY_ID" in line, line
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["moto.log"], "created something locally"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
