@@ -29,14 +29,33 @@ for ((i = 0; i < N; i++)); do
 done
 tail -n +1 -f "$WORKDIR/logs/process_0.log" --pid="${pids[0]}" &
 tailpid=$!
-status=0
-for ((i = 0; i < N; i++)); do
-  wait "${pids[$i]}"; rc=$?
-  while [ $rc -gt 128 ] && kill -0 "${pids[$i]}" 2>/dev/null; do wait "${pids[$i]}"; rc=$?; done
+index_of() { for ((j = 0; j < N; j++)); do [ "${pids[$j]}" = "$1" ] && echo $j; done; }
+describe() {  # an exit status in words
+  if [ "$1" -gt 128 ]; then echo "killed by signal $(($1 - 128)) (SIG$(kill -l $(($1 - 128)) 2>/dev/null || echo '?'))";
+  else echo "exit status $1"; fi
+}
+status=0; first=""; first_rc=0; aborted=0
+running=("${pids[@]}")
+while [ ${#running[@]} -gt 0 ]; do
+  # (wait's stderr: bash's own "Aborted ..." job notice; the line below says it once, in words)
+  wait -n -p done_pid "${running[@]}" 2>/dev/null; rc=$?
+  [ -z "${done_pid:-}" ] && break
+  i=$(index_of "$done_pid")
+  running=(${running[@]/$done_pid})
   if [ $rc -ne 0 ]; then
-    echo "process $i exited with $rc (log: $WORKDIR/logs/process_$i.log)" >&2
+    echo "process $i: $(describe $rc) (log: $WORKDIR/logs/process_$i.log)" >&2
+    if [ -z "$first" ]; then first=$i; first_rc=$rc; elif [ $rc -eq 134 ]; then aborted=1; fi
     status=$rc
   fi
+  unset done_pid
 done
 wait $tailpid 2>/dev/null
+# A process that died (a signal, or the coordination service's abort) takes the others with it: say which went first.
+if [ -n "$first" ] && { [ $first_rc -gt 128 ] || [ $aborted -eq 1 ]; }; then
+  step=$(ls "$WORKDIR/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+  hb=$(printf '%s\n' "$@" | sed -n 's/^--config.distributed.heartbeat_timeout_s=//p' | tail -1)
+  echo "error: process $first died first ($(describe $first_rc)); the other processes were stopped by JAX's" \
+    "coordination service once its heartbeats stopped (config.distributed.heartbeat_timeout_s=${hb:-100} s)." \
+    "Rerun the same command to resume from ${step:+step $step, }the newest checkpoint in $WORKDIR/checkpoints" >&2
+fi
 exit $status

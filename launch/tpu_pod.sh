@@ -53,5 +53,18 @@ if [ -n "${DATA_FROM:-}" ]; then
 fi
 
 ARGS=$(printf ' %q' "$@")
+# Each worker's exit status is reported with its name, so the one line at the end can say which failed.
+set +e
 ssh_all "cd resformer_jax && .venv/bin/python -m resformer_jax.main --config=$CONFIG --workdir=$WORKDIR \
-  --config.mesh.data=-1 $ARGS 2>&1 | tee -a train_\$(hostname).log"
+  --config.mesh.data=-1 $ARGS 2>&1 | tee -a train_\$(hostname).log; rc=\${PIPESTATUS[0]};
+  [ \$rc -ne 0 ] && echo \"worker \$(hostname) exited with \$rc\" >&2; exit \$rc" 2> >(tee /tmp/resformer_tpu_err.$$ >&2)
+rc=$?
+set -e
+if [ $rc -ne 0 ]; then
+  first=$(grep -m1 -E '^worker .* exited with' /tmp/resformer_tpu_err.$$ || true)
+  echo "error: ${first:+$first first; }the other workers were stopped by JAX's coordination service (after" \
+    "config.distributed.heartbeat_timeout_s without heartbeats) or by gcloud. Rerun this same command to resume" \
+    "from the newest checkpoint in $WORKDIR (logs: train_<hostname>.log on each worker)" >&2
+fi
+rm -f /tmp/resformer_tpu_err.$$
+exit $rc

@@ -125,6 +125,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.device_memory_limit_gb = 0.0  # >0: refuse steps needing more per device.
     c.mesh.target = ""  # the hardware a preset is sized for, e.g. "8x H100 80GB" (reported by --mode=summary)
 
+    # Multi-host (jax.distributed): how long JAX's coordination service waits. A process that stops sending
+    # heartbeats for heartbeat_timeout_s is declared dead and every other process is stopped (so a surviving host
+    # lives on about that long after a peer dies); initialization_timeout_s bounds the wait for all processes to
+    # join at start-up.
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.heartbeat_timeout_s = 100
+    c.distributed.initialization_timeout_s = 300
+
     c.checkpoint = k = ml_collections.ConfigDict()
     k.every_steps = 1000
     k.max_to_keep = 3
@@ -363,6 +371,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
         _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
+    for field in ("heartbeat_timeout_s", "initialization_timeout_s"):
+        if int(c.distributed[field]) < 1:
+            _fail(f"distributed.{field}", f"{c.distributed[field]} is not a positive number of seconds",
+                  "use at least 1 (defaults: heartbeat 100, initialization 300)")
     return c
 
 

@@ -100,3 +100,48 @@ def test_bad_mesh_and_batch_messages(tmp_path, capsys):
     c.model.num_heads = 2
     assert run(c, str(tmp_path)) == 2
     assert "model.d_model=68 does not divide" in capsys.readouterr().err
+
+
+def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same_losses(tmp_path):
+    """2 processes x 2 CPU devices; process 1 SIGKILLed after the first checkpoint. Process 0 is stopped by JAX's
+    coordination service within the (shortened) heartbeat timeout, the launcher's last line names the process that
+    died first and the step to resume from, and the same command rerun finishes with the losses of a run that was
+    never interrupted (here: one device, which the multi-process run matches, test above)."""
+    import signal
+    import time
+    from resformer_jax.metrics import read_jsonl
+    steps, every = 40, 10
+    flags = ["--config.model.num_kv_heads=2", f"--config.train.steps={steps}", "--config.train.log_every=1",
+             "--config.train.eval_every=1000", f"--config.checkpoint.every_steps={every}",
+             "--config.distributed.heartbeat_timeout_s=5"]
+    wd = str(tmp_path / "mp")
+    env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
+    env.pop("XLA_FLAGS", None)
+    cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = os.path.join(wd, "checkpoints", str(every))
+    deadline = time.time() + 240
+    while not os.path.isdir(ckpt) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    assert os.path.isdir(ckpt), "no checkpoint appeared"
+    pid1 = subprocess.run(["pgrep", "-f", "--", f"--workdir={wd} .*--process_id=1"], capture_output=True, text=True).stdout.split()
+    assert pid1, "process 1 already gone"
+    os.kill(int(pid1[0]), signal.SIGKILL)
+    killed = time.time()
+    out, err = p.communicate(timeout=120)
+    assert time.time() - killed < 60, "the surviving process outlived the heartbeat timeout by far"
+    assert p.returncode != 0
+    last = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(last) == 1 and "process 1 died first" in last[0] and "SIGKILL" in last[0], err[-2000:]
+    assert "heartbeat_timeout_s=5" in last[0] and "resume from step" in last[0], last[0]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "resumed from step" in r.stdout
+    resumed = read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss")
+    one = str(tmp_path / "one")
+    c = cfg(steps=steps, num_devices=1, data=1, fsdp=1)
+    c.checkpoint.every_steps = every
+    assert run(c, one) == 0
+    want = read_jsonl(os.path.join(one, "metrics.jsonl"), "train/loss")
+    assert sorted(resumed) == list(range(1, steps + 1))
+    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [want[s] for s in sorted(want)], rtol=1e-5, atol=1e-5)

@@ -17,17 +17,22 @@ class MeshError(UserError, ValueError):
     """A mesh or sharding that cannot work; the message names the field and the fix."""
 
 
-def maybe_initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):
-    """jax.distributed.initialize(): from flags, or auto-detected on TPU pods and under SLURM."""
+def maybe_initialize_distributed(coordinator_address=None, num_processes=None, process_id=None,
+                                 heartbeat_timeout_s: int = 100, initialization_timeout_s: int = 300):
+    """jax.distributed.initialize(): from flags, or auto-detected on TPU pods and under SLURM, with the
+    coordination service's timeouts (config.distributed: how long a dead peer goes unnoticed, how long start-up
+    waits for every process)."""
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
+    timeouts = {"heartbeat_timeout_seconds": int(heartbeat_timeout_s),
+                "initialization_timeout": int(initialization_timeout_s)}
     if coordinator_address:
         jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id)
+                                   process_id=process_id, **timeouts)
     elif "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()  # JAX reads SLURM's environment
+        jax.distributed.initialize(**timeouts)  # JAX reads SLURM's environment
     elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()  # TPU pod: auto-detected
+        jax.distributed.initialize(**timeouts)  # TPU pod: auto-detected
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

@@ -39,7 +39,8 @@ def _get(d: dict, dotted: str):
 
 class Trainer:
     def __init__(self, cfg, run: RunDir | str, coordinator_address=None, num_processes=None, process_id=None):
-        maybe_initialize_distributed(coordinator_address, num_processes, process_id)
+        maybe_initialize_distributed(coordinator_address, num_processes, process_id,
+                                     cfg.distributed.heartbeat_timeout_s, cfg.distributed.initialization_timeout_s)
         self.run = RunDir(run)
         self.workdir = self.run.workdir
         self.is_main = jax.process_index() == 0
