@@ -44,7 +44,7 @@ while [ ${#running[@]} -gt 0 ]; do
   running=(${running[@]/$done_pid})
   if [ $rc -ne 0 ]; then
     echo "process $i: $(describe $rc) (log: $WORKDIR/logs/process_$i.log)" >&2
-    if [ -z "$first" ]; then first=$i; first_rc=$rc; elif [ $rc -eq 134 ]; then aborted=1; fi
+    if [ -z "$first" ]; then first=$i; first_rc=$rc; elif [ $rc -eq 134 ] || [ $rc -eq 4 ]; then aborted=1; fi
     status=$rc
   fi
   unset done_pid
@@ -54,8 +54,8 @@ wait $tailpid 2>/dev/null
 if [ -n "$first" ] && { [ $first_rc -gt 128 ] || [ $aborted -eq 1 ]; }; then
   step=$(ls "$WORKDIR/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
   hb=$(printf '%s\n' "$@" | sed -n 's/^--config.distributed.heartbeat_timeout_s=//p' | tail -1)
-  echo "error: process $first died first ($(describe $first_rc)); the other processes were stopped by JAX's" \
-    "coordination service once its heartbeats stopped (config.distributed.heartbeat_timeout_s=${hb:-100} s)." \
+  echo "error: process $first died first ($(describe $first_rc)); the others stopped with it (a collective with it" \
+    "failed, or JAX's coordination service stopped them after config.distributed.heartbeat_timeout_s=${hb:-100} s)." \
     "Rerun the same command to resume from ${step:+step $step, }the newest checkpoint in $WORKDIR/checkpoints" >&2
 fi
 exit $status
