@@ -43,7 +43,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     c.model = m = ml_collections.ConfigDict()
-    m.arch = "llama"  # llama: RMSNorm, SwiGLU, RoPE, untied head | gpt2: LayerNorm, GELU MLP, learned positions, tied
+    m.arch = "llama"  # llama: RMSNorm, SwiGLU, RoPE | gpt2: LayerNorm, GELU MLP, learned positions, biases
     m.vocab_size = 50277
     m.num_layers = 8
     m.num_heads = 8
@@ -54,6 +54,15 @@ def base_config() -> ml_collections.ConfigDict:
     m.rope_theta = 10000.0
     m.norm_eps = 1e-5
     m.init_std = 0.02
+    # Paper Table 4: "Tie Word Embedding: False", for every architecture (the authors' GPT-2 run is untied too,
+    # 77.75M parameters at the 82M shape); True reads the logits off the input embedding (GPT-2's original form).
+    m.tie_embeddings = False
+    # GPT-2's (and Hugging Face GPT2Config's) init of the output projections (attention out, MLP down):
+    # std init_std / sqrt(2 * num_layers). Off: every matrix normal(0, init_std), as the paper's Llama runs.
+    m.scaled_output_init = False
+    # Dropout on the embeddings and on each residual branch's output (GPT-2's embd_pdrop and resid_pdrop; the
+    # attention probabilities are not dropped: the fused kernels have no such input). The paper's text: 0.
+    m.dropout = 0.0
     m.value_residual = "none"
     m.resformer_lambdas = "fixed"  # fixed | learnable | learnable_plus | sparse
     m.lambda_init = (0.5, 0.5)  # (l1 on the earlier value, l2 on V_n), Eq. 7.
@@ -229,12 +238,22 @@ def uses_rope(m) -> bool:
 
 
 def ties_embeddings(m) -> bool:
-    """GPT-2 reads its logits off the input embedding; the Llama-like model has its own head."""
-    return arch(m) == "gpt2"
+    """Whether the logits are read off the input embedding (model.tie_embeddings)."""
+    return bool(m.get("tie_embeddings", False) if hasattr(m, "get") else getattr(m, "tie_embeddings", False))
+
+
+def output_init_std(m) -> float:
+    """The init std of the output projections (attention out, MLP down): GPT-2's scaled form when asked."""
+    scaled = m.get("scaled_output_init", False) if hasattr(m, "get") else getattr(m, "scaled_output_init", False)
+    return m.init_std / (2 * m.num_layers) ** 0.5 if scaled else m.init_std
 
 
 def with_defaults(saved: dict) -> dict:
-    """A saved config dict with the fields added since it was saved filled in from base_config()."""
+    """A saved config dict with the fields added since it was saved filled in from base_config(). A GPT-2 run
+    saved before `tie_embeddings` existed was tied (its checkpoints hold no lm_head)."""
+    model = saved.get("model", {}) if isinstance(saved, dict) else {}
+    if isinstance(model, dict) and model.get("arch") == "gpt2" and "tie_embeddings" not in model:
+        saved = {**saved, "model": {**model, "tie_embeddings": True}}
     def merge(base, over):
         out = dict(base)
         for k, v in over.items():
@@ -297,6 +316,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                       ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)]:
         if not isinstance(val, int) or val <= 0:
             _fail(f"model.{name}", f"must be a positive integer, got {val!r}", "set a positive integer")
+    if not 0.0 <= float(m.dropout) < 1.0:
+        _fail("model.dropout", f"{m.dropout} is not a probability below 1", "use 0 (the paper) or e.g. 0.1 (GPT-2)")
     if m.d_model % m.num_heads:
         _fail("model.num_heads", f"{m.num_heads} heads do not divide d_model={m.d_model}",
               "choose num_heads dividing d_model")
@@ -387,7 +408,7 @@ def neutreno_lambda(m) -> float:
 # A resumed run may change how the model runs (these model fields), and anything outside
 # `model` (steps, lr, logging, eval, mesh); not the model's equations or parameters. Whether the
 # parameters still fit is checked against the checkpoint's own tree (train/loop.py).
-RUNTIME_MODEL_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "model.max_seq_len")
+RUNTIME_MODEL_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "model.max_seq_len", "model.dropout")
 
 
 def apply_ablation(c: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:

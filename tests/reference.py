@@ -183,7 +183,8 @@ def gelu_tanh(x):
 
 def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
     """GPT-2 (Radford et al. 2019) with the value residual: LayerNorm, GELU (tanh) MLP, learned absolute
-    positions, biases, logits off the tied input embedding; no RoPE. Written from GPT-2's definition."""
+    positions, biases, logits off the tied input embedding (or an lm_head where the params hold one, untied as
+    paper Table 4); no RoPE. Written from GPT-2's definition."""
     T = tokens.shape[1]
     h = p["embed"]["embedding"][tokens] + p["pos_embed"][:T][None]
     V1 = None
@@ -209,7 +210,7 @@ def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
         mlp = lp["mlp"]
         h = h + gelu_tanh(y @ mlp["up"]["kernel"] + mlp["up"]["bias"]) @ mlp["down"]["kernel"] + mlp["down"]["bias"]
     h = layernorm(h, p["final_norm"]["scale"], p["final_norm"]["bias"])
-    return h @ p["embed"]["embedding"].T
+    return h @ (p["lm_head"]["kernel"] if "lm_head" in p else p["embed"]["embedding"].T)
 
 
 def hf_llama_forward_numpy(sd, cfg, tokens):

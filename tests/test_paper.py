@@ -86,16 +86,17 @@ def test_critical_point_found_or_predicted_and_exponential_fit():
     assert abs(a - 300) < 1e-6 and abs(b - 2e-4) < 1e-12
 
 
-@pytest.mark.parametrize("mode", ["none", "resformer", "svformer"])
-def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode):
-    """Fig. 12 c/d: model.arch=gpt2 against tests/reference.py's GPT-2, unrolled and scanned."""
+@pytest.mark.parametrize("mode,tie", [("none", True), ("resformer", True), ("svformer", True), ("svformer", False)])
+def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
+    """Fig. 12 c/d: model.arch=gpt2 against tests/reference.py's GPT-2, unrolled and scanned (tied, GPT-2's form,
+    and untied, paper Table 4's)."""
     import flax.linen as nn
     import jax
     import reference as ref
     from resformer_jax.config import tiny_config, validate
     from resformer_jax.model import Transformer
     c = tiny_config(mode)
-    c.model.arch, c.model.scan_layers = "gpt2", False
+    c.model.arch, c.model.scan_layers, c.model.tie_embeddings = "gpt2", False, tie
     validate(c)
     model = Transformer(c.model)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
@@ -104,7 +105,7 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode):
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape)
         if path[-1].key == "bias" else x, params)
-    assert "lm_head" not in params and params["pos_embed"].shape == (c.model.max_seq_len, c.model.d_model)
+    assert ("lm_head" not in params) == tie and params["pos_embed"].shape == (c.model.max_seq_len, c.model.d_model)
     want = ref.forward_gpt2(params, tokens, mode, c.model.num_layers)
     np.testing.assert_allclose(jax.jit(model.apply)({"params": params}, tokens), want, atol=2e-5, rtol=2e-5)
     c.model.scan_layers = True
@@ -132,3 +133,61 @@ def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
         state, m = step(state, tokens)
         losses.append(float(m["loss"]))
     assert losses[-1] < losses[0], losses
+
+
+def test_gpt2_at_the_82m_shape_is_untied_as_table_4_with_the_tied_form_on_request():
+    """The authors' GPT-2 run: 77.75M parameters untied (their "78M"); tied (GPT-2's original form): 52.0M. The
+    count the summary prints is the one the model builds."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from resformer_jax.commands.common import load_config_file
+    from resformer_jax.model import Transformer
+    from resformer_jax.perf import summary
+    for tie, want in ((False, 77_752_320), (True, 52_010_496)):
+        c = load_config_file(os.path.join(ROOT, "configs", "gpt2_82m.py") + ":none")
+        c.model.tie_embeddings = tie
+        shapes = jax.eval_shape(Transformer(c.model).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+        built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+        assert summary(c)["params_total"] == built == want, (tie, built)
+
+
+def test_gpt2_scaled_output_init_and_dropout():
+    """scaled_output_init: the attention and MLP output projections start at std init_std/sqrt(2L) (GPT-2's init);
+    dropout: active in training only, a function of (seed, step) (two runs agree bitwise), and it changes the
+    loss against dropout 0."""
+    import flax.linen as nn
+    import jax
+    import optax
+    from resformer_jax.config import tiny_config
+    from resformer_jax.model import Transformer
+    from resformer_jax.train.step import init_state, loss_fn, make_train_step
+    c = tiny_config("svformer")
+    c.model.arch, c.model.scan_layers, c.model.scaled_output_init = "gpt2", False, True
+    c.model.d_model, c.model.ffn_dim = 128, 512
+    model = Transformer(c.model)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, c.model.vocab_size)
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"])
+    want = c.model.init_std / np.sqrt(2 * c.model.num_layers)
+    for n in range(1, c.model.num_layers + 1):
+        for w in (params[f"layer_{n}"]["attn"]["out"]["kernel"], params[f"layer_{n}"]["mlp"]["down"]["kernel"]):
+            assert abs(float(np.std(w)) - want) < 0.1 * want, (n, float(np.std(w)), want)
+        assert abs(float(np.std(params[f"layer_{n}"]["mlp"]["up"]["kernel"])) - c.model.init_std) < 0.002
+
+    def losses(dropout):
+        c.model.dropout = dropout
+        m = Transformer(c.model)
+        tx = optax.adam(3e-3)
+        state = nn.unbox(jax.jit(lambda r: init_state(m, tx, r, 16))(jax.random.PRNGKey(0)))
+        step = jax.jit(make_train_step(m, tx, 2, dropout_seed=7))
+        out = []
+        for _ in range(3):
+            state, metrics = step(state, tokens)
+            out.append(float(metrics["loss"]))
+        evals = [float(jax.jit(lambda p: loss_fn(p, m, tokens))(state.params)) for _ in range(2)]
+        return out, evals
+    with_dropout, evals = losses(0.2)
+    assert losses(0.2) == (with_dropout, evals)  # a function of (seed, step): resumes drop the same units
+    assert evals[0] == evals[1]  # evaluation never drops
+    without, _ = losses(0.0)
+    assert with_dropout[0] != without[0]

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from resformer_jax import kernels
-from resformer_jax.config import (arch, head_dim, mixes_values, neutreno_lambda, num_kv_heads, shares_first_value,
-                                  uses_neutreno, uses_rope)
+from resformer_jax.config import (arch, head_dim, mixes_values, neutreno_lambda, num_kv_heads, output_init_std,
+                                  shares_first_value, uses_neutreno, uses_rope)
 from resformer_jax.model.layers import DenseGeneral, rope
 
 
@@ -313,7 +313,7 @@ class Attention(nn.Module):
             u_BxTxHxD = eq8_neutreno(u_BxTxHxD, first.v, v_att_BxTxKxD, p.neutreno)
 
         out_BxTxE = DenseGeneral((x_BxTxE.shape[-1],), ("q_heads", "head_dim", "embed"), in_dims=2,
-                                 std=m.init_std, dtype=dtype, use_bias=bias, name="out")(u_BxTxHxD.astype(dtype))
+                                 std=output_init_std(m), dtype=dtype, use_bias=bias, name="out")(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
 
     def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):

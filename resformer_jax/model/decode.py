@@ -88,6 +88,9 @@ class FrozenModelConfig:
     def __getitem__(self, name):
         return self._d[name]
 
+    def get(self, name, default=None):
+        return self._d.get(name, default)
+
     def __hash__(self):
         return hash(self._key)
 

@@ -177,13 +177,14 @@ class SwiGLU(nn.Module):
     ffn_dim: int
     std: float = 0.02
     dtype: Dtype = jnp.float32
+    out_std: float | None = None  # the down projection's init std (None: std)
 
     @nn.compact
     def __call__(self, x_BxTxE):
         E, F = x_BxTxE.shape[-1], self.ffn_dim
         wg_ExF = Kernel((E, F), ("embed", "mlp"), self.std, name="gate")()
         wu_ExF = Kernel((E, F), ("embed", "mlp"), self.std, name="up")()
-        wd_FxE = Kernel((F, E), ("mlp", "embed"), self.std, name="down")()
+        wd_FxE = Kernel((F, E), ("mlp", "embed"), self.std if self.out_std is None else self.out_std, name="down")()
         y_NxE = swiglu_mlp(x_BxTxE.reshape(-1, E), wg_ExF, wu_ExF, wd_FxE, jnp.dtype(self.dtype))
         return y_NxE.reshape(x_BxTxE.shape[:-1] + (E,))
 
@@ -209,14 +210,15 @@ class GeluMLP(nn.Module):
     ffn_dim: int
     std: float = 0.02
     dtype: Dtype = jnp.float32
+    out_std: float | None = None  # the down projection's init std (None: std)
 
     @nn.compact
     def __call__(self, x_BxTxE):
         h_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, use_bias=True,
                                name="up")(x_BxTxE)
         h_BxTxF = jax.nn.gelu(h_BxTxF, approximate=True)
-        return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std, dtype=self.dtype, use_bias=True,
-                            name="down")(h_BxTxF)
+        return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std if self.out_std is None else
+                            self.out_std, dtype=self.dtype, use_bias=True, name="down")(h_BxTxF)
 
 
 class Embed(nn.Module):

@@ -21,7 +21,7 @@ import numpy as np
 
 from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
 from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
-from resformer_jax.config import arch, ties_embeddings
+from resformer_jax.config import arch, output_init_std, ties_embeddings
 from resformer_jax.model.layers import DenseGeneral, Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal_init
 
 
@@ -32,7 +32,17 @@ def norm(m, dtype, name: str) -> nn.Module:
 
 def mlp(m, dtype) -> nn.Module:
     """SwiGLU (Llama) or GELU (GPT-2)."""
-    return (GeluMLP if arch(m) == "gpt2" else SwiGLU)(m.ffn_dim, m.init_std, dtype, name="mlp")
+    return (GeluMLP if arch(m) == "gpt2" else SwiGLU)(m.ffn_dim, m.init_std, dtype, out_std=output_init_std(m),
+                                                       name="mlp")
+
+
+def dropout(module: nn.Module, m, x):
+    """GPT-2's embedding and residual dropout (model.dropout); active only when the caller passes a dropout rng
+    (training), never in evaluation, decoding or analysis."""
+    rate = float(m.get("dropout", 0.0))
+    if rate <= 0 or not module.has_rng("dropout"):
+        return x
+    return nn.Dropout(rate, deterministic=False)(x)
 
 
 def output_embedding(params, m):
@@ -77,9 +87,9 @@ class DecoderBlock(nn.Module):
         h_BxTxE = carry.h
         x_BxTxE = norm(m, dtype, "attn_norm")(h_BxTxE)
         attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(x_BxTxE, ctx, carry, lam_2)
-        h_BxTxE = h_BxTxE + attn_out
+        h_BxTxE = h_BxTxE + dropout(self, m, attn_out)
         y_BxTxE = norm(m, dtype, "mlp_norm")(h_BxTxE)
-        h_BxTxE = h_BxTxE + mlp(m, dtype)(y_BxTxE)
+        h_BxTxE = h_BxTxE + dropout(self, m, mlp(m, dtype)(y_BxTxE))
         if self.capture:
             self.sow("intermediates", "hidden", h_BxTxE)
         if plan.first:
@@ -132,6 +142,7 @@ class Transformer(nn.Module):
             pos_PxE = self.param("pos_embed", normal_init(m.init_std, None, "embed"), (m.max_seq_len, m.d_model),
                                  jnp.float32)
             h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
+        h_BxTxE = dropout(self, m, h_BxTxE)
         if self.capture:
             self.sow("intermediates", "embedding_output", h_BxTxE)
         lams_Nx2 = stack_lambdas(self, m)
@@ -151,7 +162,7 @@ class Transformer(nn.Module):
                 nn.remat(ScannedBlock, policy=remat_policy(m.remat), prevent_cse=False)
                 if m.remat != "none" and not self.decode else ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
-                split_rngs={"params": True},
+                split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, 0),
                 length=m.num_layers - 1,
                 metadata_params={nn.PARTITION_NAME: "layers"},

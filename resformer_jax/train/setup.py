@@ -138,7 +138,7 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     num_micro = t.global_batch // (t.microbatch or t.global_batch)
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
     rep = replicated(mesh)
-    train_step = jax.jit(make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len),
+    train_step = jax.jit(make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len, dropout_seed=t.seed),
                          in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(model, t.loss_chunk_len), in_shardings=(state_sh.params, batch_sh),
                         out_shardings=rep)

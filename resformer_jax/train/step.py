@@ -34,30 +34,41 @@ def init_state(model, tx, rng, seq_len: int):
                       first_nonfinite_step=jnp.full((), -1, jnp.int32))
 
 
-def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN):
+def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN, dropout_rng=None):
     """Sequences hold seq_len + 1 tokens: inputs are [:-1], targets [1:].
 
     chunk_len > 0: the LM head and cross entropy run fused, chunk_len positions
-    at a time (train/loss.py); 0: full logits, then cross entropy.
+    at a time (train/loss.py); 0: full logits, then cross entropy. dropout_rng: training with
+    model.dropout > 0 (evaluation passes none: no dropout).
     """
     inputs_BxT, targets_BxT = tokens_BxTp1[:, :-1], tokens_BxTp1[:, 1:]
+    rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
     if chunk_len <= 0:
-        logits = model.apply({"params": params}, inputs_BxT)
+        logits = model.apply({"params": params}, inputs_BxT, rngs=rngs)
         with jax.named_scope("lm_head_xent"):
             return cross_entropy(logits, targets_BxT)
-    h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True)
+    h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True, rngs=rngs)
     with jax.named_scope("lm_head_xent"):  # named for the step profile (step_profile.py)
         w_ExV = output_embedding(params, model.cfg)
         return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
 
 
-def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_chunk_len: int = DEFAULT_CHUNK_LEN):
-    """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan."""
-    grad_fn = jax.value_and_grad(lambda p, model, t: loss_fn(p, model, t, loss_chunk_len))
+def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_chunk_len: int = DEFAULT_CHUNK_LEN,
+                    dropout_seed: int = 0):
+    """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
+    model.dropout > 0 the dropout key is a function of (seed, step, microbatch), so a resumed run drops the same
+    units as an uninterrupted one."""
+    grad_fn = jax.value_and_grad(lambda p, model, t, r: loss_fn(p, model, t, loss_chunk_len, r))
+    uses_dropout = float(model.cfg.get("dropout", 0.0)) > 0
+
+    def dropout_key(step, micro):
+        if not uses_dropout:
+            return None
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(dropout_seed), step), micro)
 
     def train_step(state: TrainState, tokens_BxTp1):
         if num_microbatches == 1:
-            loss, grads = grad_fn(state.params, model, tokens_BxTp1)
+            loss, grads = grad_fn(state.params, model, tokens_BxTp1, dropout_key(state.step, 0))
         else:
             B = tokens_BxTp1.shape[0]
             M = B // num_microbatches
@@ -66,12 +77,13 @@ def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_
             if batch_sharding is not None:
                 micro_AxMxT = jax.lax.with_sharding_constraint(micro_AxMxT, batch_sharding)
 
-            def body(acc, mb):
-                loss, grads = grad_fn(state.params, model, mb)
+            def body(acc, xs):
+                mb, i = xs
+                loss, grads = grad_fn(state.params, model, mb, dropout_key(state.step, i))
                 return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, micro_AxMxT)
+            (loss, grads), _ = jax.lax.scan(body, zeros, (micro_AxMxT, jnp.arange(num_microbatches)))
             loss, grads = jax.tree.map(lambda x: x / num_microbatches, (loss, grads))
         with jax.named_scope("optimizer"):  # named for the step profile (step_profile.py)
             grad_norm = optax.tree.norm(grads)
