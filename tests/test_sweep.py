@@ -167,7 +167,8 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
                     f.write(json.dumps({"step": step, "eval/loss": loss}) + "\n")
     out = tmp_path / "cmp"
     r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path), "--group_by",
-                        "model.value_residual", "--baseline", "none", "--scaling", "--smooth", "1", "--out", str(out)],
+                        "model.value_residual", "--baseline", "none", "--scaling", "--scaling_loss=validation",
+                        "--smooth", "1", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     sc = json.load(open(out / "grouped_comparison.json"))["scaling"]
@@ -202,3 +203,92 @@ def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path)
     assert cp["32"] == {"critical_step": 30.0, "predicted": False, "final_relative": pytest.approx(0.2)}
     assert cp["64"]["predicted"] and cp["64"]["critical_step"] == pytest.approx(60.0)
     assert cp["fit"]["b"] > 0 and (out / "critical_points.png").is_file()
+
+
+def _synthetic_run(folder, variant, seq_len, losses_by_step, evals=None):
+    from resformer_jax.config import tiny_config
+    c = tiny_config(variant)
+    c.data.seq_len = seq_len
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(c.to_json())
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step, loss in sorted(losses_by_step.items()):
+            f.write(json.dumps({"step": step, "train/loss": loss}) + "\n")
+        for step, loss in sorted((evals or {}).items()):
+            f.write(json.dumps({"step": step, "eval/loss": loss}) + "\n")
+
+
+@pytest.mark.parametrize("log_every", [1, 10])
+def test_critical_step_is_counted_in_training_steps_whatever_log_every(log_every):
+    """Fig. 11: a noise-free crossing at step 2,688 (relative loss linear in the step). Logged every `log_every`
+    steps (each point the mean of the steps since the last), the crossing is found within one logging interval
+    with no further smoothing, and a 100-step window gives the same step for log_every 1 and 10 (within one
+    interval): windows and --last count training steps, not logged points."""
+    at, steps = 2688, 4000
+    per_step = {s: (s - at) / 1000.0 for s in range(1, steps + 1)}
+    logged = {s: float(np.mean([per_step[t] for t in range(s - log_every + 1, s + 1)]))
+              for s in range(log_every, steps + 1, log_every)}
+    base = {s: 0.0 for s in logged}
+    rel = grouping.smoothed(logged, log_every)
+    b = grouping.smoothed(base, log_every)
+    found, predicted = grouping.critical_point(sorted(rel), [rel[s] - b[s] for s in sorted(rel)], last=1000)
+    assert not predicted and abs(found - at) <= log_every, found
+    sm = grouping.smoothed(logged, 100)
+    found100, _ = grouping.critical_point(sorted(sm), [sm[s] for s in sorted(sm)], last=1000)
+    ref = grouping.smoothed(per_step, 100)
+    want100, _ = grouping.critical_point(sorted(ref), [ref[s] for s in sorted(ref)], last=1000)
+    assert abs(found100 - want100) <= log_every and abs(want100 - (at + 49.5)) <= 1, (found100, want100)
+    # a crossing after the run's end is predicted from a line over the last 1,000 training steps
+    early = {s: v for s, v in logged.items() if s <= 2000}
+    step, predicted = grouping.critical_point(sorted(early), [early[s] for s in sorted(early)], last=1000)
+    # (each logged point is the mean of the steps since the last: it sits (log_every - 1) / 2 steps early)
+    assert predicted and abs(step - (at + (log_every - 1) / 2)) < 1e-6 * at, step
+
+
+def test_mixed_lengths_are_refused_as_one_comparison_and_grouped_with_vs(tmp_path):
+    """A folder holding 512- and 2,048-token runs is never merged into one table: without --vs the command names
+    the differing field; with --vs data.seq_len each length is its own comparison (per-length curves)."""
+    for seq_len, gap in ((32, -0.2), (64, -0.1)):
+        for v in ("none", "svformer"):
+            _synthetic_run(tmp_path / "runs" / f"{v}_{seq_len}", v, seq_len,
+                           {s: 5.0 - s / 100 + (gap if v == "svformer" else 0.0) for s in range(1, 41)})
+    cmd = [sys.executable, "-m", "resformer_jax.compare", str(tmp_path / "runs"), "--group_by",
+           "model.value_residual", "--baseline", "none", "--smooth", "1", "--out", str(tmp_path / "cmp")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "data.seq_len" in r.stderr and "--vs" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(cmd + ["--vs", "data.seq_len", "--last", "10"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    groups = json.load(open(tmp_path / "cmp" / "grouped_comparison.json"))["groups"]
+    assert groups["svformer [data.seq_len=32]"]["final_relative"] == pytest.approx(-0.2)
+    assert groups["svformer [data.seq_len=64]"]["final_relative"] == pytest.approx(-0.1)
+
+
+def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_steps(tmp_path):
+    """Fig. 5 middle: loss against model size is the mean training loss of the last 50 training steps (logged
+    every 10 here: the last 5 points), not the final validation loss."""
+    from resformer_jax.config import tiny_config
+    from resformer_jax.perf import model_flops
+    want = {}
+    for v in ("none", "resformer"):
+        for d in (32, 64):
+            c = tiny_config(v)
+            c.model.d_model, c.model.ffn_dim = d, 2 * d
+            run = tmp_path / "runs" / f"{v}_{d}"
+            run.mkdir(parents=True)
+            (run / "config.json").write_text(c.to_json())
+            train = {s: 6.0 - d / 100 - s / 1000 - (0.05 if v == "resformer" else 0) for s in range(10, 201, 10)}
+            with open(run / "metrics.jsonl", "w") as f:
+                for s, loss in train.items():
+                    f.write(json.dumps({"step": s, "train/loss": loss, "eval/loss": loss + 1}) + "\n")
+            n = model_flops(c.model, c.data.seq_len).params_non_embedding
+            want.setdefault(v, {})[n] = np.mean([train[s] for s in (160, 170, 180, 190, 200)])
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path / "runs"), "--group_by",
+                        "model.value_residual", "--baseline", "none", "--scaling", "--smooth", "1", "--out",
+                        str(tmp_path / "cmp")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sc = json.load(open(tmp_path / "cmp" / "grouped_comparison.json"))["scaling"]
+    for v in want:
+        assert sc[v]["loss_measure"] == "train_last50"
+        assert sc[v]["final_loss"] == pytest.approx([want[v][n] for n in sorted(want[v])])
+    assert "last 50 steps" in r.stdout

@@ -16,7 +16,6 @@ import math
 
 import numpy as np
 
-from resformer_jax.analysis.measures import moving_average
 
 
 @dataclasses.dataclass
@@ -36,9 +35,52 @@ def get_field(config: dict, dotted: str):
     return node
 
 
-def smoothed(curve: dict[int, float], window: int) -> dict[int, float]:
-    steps = sorted(curve)
-    return dict(zip(steps, moving_average([curve[s] for s in steps], window)))
+def smoothed(curve: dict[int, float], window_steps: int) -> dict[int, float]:
+    """Trailing moving average over a window of `window_steps` training steps, whatever the logging interval: the
+    value at step s averages the logged points in (s - window_steps, s] (each logged point already averages the
+    steps since the previous one, so with log_every=10 a 100-step window holds 10 points, as the paper's 100-step
+    smoothing of per-step losses does)."""
+    steps = np.array(sorted(curve), np.int64)
+    vals = np.array([curve[s] for s in steps], np.float64)
+    if window_steps <= 1 or len(steps) == 0:
+        return dict(zip(steps.tolist(), vals.tolist()))
+    c = np.concatenate([[0.0], np.cumsum(vals)])
+    lo = np.searchsorted(steps, steps - window_steps, side="right")
+    idx = np.arange(1, len(steps) + 1)
+    return dict(zip(steps.tolist(), ((c[idx] - c[lo]) / (idx - lo)).tolist()))
+
+
+def mean_over_last_steps(curve: dict[int, float], steps: int) -> float:
+    """The mean training loss over the last `steps` training steps (paper Fig. 5 middle: the last 50): the logged
+    points in (last - steps, last], each the mean of the steps since the one before."""
+    s = np.array(sorted(curve), np.int64)
+    keep = s > s[-1] - steps
+    return float(np.mean([curve[int(x)] for x in s[keep]]))
+
+
+# Config fields that do not change what a run computes (bookkeeping, layout, speed): runs may differ in them and
+# still be compared. Any other difference besides the grouping field and the seed is a different experiment.
+NEUTRAL_FIELDS = ("checkpoint.", "mesh.", "distributed.", "data.num_threads", "data.prefetch", "data.tokenizer_hash",
+                  "train.log_every", "train.eval_every", "train.eval_batches", "train.stop_at", "train.microbatch",
+                  "train.loss_chunk_len", "model.attention_impl", "model.remat", "model.scan_layers")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = repr(v)
+    return out
+
+
+def differing_fields(runs: list[RunCurves], exclude: tuple[str, ...]) -> list[str]:
+    """Config fields (dotted) whose values differ across `runs`, besides `exclude` and the neutral fields."""
+    flats = [_flat(r.config) for r in runs]
+    keys = set().union(*flats) if flats else set()
+    return sorted(k for k in keys if not k.startswith(NEUTRAL_FIELDS) and k not in exclude
+                  and len({f.get(k) for f in flats}) > 1)
 
 
 def band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
@@ -175,16 +217,24 @@ def saving(fit_variant, fit_base, xs_base) -> float:
 
 def critical_point(steps, relative, last: int = 1000) -> tuple[float | None, bool]:
     """The step at which the relative training loss (variant - baseline) turns non-negative for good, i.e. the
-    variant is overtaken (paper Sec. 4.6); (step, False) when it happens within the run. When it does not, the
-    paper predicts it by a linear regression over the last `last` points: (predicted step, True), or
+    variant is overtaken (paper Sec. 4.6), interpolated between the logged steps around it; (step, False) when it
+    happens within the run. When it does not, the
+    paper predicts it by a linear regression over the last `last` training steps: (predicted step, True), or
     (None, True) when that line does not rise towards zero."""
     steps, rel = np.asarray(steps, np.float64), np.asarray(relative, np.float64)
     below = np.nonzero(rel < 0)[0]
     if len(below) and below[-1] < len(rel) - 1:
-        return float(steps[below[-1] + 1]), False
+        # between the last logged step below zero and the next one, where the line through them meets zero (a
+        # coarse logging interval does not move the step by a whole interval)
+        i = below[-1]
+        s0, s1, r0, r1 = steps[i], steps[i + 1], rel[i], rel[i + 1]
+        return float(s0 + (s1 - s0) * (-r0) / (r1 - r0)) if r1 != r0 else float(s1), False
     if not len(below):
         return float(steps[0]), False
-    slope, intercept = np.polyfit(steps[-last:], rel[-last:], 1)
+    tail = steps > steps[-1] - last  # the last `last` training steps (whatever the logging interval)
+    if tail.sum() < 2:
+        tail[-2:] = True
+    slope, intercept = np.polyfit(steps[tail], rel[tail], 1)
     if slope <= 0:
         return None, True
     return float(-intercept / slope), True

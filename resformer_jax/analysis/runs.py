@@ -44,13 +44,14 @@ def read_train_loss(run: str) -> dict[int, float]:
 
 
 def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[str, tuple[list, list]]:
-    from resformer_jax.analysis.measures import moving_average
-    bs = sorted(baseline)
-    b_s = dict(zip(bs, moving_average([baseline[s] for s in bs], smooth)))
+    """Each run's training loss minus the baseline's at the steps both logged, each smoothed over a trailing
+    window of `smooth` training steps."""
+    from resformer_jax.analysis.grouping import smoothed
+    b_s = smoothed(baseline, smooth)
     out = {}
     for name, curve in runs.items():
         steps = sorted(curve)
-        sm = dict(zip(steps, moving_average([curve[s] for s in steps], smooth)))
+        sm = smoothed(curve, smooth)
         common = [s for s in steps if s in b_s]
         out[name] = (common, [float(sm[s] - b_s[s]) for s in common])
     return out

@@ -32,14 +32,52 @@ from resformer_jax.commands import common as cli
 from resformer_jax.storage import run_path, save_figure
 
 
+def cohorts(runs, group_by: str, vs: str | None, split_all: bool = False) -> dict[str, list]:
+    """The runs split by `vs` (one comparison per value: Fig. 5 left / Fig. 11 left), after checking that they
+    differ in nothing else but the grouping field and the seed: runs of different experiments are never merged.
+    split_all (--scaling: a sweep over sizes): one comparison per combination of whatever fields differ."""
+    from resformer_jax.analysis import grouping
+    from resformer_jax.analysis.runs import RunsError
+    exclude = (group_by, "train.seed") + ((vs,) if vs else ())
+    differ = grouping.differing_fields(runs, exclude)
+    if differ and not split_all:
+        raise RunsError(f"the runs differ in {', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''} besides "
+                        f"{group_by} and the seed; comparing them as one would merge different experiments. Give "
+                        f"--vs={differ[0]} (one comparison per value), or compare the runs of each value apart")
+    fields = ([vs] if vs else []) + (differ if split_all else [])
+    if not fields:
+        return {"": runs}
+    out: dict = {}
+    for r in runs:
+        try:
+            values = [grouping.get_field(r.config, f) for f in fields]
+        except KeyError as e:
+            raise RunsError(f"--vs {vs}: no such config field in {r.name} ({e})") from None
+        out.setdefault(tuple(values), []).append(r)
+    return {", ".join(f"{f}={v}" for f, v in zip(fields, key)): members
+            for key, members in sorted(out.items(), key=lambda kv: [_sort_key(str(v)) for v in kv[0]])}
+
+
+def _sort_key(v: str):
+    try:
+        return (0, float(v), "")
+    except ValueError:
+        return (1, 0.0, v)
+
+
 def grouped(a) -> int:
     from resformer_jax.analysis import grouping
+    from resformer_jax.analysis.runs import RunsError
     runs = [read_run(r) for r in find_runs(a.runs)]
-    try:
-        res = grouping.compare_groups(runs, a.group_by, a.baseline, a.smooth)
-    except (KeyError, ValueError) as e:
-        print(f"error: --group_by {a.group_by}: {e}", file=sys.stderr)
-        return 2
+    res = {}
+    for label, members in cohorts(runs, a.group_by, a.vs, a.scaling).items():
+        try:
+            found = grouping.compare_groups(members, a.group_by, a.baseline, a.smooth)
+        except KeyError as e:
+            raise RunsError(f"--group_by {a.group_by}: no such config field ({e})") from None
+        except ValueError as e:
+            raise RunsError(f"--group_by {a.group_by}{' at ' + label if label else ''}: {e}") from None
+        res.update({(f"{n} [{label}]" if label else n): g for n, g in found.items()})
     out = run_path(a.out) if a.out else run_path(a.runs[0]) / "compare"
     out.mkdir(parents=True, exist_ok=True)
     import matplotlib
@@ -58,13 +96,20 @@ def grouped(a) -> int:
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss - ({a.group_by}={a.baseline})")
-    ax.set_title(f"relative training loss, smoothed over {a.smooth}; band over seeds")
+    ax.set_title(f"relative training loss, smoothed over {a.smooth} steps; band over seeds")
     ax.legend()
     fig.tight_layout()
     save_figure(fig, out / "relative_train_loss.png")
     plt.close(fig)
     eval_keys = sorted({k for r in runs for k in r.evals})
-    eval_curves = {k: grouping.relative_eval_curves(runs, a.group_by, a.baseline, k) for k in eval_keys}
+    eval_curves = {k: {} for k in eval_keys}
+    for label, members in cohorts(runs, a.group_by, a.vs, a.scaling).items():
+        for k in eval_keys:
+            try:
+                found = grouping.relative_eval_curves(members, a.group_by, a.baseline, k)
+            except ValueError:
+                continue
+            eval_curves[k].update({(f"{n} [{label}]" if label else n): c for n, c in found.items()})
     if eval_keys:
         fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
         for ax, key in zip(axes[0], eval_keys):
@@ -93,7 +138,7 @@ def grouped(a) -> int:
         for key, v in g.final_eval_relative.items():
             print(f"{'':>24} {key}: {v:+.4f}")
     if a.scaling:
-        report["scaling"] = scaling(runs, a.group_by, a.baseline, out)
+        report["scaling"] = scaling(runs, a.group_by, a.baseline, out, a.scaling_loss)
     if a.vs:
         report["critical_points"] = critical_points(runs, a.group_by, a.baseline, a.vs, a.smooth, a.last, out)
     (out / "grouped_comparison.json").write_text(json.dumps(report, indent=1, default=float))
@@ -145,17 +190,24 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
     return res
 
 
-def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
-    """Validation loss against parameters and tokens, a power law per group, and the savings readout."""
+def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_last50") -> dict:
+    """Loss against parameters (Fig. 5 middle: by default the paper's measure, the mean training loss over the last
+    50 training steps; or the final validation loss) and validation loss against tokens, a power law per group,
+    and the savings readout."""
     import matplotlib.pyplot as plt
     import ml_collections
     import numpy as np
     from resformer_jax.analysis import grouping
     from resformer_jax.perf import model_flops
     by_group: dict[str, dict[int, list]] = {}
+
+    def final_loss(r) -> float:
+        if measure == "validation":
+            return r.evals["eval/loss"][max(r.evals["eval/loss"])]
+        return grouping.mean_over_last_steps(r.train, 50)
     for r in runs:
         key = "eval/loss"
-        if not r.evals.get(key):
+        if not r.evals.get(key) or (measure != "validation" and not r.train):
             continue
         m = ml_collections.ConfigDict(r.config["model"])
         n = model_flops(m, r.config["data"]["seq_len"]).params_non_embedding
@@ -165,8 +217,8 @@ def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
     fits_n, fits_d, xs = {}, {}, {}
     for g, sizes in sorted(by_group.items()):
         ns = sorted(sizes)
-        losses = [float(np.mean([r.evals["eval/loss"][max(r.evals["eval/loss"])] for r in sizes[n]])) for n in ns]
-        entry = {"params_non_embedding": ns, "final_validation_loss": losses}
+        losses = [float(np.mean([final_loss(r) for r in sizes[n]])) for n in ns]
+        entry = {"params_non_embedding": ns, "loss_measure": measure, "final_loss": losses}
         if len(ns) >= 2:
             fits_n[g] = grouping.fit_power_law(ns, losses)
             entry["fit_params"] = {"a": fits_n[g][0], "b": fits_n[g][1], "form": "loss = a * N^-b"}
@@ -195,9 +247,11 @@ def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
             print(f"{g} needs {100 * res[g]['fewer_params_for_same_loss']:.2f}% fewer parameters"
                   + (f" and {100 * res[g]['fewer_tokens_for_same_loss']:.2f}% fewer tokens"
                      if "fewer_tokens_for_same_loss" in res[g] else "")
-                  + f" than {baseline} for the same validation loss (fitted power laws)")
+                  + f" than {baseline} for the same loss (fitted power laws; parameters on "
+                  + ("the final validation loss" if measure == "validation" else
+                     "the mean training loss of the last 50 steps, as Fig. 5 middle") + ", tokens on validation loss)")
     ax_n.set_xlabel("non-embedding parameters")
-    ax_n.set_ylabel("final validation loss")
+    ax_n.set_ylabel("final validation loss" if measure == "validation" else "training loss, mean of the last 50 steps")
     ax_d.set_xlabel("training tokens (largest model)")
     for ax in (ax_n, ax_d):
         ax.legend()
@@ -210,10 +264,15 @@ def scaling(runs, group_by: str, baseline: str, out: str) -> dict:
 flags.DEFINE_string("baseline", None, "The vanilla run; with --group_by, the baseline group's value (e.g. none).")
 flags.DEFINE_string("group_by", None, "A config field (e.g. model.value_residual): compare groups.")
 flags.DEFINE_bool("scaling", False, "With --group_by: loss against parameters and tokens.")
-flags.DEFINE_integer("smooth", 100, "Moving-average window in logged points.")
+flags.DEFINE_enum("scaling_loss", "train_last50", ["train_last50", "validation"], "--scaling: the loss plotted against "
+                  "parameters: the mean training loss of the last 50 training steps (paper Fig. 5 middle) or the "
+                  "final validation loss.")
+flags.DEFINE_integer("smooth", 100, "Trailing moving-average window in training steps (whatever train.log_every "
+                     "was: with log_every=10 a 100-step window averages 10 logged points), as the paper's 100 steps.")
 flags.DEFINE_string("vs", None, "With --group_by: a field (e.g. data.seq_len) for Fig. 11 right: the step where the "
                     "baseline overtakes each group, against that field.")
-flags.DEFINE_integer("last", 1000, "--vs: points of the line that predicts a critical point.")
+flags.DEFINE_integer("last", 1000, "--vs: the line that predicts a critical point is fitted over the last this many "
+                     "training steps (the paper: 1,000).")
 flags.DEFINE_string("out", None, "Output folder (grouped default: FIRST_PATH/compare).")
 FLAGS = flags.FLAGS
 
@@ -237,7 +296,7 @@ def main(argv):
     if len(argv) < 2:
         raise app.UsageError("give the runs to compare (with --group_by: runs or sweep directories)")
     a = types.SimpleNamespace(runs=argv[1:], **{k: FLAGS[k].value for k in (
-        "baseline", "group_by", "scaling", "smooth", "vs", "last", "out")})
+        "baseline", "group_by", "scaling", "scaling_loss", "smooth", "vs", "last", "out")})
     with cli.exit_on_user_error():
         check_flags(a)
         if a.group_by:
@@ -262,7 +321,7 @@ def main(argv):
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss - {run_name(a.baseline)}")
-    ax.set_title(f"relative training loss (smoothed over {a.smooth})")
+    ax.set_title(f"relative training loss (smoothed over {a.smooth} steps)")
     ax.legend()
     fig.tight_layout()
     save_figure(fig, out / "relative_train_loss.png")
