@@ -52,6 +52,13 @@ def base_config() -> ml_collections.ConfigDict:
     m.ffn_dim = 1792
     m.max_seq_len = 2048
     m.rope_theta = 10000.0
+    # RoPE scaling, for imported checkpoints (Llama 3.1: llama3, factor 8, low 1, high 4, original 8,192):
+    # default (plain RoPE) | linear | llama3, with Hugging Face's rope_scaling fields.
+    m.rope_type = "default"
+    m.rope_factor = 1.0
+    m.rope_low_freq_factor = 1.0
+    m.rope_high_freq_factor = 4.0
+    m.rope_original_max_position = 8192
     m.norm_eps = 1e-5
     m.init_std = 0.02
     # Paper Table 4: "Tie Word Embedding: False", for every architecture (the authors' GPT-2 run is untied too,
@@ -316,6 +323,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                       ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)]:
         if not isinstance(val, int) or val <= 0:
             _fail(f"model.{name}", f"must be a positive integer, got {val!r}", "set a positive integer")
+    if m.rope_type not in ("default", "linear", "llama3"):
+        _fail("model.rope_type", f"unknown RoPE type {m.rope_type!r}", "use default, linear or llama3")
     if not 0.0 <= float(m.dropout) < 1.0:
         _fail("model.dropout", f"{m.dropout} is not a probability below 1", "use 0 (the paper) or e.g. 0.1 (GPT-2)")
     if m.d_model % m.num_heads:

@@ -15,6 +15,10 @@ def rmsnorm(x, scale, eps=1e-5):
 def rope(x, theta=10000.0):
     T, D = x.shape[1], x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv = llama3_inv_freq_numpy(inv, scaling)
+    elif scaling.get("rope_type", scaling.get("type")) == "linear":
+        inv = inv / scaling["factor"]
     ang = np.arange(T)[:, None] * inv[None]
     sin, cos = np.sin(ang)[None, :, None], np.cos(ang)[None, :, None]
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
@@ -213,6 +217,26 @@ def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
     return h @ (p["lm_head"]["kernel"] if "lm_head" in p else p["embed"]["embedding"].T)
 
 
+def llama3_inv_freq_numpy(inv_freq, rs):
+    """Llama 3.1's RoPE frequency scaling, transcribed from Hugging Face's `_compute_llama3_parameters`
+    (transformers/modeling_rope_utils.py), one frequency at a time as Meta's `apply_scaling` writes it."""
+    import math
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_freq_wavelen:
+            out.append(f)
+        elif wavelen > low_freq_wavelen:
+            out.append(f / factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out, np.float64)
+
+
 def hf_llama_forward_numpy(sd, cfg, tokens):
     """The HF LlamaForCausalLM forward in numpy, from its modeling code: weights as HF stores them ([out, in]),
     RMSNorm as weight * x / sqrt(mean(x^2) + eps), RoPE with rotate_half on the two halves of each head,
@@ -222,7 +246,9 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
     E, H = cfg["hidden_size"], cfg["num_attention_heads"]
     K, L, eps = cfg.get("num_key_value_heads", H), cfg["num_hidden_layers"], cfg["rms_norm_eps"]
     D = E // H
-    theta = cfg.get("rope_theta", 10000.0)
+    rp = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else {})
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
 
     def norm(x, w):
@@ -233,6 +259,10 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
 
     B, T = tokens.shape
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv = llama3_inv_freq_numpy(inv, scaling)
+    elif scaling.get("rope_type", scaling.get("type")) == "linear":
+        inv = inv / scaling["factor"]
     freqs = np.arange(T)[:, None] * inv[None]
     emb = np.concatenate([freqs, freqs], -1)
     cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]  # [1, 1, T, D]

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "def main():\n    return 42\n" * 30
 
 
-def write_tiny_llama(folder, tie=False, kv=2, shards=1):
+def write_tiny_llama(folder, tie=False, kv=2, shards=1, extra=None):
     """A tiny Llama-layout checkpoint: config.json, safetensors (sharded if asked), a trained tokenizer.json."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,6 +32,8 @@ def write_tiny_llama(folder, tie=False, kv=2, shards=1):
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": E,
            "intermediate_size": F, "num_attention_heads": H, "num_key_value_heads": kv, "num_hidden_layers": L,
            "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "max_position_embeddings": 256, "tie_word_embeddings": tie}
+    cfg.update(extra or {})
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     rng = np.random.default_rng(0)
     w = lambda *s: (rng.normal(size=s) * 0.1).astype(np.float32)  # noqa: E731
     D = E // H
@@ -208,3 +210,60 @@ def test_export_command_on_a_run(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "resformer_jax.export", f"--workdir={tmp_path / 'nope'}",
                           f"--out={tmp_path / 'x'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_frequencies_equal_the_hf_formula():
+    """Meta-Llama-3.1-8B's rope_scaling (the authors' Fig. 1 right / Fig. 15 right model): head_dim 128,
+    theta 500,000; and small original contexts, so the three frequency bands are all exercised."""
+    from resformer_jax.model.layers import rope_frequencies
+    for D, theta, orig in ((128, 500000.0, 8192), (8, 10000.0, 16), (64, 10000.0, 256)):
+        rs = dict(LLAMA31, original_max_position_embeddings=orig)
+        plain = 1.0 / theta ** (np.arange(0, D, 2) / D)
+        want = ref.llama3_inv_freq_numpy(plain, rs)
+        got = rope_frequencies(D, theta, "llama3", 8.0, 1.0, 4.0, orig)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+        assert not np.allclose(got, plain)  # the scaling is in effect
+    assert np.allclose(rope_frequencies(8, 10000.0, "linear", 4.0), 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8) / 4)
+
+
+@pytest.mark.parametrize("layout", ["transformers4", "transformers5"])
+def test_llama3_scaled_checkpoint_imports_exactly_in_either_config_layout(tmp_path, layout):
+    """A tiny Llama 3.1-style checkpoint (theta 500,000, llama3 scaling with a small original context so the
+    scaling changes 40-token logits), its config written as transformers 4 does (top-level rope_theta and
+    rope_scaling) or as transformers 5 does (rope_parameters only): the imported logits equal a numpy forward."""
+    rs = dict(LLAMA31, original_max_position_embeddings=16)
+    extra = ({"rope_scaling": rs} if layout == "transformers4" else
+             {"rope_theta": None, "rope_parameters": {**rs, "rope_theta": 500000.0}})
+    sd, cfg = write_tiny_llama(str(tmp_path / "m"), extra=extra)
+    m, params = load_hf_llama(str(tmp_path / "m"))
+    assert (m.rope_type, m.rope_theta, m.rope_factor, m.rope_original_max_position) == ("llama3", 500000.0, 8.0, 16)
+    tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], (2, 40))
+    got = jax.jit(Transformer(m).apply)({"params": params}, tokens)
+    want = ref.hf_llama_forward_numpy(sd, cfg, tokens)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
+    plain = dict(cfg)
+    plain.pop("rope_scaling", None)
+    plain.pop("rope_parameters", None)
+    plain["rope_theta"] = 500000.0
+    assert np.abs(ref.hf_llama_forward_numpy(sd, plain, tokens) - want).max() > 1e-3  # the scaling matters here
+
+
+def test_transformers5_theta_is_read_and_unimplemented_fields_stop_the_import(tmp_path):
+    sd, cfg = write_tiny_llama(str(tmp_path / "m"), extra={"rope_theta": None, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 500000.0}})
+    m, _ = load_hf_llama(str(tmp_path / "m"))
+    assert m.rope_theta == 500000.0 and m.rope_type == "default"
+    for extra, words in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
+                         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
+                         ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
+                         ({"hidden_act": "gelu"}, "hidden_act")):
+        write_tiny_llama(str(tmp_path / "bad"), extra=extra)
+        with pytest.raises(HFError, match=words):
+            load_hf_llama(str(tmp_path / "bad"))
+    write_tiny_llama(str(tmp_path / "sw"), extra={"sliding_window": 64})
+    m, _ = load_hf_llama(str(tmp_path / "sw"))
+    assert m.max_seq_len == 64  # sequences up to the window attend exactly as the model does

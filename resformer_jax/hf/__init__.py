@@ -62,8 +62,9 @@ def llama_model_config(hf: dict) -> ml_collections.ConfigDict:
     m.d_model = int(hf["hidden_size"])
     m.ffn_dim = int(hf["intermediate_size"])
     m.max_seq_len = int(hf.get("max_position_embeddings", 4096))
-    m.rope_theta = float(hf.get("rope_theta", 10000.0))
     m.norm_eps = float(hf.get("rms_norm_eps", 1e-5))
+    read_rope(hf, m)
+    refuse_unsupported(hf, m)
     m.value_residual, m.scan_layers, m.attention_impl = hf.get("value_residual", "none"), False, "auto"
     if m.value_residual not in ("none", "resformer", "svformer"):
         raise HFError(f"value_residual {m.value_residual!r} in config.json is not one this project exports")
@@ -77,9 +78,53 @@ def llama_model_config(hf: dict) -> ml_collections.ConfigDict:
             m.lambda_init = (float(table[0, 0]), float(table[0, 1]))
     if int(hf.get("head_dim") or m.d_model // m.num_heads) != m.d_model // m.num_heads:
         raise HFError("head_dim != hidden_size / num_attention_heads is not supported")
-    if hf.get("rope_scaling"):
-        raise HFError(f"rope_scaling {hf['rope_scaling']!r} is not supported (plain RoPE only)")
     return m
+
+
+def read_rope(hf: dict, m) -> None:
+    """RoPE's theta and scaling from either layout: transformers 4's top-level `rope_theta` and `rope_scaling`, or
+    transformers 5's `rope_parameters: {rope_type, rope_theta, ...}`. Plain, linear and llama3 (Llama 3.1) RoPE
+    are computed exactly; any other type stops the import by name."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    if isinstance(params, dict) and params and not scaling:
+        scaling = params
+    theta = hf.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
+    m.rope_theta = float(theta if theta is not None else 10000.0)
+    kind = (scaling.get("rope_type") or scaling.get("type") or "default") if isinstance(scaling, dict) else "?"
+    if kind == "default":
+        return
+    if kind not in ("linear", "llama3"):
+        raise HFError(f"RoPE type {kind!r} ({scaling}) is not implemented (plain, linear and llama3 are); the import "
+                      "stops rather than compute other positions than the model was trained with")
+    m.rope_type, m.rope_factor = kind, float(scaling["factor"])
+    if kind == "llama3":
+        m.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        m.rope_high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        m.rope_original_max_position = int(scaling.get("original_max_position_embeddings", 8192))
+
+
+def refuse_unsupported(hf: dict, m) -> None:
+    """Every config field that changes the computation and is not implemented stops the import, by name: an import
+    is exact or it does not happen. A sliding window shorter than the context caps max_seq_len at the window
+    (sequences up to it attend exactly as the model does)."""
+    bad = []
+    if hf.get("attention_bias"):
+        bad.append("attention_bias=true (biases on q/k/v/o)")
+    if hf.get("mlp_bias"):
+        bad.append("mlp_bias=true")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        bad.append(f"hidden_act={hf['hidden_act']!r} (SwiGLU with SiLU only)")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        bad.append(f"partial_rotary_factor={hf['partial_rotary_factor']}")
+    if hf.get("qk_norm") or hf.get("use_qk_norm"):
+        bad.append("q/k norms")
+    if bad:
+        raise HFError(f"config.json asks for {', '.join(bad)}, which this project does not implement; the import "
+                      "stops rather than compute something else than the checkpoint's model")
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True) is not False and int(window) < m.max_seq_len:
+        m.max_seq_len = int(window)
 
 
 def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.ConfigDict, dict]:

@@ -32,10 +32,20 @@ from flax import struct
 from resformer_jax import kernels
 from resformer_jax.config import (arch, head_dim, mixes_values, neutreno_lambda, num_kv_heads, output_init_std,
                                   shares_first_value, uses_neutreno, uses_rope)
-from resformer_jax.model.layers import DenseGeneral, rope
+from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
 
 
 # ----------------------------------------------------------------------------- the plan
+
+
+def rope_inv_freq(m):
+    """RoPE's inverse frequencies for the model (None: plain RoPE, computed in the kernel as always)."""
+    g = (lambda k, d: m.get(k, d)) if hasattr(m, "get") else (lambda k, d: getattr(m, k, d))
+    if g("rope_type", "default") == "default":
+        return None
+    return rope_frequencies(m.d_model // m.num_heads, m.rope_theta, g("rope_type", "default"), g("rope_factor", 1.0),
+                            g("rope_low_freq_factor", 1.0), g("rope_high_freq_factor", 4.0),
+                            g("rope_original_max_position", 8192))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +280,8 @@ class Attention(nn.Module):
         v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev))
 
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead
-        rotate = (lambda x: rope(x, ctx.positions, m.rope_theta)) if uses_rope(m) else (lambda x: x)  # noqa: E731
+        inv_freq = rope_inv_freq(m)
+        rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if uses_rope(m) else (lambda x: x)  # noqa: E731
         qr_BxTxHxD = rotate(q_BxTxHxD)
         kr_BxTxKxD = rotate(k_BxTxKxD)
 

@@ -234,10 +234,37 @@ class Embed(nn.Module):
         return jnp.take(table_VxE, tokens_BxT, axis=0).astype(self.dtype)
 
 
-def rope(x_BxTxHxD, positions_BxT, theta: float = 10000.0):
-    """Rotary position embedding (rotate-half convention, as in Llama/NeoX)."""
+def rope_frequencies(head_dim: int, theta: float = 10000.0, rope_type: str = "default", factor: float = 1.0,
+                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                     original_max_position: int = 8192) -> np.ndarray:
+    """RoPE's inverse frequencies [head_dim / 2] (float64): theta^(-2i/d), then, as Hugging Face's rope_utils:
+    `linear` divides them by `factor` (positions interpolated); `llama3` (Llama 3.1) divides the low frequencies
+    (wavelength above original_max_position / low_freq_factor) by `factor`, keeps the high ones (wavelength below
+    original_max_position / high_freq_factor), and interpolates smoothly in between."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        return inv / factor
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r}")
+    low_wavelen, high_wavelen = original_max_position / low_freq_factor, original_max_position / high_freq_factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope(x_BxTxHxD, positions_BxT, theta: float = 10000.0, inv_freq=None):
+    """Rotary position embedding (rotate-half convention, as in Llama/NeoX); `inv_freq` [D/2] replaces the plain
+    theta^(-2i/d) frequencies (RoPE scaling, rope_frequencies)."""
     d = x_BxTxHxD.shape[-1]
-    inv_freq_D2 = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if inv_freq is None:
+        inv_freq_D2 = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    else:
+        inv_freq_D2 = jnp.asarray(inv_freq, jnp.float32)
     angles_BxTxD2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq_D2
     sin = jnp.sin(angles_BxTxD2)[:, :, None, :]
     cos = jnp.cos(angles_BxTxD2)[:, :, None, :]
