@@ -144,3 +144,60 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert max(abs(x) for x in rel["none"]["relative"]) == 0.0
     assert os.path.getsize(tmp_path / "cmp" / "relative_train_loss.png") > 1000
     assert os.listdir(tmp_path / "cmp" / "tb" / "resformer")
+
+
+def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
+    """analyze keeps running means (memory: one batch); its result equals the measures computed the way it used
+    to, holding every example's values and averaging at the end (Eq. 12's per-example spectra included); Fig. 9
+    right's largest eigenvalue is the spectrum's first entry; a cross_layer run is refused with a message."""
+    import jax
+    from resformer_jax.analysis import measures
+    from resformer_jax.analysis.per_layer import analysis_sequences, analyze_run, layer_tensors
+    from resformer_jax.commands.training import run
+    from resformer_jax.config import ConfigError, tiny_config
+    from resformer_jax.model import Transformer
+    from resformer_jax.train.setup import load_run
+    c = tiny_config("resformer")
+    c.train.steps, c.train.warmup_steps, c.mesh.num_devices = 3, 1, 1
+    wd = str(tmp_path / "run")
+    assert run(c, wd) == 0
+    res = analyze_run(wd, None, None, num_sequences=6, batch=4)["layers"]
+    cfg, params, _ = load_run(wd, attention_impl="reference")
+    seqs = analysis_sequences(cfg, "train", 6, 4)
+    model = Transformer(cfg.model, capture=True)
+    fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
+    values, entropy = [[] for _ in range(3)], [[] for _ in range(3)]
+    for b in range(0, 6, 4):
+        chunk = np.stack(seqs[b:b + 4])[:, :-1]
+        t = layer_tensors(jax.device_get(fwd(chunk)), 3)
+        for n in range(3):
+            for r in range(len(chunk)):
+                v = t["values_own"][n][r]
+                values[n].append(v.reshape(len(v), -1))
+                entropy[n].append(measures.token_importance_entropy(t["attn_probs"][n][r]))
+    for n in range(3):
+        np.testing.assert_allclose(res["spectrum"][n], measures.mean_spectrum(values[n]), rtol=1e-10, atol=1e-12)
+        assert res["largest_eigenvalue"][n] == pytest.approx(res["spectrum"][n][0])
+        assert res["entropy"][n] == pytest.approx(float(np.mean(entropy[n])), rel=1e-12)
+    c2 = tiny_config("resformer")
+    c2.model.mapping = "cross_layer"
+    with pytest.raises(ConfigError, match="cross_layer"):
+        from resformer_jax.analysis.per_layer import check_analyzable
+        check_analyzable(c2.model)
+
+
+def test_text_file_documents_are_encoded_one_by_one_with_bos_first(tmp_path):
+    """Attention-sink measures depend on the first token: each line is its own sample, BOS first, truncated at the
+    sequence length (short lines left out); --text_unit=stream keeps one stream cut into windows."""
+    import json as json_
+    from test_hf import write_tiny_llama
+    from resformer_jax.analysis.per_layer import hf_sequences
+    write_tiny_llama(str(tmp_path / "m"), extra={"bos_token_id": 7})
+    text = tmp_path / "t.txt"
+    text.write_text("short\n" + "The quick brown fox jumps over the lazy dog again and again. " * 4 + "\n"
+                    + "def main():    return 42 and more code here to be long enough " * 4 + "\n")
+    seqs = hf_sequences(str(tmp_path / "m"), str(text), seq_len=16, num_sequences=10)
+    assert len(seqs) == 2 and all(s[0] == 7 and len(s) == 17 for s in seqs)
+    stream = hf_sequences(str(tmp_path / "m"), str(text), seq_len=16, num_sequences=10, text_unit="stream")
+    assert len(stream) >= 2 and not all(s[0] == 7 for s in stream)
+    assert json_.load(open(tmp_path / "m" / "config.json"))["bos_token_id"] == 7
