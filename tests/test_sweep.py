@@ -292,3 +292,22 @@ def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_s
         assert sc[v]["loss_measure"] == "train_last50"
         assert sc[v]["final_loss"] == pytest.approx([want[v][n] for n in sorted(want[v])])
     assert "last 50 steps" in r.stdout
+
+
+def test_a_tuple_field_sweeps_with_plus_joined_items_that_the_runs_accept(tmp_path):
+    """Fig. 14's anchors: `--set model.svformer_anchors=none,5,3+5+7` gives three runs whose flags the training
+    command parses back to (), (5,) and (3, 5, 7)."""
+    wd = tmp_path / "fig14"
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.sweep", "--config=configs/svformer_82m.py",
+                        f"--workdir={wd}", "--set", "model.svformer_anchors=none,5,3+5+7", "--slurm"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    runs = json.load(open(wd / "sweep.json"))["runs"]
+    assert [x["name"] for x in runs] == ["svformer_anchors-none", "svformer_anchors-5", "svformer_anchors-3+5+7"]
+    for x, want in zip(runs, ([], [5], [3, 5, 7])):
+        flag = [f"--config.{k}=" + ("(" + ",".join(map(str, v)) + ("," if len(v) == 1 else "") + ")")
+                for k, v in x["values"].items()][0]
+        assert f"'{flag}'" in (wd / "sweep.sbatch").read_text()
+        s = subprocess.run([sys.executable, "-m", "resformer_jax.main", "--config=configs/svformer_82m.py", flag,
+                            "--mode=summary"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert json.loads(s.stdout.strip().splitlines()[-1])["model"]["svformer_anchors"] == want, s.stderr

@@ -3,7 +3,8 @@
   --config=configs/seq_len/kv_budget_64k.py:NAME     NAME one of
     none            vanilla (the baseline)
     svformer        about 1/2 of vanilla's KV cache        gqa_half, cla2: the same budget
-    svformer_gqa    SVFormer + GQA with 1/4 of the KV heads: about 1/8   gqa_eighth: the same budget
+    svformer_gqa    SVFormer + GQA with 1/4 of the KV heads: about 1/8   gqa_eighth, cla2_gqa (CLA2 + GQA with
+                    1/4 of the KV heads): the same budget (Fig. 10 right)
 """
 from resformer_jax.config import apply_ablation, seq_len_config
 
@@ -14,6 +15,7 @@ PRESETS = {
     "cla2": ("none", {"cla_share_every": 2}),
     "svformer_gqa": ("svformer", {"num_kv_heads": "QUARTER"}),
     "gqa_eighth": ("none", {"num_kv_heads": "EIGHTH"}),
+    "cla2_gqa": ("none", {"cla_share_every": 2, "num_kv_heads": "QUARTER"}),
 }
 
 

@@ -33,7 +33,8 @@ from resformer_jax.errors import UserError
 
 config_flags.DEFINE_config_file("config", None, "Config file of every run (ml_collections get_config()).")
 flags.DEFINE_string("workdir", None, "Sweep directory: one run directory per combination, and sweep.json.")
-flags.DEFINE_multi_string("set", [], "FIELD=V1,V2,... (repeatable): a config field and the values to sweep.")
+flags.DEFINE_multi_string("set", [], "FIELD=V1,V2,... (repeatable): a config field and the values to sweep; a "
+                          "tuple field's value joins its items with '+' (model.svformer_anchors=none,5,3+5+7).")
 flags.DEFINE_bool("slurm", False, "Write a SLURM array job instead of running.")
 flags.DEFINE_string("tpu_pod", None, "NAME,ZONE,ACCELERATOR: write a TPU-pod script instead of running.")
 FLAGS = flags.FLAGS
@@ -55,7 +56,14 @@ class Run:
 
 
 def _flag_value(v) -> str:
-    return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+    if isinstance(v, (tuple, list)):  # a tuple field, as ml_collections parses it: (a,b) / (a,) / ()
+        return "(" + ",".join(map(str, v)) + ("," if len(v) == 1 else "") + ")"
+    return str(v)
+
+
+def _run_value(v) -> str:
+    """A value as it appears in a run directory's name (tuples joined with '+', as --set writes them)."""
+    return ("+".join(map(str, v)) or "none") if isinstance(v, (tuple, list)) else str(v)
 
 
 def _get(cfg, dotted: str):
@@ -70,6 +78,13 @@ def _get(cfg, dotted: str):
 
 def parse_value(text: str, like):
     """A sweep value from text, typed like the field's current value."""
+    if isinstance(like, (tuple, list)):  # a tuple field: items joined with '+' ("3+5"); "none" is empty
+        items = [] if text.lower() in ("none", "()", "") else text.split("+")
+        typed = [type(like[0]) if like else None] * len(items)
+        try:
+            return tuple(t(x) if t else (int(x) if x.lstrip("-").isdigit() else x) for t, x in zip(typed, items))
+        except ValueError:
+            raise SweepError(f"value {text!r} does not fit a tuple of {type(like[0]).__name__}") from None
     try:
         if isinstance(like, bool):
             if text.lower() not in ("true", "false", "1", "0"):
@@ -114,7 +129,7 @@ def run_name(values: dict) -> str:
     parts = []
     for k, v in values.items():
         key = k.split(".")[-1] if lasts.count(k.split(".")[-1]) == 1 else k.replace(".", "-")
-        parts.append(f"{key}-{_flag_value(v)}")
+        parts.append(f"{key}-{_run_value(v)}")
     return re.sub(r"[^A-Za-z0-9_.+=-]", "-", "_".join(parts))
 
 
