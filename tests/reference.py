@@ -15,10 +15,6 @@ def rmsnorm(x, scale, eps=1e-5):
 def rope(x, theta=10000.0):
     T, D = x.shape[1], x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv = llama3_inv_freq_numpy(inv, scaling)
-    elif scaling.get("rope_type", scaling.get("type")) == "linear":
-        inv = inv / scaling["factor"]
     ang = np.arange(T)[:, None] * inv[None]
     sin, cos = np.sin(ang)[None, :, None], np.cos(ang)[None, :, None]
     x1, x2 = x[..., : D // 2], x[..., D // 2:]

@@ -89,7 +89,7 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT)
     before = sorted(os.listdir(model))
     r = subprocess.run([sys.executable, "-m", "resformer_jax.analyze", f"--hf_model={model}",
-                        f"--text_file={tmp_path / 'text.txt'}", "--seq_len=32", "--num_sequences=4",
+                        f"--text_file={tmp_path / 'text.txt'}", "--seq_len=32", "--num_sequences=4", "--text_unit=stream",
                         f"--out={tmp_path / 'an'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     an = json.load(open(tmp_path / "an" / "analysis.json"))[0]
