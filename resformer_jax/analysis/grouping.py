@@ -235,7 +235,8 @@ def critical_point(steps, relative, last: int = 1000) -> tuple[float | None, boo
     if tail.sum() < 2:
         tail[-2:] = True
     slope, intercept = np.polyfit(steps[tail], rel[tail], 1)
-    if slope <= 0:
+    span = steps[tail][-1] - steps[tail][0]
+    if slope * span <= 1e-9 * max(1.0, float(np.abs(rel[tail]).max())):  # flat (to rounding) or falling
         return None, True
     return float(-intercept / slope), True
 
