@@ -267,3 +267,33 @@ def test_transformers5_theta_is_read_and_unimplemented_fields_stop_the_import(tm
     write_tiny_llama(str(tmp_path / "sw"), extra={"sliding_window": 64})
     m, _ = load_hf_llama(str(tmp_path / "sw"))
     assert m.max_seq_len == 64  # sequences up to the window attend exactly as the model does
+
+
+def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
+    """An imported Llama 3.1-style checkpoint (llama3 RoPE) exported again carries its rope_scaling, and a model
+    with tied embeddings exports the table as the head with tie_word_embeddings=true: both import back to the
+    same logits."""
+    from resformer_jax.config import tiny_config
+    from resformer_jax.hf import export_params
+    rs = dict(LLAMA31, original_max_position_embeddings=16)
+    write_tiny_llama(str(tmp_path / "m"), extra={"rope_scaling": rs})
+    m, params = load_hf_llama(str(tmp_path / "m"))
+    tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 24))
+    want = np.asarray(jax.jit(Transformer(m).apply)({"params": params}, tokens))
+    cfg = export_params(m, params, str(tmp_path / "out"))
+    assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["original_max_position_embeddings"] == 16
+    m2, params2 = load_hf_llama(str(tmp_path / "out"))
+    np.testing.assert_allclose(np.asarray(jax.jit(Transformer(m2).apply)({"params": params2}, tokens)), want,
+                               rtol=1e-6, atol=1e-6)
+    c = tiny_config("none")
+    c.model.tie_embeddings = True
+    model = Transformer(c.model)
+    p = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"]
+    import flax.linen as nn
+    p = nn.unbox(p)
+    assert "lm_head" not in p
+    cfg = export_params(c.model, jax.device_get(p), str(tmp_path / "tied"))
+    assert cfg["tie_word_embeddings"] is True
+    m3, params3 = load_hf_llama(str(tmp_path / "tied"))
+    np.testing.assert_allclose(np.asarray(jax.jit(Transformer(m3).apply)({"params": params3}, tokens)),
+                               np.asarray(jax.jit(model.apply)({"params": p}, tokens)), rtol=1e-5, atol=1e-5)

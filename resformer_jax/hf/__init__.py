@@ -208,7 +208,7 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
     p = unrolled(jax.tree.map(lambda x: np.asarray(x, np.float32), params), m.num_layers)
     E = m.d_model
     t = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["final_norm"]["scale"],
-         "lm_head.weight": p["lm_head"]["kernel"].T}
+         "lm_head.weight": p["lm_head"]["kernel"].T if "lm_head" in p else p["embed"]["embedding"]}  # tied: the table
     for key in ("lambda_logits", "lambda_scale"):
         if key in p:
             t[f"model.{key}"] = np.asarray(p[key], np.float32)
@@ -242,7 +242,18 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
            "torch_dtype": "float32", "use_cache": True}
     if tokenizer_meta:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
+    from resformer_jax.config import ties_embeddings
+    cfg["tie_word_embeddings"] = ties_embeddings(m)
+    rope_type = m.get("rope_type", "default")
+    if rope_type != "default":  # an imported Llama 3.1 (llama3) or linear-scaled model, written back as HF writes it
+        cfg["rope_scaling"] = {"rope_type": rope_type, "factor": m.rope_factor}
+        if rope_type == "llama3":
+            cfg["rope_scaling"].update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+                                       original_max_position_embeddings=m.rope_original_max_position)
     plans = exported_plans(m)
+    if rope_type != "default" and any(mix != "own" for mix in plans["layer_value_mix"]):
+        raise HFError(f"a value-residual model with rope_type={rope_type!r} has no Hugging Face export: "
+                      "modeling_resformer.py computes plain RoPE only")
     if any(mix != "own" for mix in plans["layer_value_mix"]):
         cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
         cfg["use_cache"] = False  # modeling_resformer.py recomputes the prefix (no KV cache)
