@@ -43,10 +43,6 @@ class RunDir:
     def __repr__(self) -> str:
         return f"RunDir({self.workdir!r})"
 
-    @property
-    def is_remote(self) -> bool:
-        return storage.is_remote(self.workdir)
-
     # ---- what a run holds
     @property
     def checkpoints(self) -> epath.Path:

@@ -25,16 +25,18 @@ STEPS = 12
 
 def cpu_description() -> str:
     """The CPU's model name and the instruction-set extensions that change XLA's CPU code."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = "", set()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # not Linux: the platform's own name
         pass
+    model = model or platform.processor() or platform.machine()
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile") if f in flags]
     return f"{model} ({', '.join(isa) or 'no AVX2'})"
 

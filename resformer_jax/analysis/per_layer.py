@@ -80,7 +80,10 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
             raise HFError(f"{text_file} has {len(ids)} tokens, fewer than one sequence of {n_tok}; lower --seq_len")
         return [np.asarray(ids[i * n_tok:(i + 1) * n_tok], np.int32) for i in range(n)]
     cfg_path = os.path.join(folder, "config.json")
-    bos = json.load(open(cfg_path)).get("bos_token_id") if os.path.isfile(cfg_path) else None
+    bos = None
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            bos = json.load(f).get("bos_token_id")
     bos = bos[0] if isinstance(bos, list) else bos
     docs = [d.strip() for d in (text.split("\n\n") if text_unit == "paragraph" else text.splitlines()) if d.strip()]
     out = []

@@ -34,11 +34,20 @@ flags.DEFINE_string("out", None, "Output folder (default: FIRST_RUN/analysis).")
 FLAGS = flags.FLAGS
 
 
+def _save(fig, path):
+    """A finished figure as PNG at `path` (local or object storage), closed; returns the path."""
+    import matplotlib.pyplot as plt
+    from resformer_jax.storage import save_figure
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
 def plot(results: list[dict], out: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from resformer_jax.storage import save_figure
     files = []
     titles = {"entropy": "entropy of token importance (Eq. 11)", "similarity": "token similarity (Eq. 13)",
               "first_token": "attention share of the first token", "value_norm": "mean value norm",
@@ -51,11 +60,7 @@ def plot(results: list[dict], out: str) -> list[str]:
         ax.set_xlabel("layer")
         ax.set_title(title)
         ax.legend()
-        fig.tight_layout()
-        path = out / f"{key}.png"
-        save_figure(fig, path)
-        plt.close(fig)
-        files.append(path)
+        files.append(_save(fig, out / f"{key}.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in results:
         for key, label in (("fig3_eq3_vs_eq2", "Eq. 3"), ("fig3_eq6_vs_eq2", "Eq. 6")):
@@ -64,11 +69,7 @@ def plot(results: list[dict], out: str) -> list[str]:
     ax.set_xlabel("layer")
     ax.set_title("cosine similarity to Eq. 2's output (Fig. 3)")
     ax.legend()
-    fig.tight_layout()
-    path = out / "fig3_mapping_similarity.png"
-    save_figure(fig, path)
-    plt.close(fig)
-    files.append(path)
+    files.append(_save(fig, out / "fig3_mapping_similarity.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in results:
         for n in (0, len(r["layers"]["spectrum"]) - 1):
@@ -77,11 +78,7 @@ def plot(results: list[dict], out: str) -> list[str]:
     ax.set_xlabel("eigenvalue index")
     ax.set_title("value eigen-spectrum (Eq. 12)")
     ax.legend()
-    fig.tight_layout()
-    path = out / "spectrum.png"
-    save_figure(fig, path)
-    plt.close(fig)
-    files.append(path)
+    files.append(_save(fig, out / "spectrum.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in results:
         y = r["layers"]["largest_eigenvalue"]
@@ -89,11 +86,7 @@ def plot(results: list[dict], out: str) -> list[str]:
     ax.set_xlabel("layer")
     ax.set_title("largest eigenvalue of the values' second moment (Fig. 9 right)")
     ax.legend()
-    fig.tight_layout()
-    path = out / "largest_eigenvalue.png"
-    save_figure(fig, path)
-    plt.close(fig)
-    files.append(path)
+    files.append(_save(fig, out / "largest_eigenvalue.png"))
     return files
 
 

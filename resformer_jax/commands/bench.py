@@ -168,7 +168,6 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands import common as cli
     cli.check_config_flags(sys.argv)
     app.run(main)
 

@@ -69,8 +69,8 @@ def grouped(a) -> int:
     from resformer_jax.analysis import grouping
     from resformer_jax.analysis.runs import RunsError
     runs = [read_run(r) for r in find_runs(a.runs)]
-    res = {}
-    for label, members in cohorts(runs, a.group_by, a.vs, a.scaling).items():
+    res, split = {}, cohorts(runs, a.group_by, a.vs, a.scaling)
+    for label, members in split.items():
         try:
             found = grouping.compare_groups(members, a.group_by, a.baseline, a.smooth)
         except KeyError as e:
@@ -103,7 +103,7 @@ def grouped(a) -> int:
     plt.close(fig)
     eval_keys = sorted({k for r in runs for k in r.evals})
     eval_curves = {k: {} for k in eval_keys}
-    for label, members in cohorts(runs, a.group_by, a.vs, a.scaling).items():
+    for label, members in split.items():
         for k in eval_keys:
             try:
                 found = grouping.relative_eval_curves(members, a.group_by, a.baseline, k)

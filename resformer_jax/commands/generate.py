@@ -54,7 +54,6 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def main(argv):
-    from resformer_jax.commands import common as cli
     cli.start()
     import numpy as np
     from resformer_jax.model.decode import generate

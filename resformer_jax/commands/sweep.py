@@ -28,6 +28,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from resformer_jax import storage
+from resformer_jax.commands import common as cli
 from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
 from resformer_jax.errors import UserError
 
@@ -268,7 +269,6 @@ cd {shlex.quote(repo)}
 
 
 def main(argv):
-    from resformer_jax.commands import common as cli
     cli.start()
     if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("--config and --workdir are required")
@@ -302,7 +302,6 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands import common as cli
     cli.check_config_flags(sys.argv)
     app.run(main)
 

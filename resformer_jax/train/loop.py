@@ -41,7 +41,7 @@ class Trainer:
     def __init__(self, cfg, run: RunDir | str, coordinator_address=None, num_processes=None, process_id=None):
         maybe_initialize_distributed(coordinator_address, num_processes, process_id,
                                      cfg.distributed.heartbeat_timeout_s, cfg.distributed.initialization_timeout_s)
-        self.run = RunDir(run)
+        self.run = run if isinstance(run, RunDir) else RunDir(run)
         self.workdir = self.run.workdir
         self.is_main = jax.process_index() == 0
         self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
