@@ -223,6 +223,7 @@ COMMANDS = {
     "resformer_jax.main": "main", "resformer_jax.bench": "bench", "resformer_jax.compare": "compare",
     "resformer_jax.sweep": "sweep", "resformer_jax.analyze": "analyze", "resformer_jax.evaluate": "evaluate",
     "resformer_jax.generate": "generate", "resformer_jax.export": "export", "resformer_jax.harness": "harness",
+    "resformer_jax.compile": "compile",
     "resformer_jax.data.tfds_source": "tfds_build", "resformer_jax.eval.lm_eval_tasks": "lm_eval_tasks",
 }
 

@@ -106,13 +106,26 @@ def decode(cfg, variant: str, context: int, new_tokens: int) -> dict:
     return {k: v for k, v in r.items() if k != "batch"}
 
 
+def device_target_config() -> str | None:
+    """This GPU's own XLA target config (GpuTargetConfigProto text), the format of the specs
+    `python -m resformer_jax.compile` ships in resformer_jax/train/gpu_specs/: the first real run of this check
+    records the device's numbers so the shipped spec can be compared with them. None off GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax._src.lib import xla_client
+        return str(xla_client.get_topology_for_devices(jax.devices()).target_config)
+    except Exception as e:  # noqa: BLE001 - a report field, never a reason to stop the check
+        return f"unavailable: {type(e).__name__}: {e}"
+
+
 def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict:
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
     peak, peak_src = perf.device_peak_flops()
     report = {"device_kind": jax.devices()[0].device_kind, "backend": backend, "devices": jax.device_count(),
               "jax": jax.__version__, "peak_flops": peak, "peak_source": peak_src,
-              "reduced_shapes": on_cpu}
+              "reduced_shapes": on_cpu, "target_config": device_target_config()}
     # The 468M attention shape per device (paper Table 4: 16 heads, head_dim 64, T = 2,048), reduced on CPU.
     speed_shape = (1, 256, 4, 4, 64) if on_cpu else (4, 2048, 16, 16, 64)
     check_shape = (1, 128, 4, 2, 64)  # correctness: GQA, small enough to run interpreted

@@ -46,6 +46,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from resformer_jax.kernels.names import target_backend
+
 log = logging.getLogger(__name__)
 MASK = -1e30
 
@@ -97,8 +99,9 @@ def _pallas(kernel, *, num_warps_: int, **kw):
         return pl.pallas_call(kernel, interpret=True, **kw)(*args)
 
     def call(*args):
-        if jax.default_backend() != "gpu":
-            _warn_interpreted(jax.default_backend())  # once per process
+        backend = target_backend()  # the compile target inside names.compiling_for (train/aot.py)
+        if backend != "gpu":
+            _warn_interpreted(backend)  # once per process
         return lax.platform_dependent(*args, cuda=compiled, default=interpreted)
     return call
 

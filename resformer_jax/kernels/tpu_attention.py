@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from resformer_jax.kernels.names import target_backend
+
 log = logging.getLogger(__name__)
 TILE = 128
 
@@ -76,7 +78,8 @@ def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True):
     def run(interpret):
         return lambda q, k, v: jax.vmap(jax.vmap(_kernel(Tp, Sp, G, causal, interpret)))(q, k, v)
 
-    if jax.default_backend() != "tpu":
-        _warn_interpreted(jax.default_backend())
+    backend = target_backend()  # the compile target inside names.compiling_for (train/aot.py)
+    if backend != "tpu":
+        _warn_interpreted(backend)
     o_BxKxGxTxD = lax.platform_dependent(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, tpu=run(False), default=run(True))
     return o_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, D)[:, :T]

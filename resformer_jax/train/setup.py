@@ -44,13 +44,23 @@ class AttentionChoice:
 
 
 def resolve_attention(cfg, *, override: str | None = None, batch: int | None = None,
-                      log: Callable[[str], Any] = print) -> AttentionChoice:
+                      log: Callable[[str], Any] = print, platform: str | None = None) -> AttentionChoice:
     """`auto` -> the fastest impl that compiles and runs forward and backward at the run's shapes
     (per-device batch, seq_len, heads). A named impl (or `override`, as bench and analyze pass) is
-    kept as it is: if it cannot run, the first call raises, it never falls back."""
+    kept as it is: if it cannot run, the first call raises, it never falls back.
+
+    `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (train/aot.py); `auto`
+    is then that platform's own kernel (splash on TPU, this project's Pallas/Triton kernel on GPU), chosen
+    without probing, as the probe on that hardware tries it first; whether it compiles is what aot checks."""
     impl = override or cfg.model.attention_impl
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
+    if platform is not None:
+        backend = "gpu" if platform in ("cuda", "gpu") else platform
+        candidates, rejected = kernels.auto_candidates(backend)
+        log(f"attention_impl=auto is {candidates[0]!r} on {platform} (the kernel its probe tries first; "
+            "compiled, not probed)")
+        return AttentionChoice(candidates[0], rejected, False)
     m = cfg.model
     if batch is None:
         batch = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, len(jax.devices())))
@@ -59,14 +69,15 @@ def resolve_attention(cfg, *, override: str | None = None, batch: int | None = N
     return AttentionChoice(choice, rejected, True)
 
 
-def resolve_dtype(cfg, log: Callable[[str], Any] = print) -> str:
+def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None = None) -> str:
     """`model.dtype=auto` -> a concrete compute dtype, written into cfg (once, before anything reads it):
-    bfloat16 on accelerators; on CPU whichever multiplies the model's shapes faster here (measured,
-    printed). A named dtype is kept."""
+    bfloat16 on accelerators (also a compile target's `platform`); on CPU whichever multiplies the model's
+    shapes faster here (measured, printed). A named dtype is kept."""
     if cfg.model.dtype != "auto":
         return cfg.model.dtype
-    if jax.devices()[0].platform != "cpu":
-        choice, why = "bfloat16", f"{jax.devices()[0].platform} computes in bf16 natively"
+    platform = platform or jax.devices()[0].platform
+    if platform != "cpu":
+        choice, why = "bfloat16", f"{platform} computes in bf16 natively"
     else:
         per_device = (cfg.train.microbatch or cfg.train.global_batch) // max(1, jax.device_count())
         choice, why = perf.faster_cpu_dtype(cfg.model, max(1, per_device) * cfg.data.seq_len)
@@ -120,14 +131,19 @@ class TrainSetup:
         return compiled, time.perf_counter() - t0, perf.step_memory(compiled)
 
 
-def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Callable[[str], Any] = print) -> TrainSetup:
-    """Everything a command needs to train, benchmark or run the model described by `cfg`."""
+def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Callable[[str], Any] = print,
+          devices=None, platform: str | None = None) -> TrainSetup:
+    """Everything a command needs to train, benchmark or run the model described by `cfg`.
+
+    `devices` and `platform`: build for other hardware than this machine's (train/aot.py passes a TPU slice's or
+    a GPU node's compile-only devices); everything else is what a run on that hardware builds."""
     validate(cfg)
-    resolve_dtype(cfg, log=log)
-    mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+    resolve_dtype(cfg, log=log, platform=platform)
+    mesh = mesh if mesh is not None else make_mesh(cfg.mesh, devices)
     check_divisibility(cfg, mesh)
     if attention is None:
-        attention = resolve_attention(cfg, log=log)  # the probe logs its choice and what it rejected, once
+        # the probe logs its choice and what it rejected, once
+        attention = resolve_attention(cfg, log=log, platform=platform)
     model_cfg = model_config(cfg, attention)
     model, tx = Transformer(model_cfg, mesh=mesh), make_optimizer(cfg.train)
     boxed = state_template(model, tx, cfg.data.seq_len)
@@ -145,32 +161,44 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step)
 
 
-def memory_precheck(mem: perf.StepMemory | None, mesh_cfg) -> tuple[str, float | None]:
-    """(a line describing the step's memory per device, the limit) ; raises where it cannot fit."""
+def device_memory_limit(mesh_cfg) -> tuple[float | None, str]:
+    """(bytes one device may use, where that number comes from) for this machine's first device."""
+    if mesh_cfg.device_memory_limit_gb > 0:
+        return mesh_cfg.device_memory_limit_gb * 2**30, "config.mesh.device_memory_limit_gb"
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"], "the device's memory"
+    if device.platform == "cpu":
+        # XLA:CPU reports no limit: the host's RAM shared by its CPU devices (an allocation beyond it fails
+        # deep inside the runtime, after the step has started)
+        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count()),
+                "this host's memory per CPU device")
+    return None, ""
+
+
+def memory_line(mem: perf.StepMemory, limit: float | None) -> str:
+    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+    return (f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, aliased "
+            f"{gib(mem.aliased)}, temporaries {gib(mem.temporaries)}, total {gib(mem.total)}"
+            + (f" of {gib(limit)}" if limit else ""))
+
+
+def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | None = None, source: str = "",
+                    what: str = "the train step") -> tuple[str, float | None]:
+    """(a line describing the step's memory per device, the limit) ; raises where it cannot fit.
+    `limit`/`source`: another device's memory (a compile target's); default: this machine's first device."""
     if mem is None:
         return "per-device memory: not reported by this backend", None
-    limit, src = None, ""
-    if mesh_cfg.device_memory_limit_gb > 0:
-        limit, src = mesh_cfg.device_memory_limit_gb * 2**30, "config.mesh.device_memory_limit_gb"
-    else:
-        device = jax.local_devices()[0]
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            limit, src = stats["bytes_limit"], "the device's memory"
-        elif device.platform == "cpu":
-            # XLA:CPU reports no limit: the host's RAM shared by its CPU devices (an allocation beyond it fails
-            # deep inside the runtime, after the step has started)
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count())
-            src = "this host's memory per CPU device"
-    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
-    line = (f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, temporaries "
-            f"{gib(mem.temporaries)}, total {gib(mem.total)}" + (f" of {gib(limit)}" if limit else ""))
+    if limit is None:
+        limit, source = device_memory_limit(mesh_cfg)
     if limit and mem.total > limit:
         raise MemoryPrecheckError(
-            f"the train step needs {gib(mem.total)} per device but {src} is {gib(limit)}; lower "
-            "config.train.global_batch or config.train.microbatch, use --config.model.remat=full, or add devices to "
-            "config.mesh.fsdp")
-    return line, limit
+            f"{what} needs {mem.total / 2**30:.3f} GiB per device but {source} is {limit / 2**30:.3f} GiB "
+            f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB); lower "
+            "config.train.microbatch (sequences per accumulation step) or config.train.global_batch, use "
+            "--config.model.remat=full, or shard the state over more devices with config.mesh.fsdp")
+    return memory_line(mem, limit), limit
 
 
 class LoadedRun(NamedTuple):

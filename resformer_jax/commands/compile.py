@@ -1,0 +1,85 @@
+"""Compile a run's steps for a TPU slice or GPU nodes from this machine, and say whether it fits, before the queue.
+
+  python -m resformer_jax.compile --config=configs/resformer_468m.py --target=v5p-64
+  python -m resformer_jax.compile --config=configs/resformer_468m.py --target=h100x8 --nodes=4
+  python -m resformer_jax.compile --config=configs/seq_len/sweep.py:svformer,65536 --target=h100x8 --steps=train
+  python -m resformer_jax.compile --config=... --target=v5e-256 --config.train.microbatch=64 --config.model.remat=dots
+
+Targets: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), libtpu's GEN:AxB[xC], --slices=S for multislice;
+h100xN, h200xN, a100xN (N GPUs a node), --nodes=M. Any --config.a.b override works as in training.
+
+Builds what a run builds on that hardware (train/setup.build: mesh, shardings, the platform's attention kernel,
+dtype, remat, microbatch) and compiles the train step, the eval step and the decode steps with the target's own
+compiler (libtpu, XLA:GPU with Triton), without the hardware. Prints per step and per device the arguments,
+outputs, aliased bytes, temporaries and their total against the chip's memory, the compile time and the kernels
+inside; then one JSON line on stdout. A step that does not fit ends the command with one line naming the
+numbers and the knobs (exit 2). Needs `pip install -e '.[aot]'`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Config file (ml_collections get_config()), as for training.",
+                                lock_config=True)
+flags.DEFINE_string("target", None, "Hardware: v5p-64, v5e-256, v4-8, v6e-8, v5e:2x4, h100x8, h200x8, a100x8, ...",
+                    required=True)
+flags.DEFINE_integer("nodes", 1, "GPU targets: nodes of the --target's GPUs.")
+flags.DEFINE_integer("slices", 1, "TPU targets: slices (multislice over DCN).")
+flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile: train, eval, decode.")
+flags.DEFINE_integer("decode_batch", 0, "Sequences decoded at once (default: one per batch shard of the mesh).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    from resformer_jax.commands import common
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; flags are --name=value", file=sys.stderr)
+        sys.exit(2)
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)  # not common.start(): the XLA flags are the target's (cli_main)
+    with common.exit_on_user_error():
+        from resformer_jax.commands.common import ConfigFlagError
+        from resformer_jax.train.aot import compile_for_target
+        from resformer_jax.train.targets import parse_target
+        if FLAGS.config is None:
+            raise ConfigFlagError("--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
+        target = parse_target(FLAGS.target, nodes=FLAGS.nodes, slices=FLAGS.slices)
+        log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+        report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), decode_batch=FLAGS.decode_batch,
+                                    log=log)
+        for line in report.lines():
+            print(line, file=sys.stderr)
+        print(json.dumps(report.to_json()), flush=True)
+        if not report.fits:
+            print(f"error: {report.first_problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
+def _target_flag(argv) -> str:
+    """--target's value, read before absl parses flags (the XLA flags must be set before JAX starts)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--target="):
+            return a.split("=", 1)[1]
+        if a == "--target" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
+def cli_main():
+    # The targets' devices are compile-only: JAX must not look for local accelerators (a CUDA plugin without a
+    # GPU refuses to start), and the project's CPU XLA defaults must stay off the target's compiler.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from resformer_jax import runtime
+    from resformer_jax.commands import common
+    runtime.configure_xla_for_target(_target_flag(sys.argv))
+    common.check_config_flags(sys.argv)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

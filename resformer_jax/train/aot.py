@@ -1,0 +1,249 @@
+"""Every step a run compiles, compiled for hardware this machine does not have (ahead of time).
+
+  report = compile_for_target(cfg, parse_target("v5p-64"))      # or "h100x8", nodes=4; see train/targets.py
+
+The run is built exactly as on that hardware, by the one builder (train/setup.build): the target's devices as
+the mesh, the platform's attention kernel (splash on TPU, the Pallas/Triton kernel on GPU), bf16 for
+`dtype=auto`, the logical-axis shardings, remat and microbatching of the config. Then the train step, the eval
+step and the decode steps (prefill and one token) go through the target's real compiler: libtpu's for TPU
+(Mosaic compiles the kernel, XLA assigns HBM and refuses a program over it), XLA:GPU's for CUDA (Triton
+compiles the kernel to GPU machine code, where its shared-memory limit is enforced). Nothing runs; nothing is
+allocated. What a report holds per step: XLA's memory per device against the chip's, the compile time and the
+custom calls (the attention kernel) inside the compiled program.
+
+Compiling for CUDA needs JAX_PLATFORMS=cpu set before JAX starts (the compile command sets it), `jax[tpu]` for
+TPU targets and the CUDA plugin with ptxas for GPU targets: `pip install -e '.[aot]'`. GPU executables compiled
+here are not autotuned (no device to time candidates on): their memory and kernels are the real program's,
+their speed is not.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resformer_jax import perf
+from resformer_jax.errors import UserError
+from resformer_jax.kernels.names import compiling_for
+from resformer_jax.train.setup import MemoryPrecheckError, build, memory_line, memory_precheck
+from resformer_jax.train.targets import Target
+
+STEPS = ("train", "eval", "decode")
+
+# Custom-call targets in a compiled program, by what they are.
+KERNEL_NAMES = {
+    "__gpu$xla.gpu.triton": "Triton (Pallas)",
+    "tpu_custom_call": "Mosaic TPU (Pallas)",
+}
+ELF_MAGIC = b"\x7fELF"  # GPU machine code (cubin) embedded in a serialized executable
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+class AotUnavailable(UserError, RuntimeError):
+    """The packages that compile for this target are not installed; the message names the extra."""
+
+
+class CompileError(UserError, RuntimeError):
+    """The target's compiler refused a step (a kernel over its on-chip memory, say); one line says what."""
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    name: str  # train | eval | decode_prefill | decode_token
+    seconds: float
+    memory: perf.StepMemory | None
+    custom_calls: dict  # custom-call target -> count in the compiled program
+    machine_code: str  # what the executable carries (GPU ELF images, TPU program bytes)
+    fits: bool
+    problem: str = ""  # the one-line message where it does not fit
+
+    @property
+    def kernels(self) -> list[str]:
+        return sorted({KERNEL_NAMES.get(k, k) for k in self.custom_calls if k in KERNEL_NAMES or "cudnn" in k})
+
+    def to_json(self) -> dict:
+        mem = dataclasses.asdict(self.memory) | {"total": self.memory.total} if self.memory else None
+        return {"step": self.name, "compile_seconds": round(self.seconds, 2), "memory_per_device": mem,
+                "fits": self.fits, "kernels": self.kernels, "custom_calls": self.custom_calls,
+                "machine_code": self.machine_code, **({"problem": self.problem} if self.problem else {})}
+
+
+@dataclasses.dataclass
+class CompileReport:
+    target: Target
+    attention_impl: str
+    dtype: str
+    mesh: dict
+    microbatch: int
+    remat: str
+    steps: list[CompiledStep]
+    estimate: dict  # --mode=summary's analytic estimate per device (train step)
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.steps)
+
+    @property
+    def first_problem(self) -> str:
+        return next((s.problem for s in self.steps if not s.fits), "")
+
+    def to_json(self) -> dict:
+        t = self.target
+        train = next((s for s in self.steps if s.name == "train"), None)
+        est = self.estimate.get("total")
+        return {"target": t.name, "hardware": t.hardware, "platform": t.platform, "devices": t.num_devices,
+                "device_memory_bytes": t.hbm_bytes, "device_memory_source": t.hbm_source,
+                "attention_impl": self.attention_impl, "dtype": self.dtype, "mesh": self.mesh,
+                "microbatch": self.microbatch, "remat": self.remat, "fits": self.fits,
+                "steps": [s.to_json() for s in self.steps],
+                "summary_estimate_bytes": est,
+                "summary_estimate_vs_compiled": (round(est / train.memory.total, 3)
+                                                 if est and train and train.memory and train.memory.total else None)}
+
+    def lines(self) -> list[str]:
+        t, gib = self.target, (lambda b: f"{b / 2**30:.2f} GiB")  # noqa: E731
+        out = [f"{t.hardware}: {t.num_devices} devices, {gib(t.hbm_bytes)} each ({t.hbm_source}); mesh "
+               f"{self.mesh}, attention {self.attention_impl}, {self.dtype}, remat={self.remat}, microbatch "
+               f"{self.microbatch}"]
+        for s in self.steps:
+            where = "fits" if s.fits else "DOES NOT FIT"
+            mem = memory_line(s.memory, t.hbm_bytes) if s.memory else "memory not reported"
+            out.append(f"  {s.name:<15} {where:<12} {mem}; compiled in {s.seconds:.1f} s; kernels: "
+                       f"{', '.join(s.kernels) or 'none (XLA ops only)'}; {s.machine_code}")
+        if self.estimate.get("total"):
+            train = next((s for s in self.steps if s.name == "train" and s.memory), None)
+            ratio = f" ({self.estimate['total'] / train.memory.total:.2f}x the compiled train step)" if train else ""
+            out.append(f"  --mode=summary's estimate: {gib(self.estimate['total'])} per device{ratio}")
+        return out
+
+
+def check_packages(platform: str):
+    """AotUnavailable naming the extra where the target's compiler is not installed."""
+    import importlib.util
+    need = {"tpu": ("libtpu", "jax[tpu]"), "cuda": ("jax_cuda12_plugin", "jax[cuda12-local] and ptxas")}[platform]
+    if importlib.util.find_spec(need[0]) is None:
+        raise AotUnavailable(f"compiling for {platform} needs {need[1]}, which is not installed here; "
+                             "pip install -e '.[aot]' (about 2 GB)")
+    if platform == "cuda" and (jax.config.jax_platforms or "").strip().lower() != "cpu":
+        raise AotUnavailable("compiling for cuda needs JAX_PLATFORMS=cpu set before JAX starts (python -m "
+                             "resformer_jax.compile sets it); otherwise the CUDA plugin looks for a local GPU")
+
+
+def _machine_code(compiled, platform: str) -> str:
+    try:
+        blob = compiled.runtime_executable().serialize()
+    except Exception as e:  # noqa: BLE001 - a report field
+        return f"executable not serialisable here ({type(e).__name__})"
+    if platform == "cuda":
+        images = blob.count(ELF_MAGIC)
+        return f"{images} GPU ELF image(s) in a {len(blob) / 2**20:.1f} MiB executable"
+    return f"a {len(blob) / 2**20:.1f} MiB TPU executable"
+
+
+def _refusal(e: Exception, what: str, target: Target) -> Exception:
+    """The target compiler's error as one line: over memory -> the precheck's knobs; a kernel over its on-chip
+    memory -> the kernel and the block sizes; anything else -> its first line."""
+    text = str(e)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    if "Shared memory size limit exceeded" in text:
+        m = re.search(r"Shared memory size limit exceeded[^\n]*", text)
+        return CompileError(f"{what} does not compile for {target.hardware}: a Triton kernel needs more shared "
+                            f"memory than the GPU has ({m.group(0)}); the attention kernel's blocks are too large "
+                            "(kernels/pallas_attention.choose_blocks shrinks them to its budget; a hand-set "
+                            "block_q/block_k or head_dim above 256 bypasses it)")
+    if "RESOURCE_EXHAUSTED" in text and ("HBM" in text or "hbm" in text or "memory" in text.lower()):
+        m = re.search(r"[^\n]*(?:exceeds available|Ran out of memory)[^\n]*", text)
+        said = (m.group(0).strip() if m else first)[:400]
+        return MemoryPrecheckError(
+            f"{what} does not fit {target.hardware}: the compiler says: {said}; lower config.train.microbatch "
+            "(sequences per accumulation step) or config.train.global_batch, use --config.model.remat=full, or "
+            "shard the state over more devices with config.mesh.fsdp")
+    if "VMEM" in text or "vmem" in text:
+        return CompileError(f"{what} does not compile for {target.hardware}: a Mosaic kernel exceeds the TPU's "
+                            f"on-chip memory (VMEM): {first[:400]}")
+    return CompileError(f"{what} does not compile for {target.hardware}: {type(e).__name__}: {first[:400]}")
+
+
+def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwargs: dict | None = None,
+                 log: Callable[[str], Any] = print) -> CompiledStep:
+    """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
+    t0 = time.perf_counter()
+    try:
+        with compiling_for(target.platform):
+            compiled = jitted.lower(*args, **(kwargs or {})).compile()
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal, as one line
+        err = _refusal(e, f"the {name} step", target)
+        if isinstance(err, MemoryPrecheckError):
+            log(f"{name}: {err}")
+            return CompiledStep(name, time.perf_counter() - t0, None, {}, "not compiled", False, str(err))
+        raise err from None
+    seconds = time.perf_counter() - t0
+    mem = perf.step_memory(compiled)
+    calls = dict(collections.Counter(_CUSTOM_CALL.findall(compiled.as_text())))
+    step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True)
+    try:
+        memory_precheck(mem, mesh_cfg, limit=target.hbm_bytes, what=f"the {name} step",
+                        source=f"{target.kind}'s usable memory ({target.hbm_source})")
+    except MemoryPrecheckError as e:
+        step.fits, step.problem = False, str(e)
+    log(f"{name}: compiled in {seconds:.1f} s")
+    return step
+
+
+def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 0,
+                       log: Callable[[str], Any] = print) -> CompileReport:
+    """Builds the run for `target` as train/setup.build does on that hardware and compiles `steps` there."""
+    check_packages(target.platform)
+    unknown = set(steps) - set(STEPS)
+    if unknown:
+        raise CompileError(f"unknown step(s) {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    cfg = cfg.copy_and_resolve_references()
+    cfg.mesh.device_memory_limit_gb = 0.0  # the target's memory is the limit, not this machine's
+    with compiling_for(target.platform):
+        setup = build(cfg, devices=target.devices(), platform=target.platform, log=log)
+    out = []
+    if "train" in steps:
+        batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
+        out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg.mesh, log=log))
+    if "eval" in steps:
+        eval_rows = cfg.train.microbatch or cfg.train.global_batch  # the trainer's evaluation batch (train/loop.py)
+        batch = jax.ShapeDtypeStruct((eval_rows, cfg.data.seq_len + 1), jnp.int32, sharding=setup.batch_sh)
+        out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg.mesh,
+                                log=log))
+    if "decode" in steps:
+        out.extend(_compile_decode(setup, target, decode_batch, log))
+    devices = cfg.mesh.num_devices or target.num_devices
+    return CompileReport(target, setup.attention.impl, cfg.model.dtype, dict(setup.mesh.shape),
+                         cfg.train.microbatch or cfg.train.global_batch, cfg.model.remat, out,
+                         perf.estimate_train_memory(cfg, devices) if "train" in steps else {})
+
+
+def _compile_decode(setup, target: Target, batch: int, log) -> list[CompiledStep]:
+    """generate's two programs (commands/generate.py): the prompt's prefill and one new token, parameters in the
+    training layout, the KV cache sharded over the batch; the cache spans model.max_seq_len, the prompt
+    data.seq_len tokens."""
+    from resformer_jax.model.decode import FrozenModelConfig, _step, cache_shapes, cache_shardings
+    mesh, m = setup.mesh, setup.model_cfg
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch = batch or shards
+    max_len = m.max_seq_len
+    prompt = min(setup.cfg.data.seq_len, max_len)
+    cache = cache_shapes(m, batch=batch, max_len=max_len)
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                         cache_shardings(cache, mesh, batch))
+    rows = NamedSharding(mesh, P(("data", "fsdp"), None) if batch % shards == 0 else P())
+    mf = FrozenModelConfig(m)
+    out = []
+    for name, T in (("decode_prefill", prompt), ("decode_token", 1)):
+        tokens = jax.ShapeDtypeStruct((batch, T), jnp.int32, sharding=rows)
+        out.append(compile_step(name, _step, (setup.abstract_state.params, tokens, cache), target, setup.cfg.mesh,
+                                kwargs={"m_frozen": mf, "max_len": max_len}, log=log))
+    return out
