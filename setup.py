@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Value-residual transformers (ResFormer, SVFormer) pretraining in JAX/Flax",
     packages=find_packages(include=["resformer_jax*", "data_prep*"]),
+    package_data={"resformer_jax.train": ["gpu_specs/*.txtpb"]},  # GPU target configs for the compile command
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.4.35,<0.12",
@@ -40,6 +41,11 @@ setup(
         "tpu": ["jax[tpu]>=0.4.35,<0.12", "gcsfs>=2024.2"],
         "eval": ["tensorboard>=2.15"],
         "beam": ["apache-beam>=2.60"],
+        # `python -m resformer_jax.compile`: the TPU and GPU compilers, to compile for TPU slices and GPU nodes
+        # from a CPU machine (about 2 GB): libtpu (jax[tpu]), the CUDA PJRT plugin without the CUDA runtime
+        # libraries (jax[cuda12-local]; nothing runs here) and ptxas (nvidia-cuda-nvcc-cu12) for GPU machine code.
+        # Pinned to the jax these were checked with: the plugins must match jaxlib exactly.
+        "aot": ["jax[tpu]==0.10.2", "jax[cuda12-local]==0.10.2", "nvidia-cuda-nvcc-cu12>=12.6,<13"],
         "lm_eval": ["lm-eval>=0.4.8"],
     },
 )

@@ -89,6 +89,8 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla")
     if impl == "cudnn":
         if jax.default_backend() != "gpu":
+            # also when compiling for a GPU from a CPU (train/aot.py): cuDNN's attention asks the local CUDA
+            # runtime for the cuDNN version while tracing, so it cannot even be lowered without a GPU
             raise KernelUnavailable("attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
                                     f"{jax.default_backend()!r}. Use attention_impl='xla' or 'auto'.")
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "cudnn")

@@ -30,9 +30,10 @@ block sizes and warps still need tuning on a real GPU
 
 The kernel is chosen per platform at lowering time (`lax.platform_dependent`):
 the Triton kernel where the program is lowered for CUDA, the same kernels in
-Pallas interpret mode elsewhere (a one-time warning says so), which is how
-they are tested on CPU; tests/test_lowering.py lowers the Triton path for
-`cuda` from a CPU machine.
+Pallas interpret mode elsewhere (a one-time warning says so, except while
+compiling for CUDA from a CPU: kernels/names.compiling_for), which is how they
+are tested on CPU; tests/test_compile.py compiles the Triton path for H100 from
+a CPU machine (train/aot.py).
 """
 from __future__ import annotations
 

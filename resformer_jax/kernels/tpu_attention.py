@@ -9,7 +9,7 @@ by the causal mask, padded query rows are dropped.
 
 Like the GPU kernel, it is chosen per platform at lowering time: the Mosaic TPU kernel where the
 program is lowered for TPU, the same kernel in Pallas interpret mode elsewhere (how it is tested on
-CPU; tests/test_lowering.py lowers the real one for `tpu`).
+CPU; tests/test_compile.py compiles the real one for a TPU topology with libtpu, train/aot.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,263 @@
+"""Every step compiled for real accelerators from this CPU machine (issue 31): not only lowered, compiled by the
+target's own compiler, without the hardware.
+
+TPU: libtpu compiles for a topology of chips (`jax.experimental.topologies`): Mosaic compiles the splash kernel,
+XLA assigns HBM and refuses a program over it. GPU: with JAX_PLATFORMS=cpu, the CUDA plugin compiles for
+compile-only H100s described by the shipped target config (resformer_jax/train/gpu_specs/h100_sxm.txtpb): Triton
+compiles the Pallas kernel to GPU machine code (the executable carries ELF images), enforcing the GPU's shared
+memory. These tests need `pip install -e '.[aot]'` (CI installs it); without it they skip saying so.
+
+What cannot be compiled here: cuDNN's attention (jax asks the local CUDA runtime for the cuDNN version while
+tracing, before any compiler runs; see the last tests) and autotuning (no device to time on), so nothing here
+says how fast a step is: `python -m resformer_jax.bench accelerator` does on a real device.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from resformer_jax import kernels
+from resformer_jax.config import tiny_config
+from resformer_jax.train.setup import build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = [pkg for pkg, mod in (("jax[tpu]", "libtpu"), ("the CUDA plugin", "jax_cuda12_plugin"))
+           if importlib.util.find_spec(mod) is None]
+needs_aot = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' "
+                                                     "(CI installs it); compiling for TPU/GPU is not possible without")
+
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "tpu_custom_call"
+TARGETS = {"cuda": "h100x8", "tpu": "v5e:2x2"}  # 8 H100s; a TPU topology of 4 chips
+
+
+def accelerator_config(variant, platform):
+    """A small model with accelerator-like settings: bf16, scanned layers, remat=full, GQA, head_dim 64, a mesh of
+    data x fsdp over the target's devices; `auto` attention, which is the platform's kernel there."""
+    c = tiny_config(variant)
+    m = c.model
+    m.d_model, m.num_heads, m.num_kv_heads, m.ffn_dim, m.num_layers, m.vocab_size = 256, 4, 2, 512, 3, 512
+    m.max_seq_len, c.data.seq_len = 256, 256
+    m.dtype, m.scan_layers, m.remat, m.attention_impl = "bfloat16", True, "full", "auto"
+    c.train.global_batch, c.train.microbatch = 16, 8
+    c.mesh.data, c.mesh.fsdp = 2, -1
+    return c
+
+
+@needs_aot
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("variant", ["none", "resformer", "svformer"])
+def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, variant):
+    from resformer_jax.train.aot import compile_for_target
+    from resformer_jax.train.targets import parse_target
+    target = parse_target(TARGETS[platform])
+    # decode once per platform, for SVFormer, whose cache differs most (no V cache past layer 1)
+    steps = ("train", "eval", "decode") if variant == "svformer" else ("train", "eval")
+    report = compile_for_target(accelerator_config(variant, platform), target, steps=steps, log=lambda s: None)
+    assert report.attention_impl == {"cuda": "pallas", "tpu": "splash"}[platform]
+    assert report.mesh == {"data": 2, "fsdp": target.num_devices // 2} and report.dtype == "bfloat16"
+    by = {s.name: s for s in report.steps}
+    assert set(by) == ({"train", "eval", "decode_prefill", "decode_token"} if "decode" in steps else {"train", "eval"})
+    kernel = TRITON if platform == "cuda" else MOSAIC
+    # forward and backward of every layer's attention go through the platform's kernel, compiled
+    assert by["train"].custom_calls.get(kernel, 0) >= 2, by["train"].custom_calls
+    assert by["eval"].custom_calls.get(kernel, 0) >= 1, by["eval"].custom_calls
+    for s in report.steps:
+        assert s.fits and s.memory is not None and 0 < s.memory.total < target.hbm_bytes, s
+        if platform == "cuda":
+            assert "GPU ELF image" in s.machine_code and not s.machine_code.startswith("0 "), s.machine_code
+        else:
+            assert "TPU executable" in s.machine_code
+    # the state is sharded over fsdp: each device holds about a (fsdp)th of the parameters + AdamW moments
+    fsdp = report.mesh["fsdp"]
+    assert by["train"].memory.arguments < 16 * 1.6e6 / fsdp * 1.6, by["train"].memory
+    line = json.dumps(report.to_json())
+    assert '"fits": true' in line
+
+
+# The 468M model's attention per device (Table 4: 16 heads of 64; T = 2,048), head_dim 128 with GQA, a length that
+# is no multiple of a block, and fp32.
+SHAPES = [((2, 2048, 16, 16, 64), jnp.bfloat16), ((2, 2048, 16, 4, 128), jnp.bfloat16),
+          ((1, 1000, 8, 2, 64), jnp.bfloat16), ((1, 2048, 16, 16, 64), jnp.float32)]
+
+
+def _one_device(target_name):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from resformer_jax.train.targets import parse_target
+    target = parse_target(target_name)
+    mesh = Mesh(target.devices()[:1], ("x",))
+    return target, (lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P())))
+
+
+@needs_aot
+@pytest.mark.parametrize("shape,dtype", SHAPES, ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else str(s))
+def test_pallas_kernel_forward_and_backward_compile_to_gpu_machine_code_at_468m_shapes(shape, dtype):
+    from resformer_jax.kernels.pallas_attention import flash_attention
+    from resformer_jax.train.aot import compile_step
+    target, sds = _one_device("h100x1")
+    B, T, H, K, D = shape
+    fwd_bwd = jax.jit(jax.value_and_grad(lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum(),
+                                         argnums=(0, 1, 2)))
+    step = compile_step("attention", fwd_bwd, (sds((B, T, H, D), dtype), sds((B, T, K, D), dtype),
+                                               sds((B, T, K, D), dtype)), target, tiny_config().mesh, log=lambda s: None)
+    # the forward, dK/dV and dQ kernels, each compiled by Triton into the executable
+    assert step.custom_calls.get(TRITON) == 3, step.custom_calls
+    assert int(step.machine_code.split()[0]) >= 3, step.machine_code
+
+
+@needs_aot
+def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
+    """Blocks of 512 x 512 at head_dim 128 in bf16 need 1,179,648 bytes of shared memory per block (H100: 232,448):
+    Triton's compilation refuses it; the project says so in one line, naming the kernel and the fix."""
+    from resformer_jax.kernels.pallas_attention import _flash
+    from resformer_jax.train.aot import CompileError, compile_step
+    target, sds = _one_device("h100x1")
+    q = sds((1, 1024, 4, 128), jnp.bfloat16)
+    fwd = jax.jit(lambda q, k, v: _flash(q, k, v, True, 512, 512))
+    with pytest.raises(CompileError) as e:
+        compile_step("attention", fwd, (q, q, q), target, tiny_config().mesh, log=lambda s: None)
+    msg = str(e.value)
+    assert "shared memory" in msg and "232448" in msg and "choose_blocks" in msg and "\n" not in msg
+
+
+@needs_aot
+def test_a_program_over_the_tpus_hbm_is_refused_by_its_compiler_with_the_precheck_message():
+    """A 2.2B-parameter model (131k x 8192 embeddings) for one v5e chip (15.75 GiB): libtpu refuses to compile it;
+    the report says it does not fit, with the compiler's numbers and the knobs."""
+    from resformer_jax.train.aot import compile_for_target
+    from resformer_jax.train.targets import parse_target
+    c = tiny_config("resformer")
+    m = c.model
+    m.vocab_size, m.d_model, m.num_heads, m.ffn_dim, m.num_layers = 131072, 8192, 64, 8192, 2
+    m.dtype, m.attention_impl, m.max_seq_len, c.data.seq_len, c.train.global_batch = "bfloat16", "auto", 128, 128, 4
+    report = compile_for_target(c, parse_target("v5e-1"), steps=("train",), log=lambda s: None)
+    assert not report.fits
+    problem = report.first_problem
+    assert "exceeds available HBM (15.75G)" in problem and "config.train.microbatch" in problem
+    assert "remat=full" in problem and "config.mesh.fsdp" in problem
+
+
+def _compile_command(*args, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "resformer_jax.compile", *args], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=600)
+
+
+@needs_aot
+def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
+    cfg = os.path.join(ROOT, "configs", "tiny.py")
+    r = _compile_command(f"--config={cfg}", "--target=h100x8", "--steps=train,eval", "--config.mesh.fsdp=-1",
+                         "--config.mesh.data=2", "--config.model.attention_impl=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["fits"] and out["devices"] == 8 and out["attention_impl"] == "pallas"
+    assert [s["step"] for s in out["steps"]] == ["train", "eval"]
+    assert "running the GPU kernel in Pallas interpret mode" not in r.stderr
+    assert "Traceback" not in r.stderr
+    # the same run on cards whose allocator may use almost nothing: one line naming the numbers and the knobs
+    r = _compile_command(f"--config={cfg}", "--target=h100x8", "--steps=train",
+                         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.0000001"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "the train step needs" in errors[0] and "config.train.microbatch" in errors[0]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["fits"] is False
+    assert "Traceback" not in r.stderr
+    r = _compile_command(f"--config={cfg}", "--target=v5e-7")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: v5e-7: no v5e slice has 7")
+
+
+def test_target_names_resolve_to_cloud_tpu_and_gpu_node_layouts():
+    from resformer_jax.train.targets import TargetError, parse_target
+    t = parse_target("v5p-64")
+    assert (t.platform, t.topology_name, t.num_devices, t.chip_config) == ("tpu", "v5:2x4x4", 32, "megacore")
+    assert parse_target("v4-8").topology_name == "v4:2x2x1" and parse_target("v4-8").num_devices == 4
+    assert parse_target("v5e-256").topology_name == "v5e:16x16"
+    assert parse_target("v6e-8").topology_name == "v6e:2x4"
+    assert parse_target("v5e-8", slices=2).num_devices == 16
+    g = parse_target("h100x8", nodes=4)
+    assert (g.platform, g.num_devices, g.nodes) == ("cuda", 32, 4)
+    assert abs(g.hbm_bytes - 0.75 * 85520809984) < 1
+    assert parse_target("h200x8").hbm_bytes > parse_target("a100x8").hbm_bytes
+    for bad in ("v5e-7", "v9-8", "h100x16", "tpu"):
+        with pytest.raises(TargetError):
+            parse_target(bad)
+    with pytest.raises(TargetError, match="--nodes is for GPU"):
+        parse_target("v5p-8", nodes=2)
+
+
+@needs_aot
+def test_the_interpret_mode_warning_is_not_given_when_compiling_for_the_kernels_platform(monkeypatch):
+    """The Pallas kernels warn that they run interpreted on a non-GPU backend; compiling for CUDA from a CPU is
+    not that, and must not say so (the warning is for the program that will run interpreted)."""
+    from resformer_jax.kernels import pallas_attention, tpu_attention
+    from resformer_jax.train.aot import compile_step
+    calls = []
+    monkeypatch.setattr(pallas_attention, "_warn_interpreted", calls.append)
+    monkeypatch.setattr(tpu_attention, "_warn_interpreted", calls.append)
+    target, sds = _one_device("h100x1")
+    q = sds((1, 128, 4, 64), jnp.bfloat16)
+    compile_step("attention", jax.jit(pallas_attention.flash_attention), (q, q, q), target, tiny_config().mesh,
+                 log=lambda s: None)
+    assert calls == []
+    jax.jit(pallas_attention.flash_attention).lower(jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
+                                                   jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
+                                                   jnp.zeros((1, 128, 4, 64), jnp.bfloat16))
+    assert calls == ["cpu"]  # run here, it is interpreted, and says so
+
+
+@needs_aot
+def test_cudnn_attention_cannot_be_compiled_without_a_gpu_and_says_why():
+    """cuDNN's fused attention asks the local CUDA runtime for the cuDNN version while tracing, before any compiler
+    runs; with no GPU that fails. The project's guard says so in one line. Checked instead: the same steps with the
+    Pallas (Triton) kernel (above) and with XLA's own attention (below), compiled for H100."""
+    from resformer_jax.train.aot import compile_for_target
+    from resformer_jax.train.targets import parse_target
+    c = accelerator_config("resformer", "cuda")
+    c.model.attention_impl = "cudnn"
+    with pytest.raises(kernels.KernelUnavailable, match="needs an NVIDIA GPU"):
+        compile_for_target(c, parse_target("h100x8"), steps=("train",), log=lambda s: None)
+    c.model.attention_impl = "xla"
+    report = compile_for_target(c, parse_target("h100x8"), steps=("train",), log=lambda s: None)
+    assert report.fits and TRITON not in report.steps[0].custom_calls
+
+
+def test_a_named_impl_that_cannot_run_raises_and_never_falls_back():
+    c = tiny_config("resformer")
+    c.model.attention_impl = "cudnn"
+    from resformer_jax.train.setup import resolve_attention
+    choice = resolve_attention(c)  # named: kept as it is, nothing probed
+    assert choice.impl == "cudnn" and not choice.probed
+    with pytest.raises(kernels.KernelUnavailable, match="cudnn"):
+        build(c, log=lambda s: None)
+
+
+def test_auto_on_tpu_selects_jax_splash_kernel():
+    """The probe with the backend injected as TPU tries JAX's splash kernel first (here it runs interpreted)."""
+    msgs = []
+    choice, rejected = kernels.probe_auto((1, 128, 4, 64), 2, jnp.float32, msgs.append, backend="tpu")
+    assert choice == "splash", (choice, rejected)
+    assert set(rejected) == {"pallas", "cudnn"} and "not a GPU" in rejected["pallas"]
+    candidates, _ = kernels.auto_candidates("gpu")
+    assert candidates[0] == "pallas" and "splash" not in candidates
+
+
+def test_pallas_triton_blocks_fit_the_shared_memory_budget():
+    import functools
+    from resformer_jax.kernels.pallas_attention import SMEM_BUDGET_BYTES, choose_blocks, smem_bytes
+    for D, itemsize in ((64, 2), (128, 2), (64, 4), (128, 4), (256, 2)):
+        bq, bk = choose_blocks(2048, 2048, D, itemsize)
+        assert smem_bytes(bq, bk, D, itemsize) <= SMEM_BUDGET_BYTES and bq >= 16 and bk >= 16
+    assert choose_blocks(2048, 2048, 64, 2) == (128, 128)
+    assert functools.reduce(max, choose_blocks(2048, 2048, 128, 2)) < 128  # shrunk for head_dim 128
+
+
+def test_compile_needs_its_packages_and_says_which(monkeypatch):
+    from resformer_jax.train import aot
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(aot.AotUnavailable, match=r"pip install -e '.\[aot\]'"):
+        aot.check_packages("tpu")
