@@ -4,6 +4,7 @@ summary `--mode=summary` prints. The trainer, the benchmarks and the commands al
 from __future__ import annotations
 
 import dataclasses
+import re
 import functools
 import time
 
@@ -101,7 +102,9 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
     q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
     flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
-    block of logits.
+    fp32 block of logits. Against the compiled steps (README's table, `python -m resformer_jax.compile`): within
+    10% of XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler holds 10-40% more temporaries for
+    the same program, and sequences of 8K tokens and more need about 20% more than estimated.
     """
     import jax.numpy as jnp
     m, t = cfg.model, cfg.train
@@ -114,7 +117,8 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
     layer = 2 * mb * T * (4 * E + 3 * F) * act
     attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * T * 4
-    logits = 2 * mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
+    # one fp32 block of logits: its gradient reuses the buffer (compiled for H100, README's table)
+    logits = mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
     total = state + kept + layer + attention + logits
     return {"state": int(state), "activations_kept": int(kept), "one_layer": int(layer), "attention": int(attention),
             "logits": int(logits), "total": int(total), "per_device_micro_batch": mb}
@@ -154,6 +158,9 @@ def summary(cfg) -> dict:
     out["seq_len"] = cfg.data.seq_len
     out["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len
     devices = cfg.mesh.num_devices or max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp)
+    sized_for = re.match(r"\s*(\d+)\s*x", cfg.mesh.target or "")
+    if sized_for and not cfg.mesh.num_devices and -1 in (cfg.mesh.data, cfg.mesh.fsdp):
+        devices = int(sized_for.group(1))  # "all devices" of the hardware the config is sized for ("8x H100 80GB")
     est = estimate_train_memory(cfg, devices)
     out["memory_estimate_per_device"] = {**est, "devices": devices, "target": cfg.mesh.target or None}
     if cfg.mesh.device_memory_limit_gb > 0:

@@ -32,6 +32,7 @@ flags.DEFINE_integer("nodes", 1, "GPU targets: nodes of the --target's GPUs.")
 flags.DEFINE_integer("slices", 1, "TPU targets: slices (multislice over DCN).")
 flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile: train, eval, decode.")
 flags.DEFINE_integer("decode_batch", 0, "Sequences decoded at once (default: one per batch shard of the mesh).")
+flags.DEFINE_integer("prompt_len", 0, "Prompt tokens prefilled by the decode check (default: config.data.seq_len).")
 FLAGS = flags.FLAGS
 
 
@@ -51,7 +52,7 @@ def main(argv):
         target = parse_target(FLAGS.target, nodes=FLAGS.nodes, slices=FLAGS.slices)
         log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
         report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), decode_batch=FLAGS.decode_batch,
-                                    log=log)
+                                    prompt_len=FLAGS.prompt_len, log=log)
         for line in report.lines():
             print(line, file=sys.stderr)
         print(json.dumps(report.to_json()), flush=True)

@@ -194,11 +194,16 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
                         source=f"{target.kind}'s usable memory ({target.hbm_source})")
     except MemoryPrecheckError as e:
         step.fits, step.problem = False, str(e)
+        if name.startswith("decode"):  # generation's knobs, not training's
+            step.problem = step.problem.split("; lower ")[0] + (
+                "; generation's prefill attends over the whole cache with XLA's attention ([heads, prompt, max_len] "
+                "scores in fp32): lower --prompt_len (the prompt's tokens) or --decode_batch, or --steps=train,eval "
+                "to check training alone")
     log(f"{name}: compiled in {seconds:.1f} s")
     return step
 
 
-def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 0,
+def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 0, prompt_len: int = 0,
                        log: Callable[[str], Any] = print) -> CompileReport:
     """Builds the run for `target` as train/setup.build does on that hardware and compiles `steps` there."""
     check_packages(target.platform)
@@ -219,23 +224,23 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
         out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg.mesh,
                                 log=log))
     if "decode" in steps:
-        out.extend(_compile_decode(setup, target, decode_batch, log))
+        out.extend(_compile_decode(setup, target, decode_batch, prompt_len, log))
     devices = cfg.mesh.num_devices or target.num_devices
     return CompileReport(target, setup.attention.impl, cfg.model.dtype, dict(setup.mesh.shape),
                          cfg.train.microbatch or cfg.train.global_batch, cfg.model.remat, out,
                          perf.estimate_train_memory(cfg, devices) if "train" in steps else {})
 
 
-def _compile_decode(setup, target: Target, batch: int, log) -> list[CompiledStep]:
+def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> list[CompiledStep]:
     """generate's two programs (commands/generate.py): the prompt's prefill and one new token, parameters in the
     training layout, the KV cache sharded over the batch; the cache spans model.max_seq_len, the prompt
-    data.seq_len tokens."""
+    `prompt_len` tokens (default data.seq_len: the longest prompt the model was trained on)."""
     from resformer_jax.model.decode import FrozenModelConfig, _step, cache_shapes, cache_shardings
     mesh, m = setup.mesh, setup.model_cfg
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = batch or shards
     max_len = m.max_seq_len
-    prompt = min(setup.cfg.data.seq_len, max_len)
+    prompt = min(prompt_len or setup.cfg.data.seq_len, max_len)
     cache = cache_shapes(m, batch=batch, max_len=max_len)
     cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
                          cache_shardings(cache, mesh, batch))
