@@ -4,13 +4,14 @@ Every entry point (train, bench, generate, evaluate) calls `configure_xla()`
 before JAX starts its backend. A flag you already put in XLA_FLAGS is never
 overridden; RESFORMER_NO_XLA_DEFAULTS=1 turns all of this off.
 
-GPU (set when a CUDA plugin for JAX is installed): the flags MaxText runs
+GPU (set when a CUDA plugin for JAX is installed and an NVIDIA driver is present: the `aot` extra installs
+the plugin on CPU machines too, to compile for GPUs): the flags MaxText runs
 H100 training with, minus the ones that trade memory for speed blindly.
 Each is about overlapping communication with the scanned layers' compute,
 or about picking the faster GEMM path; none changes numerics beyond the
 summation order of collectives.
 
-CPU-only hosts (no CUDA plugin, no libtpu): row reductions stay with XLA's own
+CPU-only hosts (no CUDA plugin with a driver, no libtpu with a chip): row reductions stay with XLA's own
 emitter instead of YNNPACK
 (`xla_cpu_experimental_ynn_fusion_type=-reduce`, set only where the installed
 jaxlib knows the flag). XLA 0.10 hands the LM head's logsumexp (an exp fused
@@ -74,8 +75,21 @@ def jaxlib_knows_flag(name: str) -> bool:
     return False
 
 
+def nvidia_driver_present() -> bool:
+    """An NVIDIA driver on this host: the plugin alone (installed for `compile`, train/aot.py) computes nothing."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def tpu_chip_present() -> bool:
+    """TPU chips on this host (v4: /dev/accel*, v5e and later: /dev/vfio/N), or a TPU VM's environment."""
+    import glob
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"))
+
+
 def cuda_plugin_present() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("cpu", "tpu"):
+        return False
+    if not nvidia_driver_present():
         return False
     for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
         try:
@@ -88,6 +102,8 @@ def cuda_plugin_present() -> bool:
 
 def libtpu_present() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("cpu", "cuda", "gpu"):
+        return False
+    if not tpu_chip_present():
         return False
     try:
         return importlib.util.find_spec("libtpu") is not None
