@@ -214,7 +214,7 @@ def test_the_interpret_mode_warning_is_not_given_when_compiling_for_the_kernels_
 def test_cudnn_attention_cannot_be_compiled_without_a_gpu_and_says_why():
     """cuDNN's fused attention asks the local CUDA runtime for the cuDNN version while tracing, before any compiler
     runs; with no GPU that fails. The project's guard says so in one line. Checked instead: the same steps with the
-    Pallas (Triton) kernel (above) and with XLA's own attention (below), compiled for H100."""
+    Pallas (Triton) kernel (above) and, with XLA's own attention, the eval step (below), compiled for H100."""
     from resformer_jax.train.aot import compile_for_target
     from resformer_jax.train.targets import parse_target
     c = accelerator_config("resformer", "cuda")
@@ -222,8 +222,8 @@ def test_cudnn_attention_cannot_be_compiled_without_a_gpu_and_says_why():
     with pytest.raises(kernels.KernelUnavailable, match="needs an NVIDIA GPU"):
         compile_for_target(c, parse_target("h100x8"), steps=("train",), log=lambda s: None)
     c.model.attention_impl = "xla"
-    report = compile_for_target(c, parse_target("h100x8"), steps=("train",), log=lambda s: None)
-    assert report.fits and TRITON not in report.steps[0].custom_calls
+    report = compile_for_target(c, parse_target("h100x8"), steps=("eval",), log=lambda s: None)
+    assert report.fits and TRITON not in report.steps[0].custom_calls and "GPU ELF" in report.steps[0].machine_code
 
 
 def test_a_named_impl_that_cannot_run_raises_and_never_falls_back():

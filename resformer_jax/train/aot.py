@@ -174,6 +174,10 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
                  log: Callable[[str], Any] = print) -> CompiledStep:
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
+    # JAX's persistent compilation cache cannot hold these: a compile-only client cannot load an entry back
+    # ("PjRtCompiler must be constructed with a Client"), so writing one only costs time.
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         with compiling_for(target.platform):
             compiled = jitted.lower(*args, **(kwargs or {})).compile()
@@ -185,6 +189,8 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
             log(f"{name}: {err}")
             return CompiledStep(name, time.perf_counter() - t0, None, {}, "not compiled", False, str(err))
         raise err from None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
     seconds = time.perf_counter() - t0
     mem = perf.step_memory(compiled)
     calls = dict(collections.Counter(_CUSTOM_CALL.findall(compiled.as_text())))
