@@ -43,6 +43,24 @@ def test_prefill_plus_decode_equals_full_forward(mode, kv):
     assert_decode_equals_forward(c)
 
 
+@pytest.mark.parametrize("mode", ["none", "svformer"])
+def test_a_prompt_prefilled_in_chunks_gives_the_one_call_prefill(mode):
+    """generate's prefill in chunks (model/decode.prefill, so a 64K prompt fits a GPU): 12 tokens in chunks of 5
+    (5, 5, 2) leave the same last logits and the same cache as one call."""
+    from resformer_jax.model.decode import prefill
+    c = tiny_config(mode)
+    c.model.num_kv_heads = 2
+    validate(c)
+    m = Transformer(c.model)
+    toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
+    p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
+    mf = FrozenModelConfig(c.model)
+    one, cache_one = _step(p, toks, init_cache(mf, p, 2, 16), m_frozen=mf, max_len=16)
+    chunked, cache_chunked = prefill(p, toks, init_cache(mf, p, 2, 16), m_frozen=mf, max_len=16, chunk=5)
+    np.testing.assert_allclose(chunked[:, -1], one[:, -1], atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), cache_chunked, cache_one)
+
+
 @pytest.mark.parametrize("scan", [True, False])
 def test_cross_layer_mapping_decode_equals_forward(scan):
     """Eq. 2 (mapping=cross_layer) in the KV-cached decode: layer n attends over its own cache and layer 1's."""

@@ -54,6 +54,21 @@ def _step(params, tokens_BxT, cache, *, m_frozen, max_len):
     return logits, mutated["cache"]
 
 
+# Prompt tokens one prefill call takes. The cache's attention is plain XLA over the whole cache, so a call holds
+# [heads, tokens, max_len] fp32 scores: a 64K prompt in one call needs 270 GiB on a GPU (compiled for H100,
+# README), in chunks of 2,048 a few GiB. Chunks attend to the cache written by the earlier ones (the cache's
+# index advances), so the result is the one-call prefill's.
+PREFILL_CHUNK = 2048
+
+
+def prefill(params, prompt_BxP, cache, *, m_frozen, max_len, chunk: int = PREFILL_CHUNK):
+    """The prompt through the model in chunks of `chunk` tokens; (the last chunk's logits, the cache)."""
+    P = prompt_BxP.shape[1]
+    for start in range(0, P, chunk):
+        logits, cache = _step(params, prompt_BxP[:, start:start + chunk], cache, m_frozen=m_frozen, max_len=max_len)
+    return logits, cache
+
+
 def sample_logits(logits_BxV, rng, temperature: float, top_k: int, top_p: float):
     """Greedy at temperature 0; otherwise temperature, top-k and nucleus (top-p) sampling."""
     if temperature <= 0:
@@ -136,7 +151,7 @@ def generate(m, params, prompt_BxP, *, max_new_tokens: int, temperature: float =
         if param_shardings is not None:
             params = jax.device_put(params, param_shardings)
     cache_bytes = kv_bytes(cache)
-    logits, cache = _step(params, prompt_BxP, cache, m_frozen=mf, max_len=max_len)
+    logits, cache = prefill(params, prompt_BxP, cache, m_frozen=mf, max_len=max_len)
     rng = jax.random.PRNGKey(seed)
     out = [prompt_BxP]
     done = jnp.zeros((B,), bool)

@@ -202,9 +202,9 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
         step.fits, step.problem = False, str(e)
         if name.startswith("decode"):  # generation's knobs, not training's
             step.problem = step.problem.split("; lower ")[0] + (
-                "; generation's prefill attends over the whole cache with XLA's attention ([heads, prompt, max_len] "
-                "scores in fp32): lower --prompt_len (the prompt's tokens) or --decode_batch, or --steps=train,eval "
-                "to check training alone")
+                "; generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
+                "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
+                "model.max_seq_len, or --steps=train,eval to check training alone")
     log(f"{name}: compiled in {seconds:.1f} s")
     return step
 
@@ -238,15 +238,15 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
 
 
 def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> list[CompiledStep]:
-    """generate's two programs (commands/generate.py): the prompt's prefill and one new token, parameters in the
-    training layout, the KV cache sharded over the batch; the cache spans model.max_seq_len, the prompt
-    `prompt_len` tokens (default data.seq_len: the longest prompt the model was trained on)."""
-    from resformer_jax.model.decode import FrozenModelConfig, _step, cache_shapes, cache_shardings
+    """generate's two programs (commands/generate.py): the prompt's prefill (one chunk of it, the program
+    generate runs for a prompt of `prompt_len` tokens, default data.seq_len) and one new token, parameters in the
+    training layout, the KV cache sharded over the batch, spanning model.max_seq_len."""
+    from resformer_jax.model.decode import PREFILL_CHUNK, FrozenModelConfig, _step, cache_shapes, cache_shardings
     mesh, m = setup.mesh, setup.model_cfg
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = batch or shards
     max_len = m.max_seq_len
-    prompt = min(prompt_len or setup.cfg.data.seq_len, max_len)
+    prompt = min(prompt_len or setup.cfg.data.seq_len, max_len, PREFILL_CHUNK)
     cache = cache_shapes(m, batch=batch, max_len=max_len)
     cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
                          cache_shardings(cache, mesh, batch))
