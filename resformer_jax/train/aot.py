@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resformer_jax import perf
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
-from resformer_jax.train.setup import MemoryPrecheckError, build, memory_line, memory_precheck
+from resformer_jax.train.setup import MEMORY_KNOBS, MemoryPrecheckError, build, memory_line, memory_precheck
 from resformer_jax.train.targets import Target
 
 STEPS = ("train", "eval", "decode")
@@ -161,9 +161,7 @@ def _refusal(e: Exception, what: str, target: Target) -> Exception:
         m = re.search(r"[^\n]*(?:exceeds available|Ran out of memory)[^\n]*", text)
         said = (m.group(0).strip() if m else first)[:400]
         return MemoryPrecheckError(
-            f"{what} does not fit {target.hardware}: the compiler says: {said}; lower config.train.microbatch "
-            "(sequences per accumulation step) or config.train.global_batch, use --config.model.remat=full, or "
-            "shard the state over more devices with config.mesh.fsdp")
+            f"{what} does not fit {target.hardware}: the compiler says: {said}; {MEMORY_KNOBS}")
     if "VMEM" in text or "vmem" in text:
         return CompileError(f"{what} does not compile for {target.hardware}: a Mosaic kernel exceeds the TPU's "
                             f"on-chip memory (VMEM): {first[:400]}")
@@ -201,7 +199,7 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
     except MemoryPrecheckError as e:
         step.fits, step.problem = False, str(e)
         if name.startswith("decode"):  # generation's knobs, not training's
-            step.problem = step.problem.split("; lower ")[0] + (
+            step.problem = step.problem.replace("; " + MEMORY_KNOBS, "") + (
                 "; generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
                 "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
                 "model.max_seq_len, or --steps=train,eval to check training alone")

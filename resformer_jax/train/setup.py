@@ -161,6 +161,11 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step)
 
 
+# What lowers a train step's memory per device: the trainer's precheck and the compile command (train/aot.py) say it.
+MEMORY_KNOBS = ("lower config.train.microbatch (sequences per accumulation step) or config.train.global_batch, use "
+                "--config.model.remat=full, or shard the state over more devices with config.mesh.fsdp")
+
+
 def device_memory_limit(mesh_cfg) -> tuple[float | None, str]:
     """(bytes one device may use, where that number comes from) for this machine's first device."""
     if mesh_cfg.device_memory_limit_gb > 0:
@@ -195,9 +200,8 @@ def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | Non
     if limit and mem.total > limit:
         raise MemoryPrecheckError(
             f"{what} needs {mem.total / 2**30:.3f} GiB per device but {source} is {limit / 2**30:.3f} GiB "
-            f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB); lower "
-            "config.train.microbatch (sequences per accumulation step) or config.train.global_batch, use "
-            "--config.model.remat=full, or shard the state over more devices with config.mesh.fsdp")
+            f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB); "
+            + MEMORY_KNOBS)
     return memory_line(mem, limit), limit
 
 
