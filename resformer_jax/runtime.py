@@ -133,12 +133,12 @@ def configure_xla() -> list[str]:
     return added
 
 
-def configure_xla_for_target(target: str) -> list[str]:
-    """For `python -m resformer_jax.compile`, which runs on a CPU but compiles for `target`: the flags a run on that
-    hardware gets (GPU targets: GPU_XLA_FLAGS; TPU: none), none of the CPU ones. Returns the flags it added."""
+def configure_xla_for_target(platform: str) -> list[str]:
+    """For `python -m resformer_jax.compile`, which runs on a CPU but compiles for `platform` ('cuda', 'tpu'): the
+    flags a run on that hardware gets (GPU: GPU_XLA_FLAGS; TPU: none), none of the CPU ones. Returns those added."""
     if os.environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1":
         return []
-    gpu = target.strip().lower()[:1] in ("h", "a")  # h100x8, h200x8, a100x8 (train/targets.py)
+    gpu = platform == "cuda"
     flags, added = xla_flags_for(os.environ.get("XLA_FLAGS", ""), gpu, tpu=not gpu)
     if added:
         os.environ["XLA_FLAGS"] = flags

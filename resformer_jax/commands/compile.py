@@ -44,11 +44,10 @@ def main(argv):
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)  # not common.start(): the XLA flags are the target's (cli_main)
     with common.exit_on_user_error():
-        from resformer_jax.commands.common import ConfigFlagError
         from resformer_jax.train.aot import compile_for_target
         from resformer_jax.train.targets import parse_target
         if FLAGS.config is None:
-            raise ConfigFlagError("--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
+            raise common.ConfigFlagError("--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
         target = parse_target(FLAGS.target, nodes=FLAGS.nodes, slices=FLAGS.slices)
         log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
         report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), decode_batch=FLAGS.decode_batch,
@@ -61,14 +60,17 @@ def main(argv):
             sys.exit(2)
 
 
-def _target_flag(argv) -> str:
-    """--target's value, read before absl parses flags (the XLA flags must be set before JAX starts)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--target="):
-            return a.split("=", 1)[1]
-        if a == "--target" and i + 1 < len(argv):
-            return argv[i + 1]
-    return ""
+def _target_platform(argv) -> str:
+    """The platform of --target ('cuda', 'tpu'), read before absl parses flags (the XLA flags must be set before JAX
+    starts); '' where it is missing or unknown (main reports that)."""
+    from resformer_jax.train.targets import TargetError, parse_target
+    name = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), None)
+    if name is None and "--target" in argv[:-1]:
+        name = argv[argv.index("--target") + 1]
+    try:
+        return parse_target(name).platform if name else ""
+    except TargetError:
+        return ""
 
 
 def cli_main():
@@ -77,7 +79,7 @@ def cli_main():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from resformer_jax import runtime
     from resformer_jax.commands import common
-    runtime.configure_xla_for_target(_target_flag(sys.argv))
+    runtime.configure_xla_for_target(_target_platform(sys.argv))
     common.check_config_flags(sys.argv)
     app.run(main)
 

@@ -1,11 +1,10 @@
 """The attention implementations by name: the one list the config validates against."""
+import contextlib
+import contextvars
 
 # auto: resolved once at setup by probing at the run's shapes (train/setup.py).
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
-
-import contextlib
-import contextvars
 
 # The platform a program is being compiled for when it is not this machine's backend (train/aot.py compiles for
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what
@@ -28,6 +27,9 @@ def target_backend() -> str:
     default backend ('gpu' for CUDA, as jax.default_backend() names it)."""
     import jax
     target = _TARGET_PLATFORM.get()
-    if target is None:
-        return jax.default_backend()
-    return "gpu" if target in ("cuda", "rocm", "gpu") else target
+    return jax.default_backend() if target is None else backend_of(target)
+
+
+def backend_of(platform: str) -> str:
+    """A lowering platform ('cuda', 'rocm', 'tpu') as jax.default_backend() names its backend ('gpu', 'tpu')."""
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform

@@ -41,6 +41,10 @@ KERNEL_NAMES = {
     "__gpu$xla.gpu.triton": "Triton (Pallas)",
     "tpu_custom_call": "Mosaic TPU (Pallas)",
 }
+# What lowers generation's memory (its steps attend over the whole cache with XLA's attention).
+DECODE_KNOBS = ("generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
+                "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
+                "model.max_seq_len, or --steps=train,eval to check training alone")
 ELF_MAGIC = b"\x7fELF"  # GPU machine code (cubin) embedded in a serialized executable
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
@@ -195,14 +199,10 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
     step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True)
     try:
         memory_precheck(mem, mesh_cfg, limit=target.hbm_bytes, what=f"the {name} step",
-                        source=f"{target.kind}'s usable memory ({target.hbm_source})")
+                        source=f"{target.kind}'s usable memory ({target.hbm_source})",
+                        knobs=DECODE_KNOBS if name.startswith("decode") else MEMORY_KNOBS)
     except MemoryPrecheckError as e:
         step.fits, step.problem = False, str(e)
-        if name.startswith("decode"):  # generation's knobs, not training's
-            step.problem = step.problem.replace("; " + MEMORY_KNOBS, "") + (
-                "; generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
-                "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
-                "model.max_seq_len, or --steps=train,eval to check training alone")
     log(f"{name}: compiled in {seconds:.1f} s")
     return step
 
@@ -223,8 +223,7 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
         out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg.mesh, log=log))
     if "eval" in steps:
-        eval_rows = cfg.train.microbatch or cfg.train.global_batch  # the trainer's evaluation batch (train/loop.py)
-        batch = jax.ShapeDtypeStruct((eval_rows, cfg.data.seq_len + 1), jnp.int32, sharding=setup.batch_sh)
+        batch = jax.ShapeDtypeStruct(setup.eval_batch_shape, jnp.int32, sharding=setup.batch_sh)
         out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg.mesh,
                                 log=log))
     if "decode" in steps:

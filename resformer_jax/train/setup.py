@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resformer_jax import kernels, perf
 from resformer_jax.checkpoint import CheckpointError
+from resformer_jax.kernels.names import backend_of
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
 from resformer_jax.model import Transformer
 from resformer_jax.parallel.mesh import batch_sharding, check_divisibility, logical_shardings, make_mesh, replicated
@@ -56,8 +57,7 @@ def resolve_attention(cfg, *, override: str | None = None, batch: int | None = N
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
     if platform is not None:
-        backend = "gpu" if platform in ("cuda", "gpu") else platform
-        candidates, rejected = kernels.auto_candidates(backend)
+        candidates, rejected = kernels.auto_candidates(backend_of(platform))
         log(f"attention_impl=auto is {candidates[0]!r} on {platform} (the kernel its probe tries first; "
             "compiled, not probed)")
         return AttentionChoice(candidates[0], rejected, False)
@@ -116,6 +116,12 @@ class TrainSetup:
     @property
     def global_batch_shape(self) -> tuple[int, int]:
         return self.cfg.train.global_batch, self.cfg.data.seq_len + 1
+
+    @property
+    def eval_batch_shape(self) -> tuple[int, int]:
+        """The evaluation batch: one microbatch (the whole batch without accumulation), so evaluating needs no
+        more memory than a training microbatch."""
+        return self.cfg.train.microbatch or self.cfg.train.global_batch, self.cfg.data.seq_len + 1
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """A fresh state laid out on the mesh (parameters and optimizer state sharded)."""
@@ -190,8 +196,8 @@ def memory_line(mem: perf.StepMemory, limit: float | None) -> str:
 
 
 def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | None = None, source: str = "",
-                    what: str = "the train step") -> tuple[str, float | None]:
-    """(a line describing the step's memory per device, the limit) ; raises where it cannot fit.
+                    what: str = "the train step", knobs: str = MEMORY_KNOBS) -> tuple[str, float | None]:
+    """(a line describing the step's memory per device, the limit) ; raises where it cannot fit, naming `knobs`.
     `limit`/`source`: another device's memory (a compile target's); default: this machine's first device."""
     if mem is None:
         return "per-device memory: not reported by this backend", None
@@ -201,7 +207,7 @@ def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | Non
         raise MemoryPrecheckError(
             f"{what} needs {mem.total / 2**30:.3f} GiB per device but {source} is {limit / 2**30:.3f} GiB "
             f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB); "
-            + MEMORY_KNOBS)
+            + knobs)
     return memory_line(mem, limit), limit
 
 
