@@ -65,19 +65,22 @@ def _spans(T, S, C, causal):
 
 
 def _block_logits(q_BxKxGxTxD, k_BxKxSxD, start, stop, keys, causal_offset):
+    """The block's scaled logits [B, K, G, C, keys] in fp32, the causal mask applied as an additive [C, keys]
+    bias (0 or -1e30): a bias this small is read inside the fusion, where a select against a -1e30 broadcast
+    of the block's full shape was hoisted out of the layer loop and materialised (XLA:CPU)."""
     logits = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxD[:, :, :, start:stop], k_BxKxSxD[:, :, :keys],
                         preferred_element_type=jnp.float32)
     if causal_offset is None:
-        return logits, None
+        return logits
     visible_CxS = jnp.arange(keys)[None, :] <= (jnp.arange(start, stop) + causal_offset)[:, None]
-    return jnp.where(visible_CxS, logits, -1e30), visible_CxS
+    return logits + jnp.where(visible_CxS, 0.0, -1e30).astype(jnp.float32)
 
 
 def _forward(q, k, v, spans):
     """Output and log-sum-exp per query; the softmax is normalised on the [C, D] output."""
     outs, lses = [], []
     for start, stop, keys, offset in spans:
-        logits, _ = _block_logits(q, k, start, stop, keys, offset)
+        logits = _block_logits(q, k, start, stop, keys, offset)
         row_max = logits.max(axis=-1, keepdims=True)
         e = jnp.exp(logits - row_max)
         denom = e.sum(axis=-1, keepdims=True)
@@ -110,10 +113,8 @@ def _attend_bwd(spans, res, g):
     dk = jnp.zeros(k.shape, f32)
     dv = jnp.zeros(v.shape, f32)
     for start, stop, keys, offset in spans:
-        logits, visible = _block_logits(q, k, start, stop, keys, offset)
-        p = jnp.exp(logits - lse[:, :, :, start:stop])
-        if visible is not None:
-            p = jnp.where(visible, p, 0.0)
+        # masked logits sit at -1e30: exp gives exactly 0 there, no second mask needed
+        p = jnp.exp(_block_logits(q, k, start, stop, keys, offset) - lse[:, :, :, start:stop])
         g_i = g[:, :, :, start:stop]
         dv = dv.at[:, :, :keys].add(jnp.einsum("bkgts,bkgtd->bksd", p.astype(op), g_i, preferred_element_type=f32))
         dp = jnp.einsum("bkgtd,bksd->bkgts", g_i, v[:, :, :keys], preferred_element_type=f32)
