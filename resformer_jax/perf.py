@@ -4,8 +4,8 @@ summary `--mode=summary` prints. The trainer, the benchmarks and the commands al
 from __future__ import annotations
 
 import dataclasses
-import re
 import functools
+import re
 import time
 
 import jax

@@ -47,7 +47,8 @@ def main(argv):
         from resformer_jax.train.aot import compile_for_target
         from resformer_jax.train.targets import parse_target
         if FLAGS.config is None:
-            raise common.ConfigFlagError("--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
+            raise common.ConfigFlagError(
+                "--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
         target = parse_target(FLAGS.target, nodes=FLAGS.nodes, slices=FLAGS.slices)
         log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
         report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), decode_batch=FLAGS.decode_batch,

@@ -54,8 +54,8 @@ class Trainer:
         cfg = self.cfg
         self.corpus = open_corpus(cfg.data)
         self.iter = train_iterator(cfg, jax.process_index(), jax.process_count())
-        self.eval_sets = validation_sets(cfg, self.setup.eval_batch_shape[0], cfg.train.eval_batches, jax.process_index(),
-                                         jax.process_count())
+        self.eval_sets = validation_sets(cfg, self.setup.eval_batch_shape[0], cfg.train.eval_batches,
+                                         jax.process_index(), jax.process_count())
 
     def _state(self):
         self.ckpt = self.run.checkpointer(self.cfg.checkpoint)
