@@ -28,11 +28,12 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        # What README's second command adds for the tests: pytest, and the clients and emulators
-        # tests/test_cloud.py runs gs:// and s3:// run directories against. boto3 comes through s3fs's own
+        # What README's second command adds for the tests: pytest (and pytest-xdist: the suite is bound by XLA's
+        # single-threaded compiles, so two workers on two cores take about two thirds of the time), and the clients
+        # and emulators tests/test_cloud.py runs gs:// and s3:// run directories against. boto3 comes through s3fs's own
         # extra (aiobotocore pins the botocore it needs, so boto3 is chosen to match it, not independently:
         # an independent boto3 sent older pips backtracking for minutes into ResolutionImpossible).
-        "test": ["pytest>=8", "tensorboard>=2.15", "gcsfs>=2024.2", "s3fs[boto3]>=2024.2",
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard>=2.15", "gcsfs>=2024.2", "s3fs[boto3]>=2024.2",
                  "gcp-storage-emulator>=2024.8", "moto[server]>=5.0"],
         # Run directories on object storage (gs://, s3://): epath goes through fsspec.
         "gcs": ["gcsfs>=2024.2"],

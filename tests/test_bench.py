@@ -234,6 +234,7 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
                                "source": "jit(step)/jvp()/lm_head_xent/dot_general"}
 
 
+@pytest.mark.exclusive  # times a step against its profiled twin
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the
     measured step time within 10%; the trace is written where --profile_dir says."""
