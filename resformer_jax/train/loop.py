@@ -220,11 +220,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop's named steps
     def _start(self):
-        """Data, the state (resumed or new), the run's files, the compiled step, the first evaluation."""
+        """The compiled step (and the memory precheck), data, the state (resumed or new), the run's files, the
+        first evaluation."""
         cfg = self.cfg
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
         self.setup = build(cfg, log=self.say)
         self.mesh, self.state_sh = self.setup.mesh, self.setup.state_sh
+        # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
+        # batches are cut or anything is written in the workdir.
+        self._compile()
         self._data()
         self._state()
         if self.is_main and self.corpus is not None:
@@ -239,7 +243,6 @@ class Trainer:
         if self.setup.attention.probed:
             self.writer.text("attention_impl", f"auto chose **{self.setup.attention.impl}**; rejected: "
                              f"{json.dumps(self.setup.attention.rejected)}")
-        self._compile()
         self.flops = perf.model_flops(cfg.model, cfg.data.seq_len)
         self.peak, peak_src = perf.device_peak_flops(cfg.model.dtype)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
