@@ -3,7 +3,6 @@ one compilation cache per worker and tests marked `exclusive` run with no other 
 import fcntl
 import os
 import pathlib
-import tempfile
 
 # 8 host devices to test meshes; LLVM optimisation off because compiling, not running, dominates
 # these tiny programs (about 30% faster here; numerics are checked against references either way).
@@ -19,7 +18,8 @@ configure_xla()
 # (no lock unless the cache has a size limit), and a worker reading another's half-written entry would print
 # a warning into the stderr of a command whose one-line error a test checks.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/resformer_jax_test_jit_cache" + (f"/{_WORKER}" if _WORKER else ""))
+_CACHE = "/tmp/resformer_jax_test_jit_cache"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", f"{_CACHE}/{_WORKER}" if _WORKER else _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
@@ -49,8 +49,7 @@ def pytest_runtest_protocol(item, nextitem):
     if not _WORKER:
         yield
         return
-    folder = pathlib.Path(tempfile.gettempdir()) / f"resformer_jax_test_locks_{os.environ['PYTEST_XDIST_TESTRUNUID']}"
-    folder.mkdir(exist_ok=True)
+    folder = pathlib.Path(item.config.option.basetemp).parent  # this run's base temp, shared by its workers
     lock = fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH
     with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:  # closing unlocks
         fcntl.flock(gate, lock)
