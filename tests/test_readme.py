@@ -14,7 +14,8 @@ def test_readme_top_holds_the_two_commands_ci_runs():
     assert install_and_demo.startswith("python3 -m venv .venv && .venv/bin/pip install -q -U pip && "), install_and_demo
     assert install_and_demo.endswith(".venv/bin/python -m resformer_jax.main"), install_and_demo
     # the tests install what they need beyond the first command, then run the suite
-    assert re.fullmatch(r"\.venv/bin/pip install -q -e '\.\[test\]' && \.venv/bin/python -m pytest -q -n 2 tests", tests), tests
+    want = r"\.venv/bin/pip install -q -e '\.\[test\]' && \.venv/bin/python -m pytest -q -n 2 tests"
+    assert re.fullmatch(want, tests), tests
 
 
 def test_ci_runs_readme_commands_first_and_nothing_of_its_own_before_them():
