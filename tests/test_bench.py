@@ -234,6 +234,26 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
                                "source": "jit(step)/jvp()/lm_head_xent/dot_general"}
 
 
+def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
+    """XLA builds some ops inside a loop body without metadata (the chunked attention's lax.map on CPU): they count
+    in the group of the loop that runs them; an op without a scope anywhere stays where its opcode puts it."""
+    from resformer_jax.benchmarks.step_profile import classify, parse_hlo
+    hlo = "\n".join([
+        "HloModule m",
+        "%fused.1 (p: f32[4]) -> f32[4] {", "  ROOT %dot.1 = f32[4]{0} dot(%p, %p)", "}",
+        "%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {",
+        "  %fusion.6 = f32[4]{0} fusion(%x), kind=kCustom, calls=%fused.1",
+        "  ROOT %tuple.1 = (s32[], f32[4]) tuple(%i, %fusion.6)", "}",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        "  %while.2 = (s32[], f32[4]) while(%t), condition=%cond, body=%body, "
+        "metadata={op_name=\"jit(step)/jvp(Transformer)/attn/attention_kernel/while\"}",
+        "  ROOT %fusion.7 = f32[4]{0} fusion(%a), kind=kCustom, calls=%fused.1", "}"])
+    insts, comps = parse_hlo(hlo)
+    assert classify(insts["fusion.6"], comps) == "attention"
+    assert insts["fusion.6"].op_name == "jit(step)/jvp(Transformer)/attn/attention_kernel/while"
+    assert classify(insts["fusion.7"], comps) == "matmul_projections_mlp"
+
+
 @pytest.mark.exclusive  # times a step against its profiled twin
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the

@@ -105,6 +105,38 @@ def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal
         assert rel(g, w) < 1e-5, f"chunked {name} T={T} S={S} block={block}: {rel(g, w):.2e}"
 
 
+@pytest.mark.parametrize("T,S,block,pairs", [(300, 300, 64, 1), (64, 64, 16, 3), (5, 12, 2, 2)])
+def test_chunked_pairs_loop_matches_the_batched_form(T, S, block, pairs):
+    """The CPU path runs the blocks a few (batch, kv-head) pairs at a time (lax.map; 3 of 4 pairs leaves a
+    remainder step): the same ops per pair, so output and gradients equal the all-at-once form up to the
+    summation order inside a matmul of another shape."""
+    from resformer_jax.kernels.chunked_attention import chunked_attention
+    ks = jax.random.split(jax.random.PRNGKey(T + S), 4)
+    q, do = jax.random.normal(ks[0], (2, T, 8, 32)), jax.random.normal(ks[3], (2, T, 8, 32))
+    k, v = jax.random.normal(ks[1], (2, S, 2, 32)), jax.random.normal(ks[2], (2, S, 2, 32))
+
+    def run(p):
+        o, vjp = jax.vjp(lambda q, k, v: chunked_attention(q, k, v, block=block, pairs=p), q, k, v)
+        return (o,) + vjp(do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), jax.jit(lambda: run(pairs))(), jax.jit(lambda: run(0))()):
+        assert rel(a, b) < 1e-6, f"pairs={pairs} {name}: {rel(a, b):.2e}"
+
+
+def test_chunked_loops_over_pairs_only_on_cpu():
+    """Behind the platform: a CPU program loops over pairs; one compiled for a GPU keeps the batched form
+    unchanged, and so does a CPU program under a multi-device mesh (its batch axis is sharded)."""
+    from resformer_jax.kernels.chunked_attention import chunked_attention, pairs_per_step
+    from resformer_jax.kernels.names import compiling_for
+    q, kv = jnp.ones((2, 256, 4, 64)), jnp.ones((2, 256, 4, 64))
+    loops = lambda f: "scan" in str(jax.make_jaxpr(jax.grad(lambda q: f(q).sum()))(q))  # noqa: E731
+    assert pairs_per_step(1, 128, 256) == 4  # [128, 256] fp32 logits: 128 KiB a pair
+    assert loops(lambda q: chunked_attention(q, kv, kv))
+    with compiling_for("cuda"):
+        assert not loops(lambda q: chunked_attention(q, kv, kv))
+    mesh = jax.make_mesh((2, 1), ("data", "fsdp"), devices=jax.devices()[:2])
+    assert not loops(lambda q: kernels.attention(q, kv, kv, impl="chunked", mesh=mesh))
+
+
 def test_tiny_model_trains_the_same_with_pallas_and_xla(tmp_path):
     out = {}
     for impl in ("pallas", "xla"):

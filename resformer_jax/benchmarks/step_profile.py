@@ -50,8 +50,12 @@ class Instruction:
 
 
 def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
-    """{instruction name: Instruction} and {computation name: opcodes it holds} of an HLO module's text."""
+    """{instruction name: Instruction} and {computation name: opcodes it holds} of an HLO module's text.
+
+    An instruction without a name scope of its own takes the scope of the instruction that calls its computation
+    (ops XLA builds inside a loop body, e.g. under a `lax.map`, may carry no metadata)."""
     insts, comps, current = {}, {}, None
+    computation_of, caller_of = {}, {}
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.match(line)
         if m:
@@ -59,6 +63,9 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
             op_name = re.search(r'op_name="([^"]*)"', rest)
             calls = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest)
             insts[m.group("name")] = Instruction(m.group("op"), op_name.group(1) if op_name else "", tuple(calls))
+            computation_of[m.group("name")] = current
+            for c in calls:
+                caller_of.setdefault(c, m.group("name"))
             if current is not None:
                 comps[current].add(m.group("op"))
             continue
@@ -66,7 +73,14 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
         if c and " = " not in line:
             current = c.group("name")
             comps.setdefault(current, set())
-    return insts, comps
+
+    def scope(name, depth=0):
+        inst = insts[name]
+        caller = caller_of.get(computation_of[name])
+        if inst.op_name or caller is None or depth > 64:
+            return inst.op_name
+        return scope(caller, depth + 1)
+    return {n: i if i.op_name else dataclasses.replace(i, op_name=scope(n)) for n, i in insts.items()}, comps
 
 
 def classify(inst: Instruction | None, comps: dict[str, set[str]]) -> str:

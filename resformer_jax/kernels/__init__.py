@@ -84,7 +84,9 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh
         return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     if impl == "chunked":
         from resformer_jax.kernels.chunked_attention import chunked_attention
-        return chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+        # a loop over (batch, head) pairs on CPU, unless the batch is sharded over a mesh (chunked_attention.py)
+        return chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal,
+                                 pairs=0 if mesh is not None and mesh.size > 1 else None)
     if impl == "xla":
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla")
     if impl == "cudnn":
