@@ -38,6 +38,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from resformer_jax.kernels.names import target_backend
+
 MIN_BLOCK = 128
 MAX_BLOCKS = 16
 # CPU: the logits a (batch, kv-head) group of one query block may hold: about one core's L2 on the hosts measured
@@ -74,17 +76,10 @@ def chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block=Non
     v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3).astype(dtype)
     C = block or (block_size(T) if causal else T)
     spans = _spans(T, S, C, causal)
-    if pairs is None:
-        pairs = pairs_per_step(G, min(C, T), S) if _loop_over_pairs() else 0
+    if pairs is None:  # accelerators keep the batched form (kernels.attention passes 0 under a mesh)
+        pairs = pairs_per_step(G, min(C, T), S) if target_backend() == "cpu" else 0
     out_BxKxGxTxD = _attend(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, spans, pairs if pairs < B * K else 0)
     return out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(dtype)
-
-
-def _loop_over_pairs() -> bool:
-    """CPU programs: accelerators keep the batched form (kernels.attention passes pairs=0 under a multi-device
-    mesh, whose sharded batch axis a loop would gather)."""
-    from resformer_jax.kernels.names import target_backend
-    return target_backend() == "cpu"
 
 
 def _per_pairs(fn, pairs, *xs_BxKx):
