@@ -101,6 +101,9 @@ class TrainBench:
                 "peak_memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in stats
                 else "process RSS (all variants of this process)",
                 "loss": float(self.metrics["loss"]),
+                # the allocator settings the process ran with (runtime.host_memory_tunables: huge pages for XLA's
+                # buffers on CPU hosts); they move a CPU step by ~7%
+                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                 **({"step_breakdown": self.breakdown()} if self.profiles else {})}
 
 
