@@ -108,7 +108,7 @@ def test_host_memory_tunables_decision():
 
 
 _HOST_MEMORY = """
-import ctypes, os, resource, sys
+import ctypes, os, resource
 import resformer_jax.commands  # what every command imports first
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -135,7 +135,7 @@ def test_commands_restart_once_with_huge_pages_for_large_blocks(tmp_path):
     # a module run with -m under the resformer_jax. prefix, as every command is; the package's other modules kept
     (tmp_path / "resformer_jax").mkdir()
     (tmp_path / "resformer_jax" / "__init__.py").write_text(
-        "import os, pkgutil\n__path__ = pkgutil.extend_path(__path__, __name__)\n")
+        "import pkgutil\n__path__ = pkgutil.extend_path(__path__, __name__)\n")
     (tmp_path / "resformer_jax" / "probe.py").write_text(_HOST_MEMORY)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), ROOT])
 
