@@ -18,8 +18,16 @@ jaxlib knows the flag). XLA 0.10 hands the LM head's logsumexp (an exp fused
 into a sum over 50,277 logits) to YNNPACK, which ran it on one thread at
 ~450 ms per 1,024-position block of the 82M step, plus a ~350 ms stall before
 the next matmul; XLA's emitter does the same reduction in ~40 ms. Matmuls stay
-with YNNPACK (faster than Eigen at these shapes). The other XNNPACK/oneDNN
-paths were measured on the 82M step's attention and were no faster.
+with YNNPACK (faster than Eigen at these shapes on the AVX-512 host this was
+measured on). The other XNNPACK/oneDNN paths were measured on the 82M step's
+attention and were no faster.
+
+CPUs without AVX-512, per program (`cpu_step_compiler_options`, applied by
+train/setup.build to the train and eval steps as jit compiler options, not as
+a process flag): a step whose matmuls have >= 1,024 rows runs them on XLA's
+Eigen path. On 2 AVX2 cores, both programs in one process, steps taking turns:
+82M fp32 15.45 -> 14.24 s, bf16 20.88 -> 13.89 s. Smaller matmuls (decoding's
+64-256 rows) stay on YNNPACK, which multiplies them faster there.
 
 TPU: nothing; libtpu's defaults already overlap collectives and its flags
 cannot be checked without a TPU.
@@ -146,6 +154,49 @@ def configure_xla() -> list[str]:
     if added:
         os.environ["XLA_FLAGS"] = flags
     return added
+
+
+# A CPU train or eval step whose matmuls have at least this many rows (tokens per device per microbatch) runs them
+# on XLA's Eigen path where the CPU has no AVX-512 (`cpu_step_compiler_options`).
+EIGEN_STEP_MIN_ROWS = 1024
+
+
+def cpu_features(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This host's CPU feature flags (avx2, avx512f, amx_bf16, ...); empty where /proc/cpuinfo cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_step_compiler_options(platform: str, rows: int, features: frozenset[str] | None = None,
+                              environ=os.environ, known=jaxlib_knows_flag) -> tuple[dict[str, str], str]:
+    """(XLA compiler options for a train/eval step, why; ({}, "") where there is nothing to change).
+
+    On a CPU without AVX-512, a step's large matmuls (`rows` >= EIGEN_STEP_MIN_ROWS tokens per device) go to XLA's
+    Eigen path instead of YNNPACK: measured on 2 AVX2 cores with both programs in one process, steps taking turns,
+    the 82M step (4,096 rows) fp32 15.45 -> 14.24 s (8 of 10 rounds) and bf16 20.88 -> 13.89 s (4 of 4), the demo's
+    (2,048 rows) 0.205 -> 0.194 s. Not on AVX-512 CPUs (YNNPACK was the faster path there, and XLA:CPU's bf16 fast
+    path), not for fewer rows (YNNPACK multiplies 64-256-row matrices faster: decoding), not over a YNNPACK
+    setting of the user's own in XLA_FLAGS, and not with RESFORMER_NO_XLA_DEFAULTS=1. Per program (jit's
+    compiler_options), so the dtype probe, decoding and everything else keep the process's defaults."""
+    name = "xla_cpu_experimental_ynn_fusion_type"
+    if platform != "cpu" or rows < EIGEN_STEP_MIN_ROWS or environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1":
+        return {}, ""
+    features = cpu_features() if features is None else features
+    if not features or "avx512f" in features:
+        return {}, ""
+    ours = f"--{name}={CPU_XLA_FLAGS[name][0]}"
+    if any(tok.lstrip("-").split("=")[0] == name and tok != ours for tok in environ.get("XLA_FLAGS", "").split()):
+        return {}, ""  # the user's own YNNPACK setting wins
+    if not known(name):
+        return {}, ""
+    return {name: ""}, (f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has no AVX-512 and the step's matmuls "
+                        f"have {rows:,} rows (>= {EIGEN_STEP_MIN_ROWS:,})")
 
 
 def host_memory_tunables(environ=os.environ, libc=None, thp_mode=None) -> str | None:

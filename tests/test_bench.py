@@ -107,6 +107,60 @@ def test_host_memory_tunables_decision():
     assert host_memory_tunables({}, new, "always") is None and host_memory_tunables({}, new, "never") is None
 
 
+def test_cpu_step_compiler_options_decision(tmp_path):
+    """runtime.cpu_step_compiler_options: Eigen matmuls (YNNPACK off) only for a CPU step with >= 1,024 rows on a
+    CPU without AVX-512; never on accelerators, AVX-512 CPUs, small steps, over the user's own YNNPACK setting, with
+    the defaults off, or where the CPU's features cannot be read or this jaxlib lacks the flag."""
+    from resformer_jax.runtime import CPU_XLA_FLAGS, EIGEN_STEP_MIN_ROWS, cpu_features, cpu_step_compiler_options
+    name = "xla_cpu_experimental_ynn_fusion_type"
+    avx2, avx512 = frozenset({"fma", "avx2"}), frozenset({"avx2", "avx512f", "avx512_bf16"})
+    decide = lambda platform="cpu", rows=4096, features=avx2, env={}, known=lambda n: True: \
+        cpu_step_compiler_options(platform, rows, features, env, known)[0]  # noqa: E731
+    assert decide() == {name: ""}
+    assert decide(rows=EIGEN_STEP_MIN_ROWS) == {name: ""} and decide(rows=EIGEN_STEP_MIN_ROWS - 1) == {}
+    assert decide(platform="gpu") == {} and decide(platform="tpu") == {}
+    assert decide(features=avx512) == {} and decide(features=frozenset()) == {}
+    assert decide(env={"RESFORMER_NO_XLA_DEFAULTS": "1"}) == {}
+    assert decide(known=lambda n: False) == {}
+    # the project's own default in XLA_FLAGS (runtime.configure_xla put it there) is not the user's setting
+    assert decide(env={"XLA_FLAGS": f"--{name}={CPU_XLA_FLAGS[name][0]} --xla_foo=1"}) == {name: ""}
+    assert decide(env={"XLA_FLAGS": f"--{name}=-reduce,-eltwise"}) == {}
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\n")
+    assert cpu_features(str(info)) == {"fpu", "sse2", "avx2", "fma"}
+    assert cpu_features(str(tmp_path / "missing")) == frozenset()
+
+
+def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
+    """The CPU-only path (train and eval steps compiled with YNNPACK's matmuls off, as on a CPU without AVX-512):
+    its HLO has no YNNPACK matmul where the general step has them, and one step from the same state and batch gives
+    the same loss, gradient norm and parameters within fp32 summation-order tolerance."""
+    from resformer_jax import runtime
+    from resformer_jax.train.setup import build
+    monkeypatch.setattr(runtime, "EIGEN_STEP_MIN_ROWS", 1)  # the tiny model's 256-row step counts as large
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 33), 0, 256)
+    runs = {}
+    for name, features in (("eigen", frozenset({"avx2"})), ("general", frozenset({"avx2", "avx512f"}))):
+        monkeypatch.setattr(runtime, "cpu_features", lambda f=features: f)
+        cfg = tiny_config("resformer")
+        setup = build(cfg, log=lambda m: None)
+        compiled, _, _ = setup.compile()
+        hlo = compiled.as_text()
+        state, metrics = compiled(setup.init_state(), tokens)
+        val = setup.eval_step(state.params, tokens)
+        runs[name] = (setup.compiler_options, hlo.count('"__ynn_fusion"'), metrics, state.params, val)
+    (opt_e, ynn_e, m_e, p_e, v_e), (opt_g, ynn_g, m_g, p_g, v_g) = runs["eigen"], runs["general"]
+    assert opt_e == {"xla_cpu_experimental_ynn_fusion_type": ""} and opt_g == {}
+    assert ynn_e == 0, "the Eigen step still has YNNPACK fusions"
+    if ynn_g == 0:
+        pytest.skip("this XLA sends no matmul of the tiny step to YNNPACK: both programs are the same")
+    for key in ("loss", "grad_norm"):
+        assert jnp.allclose(m_e[key], m_g[key], rtol=1e-5), (key, float(m_e[key]), float(m_g[key]))
+    assert jnp.allclose(v_e, v_g, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p_e), jax.tree.leaves(p_g)):
+        assert jnp.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 _HOST_MEMORY = """
 import ctypes, os, resource
 import resformer_jax.commands  # what every command imports first

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resformer_jax import kernels, perf
+from resformer_jax import kernels, perf, runtime
 from resformer_jax.checkpoint import CheckpointError
 from resformer_jax.kernels.names import backend_of
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
@@ -86,6 +86,16 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
     return choice
 
 
+def step_compiler_options(cfg, mesh, log: Callable[[str], Any] = print, platform: str | None = None) -> dict:
+    """The XLA options the train and eval steps compile with, decided once per run (runtime.py says when and
+    why there are any: on CPUs without AVX-512, large steps' matmuls on Eigen); logged where there are."""
+    rows = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, mesh.devices.size)) * cfg.data.seq_len
+    options, why = runtime.cpu_step_compiler_options(platform or jax.devices()[0].platform, rows)
+    if options:
+        log(f"train and eval steps: {why}")
+    return options
+
+
 def model_config(cfg, attention: AttentionChoice) -> ml_collections.ConfigDict:
     """The model config the modules are built from: the run's, with the attention impl resolved.
     (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
@@ -112,6 +122,7 @@ class TrainSetup:
     batch_sh: NamedSharding
     train_step: Any  # jitted (state, tokens [B, T+1]) -> (state, metrics)
     eval_step: Any  # jitted (params, tokens) -> loss
+    compiler_options: dict  # XLA options both steps compile with (runtime.cpu_step_compiler_options; usually none)
 
     @property
     def global_batch_shape(self) -> tuple[int, int]:
@@ -160,11 +171,14 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     num_micro = t.global_batch // (t.microbatch or t.global_batch)
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
     rep = replicated(mesh)
+    options = step_compiler_options(cfg, mesh, log=log, platform=platform)
     train_step = jax.jit(make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len, dropout_seed=t.seed),
-                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep), donate_argnums=(0,))
+                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep), donate_argnums=(0,),
+                         compiler_options=options or None)
     eval_step = jax.jit(make_eval_step(model, t.loss_chunk_len), in_shardings=(state_sh.params, batch_sh),
-                        out_shardings=rep)
-    return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step)
+                        out_shardings=rep, compiler_options=options or None)
+    return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step,
+                      options)
 
 
 # What lowers a train step's memory per device: the trainer's precheck and the compile command (train/aot.py) say it.
