@@ -22,7 +22,7 @@ with YNNPACK (faster than Eigen at these shapes on the AVX-512 host this was
 measured on). The other XNNPACK/oneDNN paths were measured on the 82M step's
 attention and were no faster.
 
-CPUs without AVX-512, per program (`cpu_step_compiler_options`, applied by
+x86 CPUs with AVX2 but no AVX-512, per program (`cpu_step_compiler_options`, applied by
 train/setup.build to the train and eval steps as jit compiler options, not as
 a process flag): a step whose matmuls have >= 1,024 rows runs them on XLA's
 Eigen path. On 2 AVX2 cores, both programs in one process, steps taking turns:
@@ -177,25 +177,26 @@ def cpu_step_compiler_options(platform: str, rows: int, features: frozenset[str]
                               environ=os.environ, known=jaxlib_knows_flag) -> tuple[dict[str, str], str]:
     """(XLA compiler options for a train/eval step, why; ({}, "") where there is nothing to change).
 
-    On a CPU without AVX-512, a step's large matmuls (`rows` >= EIGEN_STEP_MIN_ROWS tokens per device) go to XLA's
-    Eigen path instead of YNNPACK: measured on 2 AVX2 cores with both programs in one process, steps taking turns,
-    the 82M step (4,096 rows) fp32 15.45 -> 14.24 s (8 of 10 rounds) and bf16 20.88 -> 13.89 s (4 of 4), the demo's
-    (2,048 rows) 0.205 -> 0.194 s. Not on AVX-512 CPUs (YNNPACK was the faster path there, and XLA:CPU's bf16 fast
-    path), not for fewer rows (YNNPACK multiplies 64-256-row matrices faster: decoding), not over a YNNPACK
-    setting of the user's own in XLA_FLAGS, and not with RESFORMER_NO_XLA_DEFAULTS=1. Per program (jit's
-    compiler_options), so the dtype probe, decoding and everything else keep the process's defaults."""
+    On an x86 CPU with AVX2 but no AVX-512, a step's large matmuls (`rows` >= EIGEN_STEP_MIN_ROWS tokens per
+    device) go to XLA's Eigen path instead of YNNPACK: measured on 2 AVX2 cores with both programs in one process,
+    steps taking turns, the 82M step (4,096 rows) fp32 15.45 -> 14.24 s (8 of 10 rounds) and bf16 20.88 -> 13.89 s
+    (4 of 4), the demo's (2,048 rows) 0.205 -> 0.194 s. Not on AVX-512 CPUs (YNNPACK was the faster path there,
+    and XLA:CPU's bf16 fast path) or others (ARM: unmeasured), not for fewer rows (YNNPACK multiplies 64-256-row
+    matrices faster: decoding), not over a YNNPACK setting of the user's own in XLA_FLAGS, and not with
+    RESFORMER_NO_XLA_DEFAULTS=1. Per program (jit's compiler_options), so the dtype probe, decoding and everything
+    else keep the process's defaults."""
     name = "xla_cpu_experimental_ynn_fusion_type"
     if platform != "cpu" or rows < EIGEN_STEP_MIN_ROWS or environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1":
         return {}, ""
     features = cpu_features() if features is None else features
-    if not features or "avx512f" in features:
-        return {}, ""
+    if "avx2" not in features or "avx512f" in features:
+        return {}, ""  # measured on x86 AVX2 CPUs only: AVX-512 ones (and ARM, unmeasured) keep YNNPACK
     ours = f"--{name}={CPU_XLA_FLAGS[name][0]}"
     if any(tok.lstrip("-").split("=")[0] == name and tok != ours for tok in environ.get("XLA_FLAGS", "").split()):
         return {}, ""  # the user's own YNNPACK setting wins
     if not known(name):
         return {}, ""
-    return {name: ""}, (f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has no AVX-512 and the step's matmuls "
+    return {name: ""}, (f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has AVX2 but no AVX-512 and the step's matmuls "
                         f"have {rows:,} rows (>= {EIGEN_STEP_MIN_ROWS:,})")
 
 

@@ -108,9 +108,9 @@ def test_host_memory_tunables_decision():
 
 
 def test_cpu_step_compiler_options_decision(tmp_path):
-    """runtime.cpu_step_compiler_options: Eigen matmuls (YNNPACK off) only for a CPU step with >= 1,024 rows on a
-    CPU without AVX-512; never on accelerators, AVX-512 CPUs, small steps, over the user's own YNNPACK setting, with
-    the defaults off, or where the CPU's features cannot be read or this jaxlib lacks the flag."""
+    """runtime.cpu_step_compiler_options: Eigen matmuls (YNNPACK off) only for a CPU step with >= 1,024 rows on an
+    x86 CPU with AVX2 but no AVX-512; never on accelerators, AVX-512 or ARM CPUs, small steps, over the user's own
+    YNNPACK setting, with the defaults off, or where the CPU's features cannot be read or this jaxlib lacks the flag."""
     from resformer_jax.runtime import CPU_XLA_FLAGS, EIGEN_STEP_MIN_ROWS, cpu_features, cpu_step_compiler_options
     name = "xla_cpu_experimental_ynn_fusion_type"
     avx2, avx512 = frozenset({"fma", "avx2"}), frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -120,6 +120,7 @@ def test_cpu_step_compiler_options_decision(tmp_path):
     assert decide(rows=EIGEN_STEP_MIN_ROWS) == {name: ""} and decide(rows=EIGEN_STEP_MIN_ROWS - 1) == {}
     assert decide(platform="gpu") == {} and decide(platform="tpu") == {}
     assert decide(features=avx512) == {} and decide(features=frozenset()) == {}
+    assert decide(features=frozenset({"fp", "asimd", "sve"})) == {}  # ARM: not measured, YNNPACK kept
     assert decide(env={"RESFORMER_NO_XLA_DEFAULTS": "1"}) == {}
     assert decide(known=lambda n: False) == {}
     # the project's own default in XLA_FLAGS (runtime.configure_xla put it there) is not the user's setting

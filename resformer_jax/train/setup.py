@@ -88,7 +88,7 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
 
 def step_compiler_options(cfg, mesh, log: Callable[[str], Any] = print, platform: str | None = None) -> dict:
     """The XLA options the train and eval steps compile with, decided once per run (runtime.py says when and
-    why there are any: on CPUs without AVX-512, large steps' matmuls on Eigen); logged where there are."""
+    why there are any: on AVX2 CPUs without AVX-512, large steps' matmuls on Eigen); logged where there are."""
     rows = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, mesh.devices.size)) * cfg.data.seq_len
     options, why = runtime.cpu_step_compiler_options(platform or jax.devices()[0].platform, rows)
     if options:
