@@ -22,10 +22,10 @@ with YNNPACK (faster than Eigen at these shapes on the AVX-512 host this was
 measured on). The other XNNPACK/oneDNN paths were measured on the 82M step's
 attention and were no faster.
 
-x86 CPUs with AVX2 but no AVX-512, per program (`cpu_step_compiler_options`, applied by
-train/setup.build to the train and eval steps as jit compiler options, not as
-a process flag): a step whose matmuls have >= 1,024 rows runs them on XLA's
-Eigen path. On 2 AVX2 cores, both programs in one process, steps taking turns:
+x86 CPUs with AVX2 but no AVX-512, per program (`cpu_step_compiler_options`,
+applied by train/setup.build to the train and eval steps as jit compiler
+options, not as a process flag): a step whose matmuls have >= 1,024 rows runs
+them on XLA's Eigen path. On 2 AVX2 cores, both programs in one process, steps taking turns:
 82M fp32 15.45 -> 14.24 s, bf16 20.88 -> 13.89 s. Smaller matmuls (decoding's
 64-256 rows) stay on YNNPACK, which multiplies them faster there.
 
@@ -157,7 +157,7 @@ def configure_xla() -> list[str]:
 
 
 # A CPU train or eval step whose matmuls have at least this many rows (tokens per device per microbatch) runs them
-# on XLA's Eigen path where the CPU has no AVX-512 (`cpu_step_compiler_options`).
+# on XLA's Eigen path where the CPU has AVX2 but no AVX-512 (`cpu_step_compiler_options`).
 EIGEN_STEP_MIN_ROWS = 1024
 
 
@@ -196,8 +196,8 @@ def cpu_step_compiler_options(platform: str, rows: int, features: frozenset[str]
         return {}, ""  # the user's own YNNPACK setting wins
     if not known(name):
         return {}, ""
-    return {name: ""}, (f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has AVX2 but no AVX-512 and the step's matmuls "
-                        f"have {rows:,} rows (>= {EIGEN_STEP_MIN_ROWS:,})")
+    return {name: ""}, (f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has AVX2 but no AVX-512 and the "
+                        f"step's matmuls have {rows:,} rows (>= {EIGEN_STEP_MIN_ROWS:,})")
 
 
 def host_memory_tunables(environ=os.environ, libc=None, thp_mode=None) -> str | None:

@@ -133,7 +133,7 @@ def test_cpu_step_compiler_options_decision(tmp_path):
 
 
 def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
-    """The CPU-only path (train and eval steps compiled with YNNPACK's matmuls off, as on a CPU without AVX-512):
+    """The CPU-only path (train and eval steps compiled with YNNPACK's matmuls off, as on an AVX2 CPU without AVX-512):
     its HLO has no YNNPACK matmul where the general step has them, and one step from the same state and batch gives
     the same loss, gradient norm and parameters within fp32 summation-order tolerance."""
     from resformer_jax import runtime

@@ -105,7 +105,7 @@ class TrainBench:
                 # buffers on CPU hosts); they move a CPU step by ~7%
                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                 # the XLA options the step compiled with (runtime.cpu_step_compiler_options: Eigen matmuls on
-                # CPUs without AVX-512)
+                # AVX2 CPUs without AVX-512)
                 "compiler_options": dict(self.setup.compiler_options),
                 **({"step_breakdown": self.breakdown()} if self.profiles else {})}
 

@@ -44,6 +44,11 @@ class AttentionChoice:
     probed: bool  # True when `auto` was resolved by probing
 
 
+def sequences_per_device(cfg, devices: int) -> int:
+    """Sequences one device computes per microbatch (at least 1): the batch the probes and per-step choices see."""
+    return max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, devices))
+
+
 def resolve_attention(cfg, *, override: str | None = None, batch: int | None = None,
                       log: Callable[[str], Any] = print, platform: str | None = None) -> AttentionChoice:
     """`auto` -> the fastest impl that compiles and runs forward and backward at the run's shapes
@@ -63,7 +68,7 @@ def resolve_attention(cfg, *, override: str | None = None, batch: int | None = N
         return AttentionChoice(candidates[0], rejected, False)
     m = cfg.model
     if batch is None:
-        batch = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, len(jax.devices())))
+        batch = sequences_per_device(cfg, len(jax.devices()))
     choice, rejected = kernels.probe_auto((batch, cfg.data.seq_len, m.num_heads, head_dim(m)), num_kv_heads(m),
                                           jnp.dtype(m.dtype), log)
     return AttentionChoice(choice, rejected, True)
@@ -79,8 +84,7 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
     if platform != "cpu":
         choice, why = "bfloat16", f"{platform} computes in bf16 natively"
     else:
-        per_device = (cfg.train.microbatch or cfg.train.global_batch) // max(1, jax.device_count())
-        choice, why = perf.faster_cpu_dtype(cfg.model, max(1, per_device) * cfg.data.seq_len)
+        choice, why = perf.faster_cpu_dtype(cfg.model, sequences_per_device(cfg, jax.device_count()) * cfg.data.seq_len)
     log(f"model.dtype=auto chose {choice}: {why}")
     cfg.model.dtype = choice
     return choice
@@ -89,7 +93,7 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
 def step_compiler_options(cfg, mesh, log: Callable[[str], Any] = print, platform: str | None = None) -> dict:
     """The XLA options the train and eval steps compile with, decided once per run (runtime.py says when and
     why there are any: on AVX2 CPUs without AVX-512, large steps' matmuls on Eigen); logged where there are."""
-    rows = max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, mesh.devices.size)) * cfg.data.seq_len
+    rows = sequences_per_device(cfg, mesh.devices.size) * cfg.data.seq_len
     options, why = runtime.cpu_step_compiler_options(platform or jax.devices()[0].platform, rows)
     if options:
         log(f"train and eval steps: {why}")
