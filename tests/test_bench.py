@@ -354,6 +354,25 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
                                "source": "jit(step)/jvp()/lm_head_xent/dot_general"}
 
 
+def test_step_breakdown_innermost_interval_lookup_matches_the_definition():
+    """The bisection index that attributes thread-pool tasks (a real CPU step has ~10^5 of them; a scan per lookup
+    took 4-5 minutes a profiled step): for every probe time, the latest-starting interval holding it, the first
+    listed among equal starts, exactly as a scan over all intervals finds it."""
+    import random
+    from resformer_jax.benchmarks.step_profile import _Innermost
+    rng = random.Random(0)
+    for _ in range(50):
+        intervals = []
+        for k in range(rng.randrange(0, 40)):  # nested and disjoint spans, with repeated starts and gaps
+            s = rng.randrange(0, 200)
+            intervals.append((s, s + rng.randrange(1, 60), f"op{k}"))
+        index = _Innermost(intervals)
+        for t in range(-5, 270):
+            inside = [iv for iv in intervals if iv[0] <= t < iv[1]]
+            expected = max(inside, key=lambda iv: iv[0], default=None)
+            assert index.at(t) == expected, (intervals, t)
+
+
 def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
     """XLA builds some ops inside a loop body without metadata (the chunked attention's lax.map on CPU): they count
     in the group of the loop that runs them; an op without a scope anywhere stays where its opcode puts it."""

@@ -122,6 +122,29 @@ def _stat(event, key):
     return None
 
 
+class _Innermost:
+    """The latest-starting of a thread's (start, end, name) intervals that holds a time t, by bisection: a step
+    has ~10^5 ops and thread-pool tasks on a CPU, and a scan per lookup took minutes."""
+
+    def __init__(self, intervals):
+        # by start; among equal starts the earlier-listed last, so the backward walk meets it first
+        order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -i))
+        self.items = [intervals[i] for i in order]
+        self.starts = [it[0] for it in self.items]
+        self.reach, end = [], float("-inf")  # reach[i]: the latest end among items[:i + 1]
+        for it in self.items:
+            end = max(end, it[1])
+            self.reach.append(end)
+
+    def at(self, t):
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0 and self.reach[i] > t:
+            if self.items[i][1] > t:
+                return self.items[i]
+            i -= 1
+        return None
+
+
 def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
     """Per line, the thread-pool tasks that run no op, as (start, end, name of the op that scheduled them).
 
@@ -144,6 +167,8 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
         starts = sorted(s for s, _, _ in ops_by_line[li])
         regions.append([(s, t, c) for s, t, c in mine if c is not None
                         and bisect.bisect_left(starts, s) == bisect.bisect_left(starts, t)])
+    op_index = [_Innermost(ops) for ops in ops_by_line]
+    task_index = [_Innermost(rs) for rs in regions]
     memo: dict = {}
 
     def origin(ctx, depth=0):
@@ -153,8 +178,7 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
         memo[ctx] = None
         if ctx in records:
             li, t = records[ctx]
-            inner_op = max((o for o in ops_by_line[li] if o[0] <= t < o[1]), key=lambda o: o[0], default=None)
-            inner_task = max(((s, e, c) for s, e, c in regions[li] if s <= t < e), key=lambda r: r[0], default=None)
+            inner_op, inner_task = op_index[li].at(t), task_index[li].at(t)
             if inner_task is not None and (inner_op is None or inner_task[0] > inner_op[0]):
                 memo[ctx] = origin(inner_task[2], depth + 1)
             elif inner_op is not None:
