@@ -333,6 +333,8 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
         for k, v in expected.items():
             assert abs(sec[k] - v) < 0.6, (k, sec[k], v)  # reported to the nanosecond
         assert abs(sum(b["seconds"].values()) - 200e-9) < 1e-10 and b["ops_not_in_hlo"] == 0
+        # the matmuls of every group: fusion.1 and fusion.2 (fusions around a dot) and dot.4, not add.3 or multiply.5
+        assert abs(b["matmul_s"] * 1e9 - (40 + 40 + lm_head_ns) * scale) < 0.6, (b["matmul_s"], scale)
         return b
 
     # busy time: [10, 50) u [60, 80) u [100, 140) = 100 ns
@@ -352,6 +354,24 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
     b = check(busy_ns=125, lm_head_ns=80)
     assert b["top_ops"][0] == {"op": "dot.4", "group": "lm_head_xent", "seconds": 8e-08,
                                "source": "jit(step)/jvp()/lm_head_xent/dot_general"}
+
+
+def test_step_breakdown_counts_library_gemms_as_matmuls():
+    """cuBLAS GEMMs are custom-calls without a dot inside: they count as matmuls (group and `matmul_s`) by their
+    target; other custom-calls do not."""
+    from resformer_jax.benchmarks.step_profile import classify, is_matmul, parse_hlo
+    insts, comps = parse_hlo("\n".join([
+        "ENTRY %main (a: f32[4,4]) -> f32[4,4] {",
+        '  %custom-call.1 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm", '
+        'metadata={op_name="jit(step)/jvp(Transformer)/mlp/up/dot_general"}',
+        '  %custom-call.2 = f32[4,4]{1,0} custom-call(%a), custom_call_target="Sharding", '
+        'metadata={op_name="jit(step)/jvp(Transformer)/mlp/up/sharding"}',
+        '  ROOT %custom-call.3 = f32[4,4]{1,0} custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", '
+        'metadata={op_name="jit(step)/jvp()/lm_head_xent/dot_general"}',
+        "}"]))
+    assert is_matmul(insts["custom-call.1"], comps) and classify(insts["custom-call.1"], comps) == "matmul_projections_mlp"
+    assert not is_matmul(insts["custom-call.2"], comps) and classify(insts["custom-call.2"], comps) == "norms_elementwise"
+    assert is_matmul(insts["custom-call.3"], comps) and classify(insts["custom-call.3"], comps) == "lm_head_xent"
 
 
 def test_step_breakdown_innermost_interval_lookup_matches_the_definition():
@@ -418,6 +438,15 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     for g in ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer"):
         assert b["seconds"][g] > 0, g
     assert b["ops_not_in_hlo"] == 0
+    # the matmuls' seconds: at least the projections group (matmuls only), below the busy time; the step's model
+    # FLOPs over them are the matmuls' rate, and a step of only matmuls would beat the real step's MFU
+    busy = total - b["seconds"]["host_overhead"]
+    assert b["seconds"]["matmul_projections_mlp"] * 0.999 <= b["matmul_s"] < busy, b
+    share = b["matmul_s"] / b["profiled_step_s"]
+    step_flops = r["flops_per_token"] * 32 * r["seq_len"]
+    assert abs(r["matmul_flops_per_s_in_step"] * share * r["median_step_s"] / step_flops - 1) < 1e-3
+    assert abs(r["mfu_model_matmuls_only"] - r["matmul_flops_per_s_in_step"] / r["peak_flops"]) < 1e-9
+    assert r["mfu_model_matmuls_only"] > r["mfu_model"], r
     assert b["top_ops"] and all(o["group"] in GROUPS and o["seconds"] > 0 for o in b["top_ops"])
     # MFU against the paired peak samples lies between those against the best and the lowest sample
     assert r["mfu_model"] * 0.999 <= r["mfu_model_vs_paired_peak"], r

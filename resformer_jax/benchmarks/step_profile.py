@@ -20,6 +20,13 @@ thread pool and return, and the shards run as thread-pool tasks (the profiler's 
 linked to the op that scheduled them by a context id). Each task that runs no op itself is counted as work of
 the op that scheduled it, following the links through tasks that schedule tasks.
 
+`matmul_s` is the part of those groups that matmuls took (every group's: projections, attention's, the LM
+head's; a dot, a fusion around one, a library GEMM), scaled the same way: the step's time if nothing but its
+matmuls ran. `bench train` takes its share of the profiled step to the timed steps: their model FLOPs over that
+share of the median step are the matmuls' own rate inside the step, and that over the peak is the MFU a step of
+nothing but these matmuls would reach (`mfu_model_matmuls_only`): the gap between `mfu_model` and it is time
+outside the matmuls, the gap between it and 1 the matmuls' own efficiency.
+
 Ops nest (a while loop holds its body's ops): each op counts only its own time, not its children's. Ops on
 different threads may overlap; the groups are scaled by (time any op ran) / (sum of op times), so they add up
 to the busy time, and host_overhead is the rest of the wall time: the groups sum to the profiled step's time.
@@ -47,6 +54,7 @@ class Instruction:
     opcode: str
     op_name: str
     calls: tuple[str, ...]
+    target: str = ""  # a custom-call's target (cuBLAS's "__cublas$gemm", ...)
 
 
 def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
@@ -62,7 +70,9 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
             rest = m.group("rest")
             op_name = re.search(r'op_name="([^"]*)"', rest)
             calls = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest)
-            insts[m.group("name")] = Instruction(m.group("op"), op_name.group(1) if op_name else "", tuple(calls))
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
+            insts[m.group("name")] = Instruction(m.group("op"), op_name.group(1) if op_name else "", tuple(calls),
+                                                 target.group(1) if target else "")
             computation_of[m.group("name")] = current
             for c in calls:
                 caller_of.setdefault(c, m.group("name"))
@@ -89,10 +99,17 @@ def classify(inst: Instruction | None, comps: dict[str, set[str]]) -> str:
     for scope, group in _SCOPES:
         if scope in inst.op_name:
             return group
-    if inst.opcode in _MATMUL_OPS or any(comps.get(c, set()) & set(_MATMUL_OPS) for c in inst.calls
-                                         if inst.opcode in ("fusion", "custom-call")):
-        return "matmul_projections_mlp"
-    return "norms_elementwise"
+    return "matmul_projections_mlp" if is_matmul(inst, comps) else "norms_elementwise"
+
+
+def is_matmul(inst: Instruction | None, comps: dict[str, set[str]]) -> bool:
+    """A dot or convolution, a fusion around one, or a library GEMM (cuBLAS custom-calls)."""
+    if inst is None:
+        return False
+    if inst.opcode == "custom-call" and re.search(r"gemm|matmul", inst.target, re.I):
+        return True
+    return inst.opcode in _MATMUL_OPS or any(comps.get(c, set()) & set(_MATMUL_OPS) for c in inst.calls
+                                             if inst.opcode in ("fusion", "custom-call"))
 
 
 def _is_op(name: str) -> bool:
@@ -191,6 +208,7 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
 def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
     insts, comps = parse_hlo(hlo_text)
     self_ns = dict.fromkeys(GROUPS, 0.0)
+    matmul_ns = 0.0  # every group's matmuls (projections, attention's, the LM head's)
     by_op: dict[str, float] = {}
     intervals, unknown = [], 0
     lines = _op_lines(profile)
@@ -209,9 +227,10 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
             inst = insts.get(name)
             if inst is not None and inst.opcode in _CONTROL:
                 return  # a loop's own time is control flow: counted as host overhead below
-            nonlocal unknown
+            nonlocal unknown, matmul_ns
             unknown += inst is None
             self_ns[classify(inst, comps)] += max(own, 0.0)
+            matmul_ns += max(own, 0.0) if is_matmul(inst, comps) else 0.0
             by_op[name] = by_op.get(name, 0.0) + max(own, 0.0)
         for start, end, name in events:
             while stack and stack[-1][0] <= start:
@@ -243,7 +262,10 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
     out["host_overhead"] = (wall_ns - busy) / 1e9
     return {"seconds": {g: round(out[g], 9) for g in GROUPS},
             "fraction": {g: round(out[g] / wall_s, 4) for g in GROUPS},
-            "profiled_step_s": round(wall_s, 9), "op_time_over_busy_time": round(ops_total / busy, 3) if busy else None,
+            "profiled_step_s": round(wall_s, 9),
+            # the part of the groups that matmuls took, scaled like them: what the step would take if nothing else ran
+            "matmul_s": round(matmul_ns * scale / 1e9, 9),
+            "op_time_over_busy_time": round(ops_total / busy, 3) if busy else None,
             "ops_not_in_hlo": unknown,
             # the ten ops that took longest (own time, before the overlap scaling), with where they came from
             "top_ops": [{"op": n, "group": classify(insts.get(n), comps), "seconds": round(t / 1e9, 9),

@@ -107,7 +107,21 @@ class TrainBench:
                 # the XLA options the step compiled with (runtime.cpu_step_compiler_options: Eigen matmuls on
                 # AVX2 CPUs without AVX-512)
                 "compiler_options": dict(self.setup.compiler_options),
-                **({"step_breakdown": self.breakdown()} if self.profiles else {})}
+                **self._matmul_ceiling(flops.per_token * cfg.train.global_batch * cfg.data.seq_len / med, peak)}
+
+    def _matmul_ceiling(self, flops_per_s: float, peak: float) -> dict:
+        """The profiled step's breakdown, and what its matmuls' share of the step (step_profile.py: `matmul_s`)
+        says of the timed steps: their matmuls' rate (the median step's model FLOPs over its matmul share) and
+        the MFU of a step that ran only them. A share, not the profiled seconds: a slow spell of the host during
+        the profiled step slows its matmuls and the rest alike."""
+        bd = self.breakdown()
+        if bd is None:
+            return {}
+        share = bd["matmul_s"] / bd["profiled_step_s"]
+        if not share:
+            return {"step_breakdown": bd}
+        return {"step_breakdown": bd, "matmul_flops_per_s_in_step": flops_per_s / share,
+                "mfu_model_matmuls_only": flops_per_s / share / peak}
 
 
 def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, attention=None,
