@@ -17,7 +17,9 @@ at the compute dtype, the best sample; `mfu_model_vs_median_peak` against the me
 sample; `mfu_model_vs_paired_peak` each step against the sample taken just before it, the
 median over steps), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
 temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU), and
-`step_breakdown`: the step's time by group from a real XLA profile (benchmarks/step_profile.py).
+`step_breakdown`: the step's time by group from a real XLA profile (benchmarks/step_profile.py), with the
+matmuls' share of it, from which `matmul_flops_per_s_in_step` (their rate inside the step) and
+`mfu_model_matmuls_only` (the MFU of a step that ran only its matmuls).
 Each benchmark is a module of resformer_jax/benchmarks/; BENCHMARKS below maps the subcommands to them.
 """
 from __future__ import annotations
