@@ -170,6 +170,7 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
     another task (whoever scheduled that task). Tasks that hold ops (the executor running thunks) or whose
     origin is not an op are left out: their time stays host overhead."""
     regions, records = [], {}  # per line: [(start, end, ctx)];  ctx -> (line index, time)
+    op_index = [_Innermost(ops) for ops in ops_by_line]
     for li, line in enumerate(lines):
         mine, open_ = [], None
         for e in sorted(line.events, key=lambda e: e.start_ns):
@@ -181,10 +182,9 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
             elif e.name == _TASK_RECORD and _stat(e, "_p") is not None:
                 records[_stat(e, "_p")] = (li, e.start_ns)
         # leaf tasks only: no op event starts inside
-        starts = sorted(s for s, _, _ in ops_by_line[li])
+        starts = op_index[li].starts
         regions.append([(s, t, c) for s, t, c in mine if c is not None
                         and bisect.bisect_left(starts, s) == bisect.bisect_left(starts, t)])
-    op_index = [_Innermost(ops) for ops in ops_by_line]
     task_index = [_Innermost(rs) for rs in regions]
     memo: dict = {}
 

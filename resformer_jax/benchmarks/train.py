@@ -107,9 +107,9 @@ class TrainBench:
                 # the XLA options the step compiled with (runtime.cpu_step_compiler_options: Eigen matmuls on
                 # AVX2 CPUs without AVX-512)
                 "compiler_options": dict(self.setup.compiler_options),
-                **self._matmul_ceiling(flops.per_token * cfg.train.global_batch * cfg.data.seq_len / med, peak)}
+                **self._profile_report(flops.per_token * cfg.train.global_batch * cfg.data.seq_len / med, peak)}
 
-    def _matmul_ceiling(self, flops_per_s: float, peak: float) -> dict:
+    def _profile_report(self, flops_per_s: float, peak: float) -> dict:
         """The profiled step's breakdown, and what its matmuls' share of the step (step_profile.py: `matmul_s`)
         says of the timed steps: their matmuls' rate (the median step's model FLOPs over its matmul share) and
         the MFU of a step that ran only them. A share, not the profiled seconds: a slow spell of the host during
