@@ -48,9 +48,11 @@ also removed the faults but fragmented the heap: RSS grew from 4.3 to
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+import tempfile
 
 # flag -> (value, why)
 GPU_XLA_FLAGS = {
@@ -224,6 +226,54 @@ def host_memory_tunables(environ=os.environ, libc=None, thp_mode=None) -> str | 
     if thp_mode != "madvise" or "glibc.malloc.hugetlb" in existing:
         return None
     return ":".join(filter(None, [existing, "glibc.malloc.hugetlb=1"]))
+
+
+# What the CUDA plugin prints while loading on a host with no NVIDIA driver (the aot extra installs it for
+# `compile`): C++ log lines written straight to the process's stderr, dropped by quiet_absent_accelerators.
+ABSENT_CUDA_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called")
+
+
+@contextlib.contextmanager
+def stderr_without(noise: tuple[str, ...]):
+    """Runs the block with file descriptor 2 captured, then writes back every line that holds none of `noise`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [ln for ln in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(n in ln for n in noise)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+def quiet_absent_accelerators() -> None:
+    """On a host with neither an NVIDIA driver nor a TPU chip, where the aot extra has installed the CUDA plugin
+    and libtpu (for `compile`): JAX_PLATFORMS=cpu unless the user set it (the plugins would only fail there, with
+    tracebacks), and JAX imported and its plugins registered with the CUDA plugin's "no driver" lines dropped.
+    Where a GPU or TPU is present nothing changes, so nothing of theirs is hidden. The backend is not started
+    (XLA_FLAGS and jax.distributed still come first)."""
+    if "jax" in sys.modules or nvidia_driver_present() or tpu_chip_present():
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+            return
+    except ImportError:
+        return
+    with stderr_without(ABSENT_CUDA_NOISE):
+        import jax  # noqa: F401 - loads jaxlib's CUDA helpers
+        from jax._src import xla_bridge
+        register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+        if register is not None:  # loads the plugin itself; its absence only means one more line at start-up
+            register()
 
 
 def restart_with_host_memory_defaults():

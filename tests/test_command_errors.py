@@ -182,3 +182,95 @@ def test_s3_credentials_an_emulator_refuses_are_one_line(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A tiny ResFormer on the demo corpus (it has a tokenizer) with checkpoints at steps 2 and 4."""
+    c = tiny_config("resformer")
+    c.data.source, c.model.vocab_size, c.data.seq_len, c.model.max_seq_len = "demo", 1024, 64, 256
+    c.train.steps, c.train.warmup_steps, c.train.eval_every, c.mesh.num_devices = 4, 1, 1000, 1
+    c.checkpoint.every_steps = 2
+    wd = tmp_path_factory.mktemp("two_checkpoints") / "run"
+    assert run(c, str(wd)) == 0
+    assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    return wd
+
+
+def _flip_bytes(step_dir: pathlib.Path):
+    biggest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 8] = bytes(b ^ 0x5A for b in data[mid:mid + 8])
+    biggest.write_bytes(bytes(data))
+
+
+EVAL_SAMPLES = ROOT.parent / "shared" / "data" / "eval_samples"
+HARNESS = ["resformer_jax.harness", "--model", "resformer_jax", "--tasks", "piqa_local", "--limit", "2",
+           "--include_path", "configs/lm_eval_tasks"]
+# Every command that reads a run: (name, args with {run}/{tmp}). Against a missing run directory each ends in one
+# line; against a run whose newest checkpoint is damaged each uses the newest one that restores, says so and
+# names --step, and moves nothing.
+READERS = [
+    ("generate", ["resformer_jax.generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=2"]),
+    ("evaluate validation", ["resformer_jax.evaluate", "--workdir={run}"]),
+    ("evaluate zero-shot", ["resformer_jax.evaluate", "--workdir={run}", "--tasks=piqa", f"--task_data={EVAL_SAMPLES}",
+                            "--limit=2"]),
+    ("analyze", ["resformer_jax.analyze", "--workdir={run}", "--num_sequences=2", "--out={tmp}/an"]),
+    ("export", ["resformer_jax.export", "--workdir={run}", "--out={tmp}/exported"]),
+    ("harness", HARNESS + ["--model_args", "workdir={run}"]),
+]
+
+
+def _sub(args, **kw):
+    return [a.format(**kw) for a in args]
+
+
+@pytest.mark.parametrize("name,args", READERS, ids=[c[0] for c in READERS])
+def test_reading_a_missing_run_is_one_line(tmp_path, name, args, shared_data):
+    if name == "harness":
+        pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (CI installs it)")
+    line = _one_line(_sub(args, run=tmp_path / "nope", tmp=tmp_path), cwd=ROOT)
+    assert "does not exist" in line and "nope" in line, line
+    assert not (tmp_path / "nope").exists()
+
+
+OTHER_COMMANDS = [
+    ("main: workdir under a file", ["resformer_jax.main", "--config=configs/tiny.py", "--workdir={tmp}/afile/run"],
+     ["afile"]),
+    ("compare: missing run", ["resformer_jax.compare", "--baseline", "{tmp}/nope", "{tmp}/nope2", "--out={tmp}/c"],
+     ["does not exist"]),
+    ("sweep: missing config", ["resformer_jax.sweep", "--config=configs/nope.py", "--workdir={tmp}/sw",
+                               "--set", "train.seed=0,1"], ["does not exist"]),
+    ("compile: missing config", ["resformer_jax.compile", "--config=configs/nope.py", "--target=h100x8"],
+     ["does not exist"]),
+    ("bench: missing config", ["resformer_jax.bench", "train", "--config=configs/nope.py"], ["does not exist"]),
+]
+
+
+@pytest.mark.parametrize("name,args,words", OTHER_COMMANDS, ids=[c[0] for c in OTHER_COMMANDS])
+def test_every_other_command_fails_in_one_line(tmp_path, name, args, words):
+    (tmp_path / "afile").write_text("x")
+    line = _one_line(_sub(args, tmp=tmp_path), cwd=ROOT)
+    assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("name,args", READERS, ids=[c[0] for c in READERS])
+def test_reading_a_run_whose_newest_checkpoint_is_damaged(two_checkpoints, tmp_path, name, args, shared_data):
+    if name == "harness":
+        pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (CI installs it)")
+    wd = tmp_path / "run"
+    shutil.copytree(two_checkpoints, wd)
+    _flip_bytes(wd / "checkpoints" / "4")
+    before = _digest(wd / "checkpoints")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", *_sub(args, run=wd, tmp=tmp_path)], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (name, r.stderr[-3000:])
+    assert "checkpoint at step 4" in r.stderr and "does not restore" in r.stderr and "--step=2" in r.stderr, r.stderr
+    assert _digest(wd / "checkpoints") == before, f"{name} changed the run's checkpoints"
+    assert not (wd / "checkpoints_damaged").exists(), f"{name} moved a checkpoint"
+    # an explicit --step that is damaged is one line naming the ones that restore
+    if name == "generate":
+        line = _one_line(_sub(args, run=wd, tmp=tmp_path) + ["--step=4"], cwd=ROOT)
+        assert "step 4" in line and "available: [2]" in line, line

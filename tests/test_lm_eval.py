@@ -34,16 +34,16 @@ def _instances(kind, args_list):
 
 
 def test_per_item_loglikelihoods_equal_the_project_evaluator(trained, shared_data):
-    from resformer_jax.eval.zero_shot import make_loglik_fn, model_logprobs, read_task, to_items
+    from resformer_jax.eval.loglik import ContinuationScorer
+    from resformer_jax.eval.zero_shot import make_loglik_fn, read_task, to_items
     wd, lm = trained
     items = to_items("piqa", read_task(str(shared_data / "eval_samples"), "piqa")[:6]) + \
         to_items("hellaswag", read_task(str(shared_data / "eval_samples"), "hellaswag")[:3])
     pairs = [(c, x) for it in items for c, x in zip(it["contexts"], it["continuations"])]
-    _, logprobs = model_logprobs(lm.cfg, lm.params)
-    ours = make_loglik_fn(logprobs, lm.encode, lm.max_length, 8)(pairs)
+    ours = make_loglik_fn(ContinuationScorer(lm.cfg.model, lm.params, lm.max_length, 8), lm.encode)(pairs)
     got = lm.loglikelihood(_instances("loglikelihood", pairs))
     np.testing.assert_allclose([g for g, _ in got], ours, rtol=1e-5, atol=1e-4)
-    assert len(lm.buckets) <= 4  # a few compiled lengths (powers of two from 32 to the 256 context), not one per request
+    assert len(lm.scorer.buckets) <= 4  # a few compiled lengths (powers of two from 32 to the 256 context), not one per request
 
 
 def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):

@@ -26,6 +26,8 @@ def run_name(run: str) -> str:
 
 
 def read_train_loss(run: str) -> dict[int, float]:
+    if not RunDir(run).path.exists():
+        raise RunsError(f"run directory {run} does not exist; check the path")
     path = RunDir(run).metrics_jsonl
     if has_lines(path):
         curve = read_jsonl(path, "train/loss", warn=_note)

@@ -41,8 +41,9 @@ class TrainBench:
 
     def warm_up(self, steps=2):
         import jax
-        from resformer_jax.train.setup import memory_precheck
-        memory_precheck(self.mem, self.cfg.mesh)  # a clear error before a step that cannot fit, as training does
+        from resformer_jax.train.setup import memory_knobs, memory_precheck
+        # a clear error before a step that cannot fit, as training does
+        memory_precheck(self.mem, self.cfg.mesh, knobs=memory_knobs(self.cfg, self.setup.mesh.devices.size))
         self.state = self.setup.init_state(seed=0)
         self.tokens = self._tokens()
         for _ in range(steps):

@@ -9,6 +9,8 @@
   python -m resformer_jax.bench accelerator [--out=report.json]   # first thing to run on new hardware
   python -m resformer_jax.bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \
       [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
+  python -m resformer_jax.bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \
+      [--tasks=hellaswag] [--items=256]   # items/s and peak memory; the full validation split's projected time
 
 train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
 two conventions (6N with N the non-embedding parameters, and the model's own FLOP
@@ -55,6 +57,11 @@ flags.DEFINE_string("matrix", None, "decode: BATCHES:CONTEXTS, e.g. 1,16:512,204
                     "variants interleaved, with bytes read per token and the fraction of measured memory bandwidth.")
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
+flags.DEFINE_string("task_data", None, "zero_shot: folder with the tasks' files (the samples: ../shared/data/eval_samples).")
+flags.DEFINE_string("tokenizer", None, "zero_shot: tokenizer.json to encode the tasks with.")
+flags.DEFINE_string("tasks", "hellaswag", "zero_shot: comma-separated tasks.")
+flags.DEFINE_integer("items", 256, "zero_shot: items per task (the file's items cycled).")
+flags.DEFINE_integer("score_batch", 0, "zero_shot: choices per forward pass (0: sized to memory, as evaluate).")
 flags.DEFINE_float("step_tokens_per_s", 0.0, "data: the train step's tokens/s to compare with (0: time the "
                    "config's step here, 3 steps).")
 FLAGS = flags.FLAGS
@@ -109,6 +116,16 @@ def run_attention(modes: list[str]) -> list[dict]:
     return bench_attention(FLAGS.shapes, FLAGS.impls.split(","), jnp.dtype(FLAGS.dtype).type)
 
 
+def run_zero_shot(modes: list[str]) -> list[dict]:
+    from resformer_jax.benchmarks.zero_shot import bench_zero_shot
+    if not FLAGS.task_data or not FLAGS.tokenizer:
+        raise cli.ConfigFlagError("bench zero_shot needs --task_data=DIR and --tokenizer=FILE (tokenizer.json)")
+    if FLAGS.items < 1:
+        raise cli.ConfigFlagError(f"--items={FLAGS.items}: must be at least 1")
+    return bench_zero_shot(FLAGS.config, FLAGS.task_data, [t for t in FLAGS.tasks.split(",") if t], FLAGS.items,
+                           FLAGS.tokenizer, FLAGS.score_batch)
+
+
 def run_accelerator(modes: list[str]) -> list[dict]:
     from resformer_jax.benchmarks import accelerator
     accelerator.main(FLAGS.out)
@@ -122,6 +139,7 @@ BENCHMARKS = {
     "decode": (run_decode, True, "decode_tokens_per_s"),
     "data": (run_data, True, None),
     "accelerator": (run_accelerator, False, None),
+    "zero_shot": (run_zero_shot, True, None),
 }
 
 

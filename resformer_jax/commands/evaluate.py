@@ -8,8 +8,6 @@ Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
 """
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags
 
 flags.DEFINE_string("workdir", None, "Run directory.", required=True)
@@ -18,7 +16,7 @@ flags.DEFINE_string("data", None, "Prepared corpus folder for validation loss (d
 flags.DEFINE_string("tasks", None, "Comma-separated zero-shot tasks.")
 flags.DEFINE_string("task_data", None, "Folder with the tasks' files (.jsonl/.parquet/.arrow).")
 flags.DEFINE_integer("limit", 0, "Items per task (0: all).")
-flags.DEFINE_integer("batch", 16, "Sequences per forward pass.")
+flags.DEFINE_integer("batch", 0, "Sequences per forward pass (0: zero-shot sizes it to memory; validation: 16).")
 FLAGS = flags.FLAGS
 
 
@@ -41,44 +39,58 @@ def validation_table(cfg, params, data: str | None, batch: int) -> dict:
 def main(argv):
     from resformer_jax.commands import common as cli
     cli.start()
-    from resformer_jax.eval.zero_shot import TaskError, zero_shot
+    with cli.exit_on_user_error():
+        evaluate()
+
+
+def evaluate():
+    import sys
+    from resformer_jax.eval.zero_shot import check_tasks, zero_shot
     from resformer_jax.metrics import Writer
     from resformer_jax.rundir import RunDir
     from resformer_jax.storage import write_json
     from resformer_jax.train.setup import load_run
-    try:
-        run = RunDir(FLAGS.workdir)
-        cfg, params, step = load_run(run.workdir, FLAGS.step)
-        out_dir = run.eval_dir
-        out_dir.mkdir(parents=True, exist_ok=True)
-        writer = Writer(run.tensorboard)
-        if FLAGS.tasks:
-            tasks = [t.strip() for t in FLAGS.tasks.split(",") if t.strip()]
-            if not FLAGS.task_data:
-                raise TaskError("--tasks needs --task_data=DIR")
-            res = zero_shot(cfg, params, FLAGS.workdir, tasks, FLAGS.task_data, FLAGS.limit, FLAGS.batch)
-            print(f"zero-shot accuracy at step {step} (Table 1 layout)")
-            print(f"{'task':<15}{'acc':>8}{'acc_norm':>10}{'n':>6}")
-            for t, r in res.items():
-                print(f"{t:<15}{r['acc']:>8.4f}{r['acc_norm']:>10.4f}{r['n']:>6}")
-            avg = sum(r["acc"] for r in res.values()) / len(res)
-            print(f"{'average':<15}{avg:>8.4f}")
-            writer.scalars(step, {f"zero_shot/{t}/{k}": r[k] for t, r in res.items() for k in ("acc", "acc_norm")})
-            path = out_dir / f"zero_shot_step{step}.json"
-            write_json(path, {"step": step, "tasks": res, "average_acc": avg})
-            print(f"wrote {path}")
-        if FLAGS.data or not FLAGS.tasks:
-            table = validation_table(cfg, params, FLAGS.data, FLAGS.batch)
-            print(f"validation loss at step {step} (Table 5 layout)")
-            print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
-            print("  ".join(f"{v:>12.4f}" for v in table.values()))
-            writer.scalars(step, {f"eval_full/{d}/loss": v for d, v in table.items()})
-            path = out_dir / f"validation_step{step}.json"
-            write_json(path, {"step": step, "loss": table})
-            print(f"wrote {path}")
-        writer.close()
-    except cli.user_errors() + (FileNotFoundError,) as e:
-        sys.exit(cli.report_user_error(e))
+    if FLAGS.batch < 0 or FLAGS.limit < 0:
+        raise cli_error(f"--batch={FLAGS.batch} --limit={FLAGS.limit}: must be >= 0 (0: sized to memory; all items)")
+    tasks = [t.strip() for t in (FLAGS.tasks or "").split(",") if t.strip()]
+    if FLAGS.tasks is not None:
+        check_tasks(tasks, FLAGS.task_data)  # names and files first: nothing is loaded for a typo
+    if FLAGS.data:
+        from resformer_jax.data.records import load_metadata
+        load_metadata(FLAGS.data)
+    run = RunDir(FLAGS.workdir)
+    cfg, params, step = load_run(run.workdir, FLAGS.step)
+    out_dir = run.eval_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = Writer(run.tensorboard)
+    if tasks:
+        res = zero_shot(cfg, params, FLAGS.workdir, tasks, FLAGS.task_data, FLAGS.limit, FLAGS.batch,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(f"zero-shot accuracy at step {step} (Table 1 layout)")
+        print(f"{'task':<15}{'acc':>8}{'acc_norm':>10}{'n':>6}")
+        for t, r in res.items():
+            print(f"{t:<15}{r['acc']:>8.4f}{r['acc_norm']:>10.4f}{r['n']:>6}")
+        avg = sum(r["acc"] for r in res.values()) / len(res)
+        print(f"{'average':<15}{avg:>8.4f}")
+        writer.scalars(step, {f"zero_shot/{t}/{k}": r[k] for t, r in res.items() for k in ("acc", "acc_norm")})
+        path = out_dir / f"zero_shot_step{step}.json"
+        write_json(path, {"step": step, "tasks": res, "average_acc": avg})
+        print(f"wrote {path}")
+    if FLAGS.data or not tasks:
+        table = validation_table(cfg, params, FLAGS.data, FLAGS.batch or 16)
+        print(f"validation loss at step {step} (Table 5 layout)")
+        print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
+        print("  ".join(f"{v:>12.4f}" for v in table.values()))
+        writer.scalars(step, {f"eval_full/{d}/loss": v for d, v in table.items()})
+        path = out_dir / f"validation_step{step}.json"
+        write_json(path, {"step": step, "loss": table})
+        print(f"wrote {path}")
+    writer.close()
+
+
+def cli_error(msg: str):
+    from resformer_jax.commands.common import ConfigFlagError
+    return ConfigFlagError(msg)
 
 
 def cli_main():

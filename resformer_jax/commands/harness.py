@@ -22,7 +22,8 @@ def cli_main():
         sys.exit(2)
     import resformer_jax.eval.lm_eval_model  # noqa: F401 - registers the model "resformer_jax"
     from lm_eval.__main__ import cli_evaluate
-    cli_evaluate()
+    with cli.exit_on_user_error():  # the adapter's errors (a missing run, no tokenizer) as one line
+        cli_evaluate()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
       --tasks piqa_local,arc_easy_local --include_path configs/lm_eval_tasks
   import resformer_jax.eval.lm_eval_model; lm_eval.simple_evaluate(model="resformer_jax", model_args="workdir=RUN", ...)
 
-loglikelihood and loglikelihood_rolling run the project's jitted forward on batches padded to a few bucketed
-lengths (powers of two up to the model's context), so requests of many lengths compile a handful of programs;
+loglikelihood and loglikelihood_rolling go through the project's continuation scorer (eval/loglik.py: batches
+padded to a few bucketed lengths, the LM head only at the scored positions), as `evaluate --tasks` does;
 inputs longer than the context (the model's max_seq_len, as the export's max_position_embeddings; or
 max_length=N) are cut from the left, keeping the continuation; a continuation longer than the context
 stops the evaluation with the count of such requests (the stock model refuses them too). generate_until runs the
@@ -19,13 +19,11 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from resformer_jax.errors import UserError
 
-def buckets(max_len: int, smallest: int = 32) -> list[int]:
-    out, b = [], smallest
-    while b < max_len:
-        out.append(b)
-        b *= 2
-    return out + [max_len]
+
+class HarnessError(UserError, ValueError):
+    """A model argument or request the adapter cannot serve; the message says what to change."""
 
 
 @register_model("resformer_jax")
@@ -33,31 +31,23 @@ class ResformerLM(LM):
     def __init__(self, workdir: str, step: int | str | None = None, batch_size: int | str = 16,
                  max_length: int | str | None = None, **kwargs):
         super().__init__()
-        import jax
-        from resformer_jax.model import Transformer
         from resformer_jax.train.setup import load_run
         self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
         from resformer_jax.rundir import RunDir
         self.tok = RunDir(workdir).tokenizer()
         if self.tok is None:
-            raise ValueError(f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
+            raise HarnessError(f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
                              "synthetic data have none)")
         self.eot_id = self.tok.token_to_id("<|endoftext|>")
-        self.batch = int(batch_size) if str(batch_size).isdigit() else 16
+        self.batch = int(batch_size) if str(batch_size).isdigit() else 0  # "auto": sized to memory
         # The context a request may use: the model's max_seq_len by default, what the export's
         # max_position_embeddings tells the stock `lm_eval --model hf`, so both score the same items alike.
         self.max_length = int(max_length or self.cfg.model.max_seq_len)
         if not 1 < self.max_length <= self.cfg.model.max_seq_len:
-            raise ValueError(f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the "
+            raise HarnessError(f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the "
                              "model's max_seq_len)")
-        self.buckets = buckets(self.max_length)
-        model = Transformer(self.cfg.model)
-
-        def scores(params, tokens_BxT, targets_BxT):
-            logp = jax.nn.log_softmax(model.apply({"params": params}, tokens_BxT), axis=-1)
-            tgt = jax.numpy.take_along_axis(logp, targets_BxT[..., None], axis=-1)[..., 0]
-            return tgt, logp.argmax(-1) == targets_BxT
-        self._scores = jax.jit(scores)
+        from resformer_jax.eval.loglik import ContinuationScorer
+        self.scorer = ContinuationScorer(self.cfg.model, self.params, self.max_length, self.batch)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
@@ -81,30 +71,12 @@ class ResformerLM(LM):
         if too_long:
             # The stock Hugging Face model refuses these too: a continuation cut to its last tokens would be
             # scored in part, and its number would not be the task's.
-            raise ValueError(f"{len(too_long)} of {len(reqs)} requests have a continuation longer than the context "
+            raise HarnessError(f"{len(too_long)} of {len(reqs)} requests have a continuation longer than the context "
                              f"(max_length={self.max_length} tokens; the longest is "
                              f"{max(len(reqs[i][1]) for i in too_long)}); they cannot be scored whole. Leave the "
                              "task out, or use a model with a longer max_seq_len")
-        prepared = []
-        for ctx, cont in reqs:
-            ids = (ctx + cont)[-(self.max_length + 1):]  # keep the continuation, cut the context from the left
-            prepared.append((ids, min(len(cont), len(ids) - 1)))
-        order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))
-        out: list[tuple[float, bool] | None] = [None] * len(prepared)
-        for b in range(0, len(order), self.batch):
-            idx = order[b:b + self.batch]
-            T = next(x for x in self.buckets if x >= max(len(prepared[i][0]) - 1 for i in idx))
-            toks = np.zeros((self.batch, T), np.int32)
-            tgts = np.zeros((self.batch, T), np.int32)
-            for r, i in enumerate(idx):
-                ids = prepared[i][0]
-                toks[r, :len(ids) - 1], tgts[r, :len(ids) - 1] = ids[:-1], ids[1:]
-            lp, greedy = (np.asarray(x) for x in self._scores(self.params, toks, tgts))
-            for r, i in enumerate(idx):
-                ids, n = prepared[i]
-                sl = slice(len(ids) - 1 - n, len(ids) - 1)
-                out[i] = (float(lp[r, sl].sum()), bool(greedy[r, sl].all()))
-        return out
+        from resformer_jax.eval.loglik import prepare
+        return self.scorer([prepare(ctx, cont, self.max_length) for ctx, cont in reqs])
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         pairs = []

@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import time
 
 import numpy as np
 from resformer_jax.errors import UserError
@@ -68,8 +69,9 @@ def to_items(task: str, docs: list[dict]) -> list[dict]:
     return items
 
 
-def read_task(task_data: str, task: str) -> list[dict]:
-    """Reads DIR/{task}.jsonl|.parquet|.arrow or DIR/{task}/* (Hugging Face datasets' field layout)."""
+def _task_files(task_data: str, task: str) -> list[str]:
+    if not os.path.isdir(task_data):
+        raise TaskError(f"--task_data {task_data!r} is not a folder; give the folder holding the tasks' files")
     cands = []
     for ext in ("jsonl", "parquet", "arrow"):
         cands += [os.path.join(task_data, f"{task}.{ext}")] + sorted(
@@ -78,7 +80,12 @@ def read_task(task_data: str, task: str) -> list[dict]:
     if not files:
         raise TaskError(f"no {task}.jsonl/.parquet/.arrow under {task_data}; save the Hugging Face validation split "
                         "there (nothing is downloaded)")
-    path = files[0]
+    return files
+
+
+def read_task(task_data: str, task: str) -> list[dict]:
+    """Reads DIR/{task}.jsonl|.parquet|.arrow or DIR/{task}/* (Hugging Face datasets' field layout)."""
+    path = _task_files(task_data, task)[0]
     if path.endswith(".jsonl"):
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()]
@@ -112,59 +119,63 @@ def score_items(items: list[dict], loglik_fn) -> dict:
     return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "n": len(items)}
 
 
-def make_loglik_fn(apply_logits, encode, max_len: int, batch: int = 16):
-    """Builds loglik_fn from a jitted tokens[B, L] -> log-probs and a tokenizer encode."""
-    def loglik(pairs):
+def make_loglik_fn(scorer, encode):
+    """loglik_fn([(context, continuation)]) -> [sum log p] over a ContinuationScorer (eval/loglik.py) and a
+    tokenizer's encode. A continuation longer than the model's context is refused: scored in part, the number
+    would not be the task's (the lm-eval adapter refuses them too)."""
+    from resformer_jax.eval.loglik import prepare
+
+    def loglik(pairs, progress=None):
         reqs, too_long = [], 0
         for ctx, cont in pairs:
             c_ids, x_ids = encode(ctx), encode(cont)
-            too_long += len(x_ids) > max_len
-            ids = (c_ids + x_ids)[-(max_len + 1):]  # keep the continuation, cut the context from the left
-            n_cont = min(len(x_ids), len(ids) - 1)
-            reqs.append((ids, n_cont))
-        if too_long:  # scored in part, the number would not be the task's (the lm-eval adapter refuses them too)
+            too_long += len(x_ids) > scorer.max_len
+            reqs.append(prepare(c_ids, x_ids, scorer.max_len))
+        if too_long:
             raise TaskError(f"{too_long} of {len(pairs)} choices have a continuation longer than the context "
-                            f"({max_len} tokens); they cannot be scored whole: leave the task out or use a model "
-                            "with a longer max_seq_len")
-        out = []
-        for b in range(0, len(reqs), batch):
-            chunk = reqs[b:b + batch]
-            toks = np.zeros((batch, max_len + 1), np.int32)
-            for r, (ids, _) in enumerate(chunk):
-                toks[r, :len(ids)] = ids
-            logp = np.asarray(apply_logits(toks[:, :-1]))  # [batch, max_len, V] log-softmax
-            for r, (ids, n) in enumerate(chunk):
-                L = len(ids)
-                tgt = np.array(ids[L - n:])
-                pos = np.arange(L - n - 1, L - 1)
-                out.append(float(logp[r, pos, tgt].sum()))
-        return out
+                            f"({scorer.max_len} tokens); they cannot be scored whole: leave the task out or use a "
+                            "model with a longer max_seq_len")
+        return [ll for ll, _ in scorer(reqs, progress)]
     return loglik
 
 
-def model_logprobs(cfg, params):
-    """(model, jitted tokens [B, T] -> log-softmax [B, T, V]) of a run's parameters."""
-    import jax
-    from resformer_jax.model import Transformer
-    model = Transformer(cfg.model)
+def check_tasks(tasks: list[str], task_data: str | None) -> None:
+    """Every task known and its file present, before any model is loaded."""
+    if not task_data:
+        raise TaskError("--tasks needs --task_data=DIR (a folder with each task's .jsonl/.parquet/.arrow file)")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise TaskError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
+    for t in tasks:
+        _task_files(task_data, t)
 
-    @jax.jit
-    def logprobs(tokens):
-        return jax.nn.log_softmax(model.apply({"params": params}, tokens), axis=-1)
-    return model, logprobs
 
-
-def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch) -> dict:
+def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print) -> dict:
+    """{task: {acc, acc_norm, n}} of a run's parameters; a progress line per task (and every ~15 s of a long one)
+    through `log`. `batch`: choices per forward pass (0: sized to memory)."""
+    from resformer_jax.eval.loglik import ContinuationScorer
     from resformer_jax.rundir import RunDir
     tok = RunDir(workdir).tokenizer()
     if tok is None:
-        raise FileNotFoundError(f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer")
-    _, logprobs = model_logprobs(cfg, params)
-    fn = make_loglik_fn(logprobs, lambda s: tok.encode(s, add_special_tokens=False).ids, cfg.model.max_seq_len, batch)  # the context the export declares
+        raise TaskError(f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer (a run "
+                        "on synthetic data has none)")
+    # the context the export declares (max_position_embeddings), so `lm_eval --model hf` scores the same items
+    scorer = ContinuationScorer(cfg.model, params, cfg.model.max_seq_len, batch)
+    fn = make_loglik_fn(scorer, lambda s: tok.encode(s, add_special_tokens=False).ids)
     out = {}
     for task in tasks:
         docs = read_task(task_data, task)
         if limit:
             docs = docs[:limit]
-        out[task] = score_items(to_items(task, docs), fn)
+        items = to_items(task, docs)
+        t0, last = time.perf_counter(), [time.perf_counter()]
+
+        def progress(p, task=task):
+            if time.perf_counter() - last[0] >= 15 and p.done < p.total:
+                last[0] = time.perf_counter()
+                log(f"{task}: {p.done}/{p.total} choices scored, {p.done / p.seconds:.1f} choices/s")
+        out[task] = score_items(items, lambda pairs: fn(pairs, progress))
+        took = time.perf_counter() - t0
+        log(f"{task}: {len(items)} items in {took:.1f} s ({len(items) / max(took, 1e-9):.1f} items/s), "
+            f"acc {out[task]['acc']:.4f}")
     return out

@@ -72,6 +72,7 @@ def export_run(workdir, out: str, step: int | None = None, dtype: str = "float32
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
         try:
             meta = _write(run, cfg, params, staging, dtype)
+            _apply_umask(staging)  # mkdtemp's folder is private (0700): the export gets the user's usual modes
             if os.path.isdir(out):  # an empty folder, or (with overwrite) an earlier export: replaced whole
                 old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.old-", dir=parent)
                 os.rename(out, os.path.join(old, "export"))
@@ -83,6 +84,18 @@ def export_run(workdir, out: str, step: int | None = None, dtype: str = "float32
             if os.path.isdir(staging):
                 shutil.rmtree(staging)
     return {"step": step, "out": out, "architectures": meta["architectures"], "tokenizer": meta["tokenizer"]}
+
+
+def _apply_umask(folder: str) -> None:
+    """Gives `folder` and everything in it the modes a plain mkdir and open would: 0777 and 0666 less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~umask)
 
 
 def _write(run: RunDir, cfg, params, local: str, dtype: str) -> dict:

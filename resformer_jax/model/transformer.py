@@ -51,6 +51,18 @@ def output_embedding(params, m):
         return nn.unbox(params["embed"]["embedding"]).T
     return nn.unbox(params["lm_head"]["kernel"])
 
+
+def lm_head_logits(m, params, h_BxKxE):
+    """fp32 logits [B, K, vocab] of final hidden states (`return_hidden=True`'s output, or some positions of
+    it), computed as the model's own LM head computes them."""
+    dtype = jnp.dtype(m.dtype)
+    if ties_embeddings(m):
+        table_VxE = nn.unbox(params["embed"]["embedding"])
+        return jnp.dot(h_BxKxE, table_VxE.T.astype(dtype), preferred_element_type=jnp.float32)
+    head = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype, out_dtype=jnp.float32)
+    return head.apply({"params": params["lm_head"]}, h_BxKxE)
+
+
 log = logging.getLogger(__name__)
 
 def remat_policy(name: str):

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resformer_jax import perf
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
-from resformer_jax.train.setup import MEMORY_KNOBS, MemoryPrecheckError, build, memory_line, memory_precheck
+from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
 from resformer_jax.train.targets import Target
 
 STEPS = ("train", "eval", "decode")
@@ -150,7 +150,7 @@ def _machine_code(compiled, platform: str) -> str:
     return f"a {len(blob) / 2**20:.1f} MiB TPU executable"
 
 
-def _refusal(e: Exception, what: str, target: Target) -> Exception:
+def _refusal(e: Exception, what: str, target: Target, knobs: str) -> Exception:
     """The target compiler's error as one line: over memory -> the precheck's knobs; a kernel over its on-chip
     memory -> the kernel and the block sizes; anything else -> its first line."""
     text = str(e)
@@ -165,14 +165,14 @@ def _refusal(e: Exception, what: str, target: Target) -> Exception:
         m = re.search(r"[^\n]*(?:exceeds available|Ran out of memory)[^\n]*", text)
         said = (m.group(0).strip() if m else first)[:400]
         return MemoryPrecheckError(
-            f"{what} does not fit {target.hardware}: the compiler says: {said}; {MEMORY_KNOBS}")
+            f"{what} does not fit {target.hardware}: the compiler says: {said}; {knobs}")
     if "VMEM" in text or "vmem" in text:
         return CompileError(f"{what} does not compile for {target.hardware}: a Mosaic kernel exceeds the TPU's "
                             f"on-chip memory (VMEM): {first[:400]}")
     return CompileError(f"{what} does not compile for {target.hardware}: {type(e).__name__}: {first[:400]}")
 
 
-def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwargs: dict | None = None,
+def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: dict | None = None,
                  log: Callable[[str], Any] = print) -> CompiledStep:
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
@@ -186,7 +186,8 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the compiler's refusal, as one line
-        err = _refusal(e, f"the {name} step", target)
+        knobs = DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices)
+        err = _refusal(e, f"the {name} step", target, knobs)
         if isinstance(err, MemoryPrecheckError):
             log(f"{name}: {err}")
             return CompiledStep(name, time.perf_counter() - t0, None, {}, "not compiled", False, str(err))
@@ -198,9 +199,9 @@ def compile_step(name: str, jitted, args: tuple, target: Target, mesh_cfg, kwarg
     calls = dict(collections.Counter(_CUSTOM_CALL.findall(compiled.as_text())))
     step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True)
     try:
-        memory_precheck(mem, mesh_cfg, limit=target.hbm_bytes, what=f"the {name} step",
+        memory_precheck(mem, cfg.mesh, limit=target.hbm_bytes, what=f"the {name} step",
                         source=f"{target.kind}'s usable memory ({target.hbm_source})",
-                        knobs=DECODE_KNOBS if name.startswith("decode") else MEMORY_KNOBS)
+                        knobs=DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices))
     except MemoryPrecheckError as e:
         step.fits, step.problem = False, str(e)
     log(f"{name}: compiled in {seconds:.1f} s")
@@ -221,10 +222,10 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
     out = []
     if "train" in steps:
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg.mesh, log=log))
+        out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg, log=log))
     if "eval" in steps:
         batch = jax.ShapeDtypeStruct(setup.eval_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg.mesh,
+        out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg,
                                 log=log))
     if "decode" in steps:
         out.extend(_compile_decode(setup, target, decode_batch, prompt_len, log))
@@ -252,6 +253,6 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     out = []
     for name, T in (("decode_prefill", prompt), ("decode_token", 1)):
         tokens = jax.ShapeDtypeStruct((batch, T), jnp.int32, sharding=rows)
-        out.append(compile_step(name, _step, (setup.abstract_state.params, tokens, cache), target, setup.cfg.mesh,
+        out.append(compile_step(name, _step, (setup.abstract_state.params, tokens, cache), target, setup.cfg,
                                 kwargs={"m_frozen": mf, "max_len": max_len}, log=log))
     return out

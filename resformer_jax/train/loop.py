@@ -16,13 +16,14 @@ from resformer_jax import metrics, perf
 from resformer_jax.checkpoint import CheckpointError, config_diff, params_layout
 from resformer_jax.config import RUNTIME_MODEL_FIELDS, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
-from resformer_jax.data.records import open_corpus
+from resformer_jax.config import validate
+from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import UserError
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
 from resformer_jax.train.optimizer import lr_schedule
-from resformer_jax.train.setup import build, memory_precheck
+from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_precheck, too_big_for_here
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -50,23 +51,58 @@ class Trainer:
         self.preempt = False
 
     # ------------------------------------------------------------------ setup
-    def _data(self):
+    def _check_data(self):
+        """The data path and its shape against the config (seq_len, vocabulary), before anything costly."""
         cfg = self.cfg
         self.corpus = open_corpus(cfg.data)
+        if self.corpus is not None:
+            check_compatible(self.corpus.meta, cfg.data.seq_len, cfg.model.vocab_size, "", self.corpus.path)
+
+    def _check_workdir_model(self):
+        """The run directory's model against this config, every differing field in one line, before the probe and
+        the compile (a resumed run cannot change the model)."""
+        if not self.run.checkpoints.is_dir():
+            return
+        ck = self.run.checkpointer(read_only=True)
+        try:
+            for step in reversed(ck.all_steps()):
+                try:
+                    old_cfg = ck.read_config(step)
+                except Exception:  # noqa: BLE001 - unreadable: the resume reports it
+                    continue
+                self._check_resumed_config(old_cfg, quiet=True)
+                break
+        finally:
+            ck.mngr.close()
+
+    def _check_fits_here(self, error: UserError | None = None):
+        """The analytic memory estimate at the run's shape against this machine's devices: a config sized for other
+        hardware (the paper presets: 8x H100) stops here, saying what it is sized for and what would fit, before
+        the attention probe or the compile (the compiled step's own precheck follows). `error`: an earlier check's
+        problem (no data path), said in the same line."""
+        why = too_big_for_here(self.cfg, jax.device_count())
+        if why and error is not None:
+            raise type(error)(f"{error}; and {why}") from None
+        if why:
+            raise MemoryPrecheckError(why)
+        if error is not None:
+            raise error
+
+    def _data(self):
+        cfg = self.cfg
         self.iter = train_iterator(cfg, jax.process_index(), jax.process_count())
         self.eval_sets = validation_sets(cfg, self.setup.eval_batch_shape[0], cfg.train.eval_batches,
                                          jax.process_index(), jax.process_count())
 
     def _state(self):
         self.ckpt = self.run.checkpointer(self.cfg.checkpoint)
-        # Check the run's config before touching its state: a shape change is the user's
-        # mistake, not a damaged checkpoint, and must not set good checkpoints aside.
+        # The run's parameter tree before touching its state: a shape change is the user's mistake, not a damaged
+        # checkpoint, and must not set good checkpoints aside (the config's fields were compared at start).
         for step in reversed(self.ckpt.all_steps()):
             try:
                 old_cfg = self.ckpt.read_config(step)
             except Exception:  # noqa: BLE001 - unreadable: restore_latest reports it
                 continue
-            self._check_resumed_config(old_cfg, quiet=True)
             self._check_params_fit(step, old_cfg)
             break
         restored = self.ckpt.restore_latest(self.setup.abstract_state, self.iter, warn=self._warn)
@@ -89,11 +125,13 @@ class Trainer:
     def _check_resumed_config(self, old: dict, quiet: bool = False):
         new = self.cfg.to_dict()
         diff = config_diff(with_defaults(old), new)  # a field added since the run started is not a change
-        for field, (a, b) in diff.items():
-            if field.startswith("model.") and field not in RUNTIME_MODEL_FIELDS:
-                raise CheckpointError(
-                    f"config.{field} is {b!r} but the run in {self.workdir} was started with {a!r}; a resumed run "
-                    f"cannot change the model. Use --config.{field}={a!r} or a new --workdir")
+        model = {f: ab for f, ab in diff.items() if f.startswith("model.") and f not in RUNTIME_MODEL_FIELDS}
+        if model:
+            raise CheckpointError(
+                f"the run in {self.workdir} was started with another model ("
+                + ", ".join(f"config.{f} is {b!r}, the run's {a!r}" for f, (a, b) in model.items())
+                + "); a resumed run cannot change the model. Use "
+                + " ".join(f"--config.{f}={a!r}" for f, (a, _) in model.items()) + " or a new --workdir")
         if self.corpus is not None:
             self.corpus.check_tokenizer(_get(old, "data.tokenizer_hash"))
         for field, (a, b) in ({} if quiet else diff).items():
@@ -126,7 +164,7 @@ class Trainer:
 
     def _compile(self):
         self.compiled, self.compile_s, mem = self.setup.compile()
-        line, _ = memory_precheck(mem, self.cfg.mesh)
+        line, _ = memory_precheck(mem, self.cfg.mesh, knobs=memory_knobs(self.cfg, self.setup.mesh.devices.size))
         self.say(f"compiled train step in {self.compile_s:.1f}s; {line}")
         self.global_shape = self.setup.global_batch_shape
         self.batch_sh = self.setup.batch_sh
@@ -223,6 +261,15 @@ class Trainer:
         """The compiled step (and the memory precheck), data, the state (resumed or new), the run's files, the
         first evaluation."""
         cfg = self.cfg
+        # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
+        # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
+        validate(cfg)
+        try:
+            self._check_data()
+        except DataError as e:
+            self._check_fits_here(error=e)  # a config that cannot fit here says so in the same line
+        self._check_workdir_model()
+        self._check_fits_here()
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
         self.setup = build(cfg, log=self.say)
         self.mesh, self.state_sh = self.setup.mesh, self.setup.state_sh

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -185,9 +187,23 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
                       options)
 
 
-# What lowers a train step's memory per device: the trainer's precheck and the compile command (train/aot.py) say it.
-MEMORY_KNOBS = ("lower config.train.microbatch (sequences per accumulation step) or config.train.global_batch, use "
-                "--config.model.remat=full, or shard the state over more devices with config.mesh.fsdp")
+def memory_knobs(cfg, devices: int) -> str:
+    """What lowers a train step's memory per device on `devices` devices, leaving out knobs already at their
+    limit; the trainer's precheck and the compile command (train/aot.py) say it."""
+    t, knobs = cfg.train, []
+    per_device = sequences_per_device(cfg, devices)
+    if per_device > 1:
+        knobs.append(f"lower config.train.microbatch (sequences per accumulation step: {per_device} a device now) "
+                     "or config.train.global_batch")
+    if cfg.model.remat != "full":
+        knobs.append("use --config.model.remat=full")
+    fsdp = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices
+    if fsdp < devices:
+        knobs.append(f"shard the state over more devices with config.mesh.fsdp (now {fsdp} of {devices})")
+    if not knobs:
+        return (f"it does not fit even with one sequence a device, remat=full and the state sharded over all "
+                f"{devices} devices: use more devices, or a shorter config.data.seq_len or a smaller model")
+    return ", ".join(knobs[:-1]) + (" or " if len(knobs) > 1 else "") + knobs[-1]
 
 
 def device_memory_limit(mesh_cfg) -> tuple[float | None, str]:
@@ -206,6 +222,41 @@ def device_memory_limit(mesh_cfg) -> tuple[float | None, str]:
     return None, ""
 
 
+def too_big_for_here(cfg, devices: int) -> str | None:
+    """Why the train step cannot fit this machine's `devices` devices by the analytic estimate
+    (perf.estimate_train_memory, with a flash kernel: the lower bound), or None. Said before the attention probe and
+    the compile, with what the config is sized for and what would fit here; a step the estimate lets through still
+    meets the compiled step's precheck."""
+    limit, source = device_memory_limit(cfg.mesh)
+    est = perf.estimate_train_memory(cfg, devices)
+    if not limit or est["total"] <= limit:
+        return None
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    t = cfg.train
+    sized = f"sized for {cfg.mesh.target}" if cfg.mesh.target else "sized for other hardware"
+    target = re.match(r"\s*(\d+)\s*x\s*(H100|H200|A100)", cfg.mesh.target or "", re.I)
+    check = (f"check it for that hardware with python -m resformer_jax.compile --config=(the same file) "
+             f"--target={target.group(2).lower()}x{target.group(1)}" if target else "")
+    fits = None
+    for remat in dict.fromkeys((cfg.model.remat, "full")):
+        per_device = sequences_per_device(cfg, devices)
+        while per_device >= 1 and fits is None:
+            trial = ml_collections.ConfigDict(cfg.to_dict())
+            trial.model.remat, trial.train.microbatch = remat, per_device * devices
+            if t.global_batch % trial.train.microbatch == 0 and \
+                    perf.estimate_train_memory(trial, devices)["total"] <= limit:
+                fits = (f"--config.train.microbatch={trial.train.microbatch}"
+                        + (f" --config.model.remat={remat}" if remat != cfg.model.remat else ""))
+            per_device //= 2
+    here = (f"to run it here, {fits} fits by the estimate" if fits else
+            f"it cannot run here even one sequence a device at a time (parameters and optimizer state alone: "
+            f"{gib(est['state'])} a device): use more devices (config.mesh.fsdp) or a smaller model")
+    return (f"this config is {sized}: its train step needs about {gib(est['total'])} a device by the estimate "
+            f"(state {gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, "
+            f"{est['per_device_micro_batch']} sequences of {cfg.data.seq_len} tokens a device at once) and "
+            f"{source} is {gib(limit)}; " + "; ".join(x for x in (check, here) if x))
+
+
 def memory_line(mem: perf.StepMemory, limit: float | None) -> str:
     gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
     return (f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, aliased "
@@ -214,8 +265,9 @@ def memory_line(mem: perf.StepMemory, limit: float | None) -> str:
 
 
 def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | None = None, source: str = "",
-                    what: str = "the train step", knobs: str = MEMORY_KNOBS) -> tuple[str, float | None]:
-    """(a line describing the step's memory per device, the limit) ; raises where it cannot fit, naming `knobs`.
+                    what: str = "the train step", knobs: str = "") -> tuple[str, float | None]:
+    """(a line describing the step's memory per device, the limit); raises where it cannot fit, naming `knobs`
+    (memory_knobs' advice).
     `limit`/`source`: another device's memory (a compile target's); default: this machine's first device."""
     if mem is None:
         return "per-device memory: not reported by this backend", None
@@ -224,8 +276,8 @@ def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | Non
     if limit and mem.total > limit:
         raise MemoryPrecheckError(
             f"{what} needs {mem.total / 2**30:.3f} GiB per device but {source} is {limit / 2**30:.3f} GiB "
-            f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB); "
-            + knobs)
+            f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB)"
+            + (f"; {knobs}" if knobs else ""))
     return memory_line(mem, limit), limit
 
 
@@ -236,9 +288,13 @@ class LoadedRun(NamedTuple):
 
 
 def load_run(workdir: str, step: int | None = None, *, attention_impl: str | None = None,
-             log: Callable[[str], Any] = lambda s: None) -> LoadedRun:
-    """A run's checkpoint (newest, or `step`) on the default device, for inference and analysis.
-    `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here."""
+             log: Callable[[str], Any] = lambda s: None,
+             warn: Callable[[str], Any] = lambda s: print(s, file=sys.stderr, flush=True)) -> LoadedRun:
+    """A run's checkpoint (newest that restores, or `step`) on the default device, for inference and analysis.
+    `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here.
+
+    Reads only: a damaged newest checkpoint is named through `warn` and the newest one that restores is used (as
+    training does), but nothing is moved, since another process may be training in the run."""
     run = RunDir(workdir)
     if not run.checkpoints.is_dir():
         what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
@@ -250,16 +306,35 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
         if not steps:
             raise CheckpointError(f"no checkpoint in {ck.dir}; train first "
                                   f"(python -m resformer_jax.main --workdir={workdir})")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
+        if step is not None and step not in steps:
             raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
-        cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(step)))
-        model = Transformer(cfg.model)
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed))
-        state, _, _ = ck.restore(step, abstract)
+        failures = []
+        for candidate in ([step] if step is not None else list(reversed(steps))):
+            try:
+                cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(candidate)))
+                model = Transformer(cfg.model)
+                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len)
+                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
+                                        nn.unbox(boxed))
+                state, _, _ = ck.restore(candidate, abstract)
+            except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable here
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                failures.append((candidate, f"{type(e).__name__}: {first}"[:300]))
+                continue
+            if failures:
+                warn(f"WARNING: checkpoint at step {failures[0][0]} ({ck.dir}/{failures[0][0]}) does not restore "
+                     f"({failures[0][1]}); using step {candidate}, the newest that restores (pass --step={candidate}"
+                     " to choose it; nothing in the run was moved)")
+            step = candidate
+            break
+        else:
+            if len(failures) == 1 and len(steps) > 1:
+                others = [s for s in steps if s != failures[0][0]]
+                raise CheckpointError(f"the checkpoint at step {failures[0][0]} in {ck.dir} does not restore "
+                                      f"({failures[0][1]}); pass another --step (available: {others})")
+            raise CheckpointError(f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
+                                  "restore the run directory from a copy")
     finally:
         ck.mngr.close()
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
