@@ -126,7 +126,7 @@ def test_changed_model_shape_on_resume_names_field(tmp_path, capsys):
     c.model.d_model = 128
     assert run(c, wd) == 2
     err = capsys.readouterr().err
-    assert "config.model.d_model is 128 but the run" in err and "new --workdir" in err
+    assert "config.model.d_model is 128, the run's 64" in err and "new --workdir" in err
     c = cfg(steps=6)
     c.train.peak_lr = 1e-3
     assert run(c, wd) == 0

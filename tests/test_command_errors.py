@@ -274,3 +274,69 @@ def test_reading_a_run_whose_newest_checkpoint_is_damaged(two_checkpoints, tmp_p
     if name == "generate":
         line = _one_line(_sub(args, run=wd, tmp=tmp_path) + ["--step=4"], cwd=ROOT)
         assert "step 4" in line and "available: [2]" in line, line
+
+
+def test_the_headline_config_on_this_host_says_what_it_is_sized_for_before_any_probe():
+    """README's headline command with no other flags: sized for 8x H100 and given no data path, both said in one
+    line within seconds (no attention probe, no compile at 468M)."""
+    line = _one_line(["resformer_jax.main", "--config=configs/resformer_468m.py"], cwd=ROOT, bound_s=30)
+    assert "sized for 8x H100 80GB" in line and "config.data.path is empty" in line, line
+    assert "--target=h100x8" in line and "--config.train.microbatch=" in line, line
+    assert "attention impl" not in line
+
+
+def test_a_resumed_run_with_another_shape_names_every_differing_field_before_compiling(two_checkpoints, tmp_path):
+    wd = tmp_path / "run"
+    shutil.copytree(two_checkpoints, wd)
+    before = _digest(wd)
+    line = _one_line(["resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", "--config.data.source=demo",
+                      "--config.model.vocab_size=1024", "--config.data.seq_len=64", "--config.model.max_seq_len=256",
+                      "--config.model.d_model=32", "--config.model.ffn_dim=96", "--config.model.num_layers=2"],
+                     cwd=ROOT, bound_s=30)
+    for field in ("d_model", "ffn_dim", "num_layers"):
+        assert f"config.model.{field}" in line, line
+    assert "--config.model.d_model=64" in line and "new --workdir" in line, line
+    assert _digest(wd) == before
+
+
+def test_memory_advice_leaves_out_knobs_already_at_their_limit():
+    from resformer_jax.train.setup import memory_knobs
+    c = tiny_config("resformer")
+    c.train.global_batch, c.train.microbatch, c.model.remat, c.mesh.fsdp = 8, 0, "none", 1
+    advice = memory_knobs(c, 2)
+    assert "microbatch" in advice and "remat=full" in advice and "config.mesh.fsdp" in advice
+    c.model.remat, c.train.microbatch, c.mesh.fsdp = "full", 2, -1
+    assert memory_knobs(c, 2).startswith("it does not fit even with one sequence a device"), memory_knobs(c, 2)
+    c.train.microbatch = 4
+    advice = memory_knobs(c, 2)
+    assert "microbatch" in advice and "remat" not in advice and "fsdp" not in advice, advice
+
+
+def test_an_export_gets_the_users_umask(two_checkpoints, tmp_path):
+    out = tmp_path / "exported"
+    r = subprocess.run(["bash", "-c", f"umask 022 && {sys.executable} -m resformer_jax.export "
+                                      f"--workdir={two_checkpoints} --out={out}"],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    for f in out.iterdir():
+        assert oct(f.stat().st_mode & 0o777) == oct(0o644), f
+
+
+def test_the_aot_extra_keeps_cpu_commands_quiet(tmp_path):
+    """With the CUDA plugin and libtpu installed (the aot extra) on a host with neither GPU nor TPU, a command's
+    stderr holds its own lines only: no plugin tracebacks, no "could not find cuda drivers"."""
+    import importlib.util
+
+    from resformer_jax.runtime import nvidia_driver_present, tpu_chip_present
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        pytest.skip("the aot extra (CUDA plugin) is not installed: nothing to keep quiet (CI installs it)")
+    if nvidia_driver_present() or tpu_chip_present():
+        pytest.skip("this host has a GPU or TPU: the plugins' lines are theirs to print")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
+    for args in (["resformer_jax.main", "--config=configs/tiny.py", "--mode=summary"],
+                 ["resformer_jax.evaluate", f"--workdir={tmp_path / 'nope'}"]):
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=300)
+        noise = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("cuda", "CUDA", "TPU", "Traceback"))]
+        assert not noise, (args, r.stderr[-2000:])

@@ -6,7 +6,7 @@ Per layer: entropy of token importance (Eq. 11, head-averaged attention),
 mean pairwise cosine similarity of hidden states (Eq. 13), the eigen-spectrum
 of the values' second-moment matrix (Eq. 12), the share of attention on the
 first token, and mean value and hidden-state norms. Writes JSON, PNG plots and
-TensorBoard scalars; a second --workdir is overlaid in the same plots.
+TensorBoard scalars; a second --workdir is overlaid in the same plots, written into each run's analysis/ (or --out).
 """
 from __future__ import annotations
 
@@ -35,9 +35,13 @@ FLAGS = flags.FLAGS
 
 
 def _save(fig, path):
-    """A finished figure as PNG at `path` (local or object storage), closed; returns the path."""
+    """A finished figure as PNG at `path` (local or object storage), closed; returns the path. Layer and
+    eigenvalue axes are counts: integer ticks."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     from resformer_jax.storage import save_figure
+    for ax in fig.axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -110,21 +114,25 @@ def main(argv):
                                 hf_model=h, text_file=FLAGS.text_file, seq_len=FLAGS.seq_len, text_unit=FLAGS.text_unit)
                     for h in FLAGS.hf_model]
     with cli.exit_on_user_error():
-        out = (run_path(FLAGS.out) if FLAGS.out else RunDir(FLAGS.workdir[0]).analysis_dir if FLAGS.workdir
-               else run_path(FLAGS.hf_model[0]) / "analysis")
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "analysis.json", results, indent=1)
-    files = plot(results, out)
+        # Without --out, every analysed run gets the overlay in its own analysis/ folder (not the first one only).
+        outs = ([run_path(FLAGS.out)] if FLAGS.out else [RunDir(w).analysis_dir for w in FLAGS.workdir]
+                or [run_path(FLAGS.hf_model[0]) / "analysis"])
+        for out in outs:
+            out.mkdir(parents=True, exist_ok=True)
+            write_json(out / "analysis.json", results, indent=1)
+    for out in outs:
+        files = plot(results, out)
     for r in results:
         hf = r["source"] != "run"  # never write into a model folder
-        w = Writer(out / "tb" / r["variant"] if hf else RunDir(r["workdir"]).tensorboard)
+        w = Writer(outs[0] / "tb" / r["variant"] if hf else RunDir(r["workdir"]).tensorboard)
         for key in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm"):
             for n, v in enumerate(r["layers"][key]):
                 w.scalars(r["step"] or 0, {f"analysis/{key}/layer_{n + 1:02d}": v})
         w.close()
         print(f"{r['variant']:>10} entropy per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["entropy"]))
         print(f"{r['variant']:>10} similarity per layer: " + " ".join(f"{v:.3f}" for v in r["layers"]["similarity"]))
-    print(f"wrote {out / 'analysis.json'} and {', '.join(f.name for f in files)} in {out}")
+    for out in outs:
+        print(f"wrote {out / 'analysis.json'} and {', '.join(f.name for f in files)} in {out}")
 
 
 def cli_main():

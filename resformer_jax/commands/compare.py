@@ -69,6 +69,7 @@ def grouped(a) -> int:
     from resformer_jax.analysis import grouping
     from resformer_jax.analysis.runs import RunsError
     runs = [read_run(r) for r in find_runs(a.runs)]
+    clip_smooth(a, max((max(r.train, default=0) for r in runs), default=0))
     res, split = {}, cohorts(runs, a.group_by, a.vs, a.scaling)
     for label, members in split.items():
         try:
@@ -96,7 +97,7 @@ def grouped(a) -> int:
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss - ({a.group_by}={a.baseline})")
-    ax.set_title(f"relative training loss, smoothed over {a.smooth} steps; band over seeds")
+    ax.set_title(f"relative training loss\n(smoothed over {a.smooth} steps; band over seeds)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     save_figure(fig, out / "relative_train_loss.png")
@@ -277,6 +278,14 @@ flags.DEFINE_string("out", None, "Output folder (grouped default: FIRST_PATH/com
 FLAGS = flags.FLAGS
 
 
+def clip_smooth(a, last_step: int) -> None:
+    """A window longer than the runs is cut to their length, saying so (the plot's title gives the window used)."""
+    if 0 < last_step < a.smooth:
+        print(f"note: --smooth={a.smooth} is longer than the runs ({last_step} steps logged); smoothing over "
+              f"{last_step} steps", file=sys.stderr)
+        a.smooth = last_step
+
+
 def check_flags(a) -> None:
     """Bad values stop before anything is read or written."""
     if a.smooth < 1:
@@ -303,6 +312,7 @@ def main(argv):
             return grouped(a)
         base = read_train_loss(a.baseline)
         runs = {run_name(r): read_train_loss(r) for r in a.runs}
+    clip_smooth(a, max([max(base, default=0)] + [max(c, default=0) for c in runs.values()]))
     curves = relative_curves(base, runs, a.smooth)
     out = run_path(a.out)
     with cli.exit_on_user_error():

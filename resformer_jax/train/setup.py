@@ -233,28 +233,30 @@ def too_big_for_here(cfg, devices: int) -> str | None:
         return None
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     t = cfg.train
-    sized = f"sized for {cfg.mesh.target}" if cfg.mesh.target else "sized for other hardware"
     target = re.match(r"\s*(\d+)\s*x\s*(H100|H200|A100)", cfg.mesh.target or "", re.I)
     check = (f"check it for that hardware with python -m resformer_jax.compile --config=(the same file) "
              f"--target={target.group(2).lower()}x{target.group(1)}" if target else "")
     fits = None
-    for remat in dict.fromkeys((cfg.model.remat, "full")):
+    fsdp_now = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices
+    for remat, fsdp in dict.fromkeys(((cfg.model.remat, fsdp_now), ("full", fsdp_now), ("full", devices))):
         per_device = sequences_per_device(cfg, devices)
         while per_device >= 1 and fits is None:
             trial = ml_collections.ConfigDict(cfg.to_dict())
-            trial.model.remat, trial.train.microbatch = remat, per_device * devices
+            trial.model.remat, trial.train.microbatch, trial.mesh.fsdp = remat, per_device * devices, fsdp
             if t.global_batch % trial.train.microbatch == 0 and \
                     perf.estimate_train_memory(trial, devices)["total"] <= limit:
                 fits = (f"--config.train.microbatch={trial.train.microbatch}"
-                        + (f" --config.model.remat={remat}" if remat != cfg.model.remat else ""))
+                        + (f" --config.model.remat={remat}" if remat != cfg.model.remat else "")
+                        + (f" --config.mesh.fsdp={fsdp} --config.mesh.data=1" if fsdp != fsdp_now else ""))
             per_device //= 2
-    here = (f"to run it here, {fits} fits by the estimate" if fits else
+    here = (f"to run it here, {fits} fits by the estimate (or lower config.train.global_batch)" if fits else
             f"it cannot run here even one sequence a device at a time (parameters and optimizer state alone: "
             f"{gib(est['state'])} a device): use more devices (config.mesh.fsdp) or a smaller model")
-    return (f"this config is {sized}: its train step needs about {gib(est['total'])} a device by the estimate "
-            f"(state {gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, "
-            f"{est['per_device_micro_batch']} sequences of {cfg.data.seq_len} tokens a device at once) and "
-            f"{source} is {gib(limit)}; " + "; ".join(x for x in (check, here) if x))
+    sized = (f"this config is sized for {cfg.mesh.target}" + (f": {check}" if check else "")) if cfg.mesh.target else ""
+    return (f"the train step needs about {gib(est['total'])} a device by the estimate (state {gib(est['state'])}, "
+            f"activations {gib(est['activations_kept'] + est['one_layer'])}, {est['per_device_micro_batch']} "
+            f"sequences of {cfg.data.seq_len} tokens a device at once) but {source} is {gib(limit)}; "
+            + "; ".join(x for x in (sized, here) if x))
 
 
 def memory_line(mem: perf.StepMemory, limit: float | None) -> str:
