@@ -86,6 +86,29 @@ def choose_blocks(T: int, S: int, D: int, itemsize: int, block_q: int = 128, blo
     return bq, bk
 
 
+# Matmuls per visited (query block, key block) pair: forward QK^T and PV; dK/dV recomputes QK^T, then dV, dP
+# and dK; dQ recomputes QK^T, then dP and dQ. Keyed by the kernels' names (pallas_call name=).
+KERNEL_MATMULS = {"flash_attention_fwd": 2, "flash_attention_dkdv": 4, "flash_attention_dq": 3}
+
+
+def visited_blocks(Tp: int, Sp: int, bq: int, bk: int, causal: bool = True) -> int:
+    """(query block, key block) pairs the kernels compute: all of them, or with causal block skipping those
+    on or below the diagonal (the forward's and dQ's n_k; dK/dV's start visits the same pairs)."""
+    nq, nk = Tp // bq, Sp // bk
+    if not causal:
+        return nq * nk
+    return sum(min(nk, ((i + 1) * bq + bk - 1) // bk) for i in range(nq))
+
+
+def kernel_flops(name: str, q_shape, k_shape, itemsize: float, causal: bool = True) -> float:
+    """FLOPs of one call of kernel `name` on q [B, Tp, H, D] and k [B, Sp, K, D] (padded), by this file's own
+    block choice and causal skipping: 2 FLOPs a multiply-add."""
+    B, Tp, H, D = q_shape
+    Sp = k_shape[1]
+    bq, bk = choose_blocks(Tp, Sp, D, int(itemsize))
+    return float(B * H * visited_blocks(Tp, Sp, bq, bk, causal) * 2 * bq * bk * D * KERNEL_MATMULS[name])
+
+
 def num_warps(D: int) -> int:
     return 4 if D <= 64 else 8
 

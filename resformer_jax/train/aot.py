@@ -66,6 +66,7 @@ class CompiledStep:
     machine_code: str  # what the executable carries (GPU ELF images, TPU program bytes)
     fits: bool
     problem: str = ""  # the one-line message where it does not fit
+    roofline: dict | None = None  # train/roofline.py's report of the compiled program (None: chip unknown)
 
     @property
     def kernels(self) -> list[str]:
@@ -75,7 +76,8 @@ class CompiledStep:
         mem = dataclasses.asdict(self.memory) | {"total": self.memory.total} if self.memory else None
         return {"step": self.name, "compile_seconds": round(self.seconds, 2), "memory_per_device": mem,
                 "fits": self.fits, "kernels": self.kernels, "custom_calls": self.custom_calls,
-                "machine_code": self.machine_code, **({"problem": self.problem} if self.problem else {})}
+                "machine_code": self.machine_code, **({"problem": self.problem} if self.problem else {}),
+                **({"roofline": self.roofline} if self.roofline else {})}
 
 
 @dataclasses.dataclass
@@ -120,11 +122,64 @@ class CompileReport:
             mem = memory_line(s.memory, t.hbm_bytes) if s.memory else "memory not reported"
             out.append(f"  {s.name:<15} {where:<12} {mem}; compiled in {s.seconds:.1f} s; kernels: "
                        f"{', '.join(s.kernels) or 'none (XLA ops only)'}; {s.machine_code}")
+            out.extend("    " + ln for ln in roofline_lines(s.roofline))
         if self.estimate.get("total"):
             train = next((s for s in self.steps if s.name == "train" and s.memory), None)
             ratio = f" ({self.estimate['total'] / train.memory.total:.2f}x the compiled train step)" if train else ""
             out.append(f"  --mode=summary's estimate: {gib(self.estimate['total'])} per device{ratio}")
         return out
+
+
+def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
+    """The roofline report as a short table for people (the JSON holds all of it)."""
+    if not r:
+        return []
+    c = r["chip"]
+    mfu = (f"MFU ceiling {r['mfu_ceiling_model']:.3f} (model FLOPs) / {r['mfu_ceiling_6n']:.3f} (6N)"
+           if r.get("mfu_ceiling_model") is not None else "no MFU (not a training step)")
+    out = [f"roofline ({r['label']}): {r['flops_per_device'] / 1e12:.1f} TFLOP, {r['hbm_bytes_per_device'] / 1e9:.0f} GB "
+           f"HBM, {r['collective_bytes_per_device'] / 1e9:.2f} GB collectives per device; per-op bound "
+           f"{r['per_op_bound_s'] * 1e3:.1f} ms -> {mfu}; whole-program bound {r['program_bound_s'] * 1e3:.1f} ms; "
+           f"{c['kind']} at {c['peak_flops'] / 1e12:.0f} TFLOP/s, {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['source']})"]
+    if r.get("xla_cost_analysis"):
+        x = r["xla_cost_analysis"]
+        out.append(f"the compiler's own cost_analysis(): {x['flops'] / 1e12:.1f} TFLOP ({x['flops_ratio']:.2f}x), "
+                   f"{x['bytes'] / 1e9:.0f} GB accessed ({x['bytes_ratio']:.2f}x)")
+    out.append(f"{'part':<11}{'executions':>11}{'TFLOP':>9}{'GB':>9}{'bound ms':>10}")
+    for kind, k in r["by_kind"].items():
+        out.append(f"{kind:<11}{k['executions']:>11}{k['flops'] / 1e12:>9.1f}{k['bytes'] / 1e9:>9.1f}"
+                   f"{k['bound_s'] * 1e3:>10.1f}" + ("  (on the links; overlapped, not in the bound)"
+                                                     if kind == "collective" else ""))
+    out.append(f"the {top} costliest ops under the bound:")
+    for o in r["top_ops"][:top]:
+        out.append(f"  {o['bound_s'] * 1e3:7.2f} ms  {o['kind']:<7} x{o['executions']:<4} {o['name'][:32]:<32} "
+                   f"{o['scope'][-80:]}")
+    return out
+
+
+def step_roofline(compiled, hlo: str, target: Target, model_flops: tuple[float, float] | None) -> dict | None:
+    """The compiled step's roofline report on the target's chip, with the model's FLOPs per device (both
+    conventions) for the MFU ceilings; where the compiler's cost_analysis() answers (libtpu), how the two agree."""
+    from resformer_jax.train.roofline import chip_for, roofline
+    chip = chip_for(target.kind)
+    if chip is None:
+        return None
+    r = roofline(hlo, chip)
+    rep = r.report(*(model_flops or (0.0, 0.0)))
+    if model_flops is None:
+        rep.pop("model_flops_per_device")
+        for k in ("mfu_ceiling_model", "mfu_ceiling_6n", "mfu_ceiling_model_program_bound"):
+            rep[k] = None
+    try:
+        xla = compiled.cost_analysis()
+        xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+    except Exception:  # noqa: BLE001 - compile-only GPU executables answer nothing
+        xla = None
+    if xla and xla.get("flops"):
+        rep["xla_cost_analysis"] = {"flops": float(xla["flops"]), "bytes": float(xla.get("bytes accessed", 0.0)),
+                                    "flops_ratio": float(xla["flops"]) / max(r.flops, 1.0),
+                                    "bytes_ratio": float(xla.get("bytes accessed", 0.0)) / max(r.hbm_bytes, 1.0)}
+    return rep
 
 
 def check_packages(platform: str):
@@ -173,7 +228,7 @@ def _refusal(e: Exception, what: str, target: Target, knobs: str) -> Exception:
 
 
 def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: dict | None = None,
-                 log: Callable[[str], Any] = print) -> CompiledStep:
+                 log: Callable[[str], Any] = print, model_flops: tuple[float, float] | None = None) -> CompiledStep:
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
     # JAX's persistent compilation cache cannot hold these: a compile-only client cannot load an entry back
@@ -196,8 +251,10 @@ def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: di
         jax.config.update("jax_enable_compilation_cache", cache_was)
     seconds = time.perf_counter() - t0
     mem = perf.step_memory(compiled)
-    calls = dict(collections.Counter(_CUSTOM_CALL.findall(compiled.as_text())))
-    step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True)
+    hlo = compiled.as_text()
+    calls = dict(collections.Counter(_CUSTOM_CALL.findall(hlo)))
+    step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True,
+                        roofline=step_roofline(compiled, hlo, target, model_flops))
     try:
         memory_precheck(mem, cfg.mesh, limit=target.hbm_bytes, what=f"the {name} step",
                         source=f"{target.kind}'s usable memory ({target.hbm_source})",
@@ -222,17 +279,28 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
     out = []
     if "train" in steps:
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg, log=log))
+        out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg, log=log,
+                                model_flops=step_model_flops(cfg, setup.global_batch_shape[0], target.num_devices)))
     if "eval" in steps:
         batch = jax.ShapeDtypeStruct(setup.eval_batch_shape, jnp.int32, sharding=setup.batch_sh)
         out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg,
-                                log=log))
+                                log=log, model_flops=step_model_flops(cfg, setup.eval_batch_shape[0],
+                                                                      target.num_devices, forward_only=True)))
     if "decode" in steps:
         out.extend(_compile_decode(setup, target, decode_batch, prompt_len, log))
     devices = cfg.mesh.num_devices or target.num_devices
     return CompileReport(target, setup.attention.impl, cfg.model.dtype, dict(setup.mesh.shape),
                          cfg.train.microbatch or cfg.train.global_batch, cfg.model.remat, out,
                          perf.estimate_train_memory(cfg, devices) if "train" in steps else {})
+
+
+def step_model_flops(cfg, sequences: int, devices: int, forward_only: bool = False) -> tuple[float, float]:
+    """(the model's own FLOPs, 6N FLOPs) per device for a step over `sequences` of data.seq_len tokens (perf.py's
+    counts; a forward alone is a third of the training count)."""
+    f = perf.model_flops(cfg.model, cfg.data.seq_len)
+    tokens = sequences * cfg.data.seq_len / devices
+    scale = 1 / 3 if forward_only else 1.0
+    return f.per_token * tokens * scale, f.per_token_6n * tokens * scale
 
 
 def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> list[CompiledStep]:

@@ -1,0 +1,429 @@
+"""The compiled program's own bound on step time: every op XLA kept, its FLOPs and HBM bytes, and the time it
+cannot beat on the chip (its roofline), summed. A bound from the program, not a timing: no device ran it.
+
+  r = roofline(compiled.as_text(), chip_for("NVIDIA H100 SXM 80GB"))
+  r.per_op_bound_s     # each op's max(FLOPs / peak, bytes / HBM bandwidth), summed over executions
+  r.program_bound_s    # max(all FLOPs / peak, all bytes / bandwidth): what perfect overlap would reach
+
+What is counted, per execution (a while body counts its known trip count times; a conditional its costliest
+branch): GEMMs (cuBLAS custom calls, `dot` and dot-like `convolution` ops, inside fusions too) at 2 FLOPs a
+multiply-add from their shapes; Pallas kernels (Triton on GPU, Mosaic on TPU) by the kernel's own formula
+(kernels/pallas_attention.kernel_flops: causal block skipping included); every other top-level op's bytes as
+its operands read plus its results written (a slice reads only its slice, an in-place update writes only the
+update), elementwise FLOPs ignored. Collectives are counted apart (bytes, and their time on the chip's links) and
+not added to the bound: XLA overlaps them with compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "tf32": 4}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
+FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
+        "opt-barrier", "add-dependency", "iota", "copy-done", "all-gather-done", "all-reduce-done",
+        "collective-permute-done", "async-done", "async-update", "send-done", "recv-done", "get-dimension-size"}
+COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
+               "all-gather-start", "collective-permute-start", "ragged-all-to-all", "collective-broadcast"}
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype.startswith("f8"):
+        return 1
+    return DTYPE_BYTES.get(dtype, 0)
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a (possibly tuple) HLO shape."""
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)]
+
+
+def shape_bytes(shape: str) -> float:
+    return sum(dtype_bytes(d) * math.prod(dims) for d, dims in arrays(shape))
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    shape: str  # the result's HLO shape
+    opcode: str
+    operands: list[str]
+    attrs: str  # everything after the operand list
+    arg: str = ""  # the operand list as written (a parameter's number)
+
+    def attr_computations(self, key: str) -> list[str]:
+        m = re.search(rf"\b{key}=\{{?([^}},]+(?:,\s*%[^}},]+)*)\}}?", self.attrs)
+        return [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
+
+    @property
+    def op_name(self) -> str:
+        m = re.search(r'op_name="([^"]*)"', self.attrs)
+        return m.group(1) if m else ""
+
+    @property
+    def backend_config(self) -> dict:
+        m = re.search(r"backend_config=(\{.*\})\s*$", self.attrs)
+        if not m:
+            return {}
+        try:
+            return json.loads(m.group(1))
+        except ValueError:
+            return {}
+
+    @property
+    def custom_call_target(self) -> str:
+        m = re.search(r'custom_call_target="([^"]+)"', self.attrs)
+        return m.group(1) if m else ""
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def parse_instr(line: str) -> Instr | None:
+    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2).strip()
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+        shape, rest = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"([\w\-$.]+)\(", rest)
+    if not op:
+        return None
+    end = _balanced(rest, op.end() - 1)
+    operands = re.findall(r"%([\w.\-$]+)", rest[op.end():end - 1])
+    return Instr(name, shape, op.group(1), operands, rest[end:].lstrip(", "), rest[op.end():end - 1])
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """({computation: [instructions]}, the entry computation's name) of an HLO module's text."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = h.group(2)
+            comps[current] = []
+            if h.group(1):
+                entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            ins = parse_instr(line)
+            if ins is not None:
+                comps[current].append(ins)
+    return comps, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One device's datasheet numbers: dense bf16 FLOP/s, HBM bytes/s, interconnect bytes/s each way."""
+    kind: str
+    peak_flops: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    source: str
+
+
+CHIPS = {
+    "NVIDIA H100 SXM 80GB": Chip("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 450e9,
+                                 "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 900 GB/s"),
+    "NVIDIA H200 SXM 141GB": Chip("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 450e9,
+                                  "NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s"),
+    "NVIDIA A100 SXM 80GB": Chip("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 300e9,
+                                 "NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense BF16, 2,039 GB/s, NVLink 600 GB/s"),
+    "TPU v4": Chip("TPU v4", 275e12, 1.228e12, 300e9, "Cloud TPU v4 docs: 275 TFLOP/s BF16, 1,228 GB/s HBM, "
+                   "ICI 2,400 Gbps"),
+    "TPU v5p": Chip("TPU v5p", 459e12, 2.765e12, 600e9, "Cloud TPU v5p docs: 459 TFLOP/s BF16, 2,765 GB/s HBM, "
+                    "ICI 4,800 Gbps"),
+    "TPU v5e": Chip("TPU v5e", 197e12, 0.819e12, 200e9, "Cloud TPU v5e docs: 197 TFLOP/s BF16, 819 GB/s HBM, "
+                    "ICI 1,600 Gbps"),
+    "TPU v6e": Chip("TPU v6e", 918e12, 1.64e12, 448e9, "Cloud TPU v6e docs: 918 TFLOP/s BF16, 1,640 GB/s HBM, "
+                    "ICI 3,584 Gbps"),
+}
+
+
+@dataclasses.dataclass
+class OpCost:
+    """One op of the program, summed over its executions."""
+    name: str
+    kind: str  # gemm | kernel | fusion | collective | other
+    scope: str  # the model scope it came from (its op_name)
+    executions: int
+    flops: float
+    bytes: float
+
+    def bound_s(self, chip: Chip) -> float:
+        return max(self.flops / chip.peak_flops, self.bytes / chip.hbm_bytes_per_s)
+
+
+@dataclasses.dataclass
+class Roofline:
+    chip: Chip
+    ops: list[OpCost]
+    unknown_trip_counts: int  # while loops without a known trip count (counted once)
+
+    def _total(self, kinds, attr):
+        return sum(getattr(o, attr) for o in self.ops if o.kind in kinds)
+
+    @property
+    def flops(self) -> float:
+        return self._total(("gemm", "kernel", "fusion", "other"), "flops")
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self._total(("gemm", "kernel", "fusion", "other"), "bytes")
+
+    @property
+    def collective_bytes(self) -> float:
+        return self._total(("collective",), "bytes")
+
+    @property
+    def per_op_bound_s(self) -> float:
+        return sum(o.bound_s(self.chip) for o in self.ops if o.kind != "collective")
+
+    @property
+    def program_bound_s(self) -> float:
+        return max(self.flops / self.chip.peak_flops, self.hbm_bytes / self.chip.hbm_bytes_per_s)
+
+    def by_kind(self) -> dict:
+        out = {}
+        for kind in ("gemm", "kernel", "fusion", "other", "collective"):
+            ops = [o for o in self.ops if o.kind == kind]
+            out[kind] = {"executions": sum(o.executions for o in ops), "flops": sum(o.flops for o in ops),
+                         "bytes": sum(o.bytes for o in ops),
+                         "bound_s": (sum(o.bytes for o in ops) / self.chip.link_bytes_per_s if kind == "collective"
+                                     else sum(o.bound_s(self.chip) for o in ops))}
+        return out
+
+    def top(self, n: int = 10) -> list[OpCost]:
+        return sorted((o for o in self.ops if o.kind != "collective"), key=lambda o: -o.bound_s(self.chip))[:n]
+
+    def report(self, model_flops_per_device: float, model_6n_flops_per_device: float) -> dict:
+        """JSON: totals, both bounds, the MFU ceilings they imply in both conventions, the costliest ops."""
+        c = self.chip
+        return {
+            "label": "a bound from the compiled program (each op at the chip's datasheet peak or bandwidth), not a "
+                     "timing",
+            "chip": {"kind": c.kind, "peak_flops": c.peak_flops, "hbm_bytes_per_s": c.hbm_bytes_per_s,
+                     "link_bytes_per_s": c.link_bytes_per_s, "source": c.source},
+            "flops_per_device": self.flops, "hbm_bytes_per_device": self.hbm_bytes,
+            "collective_bytes_per_device": self.collective_bytes,
+            "per_op_bound_s": self.per_op_bound_s, "program_bound_s": self.program_bound_s,
+            "model_flops_per_device": model_flops_per_device,
+            "mfu_ceiling_model": model_flops_per_device / (self.per_op_bound_s * c.peak_flops),
+            "mfu_ceiling_6n": model_6n_flops_per_device / (self.per_op_bound_s * c.peak_flops),
+            "mfu_ceiling_model_program_bound": model_flops_per_device / (self.program_bound_s * c.peak_flops),
+            "by_kind": self.by_kind(), "unknown_trip_counts": self.unknown_trip_counts,
+            "top_ops": [{"name": o.name, "kind": o.kind, "scope": o.scope, "executions": o.executions,
+                         "flops": o.flops, "bytes": o.bytes, "bound_s": o.bound_s(c)} for o in self.top()],
+        }
+
+
+def dot_flops(ins: Instr, shapes: dict[str, str], contracting_key: str = "lhs_contracting_dims") -> float:
+    """2 x (result elements) x (lhs contracting size): a dot's or GEMM's multiply-adds, twice."""
+    out = arrays(ins.shape)
+    lhs = arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
+    if not out or not lhs:
+        return 0.0
+    cfg = ins.backend_config.get("gemm_backend_config", {}).get("dot_dimension_numbers")
+    if cfg is not None:
+        contracting = [int(x) for x in cfg.get("lhs_contracting_dimensions", [])]
+    else:
+        m = re.search(rf"{contracting_key}=\{{([0-9,]*)\}}", ins.attrs)
+        contracting = [int(x) for x in m.group(1).split(",") if x] if m else []
+    k = math.prod(lhs[0][1][d] for d in contracting if d < len(lhs[0][1]))
+    return 2.0 * math.prod(out[0][1]) * k
+
+
+def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """A convolution's multiply-adds, twice: result elements x (input features / groups) x window size."""
+    out = arrays(ins.shape)
+    rhs = arrays(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    labels = re.search(r"dim_labels=([^\s,]+)", ins.attrs)
+    if not out or not rhs or not labels:
+        return 0.0
+    kernel_labels = labels.group(1).split("_")[1].split("->")[0]
+    dims = rhs[0][1]
+    window = math.prod(dims[i] for i, ch in enumerate(kernel_labels) if ch.isdigit())
+    features = dims[kernel_labels.index("i")] if "i" in kernel_labels else 1
+    return 2.0 * math.prod(out[0][1]) * features * window
+
+
+def kernel_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """A Pallas kernel's FLOPs by its own formula, where the project knows the kernel (its name in op_name)."""
+    from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, kernel_flops as attention_flops
+    name = next((n for n in KERNEL_MATMULS if n in ins.op_name), None)
+    if name is None or len(ins.operands) < 2:
+        return 0.0
+    q, k = arrays(shapes.get(ins.operands[0], "")), arrays(shapes.get(ins.operands[1], ""))
+    if not q or not k or len(q[0][1]) != 4 or len(k[0][1]) != 4:
+        return 0.0
+    return attention_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]))
+
+
+class _Walker:
+    def __init__(self, comps: dict[str, list[Instr]]):
+        self.comps = comps
+        self.shapes = {i.name: i.shape for body in comps.values() for i in body}
+        for body in comps.values():  # parameters are instructions too
+            for i in body:
+                if i.opcode == "parameter":
+                    self.shapes[i.name] = i.shape
+        self.ops: dict[str, OpCost] = {}
+        self.unknown_trips = 0
+
+    def _add(self, ins: Instr, kind: str, n: int, flops: float, nbytes: float):
+        o = self.ops.get(ins.name)
+        if o is None:
+            o = self.ops[ins.name] = OpCost(ins.name, kind, ins.op_name, 0, 0.0, 0.0)
+        o.executions += n
+        o.flops += n * flops
+        o.bytes += n * nbytes
+
+    def _operand_bytes(self, ins: Instr) -> float:
+        return sum(shape_bytes(self.shapes.get(o, "")) for o in dict.fromkeys(ins.operands))
+
+    def _fused_flops(self, comp: str) -> float:
+        total = 0.0
+        for i in self.comps.get(comp, []):
+            if i.opcode == "dot":
+                total += dot_flops(i, self.shapes)
+            elif i.opcode == "convolution":
+                total += conv_flops(i, self.shapes)
+            elif i.opcode == "custom-call" and i.custom_call_target in GEMM_TARGETS:
+                total += dot_flops(i, self.shapes)
+            elif i.opcode == "fusion":
+                total += sum(self._fused_flops(c) for c in i.attr_computations("calls"))
+        return total
+
+    def _fusion_bytes(self, ins: Instr) -> float:
+        """Operands read plus results written, where a fused slice reads only its slice and a fused in-place
+        update writes only its update."""
+        called = (ins.attr_computations("calls") or [""])[0]
+        body = self.comps.get(called, [])
+        params = {int(i.arg): i.name for i in body if i.opcode == "parameter" and i.arg.strip().isdigit()}
+        users: dict[str, list[Instr]] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        root = body[-1] if body else None
+        written = shape_bytes(ins.shape)
+        in_place = set()
+        roots = [root] if root is not None else []
+        if root is not None and root.opcode == "tuple":
+            by_name = {i.name: i for i in body}
+            roots = [by_name[o] for o in root.operands if o in by_name]
+        if roots and all(r.opcode == "dynamic-update-slice" for r in roots):
+            written = sum(shape_bytes(self.shapes.get(r.operands[1], "")) for r in roots)
+            in_place = {r.operands[0] for r in roots}
+        read = 0.0
+        for n, operand in enumerate(ins.operands):
+            p = params.get(n)
+            uses = users.get(p, []) if p else []
+            if p in in_place and all(u.opcode == "dynamic-update-slice" for u in uses):
+                continue
+            if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == p for u in uses):
+                read += sum(shape_bytes(u.shape) for u in uses)
+            else:
+                read += shape_bytes(self.shapes.get(operand, ""))
+        return read + written
+
+    def _trip_count(self, ins: Instr) -> int:
+        n = ins.backend_config.get("known_trip_count", {}).get("n")
+        if n is not None:
+            return int(n)
+        self.unknown_trips += 1
+        return 1
+
+    def cost_of(self, comp: str) -> float:
+        """A computation's per-op bound on one chip-agnostic scale (bytes + FLOPs), to pick a conditional's branch."""
+        sub = _Walker(self.comps)
+        sub.walk(comp, 1)
+        return sum(o.flops + o.bytes for o in sub.ops.values())
+
+    def walk(self, comp: str, n: int):
+        for ins in self.comps.get(comp, []):
+            op = ins.opcode
+            if op in FREE:
+                continue
+            if op == "while":
+                body = ins.attr_computations("body")
+                if body:
+                    self.walk(body[0], n * self._trip_count(ins))
+            elif op == "call":
+                for c in ins.attr_computations("to_apply") or ins.attr_computations("calls"):
+                    self.walk(c, n)
+            elif op == "conditional":
+                branches = (ins.attr_computations("branch_computations")
+                            or ins.attr_computations("true_computation") + ins.attr_computations("false_computation"))
+                if branches:
+                    self.walk(max(branches, key=self.cost_of), n)
+            elif op in COLLECTIVES or op in ("send", "recv"):
+                nbytes = max(shape_bytes(ins.shape), self._operand_bytes(ins))
+                self._add(ins, "collective", n, 0.0, nbytes)
+            elif op == "async-start":
+                called = ins.attr_computations("calls")
+                inner = self.comps.get(called[0], []) if called else []
+                if any(i.opcode in COLLECTIVES for i in inner):
+                    self._add(ins, "collective", n, 0.0, self._operand_bytes(ins))
+                elif called:
+                    self.walk(called[0], n)
+            elif op == "copy-start":
+                self._add(ins, "other", n, 0.0, 2 * self._operand_bytes(ins))
+            elif op == "fusion":
+                flops = sum(self._fused_flops(c) for c in ins.attr_computations("calls"))
+                self._add(ins, "gemm" if flops else "fusion", n, flops, self._fusion_bytes(ins))
+            elif op == "custom-call":
+                target = ins.custom_call_target
+                nbytes = self._operand_bytes(ins) + sum(
+                    dtype_bytes(d) * math.prod(s) for d, s in arrays(ins.shape) if d != "s8")  # s8: a workspace
+                if target in GEMM_TARGETS:
+                    self._add(ins, "gemm", n, dot_flops(ins, self.shapes), nbytes)
+                elif target in ("__gpu$xla.gpu.triton", "tpu_custom_call") or "cudnn" in target:
+                    self._add(ins, "kernel", n, kernel_flops(ins, self.shapes), nbytes)
+                else:
+                    self._add(ins, "other", n, 0.0, nbytes)
+            elif op == "dot":
+                self._add(ins, "gemm", n, dot_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape))
+            elif op == "convolution":
+                self._add(ins, "gemm", n, conv_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape))
+            elif op == "dynamic-update-slice":
+                upd = shape_bytes(self.shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
+                self._add(ins, "other", n, 0.0, 2 * upd)
+            elif op in ("dynamic-slice", "slice"):
+                self._add(ins, "other", n, 0.0, 2 * shape_bytes(ins.shape))
+            else:
+                self._add(ins, "other", n, 0.0, self._operand_bytes(ins) + shape_bytes(ins.shape))
+
+
+def roofline(hlo_text: str, chip: Chip) -> Roofline:
+    """The roofline of an optimized HLO module (a compiled executable's as_text())."""
+    comps, entry = parse_module(hlo_text)
+    w = _Walker(comps)
+    w.walk(entry, 1)
+    return Roofline(chip, list(w.ops.values()), w.unknown_trips)
+
+
+def chip_for(kind: str) -> Chip | None:
+    return CHIPS.get(kind)
