@@ -90,6 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.scan_layers = True
     m.remat = "none"
     m.attention_impl = "auto"
+    m.matmuls = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (train/setup per platform)
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "synthetic"  # synthetic | array_record | tfds | demo
@@ -349,6 +350,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         _fail("data.seq_len", f"must be positive, got {c.data.seq_len}", "set data.seq_len >= 1")
     if m.remat not in REMAT_POLICIES:
         _fail("model.remat", f"unknown policy {m.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
+    if m.get("matmuls", "auto") not in ("auto", "cpu", "plain"):
+        _fail("model.matmuls", f"unknown form {m.matmuls!r}", "use auto, cpu or plain")
     if m.attention_impl not in ATTENTION_IMPLS:
         _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}",
               f"use one of {', '.join(ATTENTION_IMPLS)}")
@@ -423,7 +426,8 @@ def neutreno_lambda(m) -> float:
 # A resumed run may change how the model runs (these model fields), and anything outside
 # `model` (steps, lr, logging, eval, mesh); not the model's equations or parameters. Whether the
 # parameters still fit is checked against the checkpoint's own tree (train/loop.py).
-RUNTIME_MODEL_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "model.max_seq_len", "model.dropout")
+RUNTIME_MODEL_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "model.max_seq_len", "model.dropout",
+                        "model.matmuls")
 
 
 def apply_ablation(c: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:

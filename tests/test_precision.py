@@ -9,7 +9,7 @@ import numpy as np
 
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
-from resformer_jax.model.layers import mixed_matmul, swiglu_mlp, transposed
+from resformer_jax.kernels.cpu_matmul import mixed_matmul, swiglu_mlp, transposed
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
 from resformer_jax.train.step import loss_fn
 

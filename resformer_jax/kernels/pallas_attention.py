@@ -109,8 +109,11 @@ def kernel_flops(name: str, q_shape, k_shape, itemsize: float, causal: bool = Tr
     return float(B * H * visited_blocks(Tp, Sp, bq, bk, causal) * 2 * bq * bk * D * KERNEL_MATMULS[name])
 
 
-def num_warps(D: int) -> int:
-    return 4 if D <= 64 else 8
+def num_warps(bq: int, bk: int) -> int:
+    """Warps a kernel runs with: 8 for tiles of 64 x 128 and larger (with 4, a 128 x 128 tile's accumulators and
+    probabilities need more than 255 registers a thread and spill: the compile report's ptxas lines show it), 4
+    for smaller tiles."""
+    return 8 if bq * bk >= 64 * 128 else 4
 
 
 def _pallas(kernel, *, num_warps_: int, **kw):
@@ -200,7 +203,7 @@ def _forward(q, k, v, causal, bq, bk):
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S)
     o, lse = _pallas(
-        kernel, num_warps_=num_warps(D),
+        kernel, num_warps_=num_warps(bq, bk),
         grid=(Tp // bq, B, H),
         in_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
                   pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
@@ -295,8 +298,10 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
         grid=(Sp // bk, B, H),
         in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full],
         out_specs=[out_block, out_block],
-        out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), jnp.float32)] * 2,
-        num_warps_=num_warps(D),
+        # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
+        # the input dtype (the fp32 accumulators rounded once, as the cast after would)
+        out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)] * 2,
+        num_warps_=num_warps(bq, bk),
         name="flash_attention_dkdv",
     )(qp, kp, vp, dop, lse, delta)
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
@@ -308,7 +313,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
         in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
-        num_warps_=num_warps(D),
+        num_warps_=num_warps(bq, bk),
         name="flash_attention_dq",
     )(qp, kp, vp, dop, lse, delta)
     # GQA: a kv head's gradient is the sum over the query heads that read it.

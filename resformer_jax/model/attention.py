@@ -260,7 +260,7 @@ class Attention(nn.Module):
         bias = arch(m) == "gpt2"
         dense = lambda shape, name: DenseGeneral(  # noqa: E731
             shape, ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"), in_dims=1, std=m.init_std,
-            dtype=dtype, use_bias=bias, name=name)
+            dtype=dtype, use_bias=bias, matmuls=m.get("matmuls", "auto"), name=name)
 
         # Projections: a layer computes only those it owns.
         q_BxTxHxD = first.q if p.query == "first" else dense((H, D), "query")(x_BxTxE)
@@ -324,7 +324,8 @@ class Attention(nn.Module):
             u_BxTxHxD = eq8_neutreno(u_BxTxHxD, first.v, v_att_BxTxKxD, p.neutreno)
 
         out_BxTxE = DenseGeneral((x_BxTxE.shape[-1],), ("q_heads", "head_dim", "embed"), in_dims=2,
-                                 std=output_init_std(m), dtype=dtype, use_bias=bias, name="out")(u_BxTxHxD.astype(dtype))
+                                 std=output_init_std(m), dtype=dtype, use_bias=bias, matmuls=m.get("matmuls", "auto"),
+                                 name="out")(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
 
     def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):

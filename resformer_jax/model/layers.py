@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax.kernels import cpu_matmul
+
 Dtype = jnp.dtype
 
 
@@ -19,96 +21,60 @@ def normal_init(std: float, *names: str):
     return nn.with_logical_partitioning(nn.initializers.normal(std), names)
 
 
-def transposed(x_AxB):
-    """x.T as an array of its own on CPU: XLA:CPU folds a plain transpose into the matmul, and its bf16
-    matmuls are fast only with both operands row-major and contracting lhs dim 1 with rhs dim 0 (a [1024, 50277]
-    x [50277, 512] product: 234 GFLOP/s folded, 757 canonical; fp32 barely differs). The transpose through a
-    3-D reshape is not folded. Other backends take x.T (their matmuls read either layout)."""
-    a, b = x_AxB.shape
-    return jax.lax.platform_dependent(
-        x_AxB, cpu=lambda x: jnp.transpose(x.reshape(a, b, 1), (1, 0, 2)).reshape(b, a), default=lambda x: x.T)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x_NxI, w_IxO, out_dtype):
+    """x @ w with x in the compute dtype and w an fp32 parameter, as accelerators multiply: the GEMM accumulates
+    in fp32 and writes `out_dtype` (the compute dtype: no fp32 activation ever reaches memory). The backward's
+    dx is written in the compute dtype too; w's gradient accumulates and stays in fp32 (weight-sized)."""
+    return jnp.dot(x_NxI, w_IxO.astype(x_NxI.dtype), preferred_element_type=out_dtype)
 
 
-@jax.custom_vjp
-def mixed_matmul(x_NxI, w_IxO):
-    """x @ w with x in a low-precision compute dtype and w an fp32 parameter: the product of the rounded
-    operands accumulated in fp32 (an fp32 [N, O]). The backward multiplies bf16 cotangents, accumulates in
-    fp32 and returns w's gradient in fp32 (never rounded to bf16), all with canonical-layout matmuls."""
-    return jnp.dot(x_NxI, w_IxO.astype(x_NxI.dtype), preferred_element_type=jnp.float32)
-
-
-def _mixed_matmul_fwd(x_NxI, w_IxO):
+def _matmul_fwd(x_NxI, w_IxO, out_dtype):
     w_c = w_IxO.astype(x_NxI.dtype)
-    return jnp.dot(x_NxI, w_c, preferred_element_type=jnp.float32), (x_NxI, w_c)
+    return jnp.dot(x_NxI, w_c, preferred_element_type=out_dtype), (x_NxI, w_c)
 
 
-def _mixed_matmul_bwd(res, g_NxO):
+def _matmul_bwd(out_dtype, res, g_NxO):
     x_NxI, w_c = res
     g = g_NxO.astype(x_NxI.dtype)
-    dx_NxI = jnp.dot(g, transposed(w_c), preferred_element_type=jnp.float32).astype(x_NxI.dtype)
-    dw_IxO = jnp.dot(transposed(x_NxI), g, preferred_element_type=jnp.float32)
-    return dx_NxI, dw_IxO
+    return (jnp.dot(g, w_c.T, preferred_element_type=x_NxI.dtype),
+            jnp.dot(x_NxI.T, g, preferred_element_type=jnp.float32))
 
 
-mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _silu_parts(g32):
-    sig = jax.nn.sigmoid(g32)
-    return sig, g32 * sig
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def swiglu_mlp(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype):
-    """The SwiGLU MLP, (silu(x W_gate) * (x W_up)) W_down, with its own VJP. Matmuls take `dtype` operands and
-    accumulate in fp32 (bf16: XLA:CPU's fast path); the activation is computed in fp32 and rounded once.
-
-    Why its own VJP: autodiff of the three matmuls and silu saves six [tokens, ffn] tensors per layer (gate, up,
-    sigmoid, silu, the product, and the product reshaped for the matmul), and a scanned stack zero-fills and
-    copies each of them whole before the loop (JAX initialises a scan's stacked outputs). This saves gate and
-    up only and recomputes the product in the backward: one elementwise pass instead of four stacks. The
-    backward's matmuls use canonical layouts (`transposed`), weight gradients in fp32. fp32's forward is the
-    plain expression, bit for bit."""
-    return _swiglu_mlp_fwd(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype)[0]
-
-
-def _swiglu_mlp_fwd(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype):
+def plain_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype):
+    """down(silu(x W_gate) * (x W_up)): three `matmul`s in the compute dtype, the activation in fp32, autodiff."""
     x = x_NxE.astype(dtype)
-    wg, wu, wd = (w.astype(dtype) for w in (wg_ExF, wu_ExF, wd_FxE))
-    gate_NxF = jnp.dot(x, wg, preferred_element_type=jnp.float32).astype(dtype)
-    up_NxF = jnp.dot(x, wu, preferred_element_type=jnp.float32).astype(dtype)
+    gate_NxF, up_NxF = matmul(x, wg_ExF, dtype), matmul(x, wu_ExF, dtype)
+    h_NxF = (jax.nn.silu(gate_NxF.astype(jnp.float32)) * up_NxF.astype(jnp.float32)).astype(dtype)
+    return matmul(h_NxF, wd_FxE, dtype)
+
+
+def uses_cpu_matmuls(matmuls: str) -> bool:
+    """Which form the model's matmuls take (config.model.matmuls, resolved by train/setup per platform): "cpu",
+    XLA:CPU's fast path (kernels/cpu_matmul.py); "plain", the form accelerators run; "auto" (a model built
+    without the setup, e.g. in a test), the default backend's."""
+    if matmuls == "auto":
+        return jax.default_backend() == "cpu"
+    return matmuls == "cpu"
+
+
+def dense(x_NxI, w_IxO, dtype, out_dtype, matmuls: str):
+    """[N, I] @ [I, O] in the compute dtype, accumulated in fp32, returned in out_dtype (default: dtype)."""
     if jnp.dtype(dtype) == jnp.float32:
-        h_NxF = jax.nn.silu(gate_NxF) * up_NxF
-    else:
-        h_NxF = (_silu_parts(gate_NxF.astype(jnp.float32))[1] * up_NxF.astype(jnp.float32)).astype(dtype)
-    y_NxE = jnp.dot(h_NxF, wd, preferred_element_type=jnp.float32).astype(dtype)
-    return y_NxE, (x, gate_NxF, up_NxF, wg, wu, wd)
+        return jnp.dot(x_NxI.astype(dtype), w_IxO, preferred_element_type=out_dtype)
+    x_NxI = x_NxI.astype(dtype)
+    if uses_cpu_matmuls(matmuls):
+        return cpu_matmul.mixed_matmul(x_NxI, w_IxO).astype(out_dtype or dtype)
+    return matmul(x_NxI, w_IxO, jnp.dtype(out_dtype or dtype))
 
 
-def _swiglu_mlp_bwd(dtype, res, dy_NxE):
-    x_NxE, gate_NxF, up_NxF, wg, wu, wd = res
-    f32 = jnp.float32
-    # w^T: fp32 matmuls take it folded (XNNPACK reads either layout); bf16's fast path needs it materialised
-    w_t = (lambda w: w.T) if jnp.dtype(dtype) == f32 else transposed
-    g, u = gate_NxF.astype(f32), up_NxF.astype(f32)
-    sig, silu = _silu_parts(g)
-    h_NxF = (silu * u).astype(dtype)
-    dy = dy_NxE.astype(dtype)
-    # (dy^T h)^T rather than h^T dy: transposing the recomputed h fused its activation into a strided copy
-    # (64 ms per 82M layer); dy^T is 3.5x smaller and the product's transpose is weight-sized.
-    dwd_FxE = transposed(jnp.dot(transposed(dy), h_NxF, preferred_element_type=f32))
-    dh_NxF = jnp.dot(dy, w_t(wd), preferred_element_type=f32)
-    dgate_NxF = (dh_NxF * u * sig * (1 + g * (1 - sig))).astype(dtype)  # d silu(g)/dg = sig (1 + g (1 - sig))
-    dup_NxF = (dh_NxF * silu).astype(dtype)
-    x_ExN = transposed(x_NxE)
-    dwg_ExF = jnp.dot(x_ExN, dgate_NxF, preferred_element_type=f32)
-    dwu_ExF = jnp.dot(x_ExN, dup_NxF, preferred_element_type=f32)
-    dx_NxE = (jnp.dot(dgate_NxF, w_t(wg), preferred_element_type=f32)
-              + jnp.dot(dup_NxF, w_t(wu), preferred_element_type=f32))
-    return dx_NxE.astype(x_NxE.dtype), dwg_ExF, dwu_ExF, dwd_FxE
-
-
-swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
+def swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype, matmuls: str):
+    if uses_cpu_matmuls(matmuls) or jnp.dtype(dtype) == jnp.float32:
+        return cpu_matmul.swiglu_mlp(x_NxE, wg_ExF, wu_ExF, wd_FxE, jnp.dtype(dtype))
+    return plain_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, jnp.dtype(dtype))
 
 
 class RMSNorm(nn.Module):
@@ -133,6 +99,7 @@ class DenseGeneral(nn.Module):
     dtype: Dtype = jnp.float32
     out_dtype: Dtype | None = None  # e.g. fp32 logits from bf16 inputs
     use_bias: bool = False  # GPT-2 has biases; the Llama-like default has none
+    matmuls: str = "auto"  # config.model.matmuls: "cpu" | "plain" | "auto" (uses_cpu_matmuls)
 
     @nn.compact
     def __call__(self, x):
@@ -143,19 +110,11 @@ class DenseGeneral(nn.Module):
             b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                 self.axes[len(self.axes) - len(self.out_shape):]),
                            tuple(self.out_shape), jnp.float32)
-        # One 2-D matmul [tokens, in] @ [in, out]: XLA:CPU runs the backward of the
-        # equivalent 3-D/4-D dot_general through extra transposes (MLP fwd+bwd at
-        # the 82M shapes: 917 ms as 3-D, 595 ms as 2-D). Reshapes merge the batch
-        # axis as the major one, so its sharding carries over.
+        # One 2-D matmul [tokens, in] @ [in, out] (XLA:CPU differentiates 3-D/4-D dot_generals through extra
+        # transposes); reshapes merge the batch axis as the major one, so its sharding carries over.
         lead = x.shape[:x.ndim - self.in_dims]
         n_in, n_out = int(np.prod(in_shape)), int(np.prod(self.out_shape))
-        x_NxI = x.reshape(-1, n_in).astype(self.dtype)
-        if jnp.dtype(self.dtype) == jnp.float32:
-            y = jnp.dot(x_NxI, w.reshape(n_in, n_out), preferred_element_type=self.out_dtype)
-        else:
-            # Accumulate in fp32 and round once: with bf16 inputs XLA:CPU then runs a bf16 matmul (about 2.7x
-            # the bf16-output form, which it upcasts to fp32 first); GPUs and TPUs accumulate in fp32 anyway.
-            y = mixed_matmul(x_NxI, w.reshape(n_in, n_out)).astype(self.out_dtype or self.dtype)
+        y = dense(x.reshape(-1, n_in), w.reshape(n_in, n_out), self.dtype, self.out_dtype, self.matmuls)
         y = y.reshape(lead + tuple(self.out_shape))
         return y if b is None else y + b.astype(y.dtype)
 
@@ -173,11 +132,12 @@ class Kernel(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), one fused function (`swiglu_mlp`) over 2-D [tokens, features] matmuls."""
+    """down(silu(gate(x)) * up(x)) over 2-D [tokens, features] matmuls (`swiglu`)."""
     ffn_dim: int
     std: float = 0.02
     dtype: Dtype = jnp.float32
     out_std: float | None = None  # the down projection's init std (None: std)
+    matmuls: str = "auto"
 
     @nn.compact
     def __call__(self, x_BxTxE):
@@ -185,7 +145,7 @@ class SwiGLU(nn.Module):
         wg_ExF = Kernel((E, F), ("embed", "mlp"), self.std, name="gate")()
         wu_ExF = Kernel((E, F), ("embed", "mlp"), self.std, name="up")()
         wd_FxE = Kernel((F, E), ("mlp", "embed"), self.std if self.out_std is None else self.out_std, name="down")()
-        y_NxE = swiglu_mlp(x_BxTxE.reshape(-1, E), wg_ExF, wu_ExF, wd_FxE, jnp.dtype(self.dtype))
+        y_NxE = swiglu(x_BxTxE.reshape(-1, E), wg_ExF, wu_ExF, wd_FxE, self.dtype, self.matmuls)
         return y_NxE.reshape(x_BxTxE.shape[:-1] + (E,))
 
 
@@ -211,14 +171,15 @@ class GeluMLP(nn.Module):
     std: float = 0.02
     dtype: Dtype = jnp.float32
     out_std: float | None = None  # the down projection's init std (None: std)
+    matmuls: str = "auto"
 
     @nn.compact
     def __call__(self, x_BxTxE):
         h_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, use_bias=True,
-                               name="up")(x_BxTxE)
+                               matmuls=self.matmuls, name="up")(x_BxTxE)
         h_BxTxF = jax.nn.gelu(h_BxTxF, approximate=True)
         return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std if self.out_std is None else
-                            self.out_std, dtype=self.dtype, use_bias=True, name="down")(h_BxTxF)
+                            self.out_std, dtype=self.dtype, use_bias=True, matmuls=self.matmuls, name="down")(h_BxTxF)
 
 
 class Embed(nn.Module):

@@ -33,7 +33,7 @@ def norm(m, dtype, name: str) -> nn.Module:
 def mlp(m, dtype) -> nn.Module:
     """SwiGLU (Llama) or GELU (GPT-2)."""
     return (GeluMLP if arch(m) == "gpt2" else SwiGLU)(m.ffn_dim, m.init_std, dtype, out_std=output_init_std(m),
-                                                       name="mlp")
+                                                       matmuls=m.get("matmuls", "auto"), name="mlp")
 
 
 def dropout(module: nn.Module, m, x):
@@ -59,7 +59,8 @@ def lm_head_logits(m, params, h_BxKxE):
     if ties_embeddings(m):
         table_VxE = nn.unbox(params["embed"]["embedding"])
         return jnp.dot(h_BxKxE, table_VxE.T.astype(dtype), preferred_element_type=jnp.float32)
-    head = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype, out_dtype=jnp.float32)
+    head = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype, out_dtype=jnp.float32,
+                        matmuls=m.get("matmuls", "auto"))
     return head.apply({"params": params["lm_head"]}, h_BxKxE)
 
 
@@ -203,7 +204,7 @@ class Transformer(nn.Module):
             table_VxE = self.variables["params"]["embed"]["embedding"]
             return jnp.dot(h_BxTxE, nn.unbox(table_VxE).T.astype(dtype), preferred_element_type=jnp.float32)
         logits_BxTxV = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype,
-                                    out_dtype=jnp.float32, name="lm_head")(h_BxTxE)
+                                    out_dtype=jnp.float32, matmuls=m.get("matmuls", "auto"), name="lm_head")(h_BxTxE)
         return logits_BxTxV
 
 

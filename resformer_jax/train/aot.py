@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import shutil
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -32,6 +34,7 @@ from resformer_jax import perf
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
+from resformer_jax.train.ptxas import ARCH, kernel_resources
 from resformer_jax.train.targets import Target
 
 STEPS = ("train", "eval", "decode")
@@ -67,6 +70,7 @@ class CompiledStep:
     fits: bool
     problem: str = ""  # the one-line message where it does not fit
     roofline: dict | None = None  # train/roofline.py's report of the compiled program (None: chip unknown)
+    kernel_resources: list | None = None  # GPU: each Triton kernel's registers and spills (train/ptxas.py)
 
     @property
     def kernels(self) -> list[str]:
@@ -77,7 +81,8 @@ class CompiledStep:
         return {"step": self.name, "compile_seconds": round(self.seconds, 2), "memory_per_device": mem,
                 "fits": self.fits, "kernels": self.kernels, "custom_calls": self.custom_calls,
                 "machine_code": self.machine_code, **({"problem": self.problem} if self.problem else {}),
-                **({"roofline": self.roofline} if self.roofline else {})}
+                **({"roofline": self.roofline} if self.roofline else {}),
+                **({"kernel_resources": self.kernel_resources} if self.kernel_resources is not None else {})}
 
 
 @dataclasses.dataclass
@@ -122,6 +127,10 @@ class CompileReport:
             mem = memory_line(s.memory, t.hbm_bytes) if s.memory else "memory not reported"
             out.append(f"  {s.name:<15} {where:<12} {mem}; compiled in {s.seconds:.1f} s; kernels: "
                        f"{', '.join(s.kernels) or 'none (XLA ops only)'}; {s.machine_code}")
+            for k in s.kernel_resources or []:
+                spill = (f"SPILLS {k['spill_store_bytes']} bytes stored / {k['spill_load_bytes']} loaded per thread"
+                         if k["spill_store_bytes"] or k["spill_load_bytes"] else "no spills")
+                out.append(f"    kernel {k['kernel']}: {k['registers']} registers, {spill} (ptxas -v)")
             out.extend("    " + ln for ln in roofline_lines(s.roofline))
         if self.estimate.get("total"):
             train = next((s for s in self.steps if s.name == "train" and s.memory), None)
@@ -235,12 +244,18 @@ def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: di
     # ("PjRtCompiler must be constructed with a Client"), so writing one only costs time.
     cache_was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    dump = tempfile.mkdtemp(prefix="resformer_ptx_") if target.platform == "cuda" else None
     try:
         with compiling_for(target.platform):
-            compiled = jitted.lower(*args, **(kwargs or {})).compile()
+            # GPU: XLA writes the program's PTX here, for ptxas' report of the Triton kernels' registers
+            compiled = jitted.lower(*args, **(kwargs or {})).compile({"xla_dump_to": dump} if dump else None)
     except UserError:
+        if dump:
+            shutil.rmtree(dump, ignore_errors=True)
         raise
     except Exception as e:  # noqa: BLE001 - the compiler's refusal, as one line
+        if dump:
+            shutil.rmtree(dump, ignore_errors=True)
         knobs = DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices)
         err = _refusal(e, f"the {name} step", target, knobs)
         if isinstance(err, MemoryPrecheckError):
@@ -255,6 +270,12 @@ def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: di
     calls = dict(collections.Counter(_CUSTOM_CALL.findall(hlo)))
     step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True,
                         roofline=step_roofline(compiled, hlo, target, model_flops))
+    if dump:
+        try:
+            step.kernel_resources = [dataclasses.asdict(k) for k in kernel_resources(
+                dump, set(re.findall(r"/([\w$]+)/pallas_call", hlo)), ARCH.get(target.kind, "sm_90a"))]
+        finally:
+            shutil.rmtree(dump, ignore_errors=True)
     try:
         memory_precheck(mem, cfg.mesh, limit=target.hbm_bytes, what=f"the {name} step",
                         source=f"{target.kind}'s usable memory ({target.hbm_source})",

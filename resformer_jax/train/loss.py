@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from resformer_jax.model.layers import transposed
+from resformer_jax.kernels.cpu_matmul import transposed
 
 
 def cross_entropy(logits_BxTxV, targets_BxT):

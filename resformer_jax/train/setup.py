@@ -102,11 +102,14 @@ def step_compiler_options(cfg, mesh, log: Callable[[str], Any] = print, platform
     return options
 
 
-def model_config(cfg, attention: AttentionChoice) -> ml_collections.ConfigDict:
-    """The model config the modules are built from: the run's, with the attention impl resolved.
+def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -> ml_collections.ConfigDict:
+    """The model config the modules are built from: the run's, with the attention impl resolved and, for
+    `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere).
     (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
     m = ml_collections.ConfigDict(cfg.model.to_dict())
     m.attention_impl = attention.impl
+    if m.get("matmuls", "auto") == "auto":
+        m.matmuls = "cpu" if (platform or jax.devices()[0].platform) == "cpu" else "plain"
     return m
 
 
@@ -167,7 +170,7 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     if attention is None:
         # the probe logs its choice and what it rejected, once
         attention = resolve_attention(cfg, log=log, platform=platform)
-    model_cfg = model_config(cfg, attention)
+    model_cfg = model_config(cfg, attention, platform)
     model, tx = Transformer(model_cfg, mesh=mesh), make_optimizer(cfg.train)
     boxed = state_template(model, tx, cfg.data.seq_len)
     state_sh = logical_shardings(boxed, mesh, cfg.mesh)

@@ -1,0 +1,71 @@
+"""Registers and spills of the Triton kernels in a program compiled for a GPU, from ptxas (the aot extra installs
+it): the compile command dumps the program's PTX (XLA's xla_dump_to, per compile) and asks `ptxas -v` what each
+Pallas kernel uses on the target GPU, so a kernel that spills registers to local memory shows before any GPU time
+is spent."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+
+# The GPU architecture ptxas compiles for, per target GPU (H100/H200: sm_90a, as XLA emits; A100: sm_80).
+ARCH = {"NVIDIA H100 SXM 80GB": "sm_90a", "NVIDIA H200 SXM 141GB": "sm_90a", "NVIDIA A100 SXM 80GB": "sm_80"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    kernel: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+
+def find_ptxas() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc wheel (the aot extra), else from PATH."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "cuda_nvcc", "bin", "ptxas")
+        if os.path.isfile(path):
+            return path
+    return shutil.which("ptxas")
+
+
+def parse_ptxas(text: str) -> list[KernelResources]:
+    """`ptxas -v`'s report: per entry function, registers, spill stores and loads, stack frame."""
+    out = []
+    for block in re.split(r"(?=ptxas info\s*: Compiling entry function)", text):
+        name = re.search(r"Compiling entry function '([^']+)'", block)
+        regs = re.search(r"Used (\d+) registers", block)
+        if not name or not regs:
+            continue
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        stack = re.search(r"(\d+) bytes stack frame", block)
+        out.append(KernelResources(name.group(1), int(regs.group(1)), int(spill.group(1)) if spill else 0,
+                                   int(spill.group(2)) if spill else 0, int(stack.group(1)) if stack else 0))
+    return out
+
+
+def kernel_resources(dump_dir: str, kernels: set[str], arch: str, ptxas: str | None = None) -> list[KernelResources]:
+    """Each named kernel's resources, from the PTX files XLA dumped into `dump_dir`."""
+    ptxas = ptxas or find_ptxas()
+    if ptxas is None:
+        return []
+    out = []
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
+        with open(path, errors="replace") as f:
+            entries = set(re.findall(r"\.entry\s+([\w$]+)", f.read()))
+        if not entries & kernels:
+            continue
+        r = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull], capture_output=True, text=True,
+                           timeout=300)
+        out += [k for k in parse_ptxas(r.stdout + r.stderr) if k.kernel in kernels]
+    return out
