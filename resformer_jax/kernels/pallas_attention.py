@@ -88,7 +88,7 @@ def choose_blocks(T: int, S: int, D: int, itemsize: int, block_q: int = 128, blo
 
 # Matmuls per visited (query block, key block) pair: forward QK^T and PV; dK/dV recomputes QK^T, then dV, dP
 # and dK; dQ recomputes QK^T, then dP and dQ. Keyed by the kernels' names (pallas_call name=).
-KERNEL_MATMULS = {"flash_attention_fwd": 2, "flash_attention_dkdv": 4, "flash_attention_dq": 3}
+KERNEL_MATMULS = (("flash_attention_fwd", 2), ("flash_attention_dkdv", 4), ("flash_attention_dq", 3))
 
 
 def visited_blocks(Tp: int, Sp: int, bq: int, bk: int, causal: bool = True) -> int:
@@ -106,7 +106,7 @@ def kernel_flops(name: str, q_shape, k_shape, itemsize: float, causal: bool = Tr
     B, Tp, H, D = q_shape
     Sp = k_shape[1]
     bq, bk = choose_blocks(Tp, Sp, D, int(itemsize))
-    return float(B * H * visited_blocks(Tp, Sp, bq, bk, causal) * 2 * bq * bk * D * KERNEL_MATMULS[name])
+    return float(B * H * visited_blocks(Tp, Sp, bq, bk, causal) * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
 
 
 def num_warps(bq: int, bk: int) -> int:

@@ -40,6 +40,21 @@ def _block(n: int) -> int:
     return next(b for b in (512, 256, 128) if n % b == 0)
 
 
+# Matmuls per visited (query block, key block) pair of splash's kernels, keyed by their names in a compiled
+# program: forward QK^T and PV; dK/dV recomputes QK^T, then dV, dP and dK; dQ recomputes QK^T, then dP and dQ.
+KERNEL_MATMULS = (("splash_mqa_fwd", 2), ("splash_mqa_dkv", 4), ("splash_mqa_dq", 3))
+
+
+def kernel_flops(name: str, q_shape, k_shape, causal: bool = True) -> float:
+    """FLOPs of one call of splash kernel `name` on q [N, G, T, D] and k [N, S, D] (as this file calls it: N batch
+    x kv heads, G query heads a kv head), with this file's blocks and splash's causal block skipping."""
+    from resformer_jax.kernels.pallas_attention import visited_blocks
+    N, G, T, D = q_shape
+    S = k_shape[1]
+    bq, bk = _block(T), _block(S)
+    return float(N * G * visited_blocks(T, S, bq, bk, causal) * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
+
+
 def _kernel(T: int, S: int, G: int, causal: bool, interpret: bool):
     # Built per trace, not cached: the kernel holds its mask tables as arrays, which must not leak
     # from one trace into another.

@@ -68,11 +68,17 @@ class Instr:
 
     @property
     def backend_config(self) -> dict:
-        m = re.search(r"backend_config=(\{.*\})\s*$", self.attrs)
-        if not m:
+        start = self.attrs.find("backend_config={")
+        if start < 0:
             return {}
+        start += len("backend_config=")
+        end, depth = start, 0
+        for end in range(start, len(self.attrs)):
+            depth += {"{": 1, "}": -1}.get(self.attrs[end], 0)
+            if depth == 0:
+                break
         try:
-            return json.loads(m.group(1))
+            return json.loads(self.attrs[start:end + 1])
         except ValueError:
             return {}
 
@@ -113,11 +119,39 @@ def parse_instr(line: str) -> Instr | None:
     return Instr(name, shape, op.group(1), operands, rest[end:].lstrip(", "), rest[op.end():end - 1])
 
 
+def _depth(text: str, depth: int = 0) -> int:
+    """Open brackets ({ and ( ) left after `text`, outside double-quoted strings."""
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped = ch == "\\" and not escaped
+            if ch == '"' and not escaped:
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "{(":
+            depth += 1
+        elif ch in "})":
+            depth -= 1
+    return depth
+
+
 def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """({computation: [instructions]}, the entry computation's name) of an HLO module's text."""
+    """({computation: [instructions]}, the entry computation's name) of an HLO module's text. An instruction may
+    span several lines (libtpu prints kernel metadata over many)."""
     comps: dict[str, list[Instr]] = {}
-    entry, current = "", None
+    entry, current, pending, depth = "", None, "", 0
     for line in text.splitlines():
+        if pending:
+            pending += "\n" + line
+            depth = _depth(line, depth)
+            if depth <= 0:
+                ins = parse_instr(pending.replace("\n", " "))
+                if ins is not None and current is not None:
+                    comps[current].append(ins)
+                pending = ""
+            continue
         h = _HEADER.match(line)
         if h:
             current = h.group(2)
@@ -128,7 +162,11 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
         if line.startswith("}"):
             current = None
             continue
-        if current is not None:
+        if current is not None and _INSTR.match(line):
+            depth = _depth(line)
+            if depth > 0:
+                pending = line
+                continue
             ins = parse_instr(line)
             if ins is not None:
                 comps[current].append(ins)
@@ -271,15 +309,24 @@ def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
 
 
 def kernel_flops(ins: Instr, shapes: dict[str, str]) -> float:
-    """A Pallas kernel's FLOPs by its own formula, where the project knows the kernel (its name in op_name)."""
-    from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, kernel_flops as attention_flops
-    name = next((n for n in KERNEL_MATMULS if n in ins.op_name), None)
-    if name is None or len(ins.operands) < 2:
-        return 0.0
-    q, k = arrays(shapes.get(ins.operands[0], "")), arrays(shapes.get(ins.operands[1], ""))
-    if not q or not k or len(q[0][1]) != 4 or len(k[0][1]) != 4:
-        return 0.0
-    return attention_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]))
+    """A Pallas kernel's FLOPs by its own formula, where the project knows the kernel: the GPU kernels by the
+    pallas_call name in op_name (q [B, T, H, D], k [B, S, K, D]), splash on TPU by the custom call's name
+    (q [N, G, T, D], k [N, S, D]); 0 for a kernel it does not know."""
+    from resformer_jax.kernels import pallas_attention, tpu_attention
+    known = ([(n, pallas_attention, ins.op_name) for n, _ in pallas_attention.KERNEL_MATMULS]
+             + [(n, tpu_attention, ins.name) for n, _ in tpu_attention.KERNEL_MATMULS])
+    for name, module, where in known:
+        if name not in where:
+            continue
+        q, k = (arrays(shapes.get(o, "")) for o in ins.operands[:2]) if module is pallas_attention else \
+            (arrays(shapes.get(o, "")) for o in ins.operands[2:4])
+        if not q or not k:
+            return 0.0
+        if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
+            return module.kernel_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]))
+        if module is tpu_attention and len(q[0][1]) == 4 and len(k[0][1]) == 3:
+            return module.kernel_flops(name, q[0][1], k[0][1])
+    return 0.0
 
 
 class _Walker:
@@ -290,6 +337,7 @@ class _Walker:
             for i in body:
                 if i.opcode == "parameter":
                     self.shapes[i.name] = i.shape
+        self.by_name = {i.name: i for body in comps.values() for i in body}
         self.ops: dict[str, OpCost] = {}
         self.unknown_trips = 0
 
@@ -350,11 +398,41 @@ class _Walker:
         return read + written
 
     def _trip_count(self, ins: Instr) -> int:
-        n = ins.backend_config.get("known_trip_count", {}).get("n")
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+        if m:
+            return int(m.group(1))
+        n = self._counted_loop(ins)
         if n is not None:
-            return int(n)
+            return n
         self.unknown_trips += 1
         return 1
+
+    def _constant(self, name: str) -> int | None:
+        """The integer a (copied) constant instruction holds."""
+        i = self.by_name.get(name)
+        while i is not None and i.opcode == "copy" and i.operands:
+            i = self.by_name.get(i.operands[0])
+        if i is not None and i.opcode == "constant" and re.fullmatch(r"-?\d+", i.arg.strip()):
+            return int(i.arg)
+        return None
+
+    def _counted_loop(self, ins: Instr) -> int | None:
+        """Trips of `while (i < C)` with i starting at a constant S and stepping by one (libtpu prints no
+        known_trip_count): C - S."""
+        cond = self.comps.get((ins.attr_computations("condition") or [""])[0], [])
+        if not cond or cond[-1].opcode != "compare" or "direction=LT" not in cond[-1].attrs:
+            return None
+        by_name = {i.name: i for i in cond}
+        index, bound = (by_name.get(o) for o in cond[-1].operands[:2])
+        if index is None or bound is None or index.opcode != "get-tuple-element" or bound.opcode != "constant":
+            return None
+        k = re.search(r"index=(\d+)", index.attrs)
+        init = self.by_name.get(ins.operands[0]) if ins.operands else None
+        if k is None or init is None or init.opcode != "tuple" or int(k.group(1)) >= len(init.operands):
+            return None
+        start = self._constant(init.operands[int(k.group(1))])
+        limit = int(bound.arg) if re.fullmatch(r"-?\d+", bound.arg.strip()) else None
+        return None if start is None or limit is None else max(0, limit - start)
 
     def cost_of(self, comp: str) -> float:
         """A computation's per-op bound on one chip-agnostic scale (bytes + FLOPs), to pick a conditional's branch."""

@@ -1,0 +1,180 @@
+"""The compile report's roofline (train/roofline.py) against programs whose FLOPs and bytes are known by hand, for
+a GPU and a TPU target, and ptxas' register report naming a spilling kernel. Compiling needs the aot extra
+(CI installs it); the HLO-text tests run everywhere."""
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from resformer_jax.train import roofline as rl
+
+MISSING = [pkg for pkg, mod in (("jax[tpu]", "libtpu"), ("the CUDA plugin", "jax_cuda12_plugin"))
+           if importlib.util.find_spec(mod) is None]
+needs_aot = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' "
+                                                     "(CI installs it)")
+H100, V5E = rl.CHIPS["NVIDIA H100 SXM 80GB"], rl.CHIPS["TPU v5e"]
+
+HLO = """HloModule m
+
+%fused_update (param_0: f32[8,64,32], param_1: f32[64,32], param_2: s32[]) -> f32[8,64,32] {
+  %param_0 = f32[8,64,32]{2,1,0} parameter(0)
+  %param_1 = f32[64,32]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %bitcast = f32[1,64,32]{2,1,0} bitcast(%param_1)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[8,64,32]{2,1,0} dynamic-update-slice(%param_0, %bitcast, %param_2, %zero, %zero)
+}
+
+%body (p: (s32[], f32[64,32], f32[32,32], f32[8,64,32])) -> (s32[], f32[64,32], f32[32,32], f32[8,64,32]) {
+  %p = (s32[], f32[64,32]{1,0}, f32[32,32]{1,0}, f32[8,64,32]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64,32]{1,0} get-tuple-element(%p), index=1
+  %w = f32[32,32]{1,0} get-tuple-element(%p), index=2
+  %stack = f32[8,64,32]{2,1,0} get-tuple-element(%p), index=3
+  %d = f32[64,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/mlp/dot_general"}
+  %u = f32[8,64,32]{2,1,0} fusion(%stack, %d, %i), kind=kLoop, calls=%fused_update
+  ROOT %t = (s32[], f32[64,32]{1,0}, f32[32,32]{1,0}, f32[8,64,32]{2,1,0}) tuple(%i, %d, %w, %u)
+}
+
+%cond (p: (s32[], f32[64,32], f32[32,32], f32[8,64,32])) -> pred[] {
+  %p = (s32[], f32[64,32]{1,0}, f32[32,32]{1,0}, f32[8,64,32]{2,1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x0: f32[64,32], w0: f32[32,32], s0: f32[8,64,32]) -> f32[64,32] {
+  %x0 = f32[64,32]{1,0} parameter(0)
+  %w0 = f32[32,32]{1,0} parameter(1)
+  %s0 = f32[8,64,32]{2,1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[64,32]{1,0}, f32[32,32]{1,0}, f32[8,64,32]{2,1,0}) tuple(%zero, %x0, %w0, %s0)
+  %loop = (s32[], f32[64,32]{1,0}, f32[32,32]{1,0}, f32[8,64,32]{2,1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
+  %ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond
+  ROOT %out = f32[64,32]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_hand_written_program_dot_in_a_loop_in_place_update_and_a_collective():
+    r = rl.roofline(HLO, H100)
+    dot = 2 * 64 * 32 * 32
+    assert r.flops == 8 * dot  # the body's dot, eight times (the known trip count)
+    gemm = next(o for o in r.ops if o.name == "d")
+    assert gemm.kind == "gemm" and gemm.executions == 8 and gemm.scope == "jit(f)/mlp/dot_general"
+    assert gemm.bytes == 8 * 4 * (64 * 32 + 32 * 32 + 64 * 32)  # both operands read, the result written
+    upd = next(o for o in r.ops if o.name == "u")
+    assert upd.bytes == 8 * 4 * (64 * 32 + 1 + 64 * 32)  # the update (and the index) read, only the update written
+    assert r.collective_bytes == 4 * 64 * 32 and r.unknown_trip_counts == 0
+    per_op = sum(max(o.flops / H100.peak_flops, o.bytes / H100.hbm_bytes_per_s) for o in r.ops if o.kind != "collective")
+    assert r.per_op_bound_s == pytest.approx(per_op)
+    assert r.program_bound_s == pytest.approx(max(r.flops / H100.peak_flops, r.hbm_bytes / H100.hbm_bytes_per_s))
+    rep = r.report(model_flops_per_device=r.flops, model_6n_flops_per_device=r.flops / 2)
+    assert rep["mfu_ceiling_model"] == pytest.approx(r.flops / (r.per_op_bound_s * H100.peak_flops))
+    assert rep["mfu_ceiling_6n"] == pytest.approx(rep["mfu_ceiling_model"] / 2)
+    assert "not a timing" in rep["label"] and rep["chip"]["source"].startswith("NVIDIA H100 datasheet")
+
+
+def test_an_instruction_over_several_lines_is_one_instruction():
+    text = HLO.replace('%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond',
+                       '%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond, '
+                       'frontend_attributes={kernel_metadata={\n  "a": "}"\n}}')
+    comps, entry = rl.parse_module(text)
+    assert [i.name for i in comps[entry]][-2:] == ["ar", "out"]
+
+
+def test_ptxas_report_is_parsed():
+    from resformer_jax.train.ptxas import parse_ptxas
+    text = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'flash_attention_dkdv' for 'sm_90a'
+ptxas info    : Function properties for flash_attention_dkdv
+    504 bytes stack frame, 604 bytes spill stores, 504 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 504 bytes cumulative stack size
+ptxas info    : Compiling entry function 'flash_attention_fwd' for 'sm_90a'
+ptxas info    : Function properties for flash_attention_fwd
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 186 registers, used 1 barriers
+"""
+    dkdv, fwd = parse_ptxas(text)
+    assert (dkdv.kernel, dkdv.registers, dkdv.spill_store_bytes, dkdv.spill_load_bytes) == ("flash_attention_dkdv", 255,
+                                                                                           604, 504)
+    assert dkdv.spills and not fwd.spills and fwd.registers == 186
+
+
+def _device(target_name):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from resformer_jax.train.targets import parse_target
+    target = parse_target(target_name)
+    mesh = Mesh(target.devices()[:1], ("x",))
+    return target, (lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype,
+                                                                          sharding=NamedSharding(mesh, P())))
+
+
+def _compile(target, fn, *args):
+    from resformer_jax.config import tiny_config
+    from resformer_jax.train.aot import compile_step
+    return compile_step("probe", jax.jit(fn), args, target, tiny_config(), log=lambda s: None)
+
+
+@needs_aot
+@pytest.mark.parametrize("target_name", ["h100x1", "v5e-1"])
+def test_one_matmul_and_a_matmul_in_a_scan(target_name):
+    target, sds = _device(target_name)
+    M, K, N = 1024, 256, 1024  # one GEMM on both (a larger K makes XLA:GPU split it over K without autotuning)
+    step = _compile(target, lambda a, b: a @ b, sds((M, K)), sds((K, N)))
+    r = step.roofline
+    assert r["flops_per_device"] == 2 * M * K * N
+    assert r["by_kind"]["gemm"]["flops"] == 2 * M * K * N
+    gemm_bytes = r["by_kind"]["gemm"]["bytes"]
+    assert gemm_bytes == 2 * (M * K + K * N + M * N), gemm_bytes  # bf16 operands read, the bf16 result written
+    assert r["per_op_bound_s"] >= max(2 * M * K * N / r["chip"]["peak_flops"], gemm_bytes / r["chip"]["hbm_bytes_per_s"])
+
+    def scanned(x, w):
+        return lax.scan(lambda c, _: (c @ w, None), x, None, length=7)[0]
+    r = _compile(target, scanned, sds((M, N)), sds((N, N))).roofline
+    assert r["by_kind"]["gemm"]["flops"] == 7 * 2 * M * N * N
+    assert r["unknown_trip_counts"] == 0
+
+
+@needs_aot
+def test_a_pallas_kernel_call_on_gpu_counts_its_causal_blocks():
+    from resformer_jax.kernels.pallas_attention import _forward
+    target, sds = _device("h100x1")
+    B, T, H, D = 2, 256, 4, 64
+    r = _compile(target, lambda q, k, v: _forward(q, k, v, True, 128, 128)[0], *(sds((B, T, H, D)),) * 3).roofline
+    # 128 x 128 blocks: query block 0 sees key block 0, query block 1 sees blocks 0 and 1 (3 of 4); QK^T and PV
+    assert r["by_kind"]["kernel"]["flops"] == B * H * 3 * (2 * 128 * 128 * D) * 2
+    assert r["by_kind"]["kernel"]["executions"] == 1
+
+
+@needs_aot
+def test_a_pallas_kernel_call_on_tpu_counts_its_causal_blocks():
+    from resformer_jax.kernels.tpu_attention import splash_attention
+    target, sds = _device("v5e-1")
+    B, T, H, D = 1, 1024, 2, 128
+    r = _compile(target, lambda q, k, v: splash_attention(q, k, v), *(sds((B, T, H, D)),) * 3).roofline
+    # splash blocks of 512: query block 0 sees key block 0, query block 1 blocks 0 and 1 (3 of 4), per head
+    assert r["by_kind"]["kernel"]["flops"] == B * H * 3 * (2 * 512 * 512 * D) * 2
+    assert "xla_cost_analysis" in r  # libtpu answers cost_analysis(): both are in the report
+
+
+@needs_aot
+def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
+    """At the 468M shape (T 2,048, 16 heads of 64, bf16) the kernels on 128 x 128 tiles spill with 4 warps and
+    not with the 8 the project gives them."""
+    from resformer_jax.kernels import pallas_attention
+    from resformer_jax.kernels.pallas_attention import flash_attention
+    target, sds = _device("h100x1")
+    args = (sds((1, 2048, 16, 64)),) * 3
+    def fwd_bwd():  # a new function each time: jit's trace cache would hand back the first kernels
+        return jax.value_and_grad(lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    ok = {k["kernel"]: k for k in _compile(target, fwd_bwd(), *args).kernel_resources}
+    assert set(ok) == {"flash_attention_fwd", "flash_attention_dkdv", "flash_attention_dq"}
+    assert all(k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0 for k in ok.values()), ok
+    monkeypatch.setattr(pallas_attention, "num_warps", lambda bq, bk: 4)
+    step = _compile(target, fwd_bwd(), *args)
+    spilled = {k["kernel"]: k for k in step.kernel_resources}
+    assert spilled["flash_attention_dkdv"]["spill_store_bytes"] > 0, spilled
+    from resformer_jax.train.aot import CompileReport
+    lines = "\n".join(CompileReport(target, "pallas", "bfloat16", {}, 1, "none", [step], {}).lines())
+    assert "kernel flash_attention_dkdv: 255 registers, SPILLS" in lines
