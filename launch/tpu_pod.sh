@@ -18,7 +18,15 @@ if [ $# -lt 5 ]; then
   exit 2
 fi
 NAME=$1; ZONE=$2; ACCEL=$3; CONFIG=$4; WORKDIR=$5; shift 5
-VERSION=${TPU_SOFTWARE_VERSION:-v2-alpha-tpuv5}
+# The TPU VM runtime image each generation needs (Cloud TPU's software versions); TPU_SOFTWARE_VERSION overrides.
+case "$ACCEL" in
+  v5litepod-*|v5e-*) DEFAULT_VERSION=v2-alpha-tpuv5-lite ;;
+  v5p-*)             DEFAULT_VERSION=v2-alpha-tpuv5 ;;
+  v6e-*)             DEFAULT_VERSION=v2-alpha-tpuv6e ;;
+  v4-*|v3-*|v2-*)    DEFAULT_VERSION=tpu-ubuntu2204-base ;;
+  *) echo "error: unknown accelerator type $ACCEL; set TPU_SOFTWARE_VERSION to its runtime version" >&2; exit 2 ;;
+esac
+VERSION=${TPU_SOFTWARE_VERSION:-$DEFAULT_VERSION}
 REPO_URL=${REPO_URL:-$(git config --get remote.origin.url || true)}
 BRANCH=${BRANCH:-main}
 

@@ -81,23 +81,43 @@ CPU_XLA_FLAGS = {
 }
 
 
-def jaxlib_knows_flag(name: str) -> bool:
-    """Whether the installed jaxlib registers XLA flag `name`: an unknown flag in XLA_FLAGS aborts the process
-    at start-up, and the experimental ones come and go between releases. Looks for the name in jaxlib's own
-    library (memory-mapped; a few ms) without starting JAX."""
+def _library_knows_flag(package: str, libraries: tuple[str, ...], name: str) -> bool:
     import mmap
-    spec = importlib.util.find_spec("jaxlib")
+    try:
+        spec = importlib.util.find_spec(package)
+    except ImportError:
+        return False
     if spec is None or not spec.submodule_search_locations:
         return False
     needle = b"\0" + name.encode() + b"\0"
     for folder in spec.submodule_search_locations:
-        for lib in ("libjax_common.so", "xla_extension.so", "_jax.so"):
+        for lib in libraries:
             path = os.path.join(folder, lib)
             if os.path.isfile(path) and os.path.getsize(path) > (1 << 20):
                 with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                     if m.find(needle) >= 0:
                         return True
     return False
+
+
+def jaxlib_knows_flag(name: str) -> bool:
+    """Whether the installed jaxlib registers XLA flag `name`: an unknown flag in XLA_FLAGS aborts the process
+    at start-up, and the experimental ones come and go between releases. Looks for the name in jaxlib's own
+    library (memory-mapped; a few ms) without starting JAX."""
+    return _library_knows_flag("jaxlib", ("libjax_common.so", "xla_extension.so", "_jax.so"), name)
+
+
+def gpu_plugin_knows_flag(name: str) -> bool:
+    """Whether the CUDA plugin, which parses XLA_FLAGS with its own XLA build on a GPU host, registers `name`
+    (jaxlib's where no plugin library is found)."""
+    for package in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except ImportError:
+            spec = None
+        if spec is not None:
+            return _library_knows_flag(package, ("xla_cuda_plugin.so",), name)
+    return jaxlib_knows_flag(name)
 
 
 def nvidia_driver_present() -> bool:
@@ -136,12 +156,15 @@ def libtpu_present() -> bool:
         return False
 
 
-def xla_flags_for(existing: str, gpu: bool, known=jaxlib_knows_flag, tpu: bool = False) -> tuple[str, list[str]]:
-    """(new XLA_FLAGS, flags added): project defaults appended, the user's own settings kept."""
+def xla_flags_for(existing: str, gpu: bool, known=None, tpu: bool = False) -> tuple[str, list[str]]:
+    """(new XLA_FLAGS, flags added): project defaults appended, the user's own settings kept, each only where the
+    XLA that parses it knows it (`known`: the CUDA plugin's for the GPU flags, jaxlib's for the CPU ones)."""
     present = {tok.split("=")[0].lstrip("-") for tok in existing.split()}
     # An accelerator host computes on the accelerator, and its plugin (CUDA, libtpu) may parse XLA_FLAGS with
     # its own XLA build: only the GPU flags go to a GPU host, none of the CPU ones to either.
-    defaults = GPU_XLA_FLAGS if gpu else {} if tpu else {k: v for k, v in CPU_XLA_FLAGS.items() if known(k)}
+    known = known or (gpu_plugin_knows_flag if gpu else jaxlib_knows_flag)
+    flags = GPU_XLA_FLAGS if gpu else {} if tpu else CPU_XLA_FLAGS
+    defaults = {k: v for k, v in flags.items() if known(k)}
     added = [f"--{name}={value}" for name, (value, _) in defaults.items() if name not in present]
     if not added:
         return existing, []

@@ -239,11 +239,14 @@ def test_a_named_impl_that_cannot_run_raises_and_never_falls_back():
         build(c, log=lambda s: None)
 
 
-def test_auto_on_tpu_selects_jax_splash_kernel():
-    """The probe with the backend injected as TPU tries JAX's splash kernel first (here it runs interpreted)."""
-    msgs = []
-    choice, rejected = kernels.probe_auto((1, 128, 4, 64), 2, jnp.float32, msgs.append, backend="tpu")
+def test_auto_on_tpu_times_jax_splash_kernel_against_xla():
+    """The probe with the backend injected as TPU compiles and runs JAX's splash kernel (interpreted here) and
+    xla, times both and keeps the faster: a clock that makes splash's runs 1 ms and xla's 2 ms picks splash."""
+    msgs, ticks = [], iter([0.0, 0.001] * 3 + [0.0, 0.002] * 3)  # (start, end) of each timed run, splash then xla
+    choice, rejected = kernels.probe_auto((1, 128, 4, 64), 2, jnp.float32, msgs.append, backend="tpu",
+                                          clock=lambda: next(ticks))
     assert choice == "splash", (choice, rejected)
+    assert "splash 1.00 ms" in msgs[0] and "xla 2.00 ms" in msgs[0], msgs
     assert set(rejected) == {"pallas", "cudnn"} and "not a GPU" in rejected["pallas"]
     candidates, _ = kernels.auto_candidates("gpu")
     assert candidates[0] == "pallas" and "splash" not in candidates

@@ -76,6 +76,15 @@ def test_named_impl_that_cannot_run_raises():
         kernels.attention(q, k, v, impl="cudnn")
 
 
+def test_auto_probe_on_a_gpu_times_every_candidate_and_keeps_the_fastest():
+    """With the backend injected as GPU, here on a CPU: pallas runs (interpreted, far slower than XLA's
+    attention), cudnn cannot run, xla runs; the probe times both that run and keeps xla, naming each time."""
+    msgs = []
+    choice, rejected = kernels.probe_auto((1, 128, 2, 32), 2, jnp.float32, msgs.append, backend="gpu")
+    assert choice == "xla" and "cudnn" in rejected and "pallas" not in rejected, (choice, rejected)
+    assert "fastest forward+backward" in msgs[0] and "pallas " in msgs[0] and "xla " in msgs[0], msgs
+
+
 def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
     msgs = []
     choice, rejected = kernels.probe_auto((1, 16, 4, 16), 2, jnp.float32, msgs.append)

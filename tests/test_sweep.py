@@ -311,3 +311,26 @@ def test_a_tuple_field_sweeps_with_plus_joined_items_that_the_runs_accept(tmp_pa
         s = subprocess.run([sys.executable, "-m", "resformer_jax.main", "--config=configs/svformer_82m.py", flag,
                             "--mode=summary"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert json.loads(s.stdout.strip().splitlines()[-1])["model"]["svformer_anchors"] == want, s.stderr
+
+
+@pytest.mark.parametrize("accel,version", [("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v5e-8", "v2-alpha-tpuv5-lite"),
+                                           ("v5p-64", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e"),
+                                           ("v4-8", "tpu-ubuntu2204-base")])
+def test_tpu_pod_launcher_picks_the_runtime_of_the_accelerator_type(tmp_path, accel, version):
+    """launch/tpu_pod.sh against a stand-in gcloud that records its arguments: the VM is created with the runtime
+    image that generation needs; TPU_SOFTWARE_VERSION overrides it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "gcloud").write_text('#!/usr/bin/env bash\necho "gcloud $*" >> "$GCLOUD_LOG"\n'
+                                 'case "$*" in *describe*) exit 1;; esac\nexit 0\n')
+    (fake / "gcloud").chmod(0o755)
+    log = tmp_path / "gcloud.log"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GCLOUD_LOG": str(log), "REPO_URL": "x"}
+    script = os.path.join(ROOT, "launch", "tpu_pod.sh")
+    subprocess.run(["bash", script, "n", "z", accel, "configs/tiny.py", "gs://b/r"], env=env, capture_output=True,
+                   timeout=60)
+    assert f"--version={version}" in log.read_text()
+    log.unlink()
+    subprocess.run(["bash", script, "n", "z", accel, "configs/tiny.py", "gs://b/r"], capture_output=True, timeout=60,
+                   env={**env, "TPU_SOFTWARE_VERSION": "my-image"})
+    assert "--version=my-image" in log.read_text()

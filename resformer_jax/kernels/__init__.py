@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -115,18 +116,21 @@ def auto_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
     return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
 
 
-def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = None):
-    """Picks the fastest impl that compiles and runs forward+backward at the real shapes.
+def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = None, repeats: int = 3,
+               clock=time.perf_counter):
+    """The impl `auto` resolves to at the real shapes: every candidate that compiles and runs forward+backward.
 
-    On a GPU: pallas (Triton), then cudnn, then xla; on a TPU: JAX's splash-attention kernel, then
-    xla; on CPU: chunked (causal blocks in plain XLA ops, ~2.9x faster than xla there), then xla.
-    `backend` defaults to JAX's default backend (tests inject one). Returns (choice, {rejected impl:
-    reason}); it records nothing: the caller carries the choice into the model's config
-    (train/setup.py).
+    On an accelerator (GPU: pallas, cudnn, xla; TPU: splash, xla) each one that runs is timed (the best of
+    `repeats` runs after its compile) and the fastest is kept, each time logged; on a CPU the first that runs
+    (chunked, causal blocks in plain XLA ops, is faster than xla there). `backend` defaults to JAX's default
+    backend (tests inject one). Returns (choice, {rejected impl: reason}); it records nothing: the caller carries
+    the choice into the model's config (train/setup.py).
     """
-    candidates, rejected = auto_candidates(backend or jax.default_backend())
+    backend = backend or jax.default_backend()
+    candidates, rejected = auto_candidates(backend)
+    timed = backend in ("gpu", "tpu")
     B, T, H, D = q_shape
-    choice = None
+    seconds: dict[str, float] = {}
     for impl in candidates:
         try:
             q = jnp.ones((B, T, H, D), dtype) * 0.1
@@ -135,14 +139,25 @@ def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = Non
             def loss(q, k, v, impl=impl):
                 return attention(q, k, v, causal=True, impl=impl).astype(jnp.float32).sum()
 
-            jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
-            choice = impl
-            break
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            jax.block_until_ready(step(q, kv, kv))  # compiles
         except Exception as e:  # noqa: BLE001 - every failure is a reason to reject
             rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    if choice is None:
+            continue
+        if not timed:
+            seconds[impl] = 0.0
+            break
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            jax.block_until_ready(step(q, kv, kv))
+            best = min(best, clock() - t0)
+        seconds[impl] = best
+    if not seconds:
         raise KernelUnavailable(f"no attention impl runs here: {rejected}")
-    msg = f"attention_impl=auto chose {choice!r}" + "".join(
-        f"; rejected {k}: {v}" for k, v in rejected.items())
+    choice = min(seconds, key=seconds.get)
+    times = "".join(f"; {k} {v * 1e3:.2f} ms" for k, v in seconds.items()) if timed else ""
+    msg = (f"attention_impl=auto chose {choice!r}" + (f" (fastest forward+backward at {q_shape}{times})" if timed
+                                                       else "") + "".join(f"; rejected {k}: {v}" for k, v in rejected.items()))
     log_fn(msg)
     return choice, rejected

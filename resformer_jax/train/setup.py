@@ -53,20 +53,21 @@ def sequences_per_device(cfg, devices: int) -> int:
 
 def resolve_attention(cfg, *, override: str | None = None, batch: int | None = None,
                       log: Callable[[str], Any] = print, platform: str | None = None) -> AttentionChoice:
-    """`auto` -> the fastest impl that compiles and runs forward and backward at the run's shapes
-    (per-device batch, seq_len, heads). A named impl (or `override`, as bench and analyze pass) is
+    """`auto` -> the impl kernels.probe_auto picks at the run's shapes (per-device batch, seq_len, heads): on an
+    accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`, as bench and analyze pass) is
     kept as it is: if it cannot run, the first call raises, it never falls back.
 
     `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (train/aot.py); `auto`
     is then that platform's own kernel (splash on TPU, this project's Pallas/Triton kernel on GPU), chosen
-    without probing, as the probe on that hardware tries it first; whether it compiles is what aot checks."""
+    without probing. On the hardware itself the probe times every candidate and keeps the fastest, which
+    nothing here can know; whether the platform kernel compiles is what aot checks."""
     impl = override or cfg.model.attention_impl
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
     if platform is not None:
         candidates, rejected = kernels.auto_candidates(backend_of(platform))
-        log(f"attention_impl=auto is {candidates[0]!r} on {platform} (the kernel its probe tries first; "
-            "compiled, not probed)")
+        log(f"attention_impl=auto is {candidates[0]!r} on {platform} here (compiled, not probed: on the hardware "
+            f"auto times {', '.join(candidates)} and keeps the fastest)")
         return AttentionChoice(candidates[0], rejected, False)
     m = cfg.model
     if batch is None:
