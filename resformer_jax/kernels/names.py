@@ -10,16 +10,32 @@ IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what
 # will run; a context variable, so it holds only inside `compiling_for` and only in that thread.
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_platform", default=None)
+_TARGET_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_kind", default=None)
 
 
 @contextlib.contextmanager
-def compiling_for(platform: str):
-    """Inside: programs are lowered for `platform` ('tpu' or 'cuda'), not for the local backend."""
-    token = _TARGET_PLATFORM.set(platform)
+def compiling_for(platform: str, device_kind: str | None = None):
+    """Inside: programs are lowered for `platform` ('tpu' or 'cuda') and its `device_kind` (e.g. 'NVIDIA H100 SXM
+    80GB'), not for the local backend."""
+    token, kind = _TARGET_PLATFORM.set(platform), _TARGET_KIND.set(device_kind)
     try:
         yield
     finally:
         _TARGET_PLATFORM.reset(token)
+        _TARGET_KIND.reset(kind)
+
+
+def target_device_kind() -> str:
+    """The device the program being traced will run on, in words: the compile target's inside `compiling_for`,
+    else this machine's first device's ('' where unknown)."""
+    import jax
+    kind = _TARGET_KIND.get()
+    if kind is not None or _TARGET_PLATFORM.get() is not None:
+        return kind or ""
+    try:
+        return jax.devices()[0].device_kind
+    except RuntimeError:
+        return ""
 
 
 def target_backend() -> str:

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from resformer_jax.kernels.names import target_backend
+from resformer_jax.kernels.names import target_backend, target_device_kind
 
 log = logging.getLogger(__name__)
 MASK = -1e30
@@ -60,7 +60,15 @@ def _warn_interpreted(backend: str):
 
 
 NUM_STAGES = 2  # Triton software pipelining of the streamed tiles
-SMEM_BUDGET_BYTES = 163 * 1024  # A100's opt-in shared memory per block (H100/H200: 227 KiB)
+SMEM_BUDGET_BYTES = 163 * 1024  # A100's opt-in shared memory per block: the budget where the GPU is not known
+# Opt-in shared memory per block by GPU (CUDA's per-architecture limits): Hopper 227 KiB, Ampere A100 163 KiB.
+SMEM_BY_GPU = (("H100", 227 * 1024), ("H200", 227 * 1024), ("H800", 227 * 1024), ("A100", 163 * 1024),
+               ("A800", 163 * 1024))
+
+
+def smem_budget(device_kind: str) -> int:
+    """The shared memory one kernel block may use on `device_kind` (SMEM_BUDGET_BYTES where it is not listed)."""
+    return next((b for name, b in SMEM_BY_GPU if name in device_kind), SMEM_BUDGET_BYTES)
 
 
 def smem_bytes(bq: int, bk: int, D: int, itemsize: int, num_stages: int = NUM_STAGES) -> int:
@@ -75,10 +83,12 @@ def smem_bytes(bq: int, bk: int, D: int, itemsize: int, num_stages: int = NUM_ST
     return itemsize * max(fwd, dkdv, dq)
 
 
-def choose_blocks(T: int, S: int, D: int, itemsize: int, block_q: int = 128, block_k: int = 128) -> tuple[int, int]:
-    """Power-of-two (block_q, block_k) >= 16 within the caps, halving the larger until they fit the budget."""
+def choose_blocks(T: int, S: int, D: int, itemsize: int, block_q: int = 128, block_k: int = 128,
+                  budget: int = SMEM_BUDGET_BYTES) -> tuple[int, int]:
+    """Power-of-two (block_q, block_k) >= 16 within the caps, halving the larger until they fit `budget` bytes of
+    shared memory (smem_budget of the GPU the kernel is compiled for)."""
     bq, bk = _block(T, block_q), _block(S, block_k)
-    while smem_bytes(bq, bk, D, itemsize) > SMEM_BUDGET_BYTES and max(bq, bk) > 16:
+    while smem_bytes(bq, bk, D, itemsize) > budget and max(bq, bk) > 16:
         if bq >= bk:
             bq //= 2
         else:
@@ -100,13 +110,26 @@ def visited_blocks(Tp: int, Sp: int, bq: int, bk: int, causal: bool = True) -> i
     return sum(min(nk, ((i + 1) * bq + bk - 1) // bk) for i in range(nq))
 
 
-def kernel_flops(name: str, q_shape, k_shape, itemsize: float, causal: bool = True) -> float:
-    """FLOPs of one call of kernel `name` on q [B, Tp, H, D] and k [B, Sp, K, D] (padded), by this file's own
-    block choice and causal skipping: 2 FLOPs a multiply-add."""
+def kernel_flops(name: str, q_shape, k_shape, itemsize: float, causal: bool = True, device_kind: str = "") -> float:
+    """FLOPs of one call of kernel `name` on q [B, Tp, H, D] and k [B, Sp, K, D] (padded) on `device_kind`, by
+    this file's own block choice and causal skipping: 2 FLOPs a multiply-add."""
     B, Tp, H, D = q_shape
     Sp = k_shape[1]
-    bq, bk = choose_blocks(Tp, Sp, D, int(itemsize))
+    bq, bk = choose_blocks(Tp, Sp, D, int(itemsize), budget=smem_budget(device_kind))
+    if name != "flash_attention_fwd":
+        bq, bk = backward_blocks(bq, bk, D, int(itemsize))
     return float(B * H * visited_blocks(Tp, Sp, bq, bk, causal) * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
+
+
+def backward_blocks(bq: int, bk: int, D: int, itemsize: int) -> tuple[int, int]:
+    """The backward kernels' own blocks, within the forward's: each of their tiles of Q, K, V or dO at most 16 KiB
+    (128 rows of 64 bf16 values). The backward keeps two fp32 accumulators and several tiles in registers; past
+    that ptxas spills (at head_dim 128 with 128 x 128 blocks: 372 bytes a thread in dK/dV)."""
+    while bq > 16 and bq * D * itemsize > 128 * 64 * 2:
+        bq //= 2
+    while bk > 16 and bk * D * itemsize > 128 * 64 * 2:
+        bk //= 2
+    return bq, bk
 
 
 def num_warps(bq: int, bk: int) -> int:
@@ -284,6 +307,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
+    bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize)
     Tp, Sp = o_p.shape[1], pl.cdiv(S, bk) * bk
     qp, kp, vp, dop = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp), _pad(do, 1, Tp)
     # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
@@ -353,5 +377,6 @@ def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128
         raise ValueError(f"{K} kv heads do not divide {H} query heads")
     if causal and T != S:
         raise ValueError(f"causal flash attention needs equal query and key lengths, got T={T}, S={S}")
-    bq, bk = choose_blocks(T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k)
+    bq, bk = choose_blocks(T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k,
+                           budget=smem_budget(target_device_kind()))
     return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)

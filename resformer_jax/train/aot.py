@@ -246,7 +246,7 @@ def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: di
     jax.config.update("jax_enable_compilation_cache", False)
     dump = tempfile.mkdtemp(prefix="resformer_ptx_") if target.platform == "cuda" else None
     try:
-        with compiling_for(target.platform):
+        with compiling_for(target.platform, target.kind):
             # GPU: XLA writes the program's PTX here, for ptxas' report of the Triton kernels' registers
             compiled = jitted.lower(*args, **(kwargs or {})).compile({"xla_dump_to": dump} if dump else None)
     except UserError:
@@ -295,7 +295,7 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
         raise CompileError(f"unknown step(s) {sorted(unknown)}; choose from {', '.join(STEPS)}")
     cfg = cfg.copy_and_resolve_references()
     cfg.mesh.device_memory_limit_gb = 0.0  # the target's memory is the limit, not this machine's
-    with compiling_for(target.platform):
+    with compiling_for(target.platform, target.kind):
         setup = build(cfg, devices=target.devices(), platform=target.platform, log=log)
     out = []
     if "train" in steps:

@@ -308,7 +308,7 @@ def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(out[0][1]) * features * window
 
 
-def kernel_flops(ins: Instr, shapes: dict[str, str]) -> float:
+def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> float:
     """A Pallas kernel's FLOPs by its own formula, where the project knows the kernel: the GPU kernels by the
     pallas_call name in op_name (q [B, T, H, D], k [B, S, K, D]), splash on TPU by the custom call's name
     (q [N, G, T, D], k [N, S, D]); 0 for a kernel it does not know."""
@@ -323,15 +323,15 @@ def kernel_flops(ins: Instr, shapes: dict[str, str]) -> float:
         if not q or not k:
             return 0.0
         if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
-            return module.kernel_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]))
+            return module.kernel_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]), device_kind=device_kind)
         if module is tpu_attention and len(q[0][1]) == 4 and len(k[0][1]) == 3:
             return module.kernel_flops(name, q[0][1], k[0][1])
     return 0.0
 
 
 class _Walker:
-    def __init__(self, comps: dict[str, list[Instr]]):
-        self.comps = comps
+    def __init__(self, comps: dict[str, list[Instr]], device_kind: str = ""):
+        self.comps, self.device_kind = comps, device_kind
         self.shapes = {i.name: i.shape for body in comps.values() for i in body}
         for body in comps.values():  # parameters are instructions too
             for i in body:
@@ -436,7 +436,7 @@ class _Walker:
 
     def cost_of(self, comp: str) -> float:
         """A computation's per-op bound on one chip-agnostic scale (bytes + FLOPs), to pick a conditional's branch."""
-        sub = _Walker(self.comps)
+        sub = _Walker(self.comps, self.device_kind)
         sub.walk(comp, 1)
         return sum(o.flops + o.bytes for o in sub.ops.values())
 
@@ -479,7 +479,7 @@ class _Walker:
                 if target in GEMM_TARGETS:
                     self._add(ins, "gemm", n, dot_flops(ins, self.shapes), nbytes)
                 elif target in ("__gpu$xla.gpu.triton", "tpu_custom_call") or "cudnn" in target:
-                    self._add(ins, "kernel", n, kernel_flops(ins, self.shapes), nbytes)
+                    self._add(ins, "kernel", n, kernel_flops(ins, self.shapes, self.device_kind), nbytes)
                 else:
                     self._add(ins, "other", n, 0.0, nbytes)
             elif op == "dot":
@@ -498,7 +498,7 @@ class _Walker:
 def roofline(hlo_text: str, chip: Chip) -> Roofline:
     """The roofline of an optimized HLO module (a compiled executable's as_text())."""
     comps, entry = parse_module(hlo_text)
-    w = _Walker(comps)
+    w = _Walker(comps, chip.kind)
     w.walk(entry, 1)
     return Roofline(chip, list(w.ops.values()), w.unknown_trips)
 

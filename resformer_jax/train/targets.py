@@ -109,6 +109,9 @@ class Target:
         if self.platform == "tpu":
             # libtpu asks the (absent) GCE metadata server what it runs on unless told it is not a TPU VM.
             os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+            # compile-only: no chip is opened, so two compiles at once (two commands, two test workers) may each
+            # load libtpu, which otherwise refuses the second through its multi-process lockfile
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             topo = topologies.get_topology_desc(platform="tpu", topology_name=self.topology_name,
                                                 chip_config_name=self.chip_config,
                                                 chips_per_host_bounds=self.chips_per_host_bounds,
