@@ -174,7 +174,8 @@ def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
     c.data.source = "array_record"
     # Sized for 8x H100 80GB (the paper's hardware): the step's 1,024 sequences (128 a GPU) in one pass with
     # remat=full. Compiled for H100 (python -m resformer_jax.compile --target=h100x8, README's table): the train
-    # step needs 13.6 / 22.7 / 39.7 GiB a GPU (ResFormer 82M / 180M / 468M) of the 59.7 GiB JAX's allocator may use.
+    # step needs 11.3 / 18.8 / 34.4 GiB a GPU (ResFormer 82M / 180M / 468M) of the 59.7 GiB JAX's allocator may use;
+    # `compile --tune` finds no faster setting that fits (README).
     # On fewer or smaller devices set train.microbatch (sequences per accumulation step); the precheck says so.
     c.model.remat = "full"
     c.mesh.target = "8x H100 80GB"

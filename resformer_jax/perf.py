@@ -102,9 +102,9 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
     q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
     flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
-    fp32 block of logits. Against the compiled steps (README's table, `python -m resformer_jax.compile`): within
-    10% of XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler needs 2-46% more memory for
-    the same program, and sequences of 8K tokens and more need about 20% more than estimated.
+    fp32 block of logits. Against the compiled steps (README's table, `python -m resformer_jax.compile`): 6-26%
+    above XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler needs more memory for the same
+    program, and sequences of 8K tokens and more need about 20% more than estimated.
     """
     import jax.numpy as jnp
     m, t = cfg.model, cfg.train

@@ -178,3 +178,26 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     from resformer_jax.train.aot import CompileReport
     lines = "\n".join(CompileReport(target, "pallas", "bfloat16", {}, 1, "none", [step], {}).lines())
     assert "kernel flash_attention_dkdv: 255 registers, SPILLS" in lines
+
+
+@needs_aot
+def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(tmp_path):
+    """`compile --tune` on the tiny config for 8 H100s: every remat policy, with the state replicated or sharded
+    (one sequence a GPU: one microbatch); each fitting setting with its memory and bound, best first."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "best.txt"
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compile", "--config=configs/tiny.py", "--target=h100x8",
+                        "--tune", f"--tune_write={out}"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    settings = {(x["overrides"]["model.remat"], x["overrides"]["mesh.fsdp"]) for x in results}
+    assert settings == {(rm, f) for rm in ("full", "dots", "none") for f in (1, -1)}, settings
+    bounds = [x["bound_s"] for x in results if x["fits"]]
+    assert bounds and bounds == sorted(bounds) and all(b > 0 for b in bounds)
+    best = results[0]
+    assert out.read_text().strip() == " ".join(f"--config.{k}={v}" for k, v in best["overrides"].items())
+    assert "best for 8x NVIDIA H100 SXM 80GB" in r.stderr and "not a timing" in r.stderr

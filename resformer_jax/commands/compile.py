@@ -4,6 +4,7 @@
   python -m resformer_jax.compile --config=configs/resformer_468m.py --target=h100x8 --nodes=4
   python -m resformer_jax.compile --config=configs/seq_len/sweep.py:svformer,65536 --target=h100x8 --steps=train
   python -m resformer_jax.compile --config=... --target=v5e-256 --config.train.microbatch=64 --config.model.remat=dots
+  python -m resformer_jax.compile --config=configs/resformer_468m.py --target=h100x8 --tune [--tune_write=FILE]
 
 Targets: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), libtpu's GEN:AxB[xC], --slices=S for multislice;
 h100xN, h200xN, a100xN (N GPUs a node), --nodes=M. Any --config.a.b override works as in training.
@@ -13,10 +14,16 @@ dtype, remat, microbatch) and compiles the train step, the eval step and the dec
 compiler (libtpu, XLA:GPU with Triton), without the hardware. Prints per step and per device the arguments,
 outputs, aliased bytes, temporaries and their total against the chip's memory, the compile time and the kernels
 inside; then one JSON line on stdout. A step that does not fit ends the command with one line naming the
-numbers and the knobs (exit 2). Needs `pip install -e '.[aot]'`.
+numbers and the knobs (exit 2). Every compiled step also carries its roofline: the compiled program's FLOPs and
+HBM bytes by op, its per-op bound on step time and the MFU ceiling that implies (a bound, not a timing), and on
+GPUs each Triton kernel's registers and spills from ptxas. --tune compiles the train step for the remat
+policies, microbatches and (several devices) fsdp vs data that a user would try, and lists those that fit with
+10% of memory to spare, best bound first; --tune_write=FILE writes the best one's overrides there.
+Needs `pip install -e '.[aot]'`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +40,9 @@ flags.DEFINE_integer("slices", 1, "TPU targets: slices (multislice over DCN).")
 flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile: train, eval, decode.")
 flags.DEFINE_integer("decode_batch", 0, "Sequences decoded at once (default: one per batch shard of the mesh).")
 flags.DEFINE_integer("prompt_len", 0, "Prompt tokens prefilled by the decode check (default: config.data.seq_len).")
+flags.DEFINE_bool("tune", False, "Compile the train step for each remat policy, microbatch and mesh layout and list "
+                  "those that fit, by their roofline bound.")
+flags.DEFINE_string("tune_write", None, "--tune: write the best setting's --config overrides to this file.")
 FLAGS = flags.FLAGS
 
 
@@ -51,6 +61,8 @@ def main(argv):
                 "--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
         target = parse_target(FLAGS.target, nodes=FLAGS.nodes, slices=FLAGS.slices)
         log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+        if FLAGS.tune:
+            return run_tune(target, log)
         report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), decode_batch=FLAGS.decode_batch,
                                     prompt_len=FLAGS.prompt_len, log=log)
         for line in report.lines():
@@ -59,6 +71,30 @@ def main(argv):
         if not report.fits:
             print(f"error: {report.first_problem}", file=sys.stderr, flush=True)
             sys.exit(2)
+
+
+def run_tune(target, log):
+    from resformer_jax.train.aot import tune
+    results = tune(FLAGS.config, target, log=log)
+    fitting = [r for r in results if r.fits]
+    print(f"{'setting':<90}{'GiB':>7}{'bound ms':>10}{'MFU ceiling':>13}", file=sys.stderr)
+    for r in results:
+        mem = f"{r.memory_bytes / 2**30:.1f}" if r.memory_bytes else "-"
+        bound = f"{r.bound_s * 1e3:.1f}" if r.fits and r.bound_s else "does not fit"
+        mfu = f"{r.mfu_ceiling:.3f}" if r.fits and r.mfu_ceiling else ""
+        print(f"{r.flags():<90}{mem:>7}{bound:>10}{mfu:>13}", file=sys.stderr)
+    print(json.dumps({"target": target.name, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
+    if not fitting:
+        print("error: no setting fits the target with 10% of its memory to spare; shard over more devices "
+              "(--nodes) or lower config.data.seq_len", file=sys.stderr)
+        sys.exit(2)
+    best = fitting[0]
+    print(f"best for {target.hardware}: {best.flags()} (bound {best.bound_s * 1e3:.1f} ms, MFU ceiling "
+          f"{best.mfu_ceiling:.3f}; a bound from the compiled program, not a timing)", file=sys.stderr)
+    if FLAGS.tune_write:
+        with open(FLAGS.tune_write, "w") as f:
+            f.write(best.flags() + "\n")
+        print(f"wrote {FLAGS.tune_write}", file=sys.stderr)
 
 
 def _target_platform(argv) -> str:

@@ -46,11 +46,12 @@ KERNEL_MATMULS = (("splash_mqa_fwd", 2), ("splash_mqa_dkv", 4), ("splash_mqa_dq"
 
 
 def kernel_flops(name: str, q_shape, k_shape, causal: bool = True) -> float:
-    """FLOPs of one call of splash kernel `name` on q [N, G, T, D] and k [N, S, D] (as this file calls it: N batch
-    x kv heads, G query heads a kv head), with this file's blocks and splash's causal block skipping."""
+    """FLOPs of one call of splash kernel `name` on q [..., G, T, D] and k [..., S, D] (as this file calls it:
+    leading dims batch and kv heads, G query heads a kv head), with this file's blocks and splash's causal block
+    skipping."""
     from resformer_jax.kernels.pallas_attention import visited_blocks
-    N, G, T, D = q_shape
-    S = k_shape[1]
+    N, (G, T, D) = math.prod(q_shape[:-3]), q_shape[-3:]
+    S = k_shape[-2]
     bq, bk = _block(T), _block(S)
     return float(N * G * visited_blocks(T, S, bq, bk, causal) * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
 

@@ -345,3 +345,70 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
         out.append(compile_step(name, _step, (setup.abstract_state.params, tokens, cache), target, setup.cfg,
                                 kwargs={"m_frozen": mf, "max_len": max_len}, log=log))
     return out
+
+
+@dataclasses.dataclass
+class TuneResult:
+    overrides: dict  # config field -> value
+    memory_bytes: float | None
+    fits: bool  # within the chip's memory with HEADROOM to spare
+    bound_s: float | None  # the train step's per-op roofline bound
+    mfu_ceiling: float | None  # model FLOPs
+    problem: str = ""
+
+    def flags(self) -> str:
+        return " ".join(f"--config.{k}={v}" for k, v in self.overrides.items())
+
+
+# A candidate must leave this share of the chip's memory free: the bound is not a timing, and a real run's
+# allocator, NCCL buffers and fragmentation need room the compiled estimate does not show.
+TUNE_HEADROOM = 0.10
+
+
+def tune_candidates(cfg, devices: int) -> list[dict]:
+    """The settings a user would try by hand: each remat policy, per-device microbatches halving from the whole
+    batch to one sequence, and (with several devices) the state sharded over all of them (fsdp) or replicated."""
+    per_device = max(1, cfg.train.global_batch // devices)
+    micro = []
+    while per_device >= 1:
+        micro.append(per_device * devices)
+        per_device //= 2
+    meshes = [{"mesh.data": -1, "mesh.fsdp": 1}] + ([{"mesh.data": 1, "mesh.fsdp": -1}] if devices > 1 else [])
+    return [{"model.remat": r, "train.microbatch": mb, **mesh} for mesh in meshes for r in ("full", "dots", "none")
+            for mb in micro]
+
+
+def tune(cfg, target: Target, log: Callable[[str], Any] = print, candidates: list[dict] | None = None,
+         ) -> list[TuneResult]:
+    """Compiles the train step for each candidate setting; per remat policy and mesh, microbatches are tried from
+    the largest down until one fits, then one smaller (the step gets no faster below the largest that fits, and
+    compiles cost time). Results that fit with headroom come first, by bound."""
+    check_packages(target.platform)
+    results: list[TuneResult] = []
+    tried_fit: dict[tuple, int] = {}
+    for cand in candidates or tune_candidates(cfg, target.num_devices):
+        group = tuple((k, v) for k, v in cand.items() if k != "train.microbatch")
+        if tried_fit.get(group, 0) >= 2:
+            continue
+        c = cfg.copy_and_resolve_references()
+        for key, value in cand.items():
+            section, field = key.split(".")
+            c[section][field] = value
+        try:
+            report = compile_for_target(c, target, steps=("train",), log=lambda s: None)
+        except UserError as e:
+            results.append(TuneResult(cand, None, False, None, None, str(e)))
+            continue
+        step = report.steps[0]
+        mem = step.memory.total if step.memory else None
+        fits = step.fits and mem is not None and mem <= (1 - TUNE_HEADROOM) * target.hbm_bytes
+        r = step.roofline or {}
+        res = TuneResult(cand, mem, fits, r.get("per_op_bound_s"), r.get("mfu_ceiling_model"),
+                         "" if fits else (step.problem or f"over {1 - TUNE_HEADROOM:.0%} of the chip's memory"))
+        results.append(res)
+        log(f"tune: {res.flags()}: " + (f"{mem / 2**30:.1f} GiB, " if mem else "") +
+            (f"bound {res.bound_s * 1e3:.1f} ms, MFU ceiling {res.mfu_ceiling:.3f}" if res.bound_s and res.fits
+             else f"does not fit ({res.problem[:120]})"))
+        if fits:
+            tried_fit[group] = tried_fit.get(group, 0) + 1
+    return sorted(results, key=lambda r: (not r.fits, r.bound_s if r.bound_s is not None else float("inf")))

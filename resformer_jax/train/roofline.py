@@ -294,18 +294,44 @@ def dot_flops(ins: Instr, shapes: dict[str, str], contracting_key: str = "lhs_co
     return 2.0 * math.prod(out[0][1]) * k
 
 
+def _taps(I: int, W: int, O: int, lo: int, stride: int = 1, lhs_dil: int = 1, rhs_dil: int = 1) -> int:
+    """(output position, window position) pairs of one spatial dimension that read a real input element, not
+    padding or a dilation hole."""
+    if stride == 1 and lhs_dil == 1 and rhs_dil == 1:
+        return sum(max(0, min(O, I + lo - w) - max(0, lo - w)) for w in range(W))
+    span = (I - 1) * lhs_dil + 1
+    return sum(1 for w in range(W) for o in range(O)
+               if 0 <= o * stride + w * rhs_dil - lo < span and (o * stride + w * rhs_dil - lo) % lhs_dil == 0)
+
+
 def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
-    """A convolution's multiply-adds, twice: result elements x (input features / groups) x window size."""
+    """A convolution's multiply-adds, twice, counting only window taps on real input: libtpu writes dots as
+    convolutions whose spatial dimensions are padded so that one tap per output is real (a window of 16 over an
+    input of 1 padded by 15 on each side is a batch of 16, not 16 times the work)."""
     out = arrays(ins.shape)
+    lhs = arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
     rhs = arrays(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-    labels = re.search(r"dim_labels=([^\s,]+)", ins.attrs)
-    if not out or not rhs or not labels:
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not out or not lhs or not rhs or not labels:
         return 0.0
-    kernel_labels = labels.group(1).split("_")[1].split("->")[0]
-    dims = rhs[0][1]
-    window = math.prod(dims[i] for i, ch in enumerate(kernel_labels) if ch.isdigit())
-    features = dims[kernel_labels.index("i")] if "i" in kernel_labels else 1
-    return 2.0 * math.prod(out[0][1]) * features * window
+    l_lab, r_lab, o_lab = labels.groups()
+    l_dims, r_dims, o_dims = lhs[0][1], rhs[0][1], out[0][1]
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(kv.split("=", 1) for kv in window.group(1).split()) if window else {}
+
+    def per_dim(key: str, n: int, default: int) -> list:
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * n
+
+    spatial = sorted(ch for ch in o_lab if ch.isdigit())
+    n = len(spatial)
+    pads = [tuple(int(x) for x in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
+    strides, lhs_dil, rhs_dil = per_dim("stride", n, 1), per_dim("lhs_dilate", n, 1), per_dim("rhs_dilate", n, 1)
+    taps = 1
+    for k, d in enumerate(spatial):
+        taps *= _taps(l_dims[l_lab.index(d)], r_dims[r_lab.index(d)], o_dims[o_lab.index(d)], pads[k][0],
+                      strides[k], lhs_dil[k], rhs_dil[k])
+    outer = math.prod(o_dims[i] for i, ch in enumerate(o_lab) if not ch.isdigit())  # batch x output features
+    return 2.0 * outer * r_dims[r_lab.index("i")] * taps
 
 
 def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> float:
@@ -324,7 +350,7 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> f
             return 0.0
         if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
             return module.kernel_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]), device_kind=device_kind)
-        if module is tpu_attention and len(q[0][1]) == 4 and len(k[0][1]) == 3:
+        if module is tpu_attention and len(q[0][1]) >= 3 and len(k[0][1]) >= 2:
             return module.kernel_flops(name, q[0][1], k[0][1])
     return 0.0
 
