@@ -235,7 +235,7 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     est = perf.estimate_train_memory(cfg, devices)
     if not limit or est["total"] <= limit:
         return None
-    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"  # noqa: E731
     t = cfg.train
     target = re.match(r"\s*(\d+)\s*x\s*(H100|H200|A100)", cfg.mesh.target or "", re.I)
     check = (f"check it for that hardware with python -m resformer_jax.compile --config=(the same file) "
@@ -254,12 +254,12 @@ def too_big_for_here(cfg, devices: int) -> str | None:
                         + (f" --config.mesh.fsdp={fsdp} --config.mesh.data=1" if fsdp != fsdp_now else ""))
             per_device //= 2
     here = (f"to run it here, {fits} fits by the estimate (or lower config.train.global_batch)" if fits else
-            f"it cannot run here even one sequence a device at a time (parameters and optimizer state alone: "
-            f"{gib(est['state'])} a device): use more devices (config.mesh.fsdp) or a smaller model")
+            memory_knobs(cfg, devices) + f" (parameters and optimizer state alone: {gib(est['state'])} a device)")
     sized = (f"this config is sized for {cfg.mesh.target}" + (f": {check}" if check else "")) if cfg.mesh.target else ""
-    return (f"the train step needs about {gib(est['total'])} a device by the estimate (state {gib(est['state'])}, "
-            f"activations {gib(est['activations_kept'] + est['one_layer'])}, {est['per_device_micro_batch']} "
-            f"sequences of {cfg.data.seq_len} tokens a device at once) but {source} is {gib(limit)}; "
+    return (f"the train step needs about {gib(est['total'])} per device by the analytic estimate (state "
+            f"{gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, "
+            f"{est['per_device_micro_batch']} sequences of {cfg.data.seq_len} tokens a device at once) but {source} "
+            f"is {gib(limit)}; "
             + "; ".join(x for x in (sized, here) if x))
 
 
