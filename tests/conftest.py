@@ -35,11 +35,6 @@ def shared_data():
     return SHARED_DATA
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "exclusive: compares timings; under pytest-xdist it runs while no other test "
-                                       "runs (the other worker waits)")
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist every test holds a shared lock from its setup (module fixtures included) to its teardown; one
