@@ -340,3 +340,23 @@ def test_the_aot_extra_keeps_cpu_commands_quiet(tmp_path):
                            timeout=300)
         noise = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("cuda", "CUDA", "TPU", "Traceback"))]
         assert not noise, (args, r.stderr[-2000:])
+
+
+def test_compare_cuts_a_smoothing_window_longer_than_the_runs_and_says_so(trained, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", "--baseline", str(trained / "none"),
+                        str(trained / "svformer"), f"--out={tmp_path / 'c'}", "--smooth=100"], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--smooth=100 is longer than the runs (4 steps logged); smoothing over 4 steps" in r.stderr, r.stderr
+
+
+def test_the_sized_for_check_takes_a_config_whose_dtype_is_auto():
+    """The demo's model.dtype=auto is resolved after the start-up checks: the memory estimate works without it."""
+    from resformer_jax.commands.common import load_config_file
+    from resformer_jax.train.setup import too_big_for_here
+    demo = load_config_file(str(ROOT / "configs" / "demo.py"))
+    assert demo.model.dtype == "auto"
+    assert too_big_for_here(demo, 1) is None
+    demo.mesh.device_memory_limit_gb = 1e-6
+    assert "per device by the analytic estimate" in too_big_for_here(demo, 1)
+    assert demo.model.dtype == "auto"  # the user's config is not changed

@@ -194,7 +194,7 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
 def memory_knobs(cfg, devices: int) -> str:
     """What lowers a train step's memory per device on `devices` devices, leaving out knobs already at their
     limit; the trainer's precheck and the compile command (train/aot.py) say it."""
-    t, knobs = cfg.train, []
+    knobs = []
     per_device = sequences_per_device(cfg, devices)
     if per_device > 1:
         knobs.append(f"lower config.train.microbatch (sequences per accumulation step: {per_device} a device now) "
@@ -232,6 +232,9 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     the compile, with what the config is sized for and what would fit here; a step the estimate lets through still
     meets the compiled step's precheck."""
     limit, source = device_memory_limit(cfg.mesh)
+    if cfg.model.dtype == "auto":  # resolved later (build); bf16, the smaller choice, keeps this a lower bound
+        cfg = ml_collections.ConfigDict(cfg.to_dict())
+        cfg.model.dtype = "bfloat16"
     est = perf.estimate_train_memory(cfg, devices)
     if not limit or est["total"] <= limit:
         return None
