@@ -278,13 +278,13 @@ def stderr_without(noise: tuple[str, ...]):
 
 
 def quiet_absent_accelerators() -> None:
-    """On a host with neither an NVIDIA driver nor a TPU chip, where the aot extra has installed the CUDA plugin
-    and libtpu (for `compile`): JAX_PLATFORMS=cpu unless the user set it (the plugins would only fail there, with
-    tracebacks), and JAX imported and its plugins registered with the CUDA plugin's "no driver" lines dropped.
+    """On a host with neither an NVIDIA driver, an AMD GPU nor a TPU chip, where the aot extra has installed the
+    CUDA plugin and libtpu (for `compile`): JAX_PLATFORMS=cpu unless the user set it (the plugins would only fail
+    there, with tracebacks), and JAX imported and its plugins registered with the CUDA plugin's "no driver" lines dropped.
     Where a GPU or TPU is present nothing changes, so nothing of theirs is hidden. The backend is not started
     (XLA_FLAGS and jax.distributed still come first)."""
-    if "jax" in sys.modules or nvidia_driver_present() or tpu_chip_present():
-        return
+    if "jax" in sys.modules or nvidia_driver_present() or tpu_chip_present() or os.path.exists("/dev/kfd"):
+        return  # /dev/kfd: an AMD GPU (ROCm), which JAX_PLATFORMS=cpu would hide
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
