@@ -2,49 +2,32 @@
 
 Every entry point (train, bench, generate, evaluate) calls `configure_xla()`
 before JAX starts its backend. A flag you already put in XLA_FLAGS is never
-overridden; RESFORMER_NO_XLA_DEFAULTS=1 turns all of this off.
+overridden; RESFORMER_NO_XLA_DEFAULTS=1 turns all of this off. What each
+setting gained, and how it was measured, is in README's Performance section.
 
 GPU (set when a CUDA plugin for JAX is installed and an NVIDIA driver is present: the `aot` extra installs
-the plugin on CPU machines too, to compile for GPUs): the flags MaxText runs
-H100 training with, minus the ones that trade memory for speed blindly.
-Each is about overlapping communication with the scanned layers' compute,
-or about picking the faster GEMM path; none changes numerics beyond the
-summation order of collectives.
+the plugin on CPU machines too, to compile for GPUs): the flags MaxText runs H100 training with, minus the
+ones that trade memory for speed blindly, each only where the plugin's XLA knows it. Each is about
+overlapping communication with the scanned layers' compute, or about picking the faster GEMM path; none
+changes numerics beyond the summation order of collectives.
 
 CPU-only hosts (no CUDA plugin with a driver, no libtpu with a chip): row reductions stay with XLA's own
-emitter instead of YNNPACK
-(`xla_cpu_experimental_ynn_fusion_type=-reduce`, set only where the installed
-jaxlib knows the flag). XLA 0.10 hands the LM head's logsumexp (an exp fused
-into a sum over 50,277 logits) to YNNPACK, which ran it on one thread at
-~450 ms per 1,024-position block of the 82M step, plus a ~350 ms stall before
-the next matmul; XLA's emitter does the same reduction in ~40 ms. Matmuls stay
-with YNNPACK (faster than Eigen at these shapes on the AVX-512 host this was
-measured on). The other XNNPACK/oneDNN paths were measured on the 82M step's
-attention and were no faster.
+emitter instead of YNNPACK (`xla_cpu_experimental_ynn_fusion_type=-reduce`, set only where the installed
+jaxlib knows the flag): YNNPACK ran the LM head's logsumexp on one thread and stalled the next matmul.
+Matmuls stay with YNNPACK.
 
-x86 CPUs with AVX2 but no AVX-512, per program (`cpu_step_compiler_options`,
-applied by train/setup.build to the train and eval steps as jit compiler
-options, not as a process flag): a step whose matmuls have >= 1,024 rows runs
-them on XLA's Eigen path. On 2 AVX2 cores, both programs in one process, steps taking turns:
-82M fp32 15.45 -> 14.24 s, bf16 20.88 -> 13.89 s. Smaller matmuls (decoding's
-64-256 rows) stay on YNNPACK, which multiplies them faster there.
+x86 CPUs with AVX2 but no AVX-512, per program (`cpu_step_compiler_options`, applied by train/setup.build to
+the train and eval steps as jit compiler options, not as a process flag): a step whose matmuls have >= 1,024
+rows runs them on XLA's Eigen path, faster there; smaller matmuls (decoding's) stay on YNNPACK.
 
-TPU: nothing; libtpu's defaults already overlap collectives and its flags
-cannot be checked without a TPU.
+TPU: nothing; libtpu's defaults already overlap collectives and its flags cannot be checked without a TPU.
 
-Host memory on CPU-only hosts (`restart_with_host_memory_defaults()`): a CPU
-program's device memory is the process's heap, and glibc gives every block
-over 32 MiB (XLA's ~2.5 GB of temporaries per 82M step) fresh pages from mmap
-each time: 612,000 page faults and 2.2-2.7 s of kernel time per step on 2
-cores. With glibc's `glibc.malloc.hugetlb=1` tunable those blocks get
-transparent huge pages (where the kernel gives them on request, THP
-"madvise"): 1,640 faults and 1.0-1.2 s, the same memory, and in one process
-with THP toggled between steps the 82M fp32 step's median fell 16.15 ->
-15.05 s (6 rounds, each won by THP). A tunable is read only as a process
-starts, so a command restarts itself once with it (same PID, same argv).
-Keeping freed blocks in the heap instead (mallopt: no mmap, no trimming)
-also removed the faults but fragmented the heap: RSS grew from 4.3 to
-6.4-8.9 GB and the faults came back whenever a block no longer fit.
+Host memory on CPU-only hosts (`restart_with_host_memory_defaults()`): a CPU program's device memory is the
+process's heap, and glibc gives every block over 32 MiB fresh pages from mmap each time, page-faulting them
+in on every step. With glibc's `glibc.malloc.hugetlb=1` tunable those blocks get transparent huge pages
+(where the kernel gives them on request, THP "madvise"). A tunable is read only as a process starts, so a
+command restarts itself once with it (same PID, same argv). Keeping freed blocks in the heap instead
+(mallopt: no mmap, no trimming) also removed the faults but fragmented the heap.
 """
 from __future__ import annotations
 
@@ -203,13 +186,11 @@ def cpu_step_compiler_options(platform: str, rows: int, features: frozenset[str]
     """(XLA compiler options for a train/eval step, why; ({}, "") where there is nothing to change).
 
     On an x86 CPU with AVX2 but no AVX-512, a step's large matmuls (`rows` >= EIGEN_STEP_MIN_ROWS tokens per
-    device) go to XLA's Eigen path instead of YNNPACK: measured on 2 AVX2 cores with both programs in one process,
-    steps taking turns, the 82M step (4,096 rows) fp32 15.45 -> 14.24 s (8 of 10 rounds) and bf16 20.88 -> 13.89 s
-    (4 of 4), the demo's (2,048 rows) 0.205 -> 0.194 s. Not on AVX-512 CPUs (YNNPACK was the faster path there,
-    and XLA:CPU's bf16 fast path) or others (ARM: unmeasured), not for fewer rows (YNNPACK multiplies 64-256-row
-    matrices faster: decoding), not over a YNNPACK setting of the user's own in XLA_FLAGS, and not with
-    RESFORMER_NO_XLA_DEFAULTS=1. Per program (jit's compiler_options), so the dtype probe, decoding and everything
-    else keep the process's defaults."""
+    device) go to XLA's Eigen path instead of YNNPACK (measured in README's Performance section). Not on AVX-512
+    CPUs (YNNPACK was the faster path there, and XLA:CPU's bf16 fast path) or others (ARM: unmeasured), not for
+    fewer rows (YNNPACK multiplies 64-256-row matrices faster: decoding), not over a YNNPACK setting of the
+    user's own in XLA_FLAGS, and not with RESFORMER_NO_XLA_DEFAULTS=1. Per program (jit's compiler_options),
+    so the dtype probe, decoding and everything else keep the process's defaults."""
     name = "xla_cpu_experimental_ynn_fusion_type"
     if platform != "cpu" or rows < EIGEN_STEP_MIN_ROWS or environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1":
         return {}, ""

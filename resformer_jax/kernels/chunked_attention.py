@@ -9,26 +9,20 @@ pass over the largest tensor. The backward is a custom VJP that keeps only
 q, k, v, the output and the log-sum-exp (O(T), as FlashAttention-2 does) and
 recomputes each block's probabilities. With bf16 inputs the matmuls take bf16
 operands (probabilities and their gradients rounded once, as FlashAttention
-does) and accumulate in fp32; the softmax statistics stay fp32. One 82M layer,
-forward + backward on the 2-core CPU: 126 -> 93 ms in bf16; fp32 is unchanged
-bit for bit.
+does) and accumulate in fp32; the softmax statistics stay fp32.
 
 On a CPU the blocks run a few (batch, kv-head) pairs at a time (`lax.map`), as
 many as keep one block's logits within `CACHE_BYTES`: each logits block then
 stays in cache from its matmul through its exp to the next matmul, instead of
 every op streaming all pairs' logits through memory. The same ops per pair:
 equal to the batched form up to the summation order inside matmuls of another
-shape (bitwise at the 82M shape). That shape (B=8, T=512, H=8, D=64) on the
-2-core AVX2 host, `bench attention --shapes=8,512,8,8,64 --impls=chunked`:
-forward 129-144 -> 75 ms, forward + backward 289-304 -> 177-219 ms.
-On accelerators (and under a multi-device mesh, whose batch axis is sharded
-and must not become a loop) every pair runs at once.
+shape. On accelerators (and under a multi-device mesh, whose batch axis is
+sharded and must not become a loop) every pair runs at once.
 
-Why it exists: on CPU the step is bound by memory traffic over the
-[B, H, T, S] logits, not by FLOPs (jax.nn.dot_product_attention's xla path
-materialises and masks all of it). Measured on the 2-core CPU at the 82M
-shapes (B=8, T=512, H=8, D=64), forward+backward of one layer: 548 ms with
-`xla`, ~190 ms with this.
+Why it exists: on CPU the step is bound by memory traffic over the [B, H, T, S]
+logits, not by FLOPs (jax.nn.dot_product_attention's xla path materialises and
+masks all of it). The measurements (`bench attention`) are in README's
+Attention kernels and Performance sections.
 """
 from __future__ import annotations
 
