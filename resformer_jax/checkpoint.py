@@ -197,6 +197,16 @@ class Checkpointer:
     def reached_preemption(self, step: int) -> bool:
         return self.mngr.reached_preemption(step)
 
+    def newest_config(self) -> tuple[int, dict] | None:
+        """(step, config) of the newest checkpoint whose config reads, or None (an unreadable one is skipped:
+        restoring it reports the damage)."""
+        for step in reversed(self.all_steps()):
+            try:
+                return step, self.read_config(step)
+            except Exception:  # noqa: BLE001 - unreadable: the restore reports it
+                continue
+        return None
+
     def read_config(self, step: int) -> dict:
         r = self.mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         return dict(r["config"])
@@ -231,8 +241,7 @@ class Checkpointer:
                 state, config, progress = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
                 path = self.dir / str(step)
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                reason = f"{type(e).__name__}: {first}"
+                reason = failure_reason(e)
                 warn(f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
                      "moving it to checkpoints_damaged/ and trying the previous one")
                 failures.append((step, reason))
@@ -269,6 +278,12 @@ class Checkpointer:
     def close(self):
         self.mngr.wait_until_finished()
         self.mngr.close()
+
+
+def failure_reason(e: BaseException) -> str:
+    """Why a checkpoint does not restore, in one line: the exception's type and its first line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> dict:

@@ -94,6 +94,11 @@ def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]
     return {"mfu_6n": flops.per_token_6n * tokens_per_s / peak, "mfu_model": flops.per_token * tokens_per_s / peak}
 
 
+def fsdp_devices(cfg, devices: int) -> int:
+    """The devices the state is sharded over (config.mesh.fsdp; -1 or 0: all of them)."""
+    return cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices
+
+
 def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> dict:
     """An analytic estimate of one device's memory for a train step (bytes), for presets sized for hardware
     this machine does not have; the trainer's precheck measures the compiled step itself.
@@ -108,7 +113,7 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     """
     import jax.numpy as jnp
     m, t = cfg.model, cfg.train
-    fsdp = max(1, cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices)
+    fsdp = max(1, fsdp_devices(cfg, devices))
     n_params = model_flops(m, cfg.data.seq_len).params_total
     act = jnp.dtype(m.dtype).itemsize
     mb = max(1, (t.microbatch or t.global_batch) // devices)

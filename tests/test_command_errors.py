@@ -187,10 +187,9 @@ def test_s3_credentials_an_emulator_refuses_are_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     """A tiny ResFormer on the demo corpus (it has a tokenizer) with checkpoints at steps 2 and 4."""
-    c = tiny_config("resformer")
-    c.data.source, c.model.vocab_size, c.data.seq_len, c.model.max_seq_len = "demo", 1024, 64, 256
-    c.train.steps, c.train.warmup_steps, c.train.eval_every, c.mesh.num_devices = 4, 1, 1000, 1
-    c.checkpoint.every_steps = 2
+    from demo_runs import tokenized_tiny_config
+    c = tokenized_tiny_config(steps=4)
+    c.train.warmup_steps, c.checkpoint.every_steps = 1, 2
     wd = tmp_path_factory.mktemp("two_checkpoints") / "run"
     assert run(c, str(wd)) == 0
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]

@@ -17,13 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from resformer_jax.config import tiny_config
+    from demo_runs import tokenized_tiny_config
     from resformer_jax.commands.training import run
-    c = tiny_config("resformer")
-    c.data.source, c.model.vocab_size, c.data.seq_len, c.model.max_seq_len = "demo", 1024, 64, 256
-    c.train.steps, c.train.eval_every, c.mesh.num_devices = 10, 1000, 1
     wd = str(tmp_path_factory.mktemp("lm_eval_run"))
-    assert run(c, wd) == 0
+    assert run(tokenized_tiny_config(), wd) == 0
     from resformer_jax.eval.lm_eval_model import ResformerLM
     return wd, ResformerLM(workdir=wd, batch_size=8)
 

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from resformer_jax.config import tiny_config
 from resformer_jax.eval.loglik import ContinuationScorer, buckets, prepare, rows_per_batch
+from demo_runs import tokenized_tiny_config
 from resformer_jax.eval.zero_shot import TASKS, make_loglik_fn, read_task, score_items, to_items
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,11 +43,8 @@ def trained(tmp_path_factory):
     """A tiny ResFormer trained a few steps on the demo corpus (which has a tokenizer), context 256."""
     from resformer_jax.commands.training import run
     from resformer_jax.train.setup import load_run
-    c = tiny_config("resformer")
-    c.data.source, c.model.vocab_size, c.data.seq_len, c.model.max_seq_len = "demo", 1024, 64, 256
-    c.train.steps, c.train.eval_every, c.mesh.num_devices = 10, 1000, 1
     wd = str(tmp_path_factory.mktemp("zero_shot_run"))
-    assert run(c, wd) == 0
+    assert run(tokenized_tiny_config(), wd) == 0
     from resformer_jax.rundir import RunDir
     cfg, params, _ = load_run(wd)
     return wd, cfg, params, RunDir(wd).tokenizer()

@@ -45,13 +45,14 @@ def main(argv):
 
 def evaluate():
     import sys
+    from resformer_jax.commands.common import ConfigFlagError
     from resformer_jax.eval.zero_shot import check_tasks, zero_shot
     from resformer_jax.metrics import Writer
     from resformer_jax.rundir import RunDir
     from resformer_jax.storage import write_json
     from resformer_jax.train.setup import load_run
     if FLAGS.batch < 0 or FLAGS.limit < 0:
-        raise cli_error(f"--batch={FLAGS.batch} --limit={FLAGS.limit}: must be >= 0 (0: sized to memory; all items)")
+        raise ConfigFlagError(f"--batch={FLAGS.batch} --limit={FLAGS.limit}: must be >= 0 (0: sized to memory; all items)")
     tasks = [t.strip() for t in (FLAGS.tasks or "").split(",") if t.strip()]
     if FLAGS.tasks is not None:
         check_tasks(tasks, FLAGS.task_data)  # names and files first: nothing is loaded for a typo
@@ -86,11 +87,6 @@ def evaluate():
         write_json(path, {"step": step, "loss": table})
         print(f"wrote {path}")
     writer.close()
-
-
-def cli_error(msg: str):
-    from resformer_jax.commands.common import ConfigFlagError
-    return ConfigFlagError(msg)
 
 
 def cli_main():

@@ -200,9 +200,8 @@ class Transformer(nn.Module):
             self.sow("intermediates", "final_norm_output", h_BxTxE)
         if return_hidden:
             return h_BxTxE
-        if ties_embeddings(m):
-            table_VxE = self.variables["params"]["embed"]["embedding"]
-            return jnp.dot(h_BxTxE, nn.unbox(table_VxE).T.astype(dtype), preferred_element_type=jnp.float32)
+        if ties_embeddings(m):  # the head is the input embedding: no parameter of its own to create
+            return lm_head_logits(m, self.variables["params"], h_BxTxE)
         logits_BxTxV = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype,
                                     out_dtype=jnp.float32, matmuls=m.get("matmuls", "auto"), name="lm_head")(h_BxTxE)
         return logits_BxTxV

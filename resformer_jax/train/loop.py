@@ -65,15 +65,11 @@ class Trainer:
             return
         ck = self.run.checkpointer(read_only=True)
         try:
-            for step in reversed(ck.all_steps()):
-                try:
-                    old_cfg = ck.read_config(step)
-                except Exception:  # noqa: BLE001 - unreadable: the resume reports it
-                    continue
-                self._check_resumed_config(old_cfg, quiet=True)
-                break
+            newest = ck.newest_config()
         finally:
             ck.mngr.close()
+        if newest is not None:
+            self._check_resumed_config(newest[1], quiet=True)
 
     def _check_fits_here(self, error: UserError | None = None):
         """The analytic memory estimate at the run's shape against this machine's devices: a config sized for other
@@ -98,13 +94,9 @@ class Trainer:
         self.ckpt = self.run.checkpointer(self.cfg.checkpoint)
         # The run's parameter tree before touching its state: a shape change is the user's mistake, not a damaged
         # checkpoint, and must not set good checkpoints aside (the config's fields were compared at start).
-        for step in reversed(self.ckpt.all_steps()):
-            try:
-                old_cfg = self.ckpt.read_config(step)
-            except Exception:  # noqa: BLE001 - unreadable: restore_latest reports it
-                continue
-            self._check_params_fit(step, old_cfg)
-            break
+        newest = self.ckpt.newest_config()
+        if newest is not None:
+            self._check_params_fit(*newest)
         restored = self.ckpt.restore_latest(self.setup.abstract_state, self.iter, warn=self._warn)
         if restored is None:
             history = self.ckpt.history()

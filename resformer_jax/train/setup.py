@@ -23,7 +23,7 @@ import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resformer_jax import kernels, perf, runtime
-from resformer_jax.checkpoint import CheckpointError
+from resformer_jax.checkpoint import CheckpointError, failure_reason
 from resformer_jax.kernels.names import backend_of
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
 from resformer_jax.model import Transformer
@@ -201,7 +201,7 @@ def memory_knobs(cfg, devices: int) -> str:
                      "or config.train.global_batch")
     if cfg.model.remat != "full":
         knobs.append("use --config.model.remat=full")
-    fsdp = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices
+    fsdp = perf.fsdp_devices(cfg, devices)
     if fsdp < devices:
         knobs.append(f"shard the state over more devices with config.mesh.fsdp (now {fsdp} of {devices})")
     if not knobs:
@@ -244,7 +244,7 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     check = (f"check it for that hardware with python -m resformer_jax.compile --config=(the same file) "
              f"--target={target.group(2).lower()}x{target.group(1)}" if target else "")
     fits = None
-    fsdp_now = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices
+    fsdp_now = perf.fsdp_devices(cfg, devices)
     for remat, fsdp in dict.fromkeys(((cfg.model.remat, fsdp_now), ("full", fsdp_now), ("full", devices))):
         per_device = sequences_per_device(cfg, devices)
         while per_device >= 1 and fits is None:
@@ -328,8 +328,7 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
                                         nn.unbox(boxed))
                 state, _, _ = ck.restore(candidate, abstract)
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable here
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                failures.append((candidate, f"{type(e).__name__}: {first}"[:300]))
+                failures.append((candidate, failure_reason(e)[:300]))
                 continue
             if failures:
                 warn(f"WARNING: checkpoint at step {failures[0][0]} ({ck.dir}/{failures[0][0]}) does not restore "
