@@ -244,6 +244,8 @@ OTHER_COMMANDS = [
     ("compile: missing config", ["resformer_jax.compile", "--config=configs/nope.py", "--target=h100x8"],
      ["does not exist"]),
     ("bench: missing config", ["resformer_jax.bench", "train", "--config=configs/nope.py"], ["does not exist"]),
+    ("bench zero_shot: missing tokenizer", ["resformer_jax.bench", "zero_shot", "--config=configs/tiny.py",
+                                            "--task_data={tmp}", "--tokenizer={tmp}/nope.json"], ["--tokenizer", "no such file"]),
 ]
 
 

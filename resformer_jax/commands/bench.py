@@ -120,6 +120,10 @@ def run_zero_shot(modes: list[str]) -> list[dict]:
     from resformer_jax.benchmarks.zero_shot import bench_zero_shot
     if not FLAGS.task_data or not FLAGS.tokenizer:
         raise cli.ConfigFlagError("bench zero_shot needs --task_data=DIR and --tokenizer=FILE (tokenizer.json)")
+    import os
+    if not os.path.isfile(FLAGS.tokenizer):
+        raise cli.ConfigFlagError(f"--tokenizer={FLAGS.tokenizer}: no such file; give a tokenizer.json (e.g. "
+                                  "../shared/data/tokenizers/gpt-neox-20b.json)")
     if FLAGS.items < 1:
         raise cli.ConfigFlagError(f"--items={FLAGS.items}: must be at least 1")
     return bench_zero_shot(FLAGS.config, FLAGS.task_data, [t for t in FLAGS.tasks.split(",") if t], FLAGS.items,
