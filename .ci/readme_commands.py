@@ -3,6 +3,7 @@
 They are the non-comment lines of README's first ```bash block. `.ci/run` runs what this prints, so CI runs
 what a new user copies, and tests/test_readme.py fails when the block stops holding exactly those two.
 """
+
 import pathlib
 import sys
 
@@ -10,7 +11,7 @@ import sys
 def readme_commands(readme: pathlib.Path) -> list[str]:
     text = readme.read_text()
     start = text.index("```bash\n") + len("```bash\n")
-    block = text[start:text.index("```", start)]
+    block = text[start : text.index("```", start)]
     return [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 

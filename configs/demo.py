@@ -1,7 +1,8 @@
 """The embedded demo: a tiny ResFormer on the Python standard library's source, offline.
 
-  python -m resformer_jax.main          # finishes in a few minutes on 2 CPU cores
+python -m resformer_jax.main          # finishes in a few minutes on 2 CPU cores
 """
+
 from resformer_jax.config import base_config
 
 

@@ -9,6 +9,7 @@ As the authors' GPT-2 run and paper Table 4: untied embeddings (77.75M parameter
 (their run kept GPT2Config's 0.1: --config.model.dropout=0.1 reproduces that; it drops embeddings and residual
 branches, not attention probabilities).
 """
+
 from resformer_jax.config import paper_config
 
 

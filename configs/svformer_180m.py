@@ -1,4 +1,5 @@
 """Paper Table 4, 180m: svformer."""
+
 from resformer_jax.config import paper_config
 
 

@@ -1,4 +1,5 @@
 """A tiny model for tests and quick experiments (synthetic data by default)."""
+
 from resformer_jax.config import tiny_config
 
 

@@ -1,4 +1,5 @@
 """Paper Table 4, 2m: transformer."""
+
 from resformer_jax.config import paper_config
 
 

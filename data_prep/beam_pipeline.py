@@ -21,6 +21,7 @@ Packing, recorded in metadata.json as `packing`:
 
 The tokenizer itself is loaded or trained (train:VOCAB) by the driver before the pipeline starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,15 @@ def require_beam():
         import apache_beam  # noqa: F401
     except ImportError:
         from data_prep.corpus_io import PrepareError
-        raise PrepareError("--runner=beam needs Apache Beam: pip install -e '.[beam]' (or pip install apache-beam)") \
-            from None
+
+        raise PrepareError(
+            "--runner=beam needs Apache Beam: pip install -e '.[beam]' (or pip install apache-beam)"
+        ) from None
 
 
 def _fs():
     from apache_beam.io.filesystems import FileSystems
+
     return FileSystems
 
 
@@ -55,12 +59,15 @@ def list_inputs(inputs: list[str]) -> list[str]:
     """Input files in a fixed order: local folders walked like the threaded path; remote paths matched
     with Beam's filesystems (a folder, or a glob)."""
     from data_prep.corpus_io import TEXT_EXTS, PrepareError, list_files
+
     local = [p for p in inputs if not remote(p)]
     files = list_files(local) if local else []
     for p in inputs:
         if remote(p):
             pattern = p if any(c in p for c in "*?[") else p.rstrip("/") + "/**"
-            found = sorted(m.path for r in _fs().match([pattern]) for m in r.metadata_list if m.path.endswith(TEXT_EXTS))
+            found = sorted(
+                m.path for r in _fs().match([pattern]) for m in r.metadata_list if m.path.endswith(TEXT_EXTS)
+            )
             if not found:
                 raise PrepareError(f"no {', '.join(TEXT_EXTS)} files match {p!r}; check --input")
             files += found
@@ -94,6 +101,7 @@ def read_unit(unit, domain: str, split: str, seed: int, shuffle_docs: bool, skip
     """Yields ((split, domain), (file index, position, text)) for one work unit; position orders documents
     within a file (byte offset for ranged .jsonl reads, document index otherwise)."""
     from data_prep.corpus_io import BadInputFile, PrepareError, from_json_line, read_documents, split_of
+
     fi, path, start, end = unit
     sp = split_of(path, split)
     if end >= 0:  # a byte range of a large .jsonl: the lines that start inside it
@@ -142,6 +150,7 @@ class Tokenize:
             return key, (fi, pos, text)
         if self.tok is None:
             from tokenizers import Tokenizer
+
             self.tok = Tokenizer.from_str(self.tokenizer_json)
         ids = self.tok.encode(text, add_special_tokens=False).ids + [self.eot]
         return key, (fi, pos, np.asarray(ids, np.uint32))
@@ -151,6 +160,7 @@ def pack_and_write(kv, out: str, seq_len: int, dtype: str, budgets: dict, record
     """One (split, domain) stream (or one file's part of it): ordered, budgeted, packed, written. Yields its
     stats as (split, domain, stats)."""
     from data_prep.corpus_io import ShardWriter
+
     (sp, dom, part), docs = kv
     docs = sorted(docs, key=lambda d: (d[0], d[1]))
     folder = f"{out}/{sp}/{dom}"
@@ -174,30 +184,49 @@ def pack_and_write(kv, out: str, seq_len: int, dtype: str, budgets: dict, record
             f.write(src.read())
         os.remove(os.path.join(local, name))
     os.rmdir(local)
-    st.update(sequences=w.records, tokens_in_sequences=w.records * (seq_len + 1), tokens_dropped=left,
-              shards=list(w.shards))
+    st.update(
+        sequences=w.records, tokens_in_sequences=w.records * (seq_len + 1), tokens_dropped=left, shards=list(w.shards)
+    )
     yield sp, dom, st
 
 
 def merge_stats(parts: list[tuple[str, str, dict]]) -> dict:
     stats: dict[str, dict[str, dict]] = {}
     for sp, dom, st in sorted(parts, key=lambda x: (x[0], x[1], x[2]["shards"])):
-        cur = stats.setdefault(sp, {}).setdefault(dom, {"documents": 0, "tokens": 0, "sequences": 0,
-                                                        "tokens_in_sequences": 0, "tokens_dropped": 0, "shards": []})
+        cur = stats.setdefault(sp, {}).setdefault(
+            dom,
+            {"documents": 0, "tokens": 0, "sequences": 0, "tokens_in_sequences": 0, "tokens_dropped": 0, "shards": []},
+        )
         for k in ("documents", "tokens", "sequences", "tokens_in_sequences", "tokens_dropped"):
             cur[k] += st[k]
         cur["shards"] += st["shards"]
     return stats
 
 
-def run_pipeline(files: list[str], tok, tokenizer_json: str, eot: int, out: str, seq_len: int, budgets: dict,
-                 domain: str, split: str, seed: int, shuffle_docs: bool, records_per_shard: int,
-                 beam_options: str, packing: str, skip_bad_files: bool) -> tuple[dict, list[dict]]:
+def run_pipeline(
+    files: list[str],
+    tok,
+    tokenizer_json: str,
+    eot: int,
+    out: str,
+    seq_len: int,
+    budgets: dict,
+    domain: str,
+    split: str,
+    seed: int,
+    shuffle_docs: bool,
+    records_per_shard: int,
+    beam_options: str,
+    packing: str,
+    skip_bad_files: bool,
+) -> tuple[dict, list[dict]]:
     """Runs the pipeline, writing shards under `out`; returns (stats per split and domain, skipped files)."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
+
     if packing not in ("domain", "file"):
         from data_prep.corpus_io import PrepareError
+
         raise PrepareError(f"--beam_packing={packing!r}: use domain or file")
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab <= 65535 else "uint32"
@@ -205,19 +234,33 @@ def run_pipeline(files: list[str], tok, tokenizer_json: str, eot: int, out: str,
     results = f"{out}/_beam_stats"
     opts = PipelineOptions(shlex.split(beam_options or "--runner=DirectRunner"))
     with beam.Pipeline(options=opts) as p:
-        docs = (p | "units" >> beam.Create(units)
-                  | "read" >> beam.FlatMap(read_unit, domain, split, seed, shuffle_docs, skip_bad_files)
-                  | "tokenize" >> beam.Map(Tokenize(tokenizer_json, eot)))
+        docs = (
+            p
+            | "units" >> beam.Create(units)
+            | "read" >> beam.FlatMap(read_unit, domain, split, seed, shuffle_docs, skip_bad_files)
+            | "tokenize" >> beam.Map(Tokenize(tokenizer_json, eot))
+        )
         skipped = docs | "skipped" >> beam.Filter(lambda kv: kv[0][0] == "__skipped__")
-        keyed = (docs | "kept" >> beam.Filter(lambda kv: kv[0][0] != "__skipped__")
-                      | "key" >> beam.Map(lambda kv: ((kv[0][0], kv[0][1], kv[1][0] if packing == "file" else 0), kv[1])))
-        stats = (keyed | "group" >> beam.GroupByKey()
-                       | "pack" >> beam.FlatMap(pack_and_write, out, seq_len, dtype, budgets, records_per_shard,
-                                                packing))
-        (stats | "stats_json" >> beam.Map(json.dumps)
-               | "write_stats" >> beam.io.WriteToText(f"{results}/stats", file_name_suffix=".jsonl"))
-        (skipped | "skipped_json" >> beam.Map(lambda kv: json.dumps({"file": kv[0][1], "reason": kv[1][2]}))
-                 | "write_skipped" >> beam.io.WriteToText(f"{results}/skipped", file_name_suffix=".jsonl"))
+        keyed = (
+            docs
+            | "kept" >> beam.Filter(lambda kv: kv[0][0] != "__skipped__")
+            | "key" >> beam.Map(lambda kv: ((kv[0][0], kv[0][1], kv[1][0] if packing == "file" else 0), kv[1]))
+        )
+        stats = (
+            keyed
+            | "group" >> beam.GroupByKey()
+            | "pack" >> beam.FlatMap(pack_and_write, out, seq_len, dtype, budgets, records_per_shard, packing)
+        )
+        (
+            stats
+            | "stats_json" >> beam.Map(json.dumps)
+            | "write_stats" >> beam.io.WriteToText(f"{results}/stats", file_name_suffix=".jsonl")
+        )
+        (
+            skipped
+            | "skipped_json" >> beam.Map(lambda kv: json.dumps({"file": kv[0][1], "reason": kv[1][2]}))
+            | "write_skipped" >> beam.io.WriteToText(f"{results}/skipped", file_name_suffix=".jsonl")
+        )
     fs = _fs()
     parts, skipped_files = [], []
     for r in fs.match([f"{results}/*.jsonl"]):

@@ -1,19 +1,26 @@
 """What both preparation paths share (the threaded one in prepare.py, the Apache Beam one in beam_pipeline.py):
 input files and their documents, the tokenizer, the end-of-text token, and the ArrayRecord shard writer."""
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import shutil
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from resformer_jax.errors import UserError
 
-SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
-               "holdout": "validation", "test": "test"}
+SPLIT_NAMES = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "holdout": "validation",
+    "test": "test",
+}
 TEXT_EXTS = (".jsonl", ".jsonl.zst", ".json.zst", ".parquet", ".txt")
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
@@ -71,6 +78,7 @@ def _zst_bytes(path: str) -> Iterator[bytes]:
     """The decompressed bytes of every zstd frame in a file; a truncated or corrupt file is an error
     (a stream reader alone stops quietly at a cut-off frame)."""
     import zstandard
+
     with open(path, "rb") as raw:
         obj, fed = zstandard.ZstdDecompressor().decompressobj(), False
         while True:
@@ -122,14 +130,16 @@ def _file_bytes(path: str) -> Iterator[bytes]:
 def from_record(rec, where: str, domain: str) -> tuple[str, str]:
     """(domain, text) of one SlimPajama-style record."""
     if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-        raise BadInputFile(f"{where}: the record has no \"text\" string field (keys: "
-                           f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__})")
+        raise BadInputFile(
+            f'{where}: the record has no "text" string field (keys: '
+            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__})"
+        )
     meta = rec.get("meta") or {}
     if isinstance(meta, str):
         try:
             meta = json.loads(meta)
         except json.JSONDecodeError:
-            raise BadInputFile(f"{where}: its \"meta\" field is a string that is not JSON") from None
+            raise BadInputFile(f'{where}: its "meta" field is a string that is not JSON') from None
     return meta.get("redpajama_set_name", domain), rec["text"]
 
 
@@ -153,7 +163,7 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
         try:
             yield domain, raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
+            line = raw[: e.start].count(b"\n") + 1
             raise BadInputFile(f"{path}:{line}: not UTF-8 ({e.reason}); convert the file to UTF-8") from None
     elif path.endswith((".jsonl.zst", ".json.zst", ".jsonl")):
         chunks = _zst_bytes(path) if path.endswith(".zst") else _file_bytes(path)
@@ -167,12 +177,13 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
             yield from_record(rec, f"{path}:{n}", domain)
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         try:
             table = pq.read_table(path)
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        except Exception as e:
             raise BadInputFile(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
         if "text" not in table.column_names:
-            raise BadInputFile(f"{path}: no \"text\" column (columns: {table.column_names})")
+            raise BadInputFile(f'{path}: no "text" column (columns: {table.column_names})')
         for i, rec in enumerate(table.to_pylist()):
             yield from_record(rec, f"{path} row {i}", domain)
 
@@ -180,17 +191,23 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
 def load_tokenizer(spec: str, files: list[str], out: str, docs_of=None):
     """tokenizer.json path | hub name (needs network) | train:VOCAB (byte-level BPE trained here)."""
     from tokenizers import Tokenizer
+
     if spec.startswith("train:"):
         try:
             vocab = int(spec.split(":", 1)[1])
         except ValueError:
             raise PrepareError(f"--tokenizer {spec!r}: expected train:VOCAB_SIZE, e.g. train:8192") from None
         from tokenizers import decoders, models, pre_tokenizers, trainers
+
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         train_files = [f for f in files if split_of(f, "train") == "train"] or files
         docs_of = docs_of or (lambda f: read_documents(f, "default"))
         tok.train_from_iterator((t for f in train_files for _, t in docs_of(f)), trainer)
@@ -200,7 +217,7 @@ def load_tokenizer(spec: str, files: list[str], out: str, docs_of=None):
     if os.path.isfile(spec):
         try:
             tok = Tokenizer.from_file(spec)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise PrepareError(f"--tokenizer {spec!r} is not a tokenizers JSON file ({e})") from None
         path = os.path.join(out, "tokenizer.json")
         if os.path.abspath(spec) != os.path.abspath(path):
@@ -208,9 +225,11 @@ def load_tokenizer(spec: str, files: list[str], out: str, docs_of=None):
         return tok, path
     try:
         tok = Tokenizer.from_pretrained(spec)
-    except Exception as e:  # noqa: BLE001
-        raise PrepareError(f"--tokenizer {spec!r} is neither a file nor a hub name that loads here ({e}); "
-                           "pass a local tokenizer.json or train:VOCAB_SIZE") from None
+    except Exception as e:
+        raise PrepareError(
+            f"--tokenizer {spec!r} is neither a file nor a hub name that loads here ({e}); "
+            "pass a local tokenizer.json or train:VOCAB_SIZE"
+        ) from None
     path = os.path.join(out, "tokenizer.json")
     tok.save(path)
     return tok, path
@@ -229,6 +248,7 @@ class ShardWriter:
 
     def __init__(self, folder: str, record_len: int, dtype, per_shard: int, prefix: str = "shard"):
         from array_record.python.array_record_module import ArrayRecordWriter
+
         self._writer_cls = ArrayRecordWriter
         self.folder, self.record_len, self.dtype, self.per_shard = folder, record_len, dtype, per_shard
         self.prefix = prefix
@@ -240,8 +260,8 @@ class ShardWriter:
         self.buf = np.concatenate([self.buf, np.asarray(ids, self.dtype)])
         n = len(self.buf) // self.record_len
         for i in range(n):
-            self._write(self.buf[i * self.record_len:(i + 1) * self.record_len])
-        self.buf = self.buf[n * self.record_len:]
+            self._write(self.buf[i * self.record_len : (i + 1) * self.record_len])
+        self.buf = self.buf[n * self.record_len :]
 
     def _write(self, rec):
         if self.writer is None or self.in_shard == self.per_shard:

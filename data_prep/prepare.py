@@ -11,6 +11,7 @@ into records of seq_len + 1 tokens (inputs and shifted targets of one
 training sequence). Writes DIR/<split>/<domain>/shard-NNNNN.array_record,
 DIR/tokenizer.json and DIR/metadata.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,40 @@ import time
 
 import numpy as np
 
-from data_prep.corpus_io import (BadInputFile, PrepareError, ShardWriter, eot_id_of, list_files, load_tokenizer,
-                                  parse_tokens, read_documents, sha256_file, split_of)
+from data_prep.corpus_io import (
+    BadInputFile,
+    PrepareError,
+    ShardWriter,
+    eot_id_of,
+    list_files,
+    load_tokenizer,
+    parse_tokens,
+    read_documents,
+    sha256_file,
+    split_of,
+)
 
 
-def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, budgets: dict | None = None,
-            workers: int = 0, domain: str = "default", split: str = "train", seed: int = 0,
-            shuffle_docs: bool = False, records_per_shard: int = 65536, batch_docs: int = 256,
-            command: str = "", quiet: bool = False, skip_bad_files: bool = False, runner: str = "threads",
-            beam_options: str = "", beam_packing: str = "domain") -> dict:
+def prepare(
+    inputs: list[str],
+    tokenizer: str,
+    out: str,
+    seq_len: int = 2048,
+    budgets: dict | None = None,
+    workers: int = 0,
+    domain: str = "default",
+    split: str = "train",
+    seed: int = 0,
+    shuffle_docs: bool = False,
+    records_per_shard: int = 65536,
+    batch_docs: int = 256,
+    command: str = "",
+    quiet: bool = False,
+    skip_bad_files: bool = False,
+    runner: str = "threads",
+    beam_options: str = "",
+    beam_packing: str = "domain",
+) -> dict:
     """Library form of the command; returns the metadata it writes.
 
     Atomic: everything is written to a folder beside `out` and renamed into place at the end, so a
@@ -46,6 +72,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
         raise PrepareError(f"--runner={runner!r}: use threads or beam")
     if runner == "beam":
         from data_prep import beam_pipeline
+
         beam_pipeline.require_beam()
         files = beam_pipeline.list_inputs(inputs)
     else:
@@ -53,28 +80,78 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     out = out.rstrip("/") or out
     if "://" in out:
         from resformer_jax import storage
+
         try:
             storage.check_supported(out)
         except storage.StorageError as e:
             raise PrepareError(str(e)) from None
         if runner != "beam":
-            return _prepare_then_upload(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                                        records_per_shard, batch_docs, command, quiet, skip_bad_files)
-        return _prepare_remote(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                               records_per_shard, batch_docs, command, quiet, skip_bad_files, beam_options, beam_packing)
+            return _prepare_then_upload(
+                out,
+                files,
+                tokenizer,
+                seq_len,
+                budgets,
+                domain,
+                split,
+                seed,
+                shuffle_docs,
+                records_per_shard,
+                batch_docs,
+                command,
+                quiet,
+                skip_bad_files,
+            )
+        return _prepare_remote(
+            out,
+            files,
+            tokenizer,
+            seq_len,
+            budgets,
+            domain,
+            split,
+            seed,
+            shuffle_docs,
+            records_per_shard,
+            batch_docs,
+            command,
+            quiet,
+            skip_bad_files,
+            beam_options,
+            beam_packing,
+        )
     if os.path.exists(out) and not os.path.isdir(out):
-        raise PrepareError(f"--out {out!r} is an existing file; name a folder (new, empty, or a prepared corpus "
-                           "to replace)")
+        raise PrepareError(
+            f"--out {out!r} is an existing file; name a folder (new, empty, or a prepared corpus to replace)"
+        )
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "metadata.json")):
-        raise PrepareError(f"--out {out!r} is a non-empty folder that is not a prepared corpus; name a new or "
-                           "empty folder (prepare replaces only its own output)")
+        raise PrepareError(
+            f"--out {out!r} is a non-empty folder that is not a prepared corpus; name a new or "
+            "empty folder (prepare replaces only its own output)"
+        )
     work = f"{out}.partial-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
         os.makedirs(work)
-        meta = _prepare_into(work, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                             records_per_shard, batch_docs, command, quiet, skip_bad_files, runner, beam_options,
-                             beam_packing)
+        meta = _prepare_into(
+            work,
+            files,
+            tokenizer,
+            seq_len,
+            budgets,
+            domain,
+            split,
+            seed,
+            shuffle_docs,
+            records_per_shard,
+            batch_docs,
+            command,
+            quiet,
+            skip_bad_files,
+            runner,
+            beam_options,
+            beam_packing,
+        )
         if os.path.isdir(out):  # swap: the old corpus stays whole until the new one is
             old = f"{out}.old-{os.getpid()}"
             os.rename(out, old)
@@ -89,20 +166,50 @@ def prepare(inputs: list[str], tokenizer: str, out: str, seq_len: int = 2048, bu
     return meta
 
 
-def _prepare_then_upload(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                         records_per_shard, batch_docs, command, quiet, skip_bad_files) -> dict:
+def _prepare_then_upload(
+    out,
+    files,
+    tokenizer,
+    seq_len,
+    budgets,
+    domain,
+    split,
+    seed,
+    shuffle_docs,
+    records_per_shard,
+    batch_docs,
+    command,
+    quiet,
+    skip_bad_files,
+) -> dict:
     """--out on object storage with the threaded runner: ArrayRecord writes local files only, so the corpus
     is prepared in a local temporary folder and uploaded. No rename there either: the old metadata.json
     is removed first and the new one uploaded last, so a half-uploaded corpus never looks prepared."""
     from etils import epath
+
     dst = epath.Path(out)
     if (dst / "metadata.json").exists():
         (dst / "metadata.json").unlink()
     local = tempfile.mkdtemp(prefix="resformer_prepare_")
     try:
-        meta = _prepare_into(local, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                             records_per_shard, batch_docs, command, quiet, skip_bad_files)
+        meta = _prepare_into(
+            local,
+            files,
+            tokenizer,
+            seq_len,
+            budgets,
+            domain,
+            split,
+            seed,
+            shuffle_docs,
+            records_per_shard,
+            batch_docs,
+            command,
+            quiet,
+            skip_bad_files,
+        )
         from resformer_jax.storage import files_under
+
         files_up = [p for p in files_under(local) if p.name != "metadata.json"]
         for f in files_up:
             target = dst / f.relative_to(local)
@@ -116,21 +223,58 @@ def _prepare_then_upload(out, files, tokenizer, seq_len, budgets, domain, split,
     return meta
 
 
-def _prepare_remote(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs, records_per_shard,
-                    batch_docs, command, quiet, skip_bad_files, beam_options, beam_packing) -> dict:
+def _prepare_remote(
+    out,
+    files,
+    tokenizer,
+    seq_len,
+    budgets,
+    domain,
+    split,
+    seed,
+    shuffle_docs,
+    records_per_shard,
+    batch_docs,
+    command,
+    quiet,
+    skip_bad_files,
+    beam_options,
+    beam_packing,
+) -> dict:
     """--out on object storage (Beam only): no rename there, so metadata.json is removed first and written last;
     the tokenizer is prepared locally and copied up."""
     from apache_beam.io.filesystems import FileSystems
+
     meta_path = f"{out}/metadata.json"
     if FileSystems.exists(meta_path):
         FileSystems.delete([meta_path])
     local = tempfile.mkdtemp(prefix="resformer_prepare_")
     try:
-        meta = _prepare_into(local, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs,
-                             records_per_shard, batch_docs, command, quiet, skip_bad_files, "beam", beam_options,
-                             beam_packing, shards_out=out, write_meta=False)
-        with open(os.path.join(local, "tokenizer.json"), "rb") as src, \
-                FileSystems.create(f"{out}/tokenizer.json") as dst:
+        meta = _prepare_into(
+            local,
+            files,
+            tokenizer,
+            seq_len,
+            budgets,
+            domain,
+            split,
+            seed,
+            shuffle_docs,
+            records_per_shard,
+            batch_docs,
+            command,
+            quiet,
+            skip_bad_files,
+            "beam",
+            beam_options,
+            beam_packing,
+            shards_out=out,
+            write_meta=False,
+        )
+        with (
+            open(os.path.join(local, "tokenizer.json"), "rb") as src,
+            FileSystems.create(f"{out}/tokenizer.json") as dst,
+        ):
             dst.write(src.read())
         with FileSystems.create(meta_path) as f:
             f.write(json.dumps(meta, indent=2).encode())
@@ -139,9 +283,27 @@ def _prepare_remote(out, files, tokenizer, seq_len, budgets, domain, split, seed
     return meta
 
 
-def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, shuffle_docs, records_per_shard,
-                  batch_docs, command, quiet, skip_bad_files, runner="threads", beam_options="",
-                  beam_packing="domain", shards_out=None, write_meta=True) -> dict:
+def _prepare_into(
+    out,
+    files,
+    tokenizer,
+    seq_len,
+    budgets,
+    domain,
+    split,
+    seed,
+    shuffle_docs,
+    records_per_shard,
+    batch_docs,
+    command,
+    quiet,
+    skip_bad_files,
+    runner="threads",
+    beam_options="",
+    beam_packing="domain",
+    shards_out=None,
+    write_meta=True,
+) -> dict:
     skipped: dict[str, str] = {}
 
     def log(msg):
@@ -156,8 +318,9 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
             return list(read_documents(path, dom))
         except BadInputFile as e:
             if not skip_bad_files:
-                raise PrepareError(f"{e}. Fix or remove the file, or pass --skip_bad_files to skip such files") \
-                    from None
+                raise PrepareError(
+                    f"{e}. Fix or remove the file, or pass --skip_bad_files to skip such files"
+                ) from None
             skipped[path] = str(e)
             log(f"[prepare] WARNING: skipping a bad input file: {e}")
             return []
@@ -165,19 +328,50 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
     tok, tok_path = load_tokenizer(tokenizer, files, out, docs_of)
     if runner == "beam":
         from data_prep import beam_pipeline
+
         vocab = tok.get_vocab_size(with_added_tokens=True)
         eot = eot_id_of(tok)
         with open(tok_path) as f:
             tok_json = f.read()
         t0 = time.time()
         stats, skipped_list = beam_pipeline.run_pipeline(
-            files, tok, tok_json, eot, shards_out or out, seq_len, budgets, domain, split, seed, shuffle_docs,
-            records_per_shard, beam_options, beam_packing, skip_bad_files)
+            files,
+            tok,
+            tok_json,
+            eot,
+            shards_out or out,
+            seq_len,
+            budgets,
+            domain,
+            split,
+            seed,
+            shuffle_docs,
+            records_per_shard,
+            beam_options,
+            beam_packing,
+            skip_bad_files,
+        )
         skipped.update({x["file"]: x["reason"] for x in skipped_list})
         total = sum(st["tokens"] for doms in stats.values() for st in doms.values())
         log(f"[prepare] beam: {total:,} tokens in {time.time() - t0:.1f}s ({beam_packing} packing)")
-        return _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_docs, budgets, command,
-                       skipped, log, write_meta, runner="beam", packing=beam_packing)
+        return _finish(
+            out,
+            stats,
+            tok_path,
+            tokenizer,
+            vocab,
+            eot,
+            seq_len,
+            seed,
+            shuffle_docs,
+            budgets,
+            command,
+            skipped,
+            log,
+            write_meta,
+            runner="beam",
+            packing=beam_packing,
+        )
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eot = eot_id_of(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32
@@ -191,7 +385,7 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
         if shuffle_docs:  # seeded per file, so every runner (and a resumed preparation) gets the same order
             docs = [docs[i] for i in np.random.default_rng([seed, fi]).permutation(len(docs))]
         for b in range(0, len(docs), batch_docs):
-            chunk = docs[b:b + batch_docs]
+            chunk = docs[b : b + batch_docs]
             encs = tok.encode_batch([t for _, t in chunk], add_special_tokens=False)
             for (dom, _), enc in zip(chunk, encs):
                 st = stats.setdefault(sp, {}).setdefault(dom, {"documents": 0, "tokens": 0})
@@ -210,23 +404,60 @@ def _prepare_into(out, files, tokenizer, seq_len, budgets, domain, split, seed, 
 
     for (sp, dom), w in writers.items():
         left = w.close()
-        stats[sp][dom].update(sequences=w.records, tokens_in_sequences=w.records * (seq_len + 1),
-                              tokens_dropped=left, shards=w.shards)
-    log(f"[prepare] {total_tokens:,} tokens in {time.time() - t0:.1f}s"
-        + (f"; skipped {len(skipped)} bad files (listed in metadata.json)" if skipped else ""))
-    return _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_docs, budgets, command, skipped,
-                   log, write_meta, runner="threads", packing="domain")
+        stats[sp][dom].update(
+            sequences=w.records, tokens_in_sequences=w.records * (seq_len + 1), tokens_dropped=left, shards=w.shards
+        )
+    log(
+        f"[prepare] {total_tokens:,} tokens in {time.time() - t0:.1f}s"
+        + (f"; skipped {len(skipped)} bad files (listed in metadata.json)" if skipped else "")
+    )
+    return _finish(
+        out,
+        stats,
+        tok_path,
+        tokenizer,
+        vocab,
+        eot,
+        seq_len,
+        seed,
+        shuffle_docs,
+        budgets,
+        command,
+        skipped,
+        log,
+        write_meta,
+        runner="threads",
+        packing="domain",
+    )
 
 
-def _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_docs, budgets, command, skipped, log,
-            write_meta=True, runner="threads", packing="domain") -> dict:
+def _finish(
+    out,
+    stats,
+    tok_path,
+    tokenizer,
+    vocab,
+    eot,
+    seq_len,
+    seed,
+    shuffle_docs,
+    budgets,
+    command,
+    skipped,
+    log,
+    write_meta=True,
+    runner="threads",
+    packing="domain",
+) -> dict:
     """Drops (split, domain) streams without a whole record, and writes metadata.json (last)."""
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     for sp, doms in stats.items():
         for dom, st in list(doms.items()):
             if st.get("sequences", 0) == 0:
-                log(f"[prepare] note: split {sp!r} domain {dom!r} has no full sequence "
-                    f"({st['tokens']} tokens < {seq_len + 1}); it is left out of that split")
+                log(
+                    f"[prepare] note: split {sp!r} domain {dom!r} has no full sequence "
+                    f"({st['tokens']} tokens < {seq_len + 1}); it is left out of that split"
+                )
                 shutil.rmtree(os.path.join(out, sp, dom), ignore_errors=True)
                 st.update(sequences=0, shards=[])
     all_domains = sorted({d for doms in stats.values() for d in doms})
@@ -236,11 +467,21 @@ def _finish(out, stats, tok_path, tokenizer, vocab, eot, seq_len, seed, shuffle_
                 log(f"[prepare] note: domain {dom!r} has no data in split {sp!r}")
     meta = {
         "format": "resformer_jax.packed.v1",
-        "tokenizer": {"file": "tokenizer.json", "sha256": sha256_file(tok_path), "vocab_size": vocab,
-                      "eot_id": eot, "spec": tokenizer},
-        "seq_len": seq_len, "record_len": seq_len + 1, "dtype": np.dtype(dtype).name,
-        "seed": seed, "shuffle_docs": shuffle_docs, "budgets": budgets,
-        "splits": stats, "command": command or " ".join(sys.argv),
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "sha256": sha256_file(tok_path),
+            "vocab_size": vocab,
+            "eot_id": eot,
+            "spec": tokenizer,
+        },
+        "seq_len": seq_len,
+        "record_len": seq_len + 1,
+        "dtype": np.dtype(dtype).name,
+        "seed": seed,
+        "shuffle_docs": shuffle_docs,
+        "budgets": budgets,
+        "splits": stats,
+        "command": command or " ".join(sys.argv),
         "skipped_files": [{"file": f, "reason": r} for f, r in sorted(skipped.items())],
         "runner": runner,
         # domain: each (split, domain) packed as one stream in file and document order (threads, and Beam's
@@ -267,15 +508,29 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle_docs", action="store_true", help="shuffle documents within each file by --seed")
     p.add_argument("--records_per_shard", type=int, default=65536)
-    p.add_argument("--runner", default="threads", choices=("threads", "beam"),
-                   help="threads: this machine; beam: an Apache Beam pipeline (pip install -e '.[beam]')")
-    p.add_argument("--beam_options", default="",
-                   help='Beam pipeline options, e.g. "--runner=DirectRunner --direct_num_workers=2 '
-                        '--direct_running_mode=multi_processing" or "--runner=DataflowRunner --project=P ..."')
-    p.add_argument("--beam_packing", default="domain", choices=("domain", "file"),
-                   help="domain: records identical to the threaded path; file: pack each file on its own (parallel)")
-    p.add_argument("--skip_bad_files", action="store_true",
-                   help="skip truncated or malformed input files (counted, listed in metadata.json) instead of stopping")
+    p.add_argument(
+        "--runner",
+        default="threads",
+        choices=("threads", "beam"),
+        help="threads: this machine; beam: an Apache Beam pipeline (pip install -e '.[beam]')",
+    )
+    p.add_argument(
+        "--beam_options",
+        default="",
+        help='Beam pipeline options, e.g. "--runner=DirectRunner --direct_num_workers=2 '
+        '--direct_running_mode=multi_processing" or "--runner=DataflowRunner --project=P ..."',
+    )
+    p.add_argument(
+        "--beam_packing",
+        default="domain",
+        choices=("domain", "file"),
+        help="domain: records identical to the threaded path; file: pack each file on its own (parallel)",
+    )
+    p.add_argument(
+        "--skip_bad_files",
+        action="store_true",
+        help="skip truncated or malformed input files (counted, listed in metadata.json) instead of stopping",
+    )
     a = p.parse_args(argv)
     try:
         budgets = {}
@@ -286,12 +541,27 @@ def main(argv=None):
             try:
                 budgets[k] = parse_tokens(v)
             except ValueError:
-                raise PrepareError(f"--budget {b!r}: {v!r} is not a token count; use e.g. {k}=4B, 500M or 12000") \
-                    from None
-        prepare(a.input, a.tokenizer, a.out, a.seq_len, budgets, a.workers, a.domain, a.split, a.seed,
-                a.shuffle_docs, a.records_per_shard, command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]),
-                skip_bad_files=a.skip_bad_files, runner=a.runner, beam_options=a.beam_options,
-                beam_packing=a.beam_packing)
+                raise PrepareError(
+                    f"--budget {b!r}: {v!r} is not a token count; use e.g. {k}=4B, 500M or 12000"
+                ) from None
+        prepare(
+            a.input,
+            a.tokenizer,
+            a.out,
+            a.seq_len,
+            budgets,
+            a.workers,
+            a.domain,
+            a.split,
+            a.seed,
+            a.shuffle_docs,
+            a.records_per_shard,
+            command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]),
+            skip_bad_files=a.skip_bad_files,
+            runner=a.runner,
+            beam_options=a.beam_options,
+            beam_packing=a.beam_packing,
+        )
     except (PrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,4 +5,5 @@ per-layer plan per paper equation) knows nothing of training, `data/` nothing of
 formats; `rundir.py` owns a run directory, `errors.py` holds the one user-error type. README's Layout section
 lists every folder.
 """
+
 __version__ = "0.1.0"

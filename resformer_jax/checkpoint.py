@@ -14,6 +14,7 @@ The run directory may be local or on object storage (gs://, s3://): every path h
 (`resformer_jax.storage`). Object storage has no atomic rename, so there Orbax marks a finished
 checkpoint with a commit file instead of renaming its temporary folder.
 """
+
 from __future__ import annotations
 
 import errno
@@ -94,8 +95,9 @@ _fingerprint_tree = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
 def fingerprints(state) -> dict[str, list[int]]:
     """{array path: [two uint32 sums]} of every array in the state, computed where the arrays live."""
     fps = _fingerprint_tree(state)
-    return {_path(p): [int(v) for v in np.asarray(jax.device_get(x))]
-            for p, x in jax.tree_util.tree_leaves_with_path(fps)}
+    return {
+        _path(p): [int(v) for v in np.asarray(jax.device_get(x))] for p, x in jax.tree_util.tree_leaves_with_path(fps)
+    }
 
 
 def params_layout(tree) -> dict[str, tuple]:
@@ -130,13 +132,20 @@ class Checkpointer:
             temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if remote else None,
         )
         self.mngr = ocp.CheckpointManager(
-            self.dir, options=opts, item_names=("state", "data", "config", "progress", "fingerprints"),
+            self.dir,
+            options=opts,
+            item_names=("state", "data", "config", "progress", "fingerprints"),
             # Every item's handler is registered, the data iterator's (grain) included: Orbax then knows each item
             # when it reads a checkpoint's metadata or restores only some items (it warned that "data could not
             # be restored" otherwise, although the data position is restored, through its own restore call).
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
-                           "config": ocp.JsonCheckpointHandler(), "progress": ocp.JsonCheckpointHandler(),
-                           "fingerprints": ocp.JsonCheckpointHandler()})
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": grain.checkpoint.CheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(),
+                "progress": ocp.JsonCheckpointHandler(),
+                "fingerprints": ocp.JsonCheckpointHandler(),
+            },
+        )
 
     def saved_params_layout(self, step: int) -> dict[str, tuple] | None:
         """{path: shape} of the parameters a checkpoint holds, from its metadata (None if unreadable)."""
@@ -144,7 +153,7 @@ class Checkpointer:
             md = self.mngr.item_metadata(step)["state"]
             tree = getattr(md, "tree", md)
             return params_layout(tree["params"])
-        except Exception:  # noqa: BLE001 - unreadable metadata: restore will report the damage
+        except Exception:
             return None
 
     def history(self) -> list[str]:
@@ -165,14 +174,17 @@ class Checkpointer:
         return sorted(self.mngr.all_steps())
 
     def save(self, step: int, state, data_iter, config_dict: dict, progress: dict, force: bool = True):
-        args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_dict),
-                "progress": ocp.args.JsonSave(progress),
-                "fingerprints": ocp.args.JsonSave(fingerprints(state))}
+        args = {
+            "state": ocp.args.StandardSave(state),
+            "config": ocp.args.JsonSave(config_dict),
+            "progress": ocp.args.JsonSave(progress),
+            "fingerprints": ocp.args.JsonSave(fingerprints(state)),
+        }
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
         try:
             self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._write_failed(step, e) from None
         if jax.process_index() == 0:
             storage.write_text_atomic(self.history_marker, str(step))
@@ -180,7 +192,7 @@ class Checkpointer:
     def wait(self):
         try:
             self.mngr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._write_failed(None, e) from None
 
     def _write_failed(self, step, e: BaseException) -> Exception:
@@ -192,7 +204,8 @@ class Checkpointer:
         return CheckpointWriteError(
             f"could not write the checkpoint{'' if step is None else f' at step {step}'} to {self.dir}: "
             f"{err.strerror or err} ({getattr(err, 'filename', '') or 'while writing'}); {kept}. Free space, "
-            "fix the permissions, or use another --workdir, then rerun the same command")
+            "fix the permissions, or use another --workdir, then rerun the same command"
+        )
 
     def reached_preemption(self, step: int) -> bool:
         return self.mngr.reached_preemption(step)
@@ -203,7 +216,7 @@ class Checkpointer:
         for step in reversed(self.all_steps()):
             try:
                 return step, self.read_config(step)
-            except Exception:  # noqa: BLE001 - unreadable: the restore reports it
+            except Exception:
                 continue
         return None
 
@@ -214,20 +227,28 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """(state, config, progress) of one step; raises if it does not restore or if an array's bits differ
         from the fingerprint saved with it."""
-        r = self.mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), config=ocp.args.JsonRestore(),
-            progress=ocp.args.JsonRestore()))
+        r = self.mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                config=ocp.args.JsonRestore(),
+                progress=ocp.args.JsonRestore(),
+            ),
+        )
         try:
-            saved = dict(self.mngr.restore(step, args=ocp.args.Composite(
-                fingerprints=ocp.args.JsonRestore()))["fingerprints"])
-        except Exception:  # noqa: BLE001
+            saved = dict(
+                self.mngr.restore(step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))["fingerprints"]
+            )
+        except Exception:
             saved = None  # checkpoints written before fingerprints existed
         if saved is not None:
             now = fingerprints(r["state"])
             bad = [p for p in saved if now.get(p) != saved[p]]
             if bad or set(now) != set(saved):
-                raise DamagedCheckpoint(f"array {(bad or sorted(set(now) ^ set(saved)))[0]} does not match the "
-                                        f"fingerprint saved with it ({len(bad)} arrays differ)")
+                raise DamagedCheckpoint(
+                    f"array {(bad or sorted(set(now) ^ set(saved)))[0]} does not match the "
+                    f"fingerprint saved with it ({len(bad)} arrays differ)"
+                )
         return r["state"], dict(r["config"]), dict(r["progress"])
 
     def restore_latest(self, abstract_state, data_iter=None, warn=print):
@@ -239,27 +260,32 @@ class Checkpointer:
         for step in reversed(steps):
             try:
                 state, config, progress = self.restore(step, abstract_state)
-            except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
+            except Exception as e:
                 path = self.dir / str(step)
                 reason = failure_reason(e)
-                warn(f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
-                     "moving it to checkpoints_damaged/ and trying the previous one")
+                warn(
+                    f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
+                    "moving it to checkpoints_damaged/ and trying the previous one"
+                )
                 failures.append((step, reason))
                 self._quarantine(step)
                 continue
             if data_iter is not None:
                 try:
                     self.mngr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iter)))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     # Data order is a function of the step, so the position is recoverable.
-                    warn(f"note: data iterator state of step {step} not restored ({type(e).__name__}); "
-                         f"positioning the pipeline at step {step} from the step number")
+                    warn(
+                        f"note: data iterator state of step {step} not restored ({type(e).__name__}); "
+                        f"positioning the pipeline at step {step} from the step number"
+                    )
                     data_iter.set_state({"next_index": int(step)})
             return step, state, config, progress
         raise CheckpointError(
             f"none of the checkpoints in {self.dir} restores ({failures}); they were moved to "
             f"{self.damaged_dir}. To retry, move them back; to start over, use a new --workdir or pass "
-            "--config.checkpoint.allow_fresh_start=True")
+            "--config.checkpoint.allow_fresh_start=True"
+        )
 
     def _quarantine(self, step: int):
         if jax.process_index() == 0:
@@ -269,9 +295,10 @@ class Checkpointer:
                 storage.move_tree(src, self.damaged_dir / str(step))
         try:
             from jax.experimental import multihost_utils
+
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"quarantine_{step}")
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         self.mngr.reload()
 

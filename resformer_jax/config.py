@@ -5,12 +5,14 @@ every field with its default; `paper_config(size, variant)` fills paper
 Table 4; `validate(cfg)` stops on an impossible config with one message that
 names the field and the fix.
 """
+
 from __future__ import annotations
 
 import ml_collections
 
-from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
 from resformer_jax.errors import UserError
+from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
+from resformer_jax.model.config import ModelConfig
 
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
 REMAT_POLICIES = ("none", "dots", "full")
@@ -42,55 +44,8 @@ class ConfigError(UserError, ValueError):
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
-    c.model = m = ml_collections.ConfigDict()
-    m.arch = "llama"  # llama: RMSNorm, SwiGLU, RoPE | gpt2: LayerNorm, GELU MLP, learned positions, biases
-    m.vocab_size = 50277
-    m.num_layers = 8
-    m.num_heads = 8
-    m.num_kv_heads = 0  # 0: same as num_heads (MHA); fewer for GQA/MQA.
-    m.d_model = 512
-    m.ffn_dim = 1792
-    m.max_seq_len = 2048
-    m.rope_theta = 10000.0
-    # RoPE scaling, for imported checkpoints (Llama 3.1: llama3, factor 8, low 1, high 4, original 8,192):
-    # default (plain RoPE) | linear | llama3, with Hugging Face's rope_scaling fields.
-    m.rope_type = "default"
-    m.rope_factor = 1.0
-    m.rope_low_freq_factor = 1.0
-    m.rope_high_freq_factor = 4.0
-    m.rope_original_max_position = 8192
-    m.norm_eps = 1e-5
-    m.init_std = 0.02
-    # Paper Table 4: "Tie Word Embedding: False", for every architecture (the authors' GPT-2 run is untied too,
-    # 77.75M parameters at the 82M shape); True reads the logits off the input embedding (GPT-2's original form).
-    m.tie_embeddings = False
-    # GPT-2's (and Hugging Face GPT2Config's) init of the output projections (attention out, MLP down):
-    # std init_std / sqrt(2 * num_layers). Off: every matrix normal(0, init_std), as the paper's Llama runs.
-    m.scaled_output_init = False
-    # Dropout on the embeddings and on each residual branch's output (GPT-2's embd_pdrop and resid_pdrop; the
-    # attention probabilities are not dropped: the fused kernels have no such input). The paper's text: 0.
-    m.dropout = 0.0
-    m.value_residual = "none"
-    m.resformer_lambdas = "fixed"  # fixed | learnable | learnable_plus | sparse
-    m.lambda_init = (0.5, 0.5)  # (l1 on the earlier value, l2 on V_n), Eq. 7.
-    m.sparse_layers = ()  # 1-based layers where l1 != 0 for `sparse`.
-    m.sparse_lambda = 5.0
-    m.neutreno_lambda = -1.0  # <0: paper default (0.4 alone, 0.2 with resformer).
-    # first | previous | mean_of_previous (Fig. 8; with the attention mapping: Eq. 5, (1/n) sum_{i<=n} V_i) |
-    # mean_of_previous_mixed (Eq. 7's mix of the mean of V_1..V_{n-1} with V_n)
-    m.value_source = "first"
-    m.residual_on = "v"  # v | q | k (Fig. 6)
-    m.mapping = "attention"  # attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
-    m.denseformer = False
-    m.cla_share_every = 1  # 2 = CLA2: layers reuse the previous layer's K/V.
-    m.cla_share = "kv"  # kv | k | v (Fig. 4)
-    m.svformer_anchors = ()  # 1-based layers that recompute the shared value.
-    m.svformer_share = "v"  # v | q | k (Fig. 13)
-    m.dtype = "float32"  # compute dtype; params are always float32.
-    m.scan_layers = True
-    m.remat = "none"
-    m.attention_impl = "auto"
-    m.matmuls = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (train/setup per platform)
+    # The model's fields, their defaults and what each means: model/config.py (ModelConfig).
+    c.model = ml_collections.ConfigDict(ModelConfig().to_dict())
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "synthetic"  # synthetic | array_record | tfds | demo
@@ -173,7 +128,7 @@ def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
     c.data.seq_len = 2048
     c.data.source = "array_record"
     # Sized for 8x H100 80GB (the paper's hardware): the step's 1,024 sequences (128 a GPU) in one pass with
-    # remat=full. Compiled for H100 (python -m resformer_jax.compile --target=h100x8, README's table): the train
+    # remat=full. Compiled for H100 (resformer compile --target=h100x8, README's table): the train
     # step needs 11.3 / 18.8 / 34.4 GiB a GPU (ResFormer 82M / 180M / 468M) of the 59.7 GiB JAX's allocator may use;
     # `compile --tune` finds no faster setting that fits (README).
     # On fewer or smaller devices set train.microbatch (sequences per accumulation step); the precheck says so.
@@ -236,65 +191,95 @@ def _fail(field: str, problem: str, fix: str):
 
 
 def num_kv_heads(m) -> int:
-    return m.num_kv_heads or m.num_heads
+    return ModelConfig.of(m).kv_heads
 
 
 def head_dim(m) -> int:
-    return m.d_model // m.num_heads
+    return ModelConfig.of(m).head_dim
 
 
 def arch(m) -> str:
     """llama or gpt2 (configs saved before the field existed are llama)."""
-    return m.get("arch", "llama") if hasattr(m, "get") else getattr(m, "arch", "llama")
+    return ModelConfig.of(m).arch
 
 
 def uses_rope(m) -> bool:
-    return arch(m) == "llama"
+    return ModelConfig.of(m).uses_rope
 
 
 def ties_embeddings(m) -> bool:
     """Whether the logits are read off the input embedding (model.tie_embeddings)."""
-    return bool(m.get("tie_embeddings", False) if hasattr(m, "get") else getattr(m, "tie_embeddings", False))
+    return ModelConfig.of(m).tie_embeddings
 
 
 def output_init_std(m) -> float:
     """The init std of the output projections (attention out, MLP down): GPT-2's scaled form when asked."""
-    scaled = m.get("scaled_output_init", False) if hasattr(m, "get") else getattr(m, "scaled_output_init", False)
-    return m.init_std / (2 * m.num_layers) ** 0.5 if scaled else m.init_std
+    return ModelConfig.of(m).output_init_std
+
+
+# What a run resolves at start and records beside what was asked (the checkpoint's config and config.json hold
+# the asked config plus {"resolved": {field: value}}): the compute dtype `auto` chose, the corpus's tokenizer.
+RESOLVED_FIELDS = ("model.dtype", "data.tokenizer_hash")
+
+
+def run_record(asked: dict, resolved_cfg) -> dict:
+    """What a run saves: the config as the user asked it, and the values resolved at start (RESOLVED_FIELDS)."""
+    resolved = {}
+    for field in RESOLVED_FIELDS:
+        node = resolved_cfg
+        for part in field.split("."):
+            node = node[part]
+        resolved[field] = node
+    return {**asked, "resolved": resolved}
+
+
+def as_run(saved: dict) -> dict:
+    """A saved config as the run ran it: the resolved values in place of what was asked (runs saved before the
+    record had both hold the resolved values in place already)."""
+    if not isinstance(saved, dict) or "resolved" not in saved:
+        return saved
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in saved.items() if k != "resolved"}
+    for field, value in saved["resolved"].items():
+        section, name = field.split(".", 1)
+        out.setdefault(section, {})[name] = value
+    return out
 
 
 def with_defaults(saved: dict) -> dict:
-    """A saved config dict with the fields added since it was saved filled in from base_config(). A GPT-2 run
-    saved before `tie_embeddings` existed was tied (its checkpoints hold no lm_head)."""
+    """A saved config dict as the run ran it (`as_run`), with the fields added since it was saved filled in from
+    base_config(). A GPT-2 run saved before `tie_embeddings` existed was tied (its checkpoints hold no lm_head)."""
+    saved = as_run(saved)
     model = saved.get("model", {}) if isinstance(saved, dict) else {}
-    if isinstance(model, dict) and model.get("arch") == "gpt2" and "tie_embeddings" not in model:
-        saved = {**saved, "model": {**model, "tie_embeddings": True}}
+    if isinstance(model, dict):
+        saved = {**saved, "model": ModelConfig.upgrade(model)}
+
     def merge(base, over):
         out = dict(base)
         for k, v in over.items():
             out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
         return out
+
     return merge(base_config().to_dict(), saved)
 
 
 def mixes_values(m) -> bool:
     """ResFormer's mix (Eq. 7) of an earlier value into V_n, alone or with NeuTRENO."""
-    return m.value_residual in ("resformer", "resformer+neutreno")
+    return ModelConfig.of(m).mixes_values
 
 
 def uses_neutreno(m) -> bool:
     """NeuTRENO's correction (Eq. 8) after the attention."""
-    return m.value_residual in ("neutreno", "resformer+neutreno")
+    return ModelConfig.of(m).uses_neutreno
 
 
 def shares_first_value(m) -> bool:
     """SVFormer (Eq. 10): layers >= 2 take something (V, or Q/K in Fig. 13) from layer 1."""
-    return m.value_residual == "svformer"
+    return ModelConfig.of(m).shares_first_value
 
 
 def learns_lambdas(m) -> bool:
     """ResFormer with trainable mixing weights (logged per layer to TensorBoard)."""
-    return mixes_values(m) and m.resformer_lambdas in ("learnable", "learnable_plus")
+    return ModelConfig.of(m).learns_lambdas
 
 
 def parse_mixture(value) -> dict[str, float]:
@@ -310,11 +295,17 @@ def parse_mixture(value) -> dict[str, float]:
         try:
             out[dom.strip()] = float(w)
         except ValueError:
-            _fail("data.mixture", f"{item.strip()!r} is not DOMAIN=WEIGHT",
-                  "write e.g. --config.data.mixture=RedPajamaC4=0.3,RedPajamaGithub=0.1")
+            _fail(
+                "data.mixture",
+                f"{item.strip()!r} is not DOMAIN=WEIGHT",
+                "write e.g. --config.data.mixture=RedPajamaC4=0.3,RedPajamaGithub=0.1",
+            )
         if not eq or not dom.strip() or out[dom.strip()] < 0:
-            _fail("data.mixture", f"{item.strip()!r} is not DOMAIN=WEIGHT with a weight >= 0",
-                  "write e.g. --config.data.mixture=RedPajamaC4=0.3,RedPajamaGithub=0.1")
+            _fail(
+                "data.mixture",
+                f"{item.strip()!r} is not DOMAIN=WEIGHT with a weight >= 0",
+                "write e.g. --config.data.mixture=RedPajamaC4=0.3,RedPajamaGithub=0.1",
+            )
     if sum(out.values()) <= 0:
         _fail("data.mixture", "all weights are 0", "give at least one domain a positive weight")
     return out
@@ -324,11 +315,19 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks every field that could make a run impossible; returns c."""
     m = c.model
     if m.value_residual not in VALUE_RESIDUAL_MODES:
-        _fail("model.value_residual", f"unknown mode {m.value_residual!r}",
-              f"use one of {', '.join(VALUE_RESIDUAL_MODES)}")
-    for name, val in [("num_layers", m.num_layers), ("num_heads", m.num_heads),
-                      ("d_model", m.d_model), ("ffn_dim", m.ffn_dim),
-                      ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)]:
+        _fail(
+            "model.value_residual",
+            f"unknown mode {m.value_residual!r}",
+            f"use one of {', '.join(VALUE_RESIDUAL_MODES)}",
+        )
+    for name, val in [
+        ("num_layers", m.num_layers),
+        ("num_heads", m.num_heads),
+        ("d_model", m.d_model),
+        ("ffn_dim", m.ffn_dim),
+        ("vocab_size", m.vocab_size),
+        ("max_seq_len", m.max_seq_len),
+    ]:
         if not isinstance(val, int) or val <= 0:
             _fail(f"model.{name}", f"must be a positive integer, got {val!r}", "set a positive integer")
     if m.rope_type not in ("default", "linear", "llama3"):
@@ -336,53 +335,76 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if not 0.0 <= float(m.dropout) < 1.0:
         _fail("model.dropout", f"{m.dropout} is not a probability below 1", "use 0 (the paper) or e.g. 0.1 (GPT-2)")
     if m.d_model % m.num_heads:
-        _fail("model.num_heads", f"{m.num_heads} heads do not divide d_model={m.d_model}",
-              "choose num_heads dividing d_model")
+        _fail(
+            "model.num_heads",
+            f"{m.num_heads} heads do not divide d_model={m.d_model}",
+            "choose num_heads dividing d_model",
+        )
     if m.num_kv_heads < 0 or m.num_heads % num_kv_heads(m):
-        _fail("model.num_kv_heads", f"{m.num_kv_heads} kv heads do not divide num_heads={m.num_heads}",
-              "choose num_kv_heads dividing num_heads (0 means num_heads)")
+        _fail(
+            "model.num_kv_heads",
+            f"{m.num_kv_heads} kv heads do not divide num_heads={m.num_heads}",
+            "choose num_kv_heads dividing num_heads (0 means num_heads)",
+        )
     if head_dim(m) % 2:
-        _fail("model.num_heads", f"head_dim={head_dim(m)} is odd, RoPE needs an even head_dim",
-              "choose num_heads so d_model/num_heads is even")
+        _fail(
+            "model.num_heads",
+            f"head_dim={head_dim(m)} is odd, RoPE needs an even head_dim",
+            "choose num_heads so d_model/num_heads is even",
+        )
     if c.data.seq_len > m.max_seq_len:
-        _fail("data.seq_len", f"{c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
-              "lower data.seq_len or raise model.max_seq_len")
+        _fail(
+            "data.seq_len",
+            f"{c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+            "lower data.seq_len or raise model.max_seq_len",
+        )
     if c.data.seq_len < 1:
         _fail("data.seq_len", f"must be positive, got {c.data.seq_len}", "set data.seq_len >= 1")
     if m.remat not in REMAT_POLICIES:
         _fail("model.remat", f"unknown policy {m.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
-    if m.get("matmuls", "auto") not in ("auto", "cpu", "plain"):
+    if m.matmuls not in ("auto", "cpu", "plain"):
         _fail("model.matmuls", f"unknown form {m.matmuls!r}", "use auto, cpu or plain")
     if m.attention_impl not in ATTENTION_IMPLS:
-        _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}",
-              f"use one of {', '.join(ATTENTION_IMPLS)}")
+        _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
     if m.dtype not in ("float32", "bfloat16", "float16", "auto"):
         _fail("model.dtype", f"unknown dtype {m.dtype!r}", "use float32, bfloat16 or auto (the faster on this host)")
     if m.resformer_lambdas not in ("fixed", "learnable", "learnable_plus", "sparse"):
-        _fail("model.resformer_lambdas", f"unknown {m.resformer_lambdas!r}",
-              "use fixed, learnable, learnable_plus or sparse")
+        _fail(
+            "model.resformer_lambdas",
+            f"unknown {m.resformer_lambdas!r}",
+            "use fixed, learnable, learnable_plus or sparse",
+        )
     if len(tuple(m.lambda_init)) != 2:
-        _fail("model.lambda_init", f"needs two values (l1, l2), got {m.lambda_init!r}",
-              "set e.g. --config.model.lambda_init='(0.5,0.5)'")
-    choices = {"arch": ("llama", "gpt2"),
-               "value_source": ("first", "previous", "mean_of_previous", "mean_of_previous_mixed"),
-               "residual_on": ("v", "q", "k"),
-               "mapping": ("attention", "identity", "cross_layer"),
-               "cla_share": ("kv", "k", "v"),
-               "svformer_share": ("v", "q", "k")}
+        _fail(
+            "model.lambda_init",
+            f"needs two values (l1, l2), got {m.lambda_init!r}",
+            "set e.g. --config.model.lambda_init='(0.5,0.5)'",
+        )
+    choices = {
+        "arch": ("llama", "gpt2"),
+        "value_source": ("first", "previous", "mean_of_previous", "mean_of_previous_mixed"),
+        "residual_on": ("v", "q", "k"),
+        "mapping": ("attention", "identity", "cross_layer"),
+        "cla_share": ("kv", "k", "v"),
+        "svformer_share": ("v", "q", "k"),
+    }
     for name, allowed in choices.items():
         if m[name] not in allowed:
             _fail(f"model.{name}", f"unknown value {m[name]!r}", f"use one of {', '.join(allowed)}")
     resformer = mixes_values(m)
     for name, default in (("mapping", "attention"), ("residual_on", "v"), ("value_source", "first")):
         if m[name] != default and not resformer:
-            _fail(f"model.{name}", f"{m[name]!r} is a ResFormer ablation but value_residual="
-                  f"{m.value_residual!r}", "set model.value_residual='resformer' or leave this field at "
-                  f"{default!r}")
-    if m.svformer_share != "v" or tuple(m.svformer_anchors):
-        if m.value_residual != "svformer":
-            _fail("model.svformer_share", "anchors and Q/K sharing are SVFormer options",
-                  "set model.value_residual='svformer'")
+            _fail(
+                f"model.{name}",
+                f"{m[name]!r} is a ResFormer ablation but value_residual={m.value_residual!r}",
+                f"set model.value_residual='resformer' or leave this field at {default!r}",
+            )
+    if (m.svformer_share != "v" or tuple(m.svformer_anchors)) and m.value_residual != "svformer":
+        _fail(
+            "model.svformer_share",
+            "anchors and Q/K sharing are SVFormer options",
+            "set model.value_residual='svformer'",
+        )
     if m.cla_share_every < 1:
         _fail("model.cla_share_every", "must be >= 1", "use 1 (off) or 2 (CLA2)")
     for a in m.svformer_anchors:
@@ -398,37 +420,53 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if t.global_batch <= 0:
         _fail("train.global_batch", f"must be positive, got {t.global_batch}", "set a positive batch")
     if t.microbatch and t.global_batch % t.microbatch:
-        _fail("train.microbatch", f"{t.microbatch} does not divide global_batch={t.global_batch}",
-              "choose a microbatch dividing the global batch")
+        _fail(
+            "train.microbatch",
+            f"{t.microbatch} does not divide global_batch={t.global_batch}",
+            "choose a microbatch dividing the global batch",
+        )
     if t.steps <= 0:
         _fail("train.steps", f"must be positive, got {t.steps}", "set train.steps >= 1")
     if t.loss_chunk_len < 0:
-        _fail("train.loss_chunk_len", f"must be >= 0, got {t.loss_chunk_len}",
-              "set a positive block length (e.g. 128), or 0 for full logits")
+        _fail(
+            "train.loss_chunk_len",
+            f"must be >= 0, got {t.loss_chunk_len}",
+            "set a positive block length (e.g. 128), or 0 for full logits",
+        )
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        _fail("train.warmup_steps", f"{t.warmup_steps} not in [0, train.steps={t.steps})",
-              "use fewer warmup steps than total steps")
+        _fail(
+            "train.warmup_steps",
+            f"{t.warmup_steps} not in [0, train.steps={t.steps})",
+            "use fewer warmup steps than total steps",
+        )
     parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
         _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
     for field in ("heartbeat_timeout_s", "initialization_timeout_s"):
         if int(c.distributed[field]) < 1:
-            _fail(f"distributed.{field}", f"{c.distributed[field]} is not a positive number of seconds",
-                  "use at least 1 (defaults: heartbeat 100, initialization 300)")
+            _fail(
+                f"distributed.{field}",
+                f"{c.distributed[field]} is not a positive number of seconds",
+                "use at least 1 (defaults: heartbeat 100, initialization 300)",
+            )
     return c
 
 
 def neutreno_lambda(m) -> float:
-    if m.neutreno_lambda >= 0:
-        return float(m.neutreno_lambda)
-    return 0.2 if m.value_residual == "resformer+neutreno" else 0.4
+    return ModelConfig.of(m).neutreno
 
 
 # A resumed run may change how the model runs (these model fields), and anything outside
 # `model` (steps, lr, logging, eval, mesh); not the model's equations or parameters. Whether the
 # parameters still fit is checked against the checkpoint's own tree (train/loop.py).
-RUNTIME_MODEL_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "model.max_seq_len", "model.dropout",
-                        "model.matmuls")
+RUNTIME_MODEL_FIELDS = (
+    "model.attention_impl",
+    "model.remat",
+    "model.dtype",
+    "model.max_seq_len",
+    "model.dropout",
+    "model.matmuls",
+)
 
 
 def apply_ablation(c: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
@@ -436,8 +474,13 @@ def apply_ablation(c: ml_collections.ConfigDict, fields: dict) -> ml_collections
     LAST3 (the last three layers), MIDDLE (the middle layer), HALF / QUARTER / EIGHTH (of the heads)."""
     m = c.model
     L, H = m.num_layers, m.num_heads
-    symbolic = {"LAST3": tuple(range(max(2, L - 2), L + 1)), "MIDDLE": (L // 2 + 1,),
-                "HALF": max(1, H // 2), "QUARTER": max(1, H // 4), "EIGHTH": max(1, H // 8)}
+    symbolic = {
+        "LAST3": tuple(range(max(2, L - 2), L + 1)),
+        "MIDDLE": (L // 2 + 1,),
+        "HALF": max(1, H // 2),
+        "QUARTER": max(1, H // 4),
+        "EIGHTH": max(1, H // 8),
+    }
     for k, v in fields.items():
         m[k] = symbolic.get(v, v) if isinstance(v, str) else v
     return c

@@ -1,5 +1,6 @@
 """Where a run's numbers go: TensorBoard (tensorboardX) and metrics.jsonl through `Writer`, the console
 through `Progress`. The arithmetic behind them (FLOPs, MFU, memory) is perf.py's."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,14 @@ class Writer:
         self.w, self.jsonl = None, None
         if enabled:
             from tensorboardX import SummaryWriter
+
             from resformer_jax.storage import tensorboard_writers_for
+
             tensorboard_writers_for(logdir)  # gs:// and s3:// event files through epath
             self.w = SummaryWriter(os.fspath(logdir), flush_secs=10)
             if jsonl:  # the same scalars, machine-readable: one JSON object per logged step
                 from resformer_jax.storage import LineLog
+
                 self.jsonl = LineLog(jsonl)
 
     def scalars(self, step: int, values: dict):
@@ -56,6 +60,7 @@ def read_records(path, warn=None) -> list[dict]:
     now, or killed mid-write) is left out, saying so through `warn`; a damaged line before it is an error naming
     the file and the line."""
     from resformer_jax.storage import read_lines
+
     lines = read_lines(path)
     out = []
     for i, line in enumerate(lines):
@@ -66,11 +71,14 @@ def read_records(path, warn=None) -> list[dict]:
         except ValueError:
             if i == len(lines) - 1:
                 if warn:
-                    warn(f"note: {path}: the last line is incomplete (a run still writing, or killed mid-write); "
-                         "read without it")
+                    warn(
+                        f"note: {path}: the last line is incomplete (a run still writing, or killed mid-write); "
+                        "read without it"
+                    )
                 break
-            raise MetricsFileError(f"{path}: line {i + 1} is damaged ({line[:60]!r}); restore the file or remove "
-                                   "that line") from None
+            raise MetricsFileError(
+                f"{path}: line {i + 1} is damaged ({line[:60]!r}); restore the file or remove that line"
+            ) from None
         out.append(rec)
     return out
 
@@ -101,8 +109,9 @@ class Progress:
         if not self.enabled:
             return
         eta = (self.total - step) * step_time
-        self.stream.write(f"step {step:>7}/{self.total}  loss {loss:7.4f}  {tokens_per_s:11,.0f} tok/s  "
-                          f"ETA {fmt_eta(eta)}{extra}\n")
+        self.stream.write(
+            f"step {step:>7}/{self.total}  loss {loss:7.4f}  {tokens_per_s:11,.0f} tok/s  ETA {fmt_eta(eta)}{extra}\n"
+        )
         self.stream.flush()
 
     def message(self, text: str):

@@ -1,6 +1,7 @@
 """The arithmetic of performance, in one place: FLOPs per token, MFU, peak FLOP/s (datasheet on
 accelerators, measured on CPU), a compiled step's memory, the analytic memory estimate, and the model
 summary `--mode=summary` prints. The trainer, the benchmarks and the commands all count here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,27 @@ import jax.numpy as jnp
 
 # Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
 PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-    "A10G": 125e12, "L4": 121e12, "V100": 125e12, "RTX 4090": 165e12,
-    "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12,
-    "TPU v4": 275e12, "TPU v3": 123e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,
+    "TPU v4": 275e12,
+    "TPU v3": 123e12,
 }
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8, dtype: str = "float32") -> float:
     """Matmul FLOP/s of this host at `dtype` (inputs; fp32 accumulation), the best of several sizes and
     repeats (all local CPU devices share the cores, so this is the peak of all of them together)."""
@@ -55,8 +70,10 @@ def faster_cpu_dtype(m, tokens: int, min_gain: float = 1.2) -> tuple[str, str]:
     f32 = max(sample_cpu_matmul_peak(shape=shape, repeats=4) for _ in range(2))
     b16 = max(sample_cpu_matmul_peak(shape=shape, repeats=4, dtype="bfloat16") for _ in range(2))
     choice = "bfloat16" if b16 >= min_gain * f32 else "float32"
-    return choice, (f"bf16 {b16 / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s at the MLP's matmul "
-                    f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU")
+    return choice, (
+        f"bf16 {b16 / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s at the MLP's matmul "
+        f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU"
+    )
 
 
 def device_peak_flops(dtype: str = "float32") -> tuple[float, str]:
@@ -76,6 +93,7 @@ def device_peak_flops(dtype: str = "float32") -> tuple[float, str]:
 @dataclasses.dataclass(frozen=True)
 class ModelFlops:
     """Parameter counts and training FLOPs per token of a model config."""
+
     params_total: int
     params_non_embedding: int
     per_token: float  # the model's own count: every matmul, causal attention at half (model/transformer.py)
@@ -84,9 +102,11 @@ class ModelFlops:
 
 def model_flops(m, seq_len: int) -> ModelFlops:
     from resformer_jax.model.transformer import flops_per_token, param_counts
+
     pc = param_counts(m)
-    return ModelFlops(pc["params_total"], pc["params_non_embedding"], flops_per_token(m, seq_len),
-                      6.0 * pc["params_non_embedding"])
+    return ModelFlops(
+        pc["params_total"], pc["params_non_embedding"], flops_per_token(m, seq_len), 6.0 * pc["params_non_embedding"]
+    )
 
 
 def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]:
@@ -107,11 +127,12 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
     q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
     flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
-    fp32 block of logits. Against the compiled steps (README's table, `python -m resformer_jax.compile`): 6-26%
+    fp32 block of logits. Against the compiled steps (README's table, `resformer compile`): 6-26%
     above XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler needs more memory for the same
     program, and sequences of 8K tokens and more need about 20% more than estimated.
     """
     import jax.numpy as jnp
+
     m, t = cfg.model, cfg.train
     fsdp = max(1, fsdp_devices(cfg, devices))
     n_params = model_flops(m, cfg.data.seq_len).params_total
@@ -125,13 +146,21 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     # one fp32 block of logits: its gradient reuses the buffer (compiled for H100, README's table)
     logits = mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
     total = state + kept + layer + attention + logits
-    return {"state": int(state), "activations_kept": int(kept), "one_layer": int(layer), "attention": int(attention),
-            "logits": int(logits), "total": int(total), "per_device_micro_batch": mb}
+    return {
+        "state": int(state),
+        "activations_kept": int(kept),
+        "one_layer": int(layer),
+        "attention": int(attention),
+        "logits": int(logits),
+        "total": int(total),
+        "per_device_micro_batch": mb,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     """XLA's per-device estimate for a compiled step."""
+
     arguments: int
     outputs: int
     temporaries: int
@@ -146,19 +175,21 @@ def step_memory(compiled) -> StepMemory | None:
     ma = compiled.memory_analysis()
     if ma is None:
         return None
-    return StepMemory(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes,
-                      ma.alias_size_in_bytes)
-
-
+    return StepMemory(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes, ma.alias_size_in_bytes)
 
 
 def summary(cfg) -> dict:
     """Parameter counts, training FLOPs per token, KV-cache bytes per token and the memory estimate per
     device, as `--mode=summary` prints them (allocates nothing)."""
     from resformer_jax.model.decode import kv_cache_bytes_per_token
+
     f = model_flops(cfg.model, cfg.data.seq_len)
-    out = {"params_total": f.params_total, "params_non_embedding": f.params_non_embedding,
-           "flops_per_token": f.per_token, "flops_per_token_6n": f.per_token_6n}
+    out = {
+        "params_total": f.params_total,
+        "params_non_embedding": f.params_non_embedding,
+        "flops_per_token": f.per_token,
+        "flops_per_token_6n": f.per_token_6n,
+    }
     out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
     out["seq_len"] = cfg.data.seq_len
     out["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len

@@ -15,6 +15,7 @@ these names.
 
 Local paths, gs:// and s3:// alike (storage.py holds what object storage lacks).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,6 @@ import json
 from etils import epath
 
 from resformer_jax import storage
-
 
 SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (commands/sweep.py writes it; compare reads it)
 
@@ -88,7 +88,11 @@ class RunDir:
     def is_run(self) -> bool:
         """Whether this folder holds a run: checkpoints, logged metrics, or a training config.json (a Hugging Face
         export's config.json is not one)."""
-        if self.checkpoints.is_dir() or self.checkpoints_written_marker.is_file() or storage.has_lines(self.metrics_jsonl):
+        if (
+            self.checkpoints.is_dir()
+            or self.checkpoints_written_marker.is_file()
+            or storage.has_lines(self.metrics_jsonl)
+        ):
             return True
         try:
             cfg = self.read_config()
@@ -98,7 +102,9 @@ class RunDir:
 
     def has_metrics(self) -> bool:
         """Whether the run has logged at least one line to metrics.jsonl (an empty file is a run not yet logging)."""
-        return storage.has_lines(self.metrics_jsonl) and any(ln.strip() for ln in storage.read_lines(self.metrics_jsonl))
+        return storage.has_lines(self.metrics_jsonl) and any(
+            ln.strip() for ln in storage.read_lines(self.metrics_jsonl)
+        )
 
     def read_config(self) -> dict:
         """config.json as written at the run's start (json.JSONDecodeError / OSError as they come)."""
@@ -112,14 +118,17 @@ class RunDir:
         if not self.tokenizer_json.is_file():
             return None
         from tokenizers import Tokenizer
+
         return Tokenizer.from_str(self.tokenizer_json.read_text())
 
     def checkpointer(self, ckpt_cfg=None, *, read_only: bool = False):
         """The run's Orbax checkpointer: the training one (from config.checkpoint), or a read-only one that keeps
         every step and creates nothing (for evaluation, export, analysis and compare)."""
         from resformer_jax.checkpoint import Checkpointer
+
         if read_only:
             import ml_collections
+
             ckpt_cfg = ml_collections.ConfigDict({"max_to_keep": 1000, "keep_period": 0, "async_save": False})
         return Checkpointer(self, ckpt_cfg, create=not read_only)
 
@@ -127,4 +136,5 @@ class RunDir:
         """Steps of the checkpoints that finished writing, oldest first, without opening Orbax's manager (a
         folder still being written is not finished: Orbax renames or commits it last)."""
         from resformer_jax.checkpoint import finished_checkpoint_steps
+
         return finished_checkpoint_steps(self.checkpoints)

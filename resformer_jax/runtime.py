@@ -29,6 +29,7 @@ in on every step. With glibc's `glibc.malloc.hugetlb=1` tunable those blocks get
 command restarts itself once with it (same PID, same argv). Keeping freed blocks in the heap instead
 (mallopt: no mmap, no trimming) also removed the faults but fragmented the heap.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,32 +41,40 @@ import tempfile
 # flag -> (value, why)
 GPU_XLA_FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": (
-        "true", "schedule FSDP all-gathers / reduce-scatters to overlap the layers' matmuls"),
+        "true",
+        "schedule FSDP all-gathers / reduce-scatters to overlap the layers' matmuls",
+    ),
     "xla_gpu_enable_while_loop_double_buffering": (
-        "true", "layers run as one nn.scan (a while loop): double-buffer it so layer n+1's weights "
-                "are gathered while layer n computes"),
+        "true",
+        "layers run as one nn.scan (a while loop): double-buffer it so layer n+1's weights "
+        "are gathered while layer n computes",
+    ),
     "xla_gpu_enable_pipelined_all_gather": ("true", "same, for the all-gather inside the scanned layers"),
     "xla_gpu_enable_pipelined_reduce_scatter": ("true", "same, for the gradient reduce-scatter"),
     "xla_gpu_enable_pipelined_all_reduce": ("true", "same, for data-parallel gradient all-reduces"),
     "xla_gpu_all_reduce_combine_threshold_bytes": (
-        "134217728", "combine small per-parameter all-reduces into 128 MiB ones"),
+        "134217728",
+        "combine small per-parameter all-reduces into 128 MiB ones",
+    ),
     "xla_gpu_all_gather_combine_threshold_bytes": ("134217728", "combine small all-gathers (128 MiB)"),
     "xla_gpu_reduce_scatter_combine_threshold_bytes": ("67108864", "combine small reduce-scatters (64 MiB)"),
-    "xla_gpu_enable_triton_gemm": (
-        "false", "cuBLAS is faster than Triton GEMMs for these dense projections on H100"),
+    "xla_gpu_enable_triton_gemm": ("false", "cuBLAS is faster than Triton GEMMs for these dense projections on H100"),
 }
 
 
 # Set on CPU-only hosts (no CUDA plugin, no libtpu), where the installed jaxlib knows the flag.
 CPU_XLA_FLAGS = {
     "xla_cpu_experimental_ynn_fusion_type": (
-        "-reduce", "keep reductions (the LM head's logsumexp) on XLA's threaded, vectorised emitter; YNNPACK "
-                   "ran them on one thread, 10x slower, and stalled the next matmul"),
+        "-reduce",
+        "keep reductions (the LM head's logsumexp) on XLA's threaded, vectorised emitter; YNNPACK "
+        "ran them on one thread, 10x slower, and stalled the next matmul",
+    ),
 }
 
 
 def _library_knows_flag(package: str, libraries: tuple[str, ...], name: str) -> bool:
     import mmap
+
     try:
         spec = importlib.util.find_spec(package)
     except ImportError:
@@ -104,13 +113,14 @@ def gpu_plugin_knows_flag(name: str) -> bool:
 
 
 def nvidia_driver_present() -> bool:
-    """An NVIDIA driver on this host: the plugin alone (installed for `compile`, train/aot.py) computes nothing."""
+    """An NVIDIA driver on this host: the plugin alone (installed for `compile`, compile/aot.py) computes nothing."""
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
 
 def tpu_chip_present() -> bool:
     """TPU chips on this host (v4: /dev/accel*, v5e and later: /dev/vfio/N), or a TPU VM's environment."""
     import glob
+
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"))
 
 
@@ -181,8 +191,9 @@ def cpu_features(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def cpu_step_compiler_options(platform: str, rows: int, features: frozenset[str] | None = None,
-                              environ=os.environ, known=jaxlib_knows_flag) -> tuple[dict[str, str], str]:
+def cpu_step_compiler_options(
+    platform: str, rows: int, features: frozenset[str] | None = None, environ=os.environ, known=jaxlib_knows_flag
+) -> tuple[dict[str, str], str]:
     """(XLA compiler options for a train/eval step, why; ({}, "") where there is nothing to change).
 
     On an x86 CPU with AVX2 but no AVX-512, a step's large matmuls (`rows` >= EIGEN_STEP_MIN_ROWS tokens per
@@ -202,8 +213,10 @@ def cpu_step_compiler_options(platform: str, rows: int, features: frozenset[str]
         return {}, ""  # the user's own YNNPACK setting wins
     if not known(name):
         return {}, ""
-    return {name: ""}, (f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has AVX2 but no AVX-512 and the "
-                        f"step's matmuls have {rows:,} rows (>= {EIGEN_STEP_MIN_ROWS:,})")
+    return {name: ""}, (
+        f"matmuls on XLA's Eigen path, not YNNPACK: this CPU has AVX2 but no AVX-512 and the "
+        f"step's matmuls have {rows:,} rows (>= {EIGEN_STEP_MIN_ROWS:,})"
+    )
 
 
 def host_memory_tunables(environ=os.environ, libc=None, thp_mode=None) -> str | None:
@@ -212,6 +225,7 @@ def host_memory_tunables(environ=os.environ, libc=None, thp_mode=None) -> str | 
     kernel whose THP mode is not "madvise" ("always" already backs large blocks; "never" cannot), or the user's
     own hugetlb setting. `libc` and `thp_mode` are for tests (default: this process's and this kernel's)."""
     import platform
+
     if environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1" or cuda_plugin_present() or libtpu_present():
         return None
     name, version = libc or platform.libc_ver()
@@ -251,8 +265,11 @@ def stderr_without(noise: tuple[str, ...]):
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = [ln for ln in captured.read().decode(errors="replace").splitlines(keepends=True)
-                    if not any(n in ln for n in noise)]
+            kept = [
+                ln
+                for ln in captured.read().decode(errors="replace").splitlines(keepends=True)
+                if not any(n in ln for n in noise)
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
@@ -261,7 +278,8 @@ def stderr_without(noise: tuple[str, ...]):
 def quiet_absent_accelerators() -> None:
     """On a host with neither an NVIDIA driver, an AMD GPU nor a TPU chip, where the aot extra has installed the
     CUDA plugin and libtpu (for `compile`): JAX_PLATFORMS=cpu unless the user set it (the plugins would only fail
-    there, with tracebacks), and JAX imported and its plugins registered with the CUDA plugin's "no driver" lines dropped.
+    there, with tracebacks), and JAX imported and its plugins registered with the CUDA plugin's "no driver" lines
+    dropped.
     Where a GPU or TPU is present nothing changes, so nothing of theirs is hidden. The backend is not started
     (XLA_FLAGS and jax.distributed still come first)."""
     if "jax" in sys.modules or nvidia_driver_present() or tpu_chip_present() or os.path.exists("/dev/kfd"):
@@ -275,6 +293,7 @@ def quiet_absent_accelerators() -> None:
     with stderr_without(ABSENT_CUDA_NOISE):
         import jax  # noqa: F401 - loads jaxlib's CUDA helpers
         from jax._src import xla_bridge
+
         register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
         if register is not None:  # loads the plugin itself; its absence only means one more line at start-up
             register()
@@ -301,7 +320,7 @@ def restart_with_host_memory_defaults():
 
 
 def configure_xla_for_target(platform: str) -> list[str]:
-    """For `python -m resformer_jax.compile`, which runs on a CPU but compiles for `platform` ('cuda', 'tpu'): the
+    """For `resformer compile`, which runs on a CPU but compiles for `platform` ('cuda', 'tpu'): the
     flags a run on that hardware gets (GPU: GPU_XLA_FLAGS; TPU: none), none of the CPU ones. Returns those added."""
     if os.environ.get("RESFORMER_NO_XLA_DEFAULTS") == "1":
         return []

@@ -14,8 +14,10 @@ s3:// paths go through fsspec (gcsfs, s3fs). What object storage lacks is handle
 TensorBoard event files go through epath too (`tensorboard_writers_for`).
 
 Emulators: gcsfs follows STORAGE_EMULATOR_HOST, TensorStore follows TENSORSTORE_GCS_HTTP_URL (and
-GOOGLE_AUTH_TOKEN_FOR_TESTING); s3fs and TensorStore follow AWS_ENDPOINT_URL. tests/test_cloud.py runs real runs against gcp-storage-emulator and moto's server.
+GOOGLE_AUTH_TOKEN_FOR_TESTING); s3fs and TensorStore follow AWS_ENDPOINT_URL. tests/test_cloud.py runs real runs
+against gcp-storage-emulator and moto's server.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +28,7 @@ import os
 import shutil
 
 from etils import epath
+
 from resformer_jax.errors import UserError
 
 SEGMENT_LINES = 1000
@@ -63,7 +66,8 @@ def check_supported(path) -> None:
     if missing:
         raise StorageError(
             f"{path} needs {' and '.join(missing)} for {sch}:// paths; install them with "
-            f"pip install -e '.[{extra}]' (the tpu and gpu extras include gcs)")
+            f"pip install -e '.[{extra}]' (the tpu and gpu extras include gcs)"
+        )
 
 
 class StorageAccessError(StorageError):
@@ -87,25 +91,39 @@ def probe_access(path) -> None:
 
 
 # What a probe's outcome depends on (the outcome is cached per process for each combination).
-_PROBE_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "HOME",
-              "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_EC2_METADATA_DISABLED")
+_PROBE_ENV = (
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "CLOUDSDK_CONFIG",
+    "HOME",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_EC2_METADATA_DISABLED",
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(sch: str, bucket: str, *env) -> str | None:
     if sch == "gs":
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         endpoint = emulator or "https://storage.googleapis.com"
         if not emulator and not _gcp_credentials():
-            return ("no Google Cloud credentials: set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, "
-                    "or run `gcloud auth application-default login` (on a GCE or TPU VM the metadata server "
-                    "supplies them)")
+            return (
+                "no Google Cloud credentials: set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, "
+                "or run `gcloud auth application-default login` (on a GCE or TPU VM the metadata server "
+                "supplies them)"
+            )
     else:
-        endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                    or "https://s3.amazonaws.com")
+        endpoint = (
+            os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "https://s3.amazonaws.com"
+        )
         if not _aws_credentials():
-            return ("no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run "
-                    "`aws configure` / `aws sso login` (on EC2 an instance role supplies them)")
+            return (
+                "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run "
+                "`aws configure` / `aws sso login` (on EC2 an instance role supplies them)"
+            )
         return _reachable(endpoint) or _s3_bucket_answers(bucket)
     return _reachable(endpoint)
 
@@ -119,15 +137,21 @@ def _s3_bucket_answers(bucket: str) -> str | None:
         import botocore.session
     except ImportError:
         return None
-    client = botocore.session.get_session().create_client("s3", config=botocore.config.Config(
-        connect_timeout=PROBE_TIMEOUT_S, read_timeout=PROBE_TIMEOUT_S, retries={"max_attempts": 1}))
+    client = botocore.session.get_session().create_client(
+        "s3",
+        config=botocore.config.Config(
+            connect_timeout=PROBE_TIMEOUT_S, read_timeout=PROBE_TIMEOUT_S, retries={"max_attempts": 1}
+        ),
+    )
     try:
         client.head_bucket(Bucket=bucket)
     except botocore.exceptions.ClientError as e:
         code = str(e.response.get("Error", {}).get("Code", ""))
         if code in ("403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidClientTokenId"):
-            return (f"the AWS credentials found are refused for bucket {bucket!r} ({code}): check AWS_ACCESS_KEY_ID / "
-                    "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and the bucket's permissions")
+            return (
+                f"the AWS credentials found are refused for bucket {bucket!r} ({code}): check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and the bucket's permissions"
+            )
         if code in ("404", "NoSuchBucket"):
             return f"the bucket {bucket!r} does not exist; create it first (aws s3 mb s3://{bucket})"
         return f"the bucket {bucket!r} does not answer ({code}: {e})"
@@ -151,11 +175,12 @@ def _gcp_credentials() -> bool:
 def _gce_metadata_server() -> bool:
     """Whether the GCE metadata server (which supplies a VM's credentials) answers, within 1 s."""
     import urllib.request
+
     req = urllib.request.Request("http://169.254.169.254/computeMetadata/v1/", headers={"Metadata-Flavor": "Google"})
     try:
         with urllib.request.urlopen(req, timeout=1.0) as r:
             return r.headers.get("Metadata-Flavor") == "Google"
-    except Exception:  # noqa: BLE001 - no answer (or not Google's) within the timeout: no metadata server
+    except Exception:
         return False
 
 
@@ -169,7 +194,7 @@ def _aws_credentials() -> bool:
     # metadata lookup is bounded (1 s, one attempt) unless the user configured otherwise
     try:
         return session.get_credentials() is not None
-    except Exception:  # noqa: BLE001 - a broken profile is no credentials too
+    except Exception:
         return False
 
 
@@ -177,13 +202,16 @@ def _reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when a TCP connection to the URL's host opens within `timeout`; else why not, in words."""
     import socket
     from urllib.parse import urlparse
+
     u = urlparse(url if "://" in url else f"http://{url}")
     host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
     try:
         addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        return (f"cannot resolve the host {host!r} ({e.strerror if hasattr(e, 'strerror') else e}): no network, "
-                "no DNS, or a wrong endpoint (check AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST if set)")
+        return (
+            f"cannot resolve the host {host!r} ({e.strerror if hasattr(e, 'strerror') else e}): no network, "
+            "no DNS, or a wrong endpoint (check AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST if set)"
+        )
     last = None
     for family, kind, proto, _, addr in addrs[:2]:
         try:
@@ -194,12 +222,15 @@ def _reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         except OSError as e:
             last = e
     why = "timed out" if isinstance(last, TimeoutError) else (getattr(last, "strerror", None) or str(last))
-    return (f"cannot reach {host}:{port} ({why}): no network, a firewall or proxy in the way, or a wrong endpoint "
-            "(check AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST if set)")
+    return (
+        f"cannot reach {host}:{port} ({why}): no network, a firewall or proxy in the way, or a wrong endpoint "
+        "(check AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST if set)"
+    )
 
 
 def _importable(module: str) -> bool:
     import sys
+
     if module in sys.modules:
         return sys.modules[module] is not None
     try:
@@ -272,7 +303,7 @@ class LineLog:
         self.path = epath.Path(path)
         self.remote = is_remote(self.path)
         if not self.remote:
-            self.f = open(self.path, "a")
+            self.f = open(self.path, "a")  # noqa: SIM115 - held open for the run, closed by close()
             return
         self.parts = _parts_dir(self.path)
         self.parts.mkdir(parents=True, exist_ok=True)
@@ -324,6 +355,7 @@ def read_lines(path) -> list[str]:
 
 # --- Orbax on s3:// ----------------------------------------------------------------------------------
 
+
 def _swap_gcs_for_s3(spec):
     """The kvstore spec with every gcs driver replaced by TensorStore's s3 driver (same bucket/path)."""
     if isinstance(spec, dict):
@@ -348,7 +380,8 @@ def _s3_aware(build):
         d = os.fspath(directory)
         if not d.startswith("s3://"):
             return build(directory, *args, **kwargs)
-        return _swap_gcs_for_s3(build("gs://" + d[len("s3://"):], *args, **kwargs))
+        return _swap_gcs_for_s3(build("gs://" + d[len("s3://") :], *args, **kwargs))
+
     wrapped.resformer_s3 = True
     return wrapped
 
@@ -364,13 +397,17 @@ def orbax_s3_paths() -> None:
     try:
         from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
     except ImportError as e:  # pragma: no cover - depends on the orbax version
-        raise StorageError(f"this Orbax version has no tensorstore_utils ({e}); s3:// checkpoints are "
-                           "unsupported with it: use gs://, a local path or an s3 mount") from None
+        raise StorageError(
+            f"this Orbax version has no tensorstore_utils ({e}); s3:// checkpoints are "
+            "unsupported with it: use gs://, a local path or an s3 mount"
+        ) from None
     for name in ("_build_ocdbt_kvstore_tspec", "_build_non_ocdbt_kvstore_tspec"):
         fn = getattr(tsu, name, None)
         if fn is None:
-            raise StorageError(f"this Orbax version has no {name}; s3:// checkpoints are unsupported with it: "
-                               "use gs://, a local path or an s3 mount (mountpoint-s3)")
+            raise StorageError(
+                f"this Orbax version has no {name}; s3:// checkpoints are unsupported with it: "
+                "use gs://, a local path or an s3 mount (mountpoint-s3)"
+            )
         if not getattr(fn, "resformer_s3", False):
             setattr(tsu, name, _s3_aware(fn))
 
@@ -391,6 +428,7 @@ def staged_dir(out):
         return
     check_supported(out)
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         yield d
         dst = epath.Path(out)
@@ -403,12 +441,14 @@ def staged_dir(out):
 
 # --- TensorBoard event files on object storage ----------------------------------------------------------
 
+
 class _ObjectRecordWriter:
     """An event file on object storage: the bytes written so far, uploaded whole at each flush (objects cannot
     be appended to); nothing is uploaded again after close."""
 
     def __init__(self, path: str):
         import io
+
         self.path, self.buffer, self.dirty, self.closed = epath.Path(path), io.BytesIO(), False, False
 
     def write(self, data: bytes):
@@ -443,4 +483,5 @@ def tensorboard_writers_for(logdir) -> None:
     if sch:
         check_supported(logdir)
         from tensorboardX import record_writer
+
         record_writer.register_writer_factory(sch, _ObjectWriterFactory())

@@ -1,5 +1,6 @@
 """Test setup: 8 host CPU devices (must be set before jax is imported); under pytest-xdist (README's `-n 2`),
 one compilation cache per worker and tests marked `exclusive` run with no other test beside them."""
+
 import fcntl
 import os
 import pathlib
@@ -10,7 +11,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --x
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The project's XLA defaults, as every command sets them (runtime.py): tests compare in-process runs with
 # subprocess ones bitwise, so both must compile alike.
-from resformer_jax.runtime import configure_xla  # noqa: E402
+from resformer_jax.runtime import configure_xla
 
 configure_xla()
 # XLA's CPU compiles dominate this suite; many tests (and their subprocesses) compile the same

@@ -1,5 +1,6 @@
 """The tiny run the evaluation tests train: a ResFormer on the demo corpus, which carries a tokenizer, so the
 run can be scored on text (zero-shot tasks, lm-eval, generation from a prompt)."""
+
 from resformer_jax.config import tiny_config
 
 

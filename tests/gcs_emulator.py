@@ -4,6 +4,7 @@ One gap of the emulator (2026.7.19) is filled here: its media downloads do not s
 header that the GCS JSON API sends and that TensorStore's gcs driver reads to make its conditional writes
 (Orbax's OCDBT manifest). Without it TensorStore reports "Malformed StorageGeneration".
 """
+
 import sys
 import time
 
@@ -16,7 +17,7 @@ def download(request, response, storage, *args, **kwargs):
     _download(request, response, storage, *args, **kwargs)
     try:
         obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
-    except Exception:  # noqa: BLE001 - not found: the original handler set the status
+    except Exception:
         return
     response["x-goog-generation"] = str(obj["generation"])
     response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))

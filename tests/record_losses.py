@@ -10,6 +10,7 @@ on the same machine:
 Without RESFORMER_LOSSES_BASELINE the test compares with RECORDED within a tolerance that holds
 across CPUs (a few ulp) and still catches a real change.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def cpu_description() -> str:
 
 def tiny_run_losses(root: str) -> dict[str, list[float]]:
     """`tiny_config(variant)`, train.steps=12, log_every=1: each variant's per-step training losses."""
-    from resformer_jax.config import tiny_config
     from resformer_jax.commands.training import run
+    from resformer_jax.config import tiny_config
+
     out = {}
     for variant in VARIANTS:
         c = tiny_config(variant)
@@ -60,6 +62,7 @@ if __name__ == "__main__":
         sys.exit("usage: python tests/record_losses.py OUT.json")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import conftest  # noqa: F401 - the suite's environment (8 CPU devices, the XLA flags)
+
     with tempfile.TemporaryDirectory() as tmp:
         losses = tiny_run_losses(tmp)
     pathlib.Path(sys.argv[1]).write_text(json.dumps({"cpu": cpu_description(), "losses": losses}, indent=1))

@@ -3,6 +3,7 @@
 Written from the paper, not from the Flax code: it repeats K/V heads
 explicitly for GQA and builds the causal softmax by hand.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ def rope(x, theta=10000.0):
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
     ang = np.arange(T)[:, None] * inv[None]
     sin, cos = np.sin(ang)[None, :, None], np.cos(ang)[None, :, None]
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
@@ -109,7 +110,7 @@ def forward_general(p, tokens, m):
         lp = p[f"layer_{n}"]
         a = lp["attn"]
         x = rmsnorm(h, lp["attn_norm"]["scale"])
-        proj = lambda name: jnp.einsum("bte,ehd->bthd", x, a[name]["kernel"])  # noqa: E731
+        proj = lambda name: jnp.einsum("bte,ehd->bthd", x, a[name]["kernel"])
         cla_reuse = m.cla_share_every > 1 and (n - 1) % m.cla_share_every != 0
         q = proj("query") if "query" in a else Q1
         k = proj("key") if "key" in a else (k_prev if cla_reuse else K1)
@@ -127,8 +128,12 @@ def forward_general(p, tokens, m):
             else:
                 l1, l2 = m.lambda_init
             mean = sum(raw_values) / len(raw_values) if raw_values else None
-            src = {"first": V1, "previous": raw_values[-1] if raw_values else None, "mean_of_previous": mean,
-                   "mean_of_previous_mixed": mean}[m.value_source]
+            src = {
+                "first": V1,
+                "previous": raw_values[-1] if raw_values else None,
+                "mean_of_previous": mean,
+                "mean_of_previous_mixed": mean,
+            }[m.value_source]
             v_att = v
             if resformer and m.residual_on == "q":
                 q = l1 * Q1 + l2 * q
@@ -178,7 +183,7 @@ def layernorm(x, scale, bias, eps=1e-5):
 
 
 def gelu_tanh(x):
-    return 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
@@ -192,7 +197,7 @@ def forward_gpt2(p, tokens, mode, num_layers, l1=0.5, l2=0.5):
         lp = p[f"layer_{n}"]
         a = lp["attn"]
         x = layernorm(h, lp["attn_norm"]["scale"], lp["attn_norm"]["bias"])
-        proj = lambda name: jnp.einsum("bte,ehd->bthd", x, a[name]["kernel"]) + a[name]["bias"]  # noqa: E731
+        proj = lambda name: jnp.einsum("bte,ehd->bthd", x, a[name]["kernel"]) + a[name]["bias"]
         q, k = proj("query"), proj("key")
         v = proj("value") if "value" in a else None
         if n == 1:
@@ -217,6 +222,7 @@ def llama3_inv_freq_numpy(inv_freq, rs):
     """Llama 3.1's RoPE frequency scaling, transcribed from Hugging Face's `_compute_llama3_parameters`
     (transformers/modeling_rope_utils.py), one frequency at a time as Meta's `apply_scaling` writes it."""
     import math
+
     factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old_len = rs["original_max_position_embeddings"]
     low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
@@ -245,13 +251,13 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
     rp = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else {})
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    f64 = lambda x: np.asarray(x, np.float64)
 
     def norm(x, w):
         return f64(w) * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
 
     def rotate_half(x):
-        return np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1)
+        return np.concatenate([-x[..., D // 2 :], x[..., : D // 2]], -1)
 
     B, T = tokens.shape
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
@@ -274,8 +280,11 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
         x = norm(h, sd[p + "input_layernorm.weight"])
         q = (x @ f64(sd[p + "self_attn.q_proj.weight"]).T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
         k = (x @ f64(sd[p + "self_attn.k_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
-        v = (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3) \
-            if p + "self_attn.v_proj.weight" in sd else None
+        v = (
+            (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
+            if p + "self_attn.v_proj.weight" in sd
+            else None
+        )
         if i == 0:
             V1 = v
         elif mode == "svformer":

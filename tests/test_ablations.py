@@ -1,4 +1,5 @@
 """Every baseline and ablation as a config, each pinned to its equation (issue 10)."""
+
 import glob
 import importlib.util
 import os
@@ -9,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 import reference as ref
+
 from resformer_jax.config import apply_ablation, paper_config, tiny_config, validate
-from resformer_jax.perf import summary
 from resformer_jax.model import Transformer
+from resformer_jax.perf import summary
 from resformer_jax.train.step import init_state, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,22 +58,29 @@ def test_ablation_matches_its_equation(name):
         if key in ("alpha", "lambda1", "lambda2", "lambda_logits", "lambda_scale"):
             return x + jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
         return x
+
     params = jax.tree_util.tree_map_with_path(jitter, params)
     got = jax.jit(model.apply)({"params": params}, tokens)
     want = ref.forward_general(params, tokens, c.model)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"{name} differs from its equation")
 
 
-@pytest.mark.parametrize("name", ["value_source_previous", "residual_on_k", "resformer_learnable_plus",
-                                  "resformer_sparse", "svformer_share_k"])
+@pytest.mark.parametrize(
+    "name",
+    ["value_source_previous", "residual_on_k", "resformer_learnable_plus", "resformer_sparse", "svformer_share_k"],
+)
 def test_scanned_ablations_equal_unrolled(name):
     c_un, c_sc = tiny(name, scan=False), tiny(name, scan=True)
     model_un, model_sc = Transformer(c_un.model), Transformer(c_sc.model)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c_un.model.vocab_size)
     params = nn.unbox(jax.jit(model_un.init)(jax.random.PRNGKey(0), tokens)["params"])
     stacked = ref.stack_unrolled(params, c_un.model.num_layers)
-    np.testing.assert_allclose(jax.jit(model_un.apply)({"params": params}, tokens),
-                               jax.jit(model_sc.apply)({"params": stacked}, tokens), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(model_un.apply)({"params": params}, tokens),
+        jax.jit(model_sc.apply)({"params": stacked}, tokens),
+        atol=1e-6,
+        rtol=1e-6,
+    )
 
 
 def test_kv_cache_bytes_of_kv_sharing_configs():

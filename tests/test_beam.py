@@ -1,4 +1,5 @@
 """Corpus preparation as an Apache Beam pipeline (issue 22): the same output as the threaded path."""
+
 import os
 import sys
 
@@ -22,16 +23,32 @@ def _beam_or_skip():
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     from conftest import SHARED_DATA
+
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent: these tests need ../shared/data beside the checkout")
     _beam_or_skip()
     root = tmp_path_factory.mktemp("beam")
     args = ([str(SHARED_DATA / "slimpajama_sample")], str(SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"))
     prepare(*args, str(root / "threads"), seq_len=SEQ, quiet=True, shuffle_docs=True, seed=3)
-    prepare(*args, str(root / "beam"), seq_len=SEQ, quiet=True, shuffle_docs=True, seed=3, runner="beam",
-            beam_options=MULTIPROCESS)
-    prepare(*args, str(root / "beam_file"), seq_len=SEQ, quiet=True, runner="beam", beam_packing="file",
-            beam_options="--runner=DirectRunner")
+    prepare(
+        *args,
+        str(root / "beam"),
+        seq_len=SEQ,
+        quiet=True,
+        shuffle_docs=True,
+        seed=3,
+        runner="beam",
+        beam_options=MULTIPROCESS,
+    )
+    prepare(
+        *args,
+        str(root / "beam_file"),
+        seq_len=SEQ,
+        quiet=True,
+        runner="beam",
+        beam_packing="file",
+        beam_options="--runner=DirectRunner",
+    )
     prepare(*args, str(root / "threads_plain"), seq_len=SEQ, quiet=True)
     return root
 
@@ -43,6 +60,7 @@ def records(path, meta, split, dom):
 
 def test_beam_multiprocess_equals_threaded_records_and_counts(both):
     from tokenizers import Tokenizer
+
     a, b = load_metadata(str(both / "threads")), load_metadata(str(both / "beam"))
     assert b["runner"] == "beam" and b["packing"] == "domain" and a["runner"] == "threads"
     tok = Tokenizer.from_file(str(both / "beam" / "tokenizer.json"))
@@ -68,14 +86,17 @@ def test_beam_file_packing_keeps_documents_and_tokens(both):
     assert b["packing"] == "file"
     for split, doms in a["splits"].items():
         for dom, st in doms.items():
-            assert (b["splits"][split][dom]["documents"], b["splits"][split][dom]["tokens"]) == \
-                (st["documents"], st["tokens"])
+            assert (b["splits"][split][dom]["documents"], b["splits"][split][dom]["tokens"]) == (
+                st["documents"],
+                st["tokens"],
+            )
             assert b["splits"][split][dom]["sequences"] <= st["sequences"]  # a partial record per file is dropped
 
 
 def test_training_reads_the_beam_corpus(both, tmp_path):
-    from resformer_jax.config import tiny_config
     from resformer_jax.commands.training import run
+    from resformer_jax.config import tiny_config
+
     c = tiny_config("resformer")
     c.data.source, c.data.path, c.data.seq_len = "array_record", str(both / "beam"), SEQ
     c.model.vocab_size, c.model.max_seq_len = 50432, SEQ
@@ -93,8 +114,10 @@ def test_runner_beam_without_beam_says_how_to_install(tmp_path, monkeypatch):
 def test_ranged_reads_of_a_large_jsonl_yield_every_document_once_in_order(tmp_path, monkeypatch):
     """Large .jsonl files are read in byte ranges by several workers: each line belongs to the range it starts in."""
     import json
+
     from data_prep import beam_pipeline
     from data_prep.prepare import read_documents
+
     path = tmp_path / "big.jsonl"
     docs = [{"text": f"doc {i} " + "x" * (i * 7 % 50), "meta": {"redpajama_set_name": "D"}} for i in range(200)]
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))

@@ -1,4 +1,5 @@
 """The FLOP count against XLA's, and the benchmark command (issue 11)."""
+
 import json
 import os
 import subprocess
@@ -30,8 +31,9 @@ def test_flop_count_matches_xla_cost_analysis():
     tokens = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
     # The fused LM head + cross entropy is a scan over position blocks; one block (chunk_len=T)
     # keeps XLA's count exact (it counts a loop body once).
-    compiled = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, model, t, chunk_len=T))).lower(
-        params, tokens).compile()
+    compiled = (
+        jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, model, t, chunk_len=T))).lower(params, tokens).compile()
+    )
     ca = compiled.cost_analysis()
     xla = (ca[0] if isinstance(ca, list) else ca)["flops"]
     ours = flops_per_token(m, T) * B * T
@@ -46,23 +48,53 @@ def test_flop_count_matches_xla_cost_analysis():
 
 def test_bench_train_prints_json_and_compare_ratios():
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "train", "--config=configs/tiny.py", "--steps=2",
-                        "--compare=none,svformer", "--config.mesh.num_devices=1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.bench",
+            "train",
+            "--config=configs/tiny.py",
+            "--steps=2",
+            "--compare=none,svformer",
+            "--config.mesh.num_devices=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert [x.get("variant") for x in lines[:2]] == ["none", "svformer"]
     for x in lines[:2]:
-        for key in ("compile_s", "median_step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu_6n", "mfu_model",
-                    "peak_memory_bytes", "xla_memory_bytes_per_device"):
+        for key in (
+            "compile_s",
+            "median_step_s",
+            "tokens_per_s",
+            "tokens_per_s_per_device",
+            "mfu_6n",
+            "mfu_model",
+            "peak_memory_bytes",
+            "xla_memory_bytes_per_device",
+        ):
             assert key in x
         assert 0 < x["mfu_model"] < 1.5
     assert "svformer" in lines[2]["ratio_to_none"]["median_step_s"]
 
 
 def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
-    from resformer_jax.runtime import (CPU_XLA_FLAGS, GPU_XLA_FLAGS, configure_xla, cuda_plugin_present,
-                                       jaxlib_knows_flag, libtpu_present, xla_flags_for)
+    from resformer_jax.runtime import (
+        CPU_XLA_FLAGS,
+        GPU_XLA_FLAGS,
+        configure_xla,
+        cuda_plugin_present,
+        jaxlib_knows_flag,
+        libtpu_present,
+        xla_flags_for,
+    )
+
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     # no GPU driver and no TPU chip here (the `aot` extra may install both plugins: compilers, not hardware); the
     # lookups must not raise
@@ -88,8 +120,13 @@ def test_xla_defaults_keep_user_flags_and_parse_on_this_xla(monkeypatch):
     assert len(added) == len(GPU_XLA_FLAGS) - 1 and not any(a.startswith("--xla_cpu") for a in added)
     # Unknown flags abort XLA at start-up: every default must be a flag this jaxlib knows.
     env = dict(os.environ, XLA_FLAGS=" ".join([xla_flags_for("", gpu=True)[0], *cpu]), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stderr[-2000:]
 
 
@@ -98,10 +135,13 @@ def test_host_memory_tunables_decision():
     kernel that gives THP on request; the user's own tunables kept and never overridden; nothing with the defaults
     off."""
     from resformer_jax.runtime import host_memory_tunables
+
     new = ("glibc", "2.36")
     assert host_memory_tunables({}, new, "madvise") == "glibc.malloc.hugetlb=1"
-    assert host_memory_tunables({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, new, "madvise") == \
-        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert (
+        host_memory_tunables({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, new, "madvise")
+        == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    )
     assert host_memory_tunables({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, new, "madvise") is None
     assert host_memory_tunables({"RESFORMER_NO_XLA_DEFAULTS": "1"}, new, "madvise") is None
     assert host_memory_tunables({}, ("glibc", "2.31"), "madvise") is None  # no hugetlb tunable before 2.35
@@ -114,10 +154,12 @@ def test_cpu_step_compiler_options_decision(tmp_path):
     x86 CPU with AVX2 but no AVX-512; never on accelerators, AVX-512 or ARM CPUs, small steps, over the user's own
     YNNPACK setting, with the defaults off, or where the CPU's features cannot be read or this jaxlib lacks the flag."""
     from resformer_jax.runtime import CPU_XLA_FLAGS, EIGEN_STEP_MIN_ROWS, cpu_features, cpu_step_compiler_options
+
     name = "xla_cpu_experimental_ynn_fusion_type"
     avx2, avx512 = frozenset({"fma", "avx2"}), frozenset({"avx2", "avx512f", "avx512_bf16"})
-    decide = lambda platform="cpu", rows=4096, features=avx2, env={}, known=lambda n: True: \
-        cpu_step_compiler_options(platform, rows, features, env, known)[0]  # noqa: E731
+    decide = lambda platform="cpu", rows=4096, features=avx2, env={}, known=lambda n: True: cpu_step_compiler_options(
+        platform, rows, features, env, known
+    )[0]
     assert decide() == {name: ""}
     assert decide(rows=EIGEN_STEP_MIN_ROWS) == {name: ""} and decide(rows=EIGEN_STEP_MIN_ROWS - 1) == {}
     assert decide(platform="gpu") == {} and decide(platform="tpu") == {}
@@ -140,6 +182,7 @@ def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
     the same loss, gradient norm and parameters within fp32 summation-order tolerance."""
     from resformer_jax import runtime
     from resformer_jax.train.setup import build
+
     monkeypatch.setattr(runtime, "EIGEN_STEP_MIN_ROWS", 1)  # the tiny model's 256-row step counts as large
     tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 33), 0, 256)
     runs = {}
@@ -185,20 +228,30 @@ def test_commands_restart_once_with_huge_pages_for_large_blocks(tmp_path):
     82M step's 2.5 GB of temporaries cost 612,000 a step without it). A library caller's process is never
     restarted, and RESFORMER_NO_XLA_DEFAULTS=1 turns it off."""
     from resformer_jax.runtime import host_memory_tunables
+
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "RESFORMER_NO_XLA_DEFAULTS")}
     if host_memory_tunables(env) is None:
-        pytest.skip("this host needs no restart (not glibc >= 2.35 with THP in 'madvise' mode); the decision "
-                    "itself is tested in test_host_memory_tunables_decision")
+        pytest.skip(
+            "this host needs no restart (not glibc >= 2.35 with THP in 'madvise' mode); the decision "
+            "itself is tested in test_host_memory_tunables_decision"
+        )
     # a module run with -m under the resformer_jax. prefix, as every command is; the package's other modules kept
     (tmp_path / "resformer_jax").mkdir()
     (tmp_path / "resformer_jax" / "__init__.py").write_text(
-        "import pkgutil\n__path__ = pkgutil.extend_path(__path__, __name__)\n")
+        "import pkgutil\n__path__ = pkgutil.extend_path(__path__, __name__)\n"
+    )
     (tmp_path / "resformer_jax" / "probe.py").write_text(_HOST_MEMORY)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), ROOT])
 
     def run(*args, **extra):
-        p = subprocess.Popen([sys.executable, *args], env=dict(env, **extra), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        p = subprocess.Popen(
+            [sys.executable, *args],
+            env=dict(env, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
         pid, tunables, faults = out.split()
@@ -215,7 +268,7 @@ def test_commands_restart_once_with_huge_pages_for_large_blocks(tmp_path):
 
 _YNN_REDUCTIONS = """
 import jax, jax.numpy as jnp
-from resformer_jax.benchmarks.step_profile import parse_hlo
+from resformer_jax.bench.step_profile import parse_hlo
 from resformer_jax.train.loss import chunked_cross_entropy
 h, w, t = jnp.ones((2, 64, 32)), jnp.ones((32, 300)), jnp.zeros((2, 64), jnp.int32)
 hlo = jax.jit(jax.grad(lambda h, w: chunked_cross_entropy(h, w, t, 16), argnums=(0, 1))).lower(h, w).compile().as_text()
@@ -230,17 +283,23 @@ def test_cpu_default_keeps_the_lm_head_reductions_off_ynnpack():
     """runtime.py's CPU default in effect: the fused LM head's compiled backward still sends its matmuls to
     YNNPACK but none of its reductions (the logsumexp that ran ~10x slower there); without the project's
     defaults this XLA does send them."""
+
     def count(xla_flags):
         env = dict(os.environ, XLA_FLAGS=xla_flags, RESFORMER_NO_XLA_DEFAULTS="1", JAX_PLATFORMS="cpu")
-        r = subprocess.run([sys.executable, "-c", _YNN_REDUCTIONS], env=env, capture_output=True, text=True,
-                           timeout=120, cwd=ROOT)
+        r = subprocess.run(
+            [sys.executable, "-c", _YNN_REDUCTIONS], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         return tuple(int(x) for x in r.stdout.split())
+
     from resformer_jax.runtime import xla_flags_for
+
     dots, reductions = count("")
     if reductions == 0:
-        pytest.skip("this jaxlib no longer sends reductions to YNNPACK by default; runtime.py's CPU default "
-                    "(xla_cpu_experimental_ynn_fusion_type=-reduce) may go")
+        pytest.skip(
+            "this jaxlib no longer sends reductions to YNNPACK by default; runtime.py's CPU default "
+            "(xla_cpu_experimental_ynn_fusion_type=-reduce) may go"
+        )
     assert dots > 0
     dots, reductions = count(xla_flags_for("", gpu=False)[0])
     assert dots > 0 and reductions == 0, f"with the project's defaults: {dots} YNN matmuls, {reductions} reductions"
@@ -250,8 +309,14 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     """`bench accelerator` on CPU: reduced shapes, GPU/TPU-only rows marked, the Pallas kernels' correctness
     checked interpreted, one train step per runnable impl, decode for vanilla and SVFormer."""
     out = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "accelerator", f"--out={out}"], cwd=ROOT,
-                       env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax.bench", "accelerator", f"--out={out}"],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1]) == rep
@@ -271,9 +336,22 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
 
 
 def test_bench_data_reports_loader_throughput_against_the_step():
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "data", "--config=configs/demo.py", "--steps=20",
-                        "--step_tokens_per_s=1000", "--config.mesh.num_devices=1"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.bench",
+            "data",
+            "--config=configs/demo.py",
+            "--steps=20",
+            "--step_tokens_per_s=1000",
+            "--config.mesh.num_devices=1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["batches"] == 20 and out["loader_tokens_per_s_per_host"] > 0
@@ -281,18 +359,37 @@ def test_bench_data_reports_loader_throughput_against_the_step():
 
 
 def test_bench_decode_matrix_reports_bytes_and_bandwidth():
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py",
-                        "--compare=none,svformer", "--matrix=1,2:16", "--new_tokens=3", "--rounds=1"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.bench",
+            "decode",
+            "--config=configs/tiny.py",
+            "--compare=none,svformer",
+            "--matrix=1,2:16",
+            "--new_tokens=3",
+            "--rounds=1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert [(x["variant"], x["batch"]) for x in rows] == [("none", 1), ("svformer", 1), ("none", 2), ("svformer", 2)]
     none, sv = rows[0], rows[1]
     assert sv["kv_cache_bytes_read_per_step"] < none["kv_cache_bytes_read_per_step"]  # V cached once
     assert sv["weight_bytes_per_step"] < none["weight_bytes_per_step"]  # no W_V in layers >= 2
-    assert all(0 < x["fraction_of_bandwidth"] and x["decode_tokens_per_s"] > 0 for x in rows)
-    bad = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py",
-                          "--matrix=1:x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert all(x["fraction_of_bandwidth"] > 0 and x["decode_tokens_per_s"] > 0 for x in rows)
+    bad = subprocess.run(
+        [sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py", "--matrix=1:x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "BATCHES:CONTEXTS" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -300,28 +397,42 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
     """The attribution rules on a hand-made profile: nesting (a loop's body ops inside it), two threads running
     at once, and the HLO lookup that puts each op in its group."""
     from types import SimpleNamespace as NS
-    from resformer_jax.benchmarks.step_profile import breakdown
-    hlo = "\n".join([
-        "HloModule m",
-        "%fused_computation.1 (p: f32[4]) -> f32[4] {",
-        "  ROOT %dot.9 = f32[4]{0} dot(%p, %p), metadata={op_name=\"x\"}",
-        "}",
-        "ENTRY %main (a: f32[4]) -> f32[4] {",
-        "  %while.1 = (s32[], f32[4]) while(%t), condition=%cond, body=%body",
-        "  %fusion.1 = f32[4]{0} fusion(%a), kind=kOutput, calls=%fused_computation.1, "
-        "metadata={op_name=\"jit(step)/jvp(Transformer)/layers/mlp/up/dot_general\"}",
-        "  %fusion.2 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, "
-        "metadata={op_name=\"jit(step)/transpose(jvp(Transformer))/attn/attention_kernel/dot_general\"}",
-        "  %add.3 = f32[4]{0} add(%a, %a), metadata={op_name=\"jit(step)/jvp(Transformer)/norm/add\"}",
-        "  %dot.4 = f32[4]{0} dot(%a, %a), metadata={op_name=\"jit(step)/jvp()/lm_head_xent/dot_general\"}",
-        "  ROOT %multiply.5 = f32[4]{0} multiply(%a, %a), metadata={op_name=\"jit(step)/optimizer/mul\"}",
-        "}"])
-    ev = lambda name, start, dur: NS(name=name, start_ns=start, duration_ns=dur)  # noqa: E731
+
+    from resformer_jax.bench.step_profile import breakdown
+
+    hlo = "\n".join(
+        [
+            "HloModule m",
+            "%fused_computation.1 (p: f32[4]) -> f32[4] {",
+            '  ROOT %dot.9 = f32[4]{0} dot(%p, %p), metadata={op_name="x"}',
+            "}",
+            "ENTRY %main (a: f32[4]) -> f32[4] {",
+            "  %while.1 = (s32[], f32[4]) while(%t), condition=%cond, body=%body",
+            "  %fusion.1 = f32[4]{0} fusion(%a), kind=kOutput, calls=%fused_computation.1, "
+            'metadata={op_name="jit(step)/jvp(Transformer)/layers/mlp/up/dot_general"}',
+            "  %fusion.2 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, "
+            'metadata={op_name="jit(step)/transpose(jvp(Transformer))/attn/attention_kernel/dot_general"}',
+            '  %add.3 = f32[4]{0} add(%a, %a), metadata={op_name="jit(step)/jvp(Transformer)/norm/add"}',
+            '  %dot.4 = f32[4]{0} dot(%a, %a), metadata={op_name="jit(step)/jvp()/lm_head_xent/dot_general"}',
+            '  ROOT %multiply.5 = f32[4]{0} multiply(%a, %a), metadata={op_name="jit(step)/optimizer/mul"}',
+            "}",
+        ]
+    )
+    ev = lambda name, start, dur: NS(name=name, start_ns=start, duration_ns=dur)
     # thread 1: a 100 ns loop holding fusion.1 (40) and add.3 (20); then dot.4 (30) and multiply.5 (10)
     # thread 2: fusion.2 (40) at the same time as fusion.1
-    t1 = NS(name="tf_XLAEigen/1", events=[ev("while.1", 0, 100), ev("fusion.1", 10, 40), ev("end: fusion.1", 50, 0),
-                                    ev("add.3", 60, 20), ev("dot.4", 100, 30), ev("multiply.5", 130, 10),
-                                    ev("ThunkExecutor::Execute", 0, 140)])
+    t1 = NS(
+        name="tf_XLAEigen/1",
+        events=[
+            ev("while.1", 0, 100),
+            ev("fusion.1", 10, 40),
+            ev("end: fusion.1", 50, 0),
+            ev("add.3", 60, 20),
+            ev("dot.4", 100, 30),
+            ev("multiply.5", 130, 10),
+            ev("ThunkExecutor::Execute", 0, 140),
+        ],
+    )
     t2 = NS(name="tf_XLAEigen/2", events=[ev("fusion.2", 10, 40)])
     profile = NS(planes=[NS(name="/host:CPU", lines=[NS(name="bench.py", events=[ev("fusion.1", 0, 999)]), t1, t2])])
 
@@ -330,8 +441,14 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
         b = breakdown(profile, hlo, wall_s=200e-9)
         sec = {k: v * 1e9 for k, v in b["seconds"].items()}
         scale = busy_ns / (40 + 40 + 20 + lm_head_ns + 10)
-        expected = {"matmul_projections_mlp": 40 * scale, "attention": 40 * scale, "norms_elementwise": 20 * scale,
-                    "lm_head_xent": lm_head_ns * scale, "optimizer": 10 * scale, "host_overhead": 200 - busy_ns}
+        expected = {
+            "matmul_projections_mlp": 40 * scale,
+            "attention": 40 * scale,
+            "norms_elementwise": 20 * scale,
+            "lm_head_xent": lm_head_ns * scale,
+            "optimizer": 10 * scale,
+            "host_overhead": 200 - busy_ns,
+        }
         for k, v in expected.items():
             assert abs(sec[k] - v) < 0.6, (k, sec[k], v)  # reported to the nanosecond
         assert abs(sum(b["seconds"].values()) - 200e-9) < 1e-10 and b["ops_not_in_hlo"] == 0
@@ -346,33 +463,57 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
     # context id to the Record event of whoever scheduled them). dot.4 schedules task 7 (on thread 2, after dot.4's
     # event ended), which schedules task 8 (thread 1): both are dot.4's work. Task 9 was scheduled from outside any
     # op (loop control) and task 10 ran ops itself (the executor): neither is an op's work.
-    tp = lambda name, t, **stats: NS(name=name, start_ns=t, duration_ns=0, stats=list(stats.items()))  # noqa: E731
-    start, stop, rec = ("ThreadpoolListener::StartRegion", "ThreadpoolListener::StopRegion",
-                        "ThreadpoolListener::Record")
+    tp = lambda name, t, **stats: NS(name=name, start_ns=t, duration_ns=0, stats=list(stats.items()))
+    start, stop, rec = (
+        "ThreadpoolListener::StartRegion",
+        "ThreadpoolListener::StopRegion",
+        "ThreadpoolListener::Record",
+    )
     t1.events += [tp(rec, 105, _p=7), tp(start, 145, _c=8), tp(stop, 165), tp(rec, 5, _p=9), tp(rec, 2, _p=10)]
-    t2.events += [tp(start, 0, _c=10), tp(stop, 60), tp(start, 130, _c=7), tp(rec, 140, _p=8), tp(stop, 160),
-                  tp(start, 170, _c=9), tp(stop, 180)]
+    t2.events += [
+        tp(start, 0, _c=10),
+        tp(stop, 60),
+        tp(start, 130, _c=7),
+        tp(rec, 140, _p=8),
+        tp(stop, 160),
+        tp(start, 170, _c=9),
+        tp(stop, 180),
+    ]
     # busy: [10, 50) u [60, 80) u [100, 165) = 125 ns; dot.4's own time 30 + 30 + 20
     b = check(busy_ns=125, lm_head_ns=80)
-    assert b["top_ops"][0] == {"op": "dot.4", "group": "lm_head_xent", "seconds": 8e-08,
-                               "source": "jit(step)/jvp()/lm_head_xent/dot_general"}
+    assert b["top_ops"][0] == {
+        "op": "dot.4",
+        "group": "lm_head_xent",
+        "seconds": 8e-08,
+        "source": "jit(step)/jvp()/lm_head_xent/dot_general",
+    }
 
 
 def test_step_breakdown_counts_library_gemms_as_matmuls():
     """cuBLAS GEMMs are custom-calls without a dot inside: they count as matmuls (group and `matmul_s`) by their
     target; other custom-calls do not."""
-    from resformer_jax.benchmarks.step_profile import classify, is_matmul, parse_hlo
-    insts, comps = parse_hlo("\n".join([
-        "ENTRY %main (a: f32[4,4]) -> f32[4,4] {",
-        '  %custom-call.1 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm", '
-        'metadata={op_name="jit(step)/jvp(Transformer)/mlp/up/dot_general"}',
-        '  %custom-call.2 = f32[4,4]{1,0} custom-call(%a), custom_call_target="Sharding", '
-        'metadata={op_name="jit(step)/jvp(Transformer)/mlp/up/sharding"}',
-        '  ROOT %custom-call.3 = f32[4,4]{1,0} custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", '
-        'metadata={op_name="jit(step)/jvp()/lm_head_xent/dot_general"}',
-        "}"]))
-    assert is_matmul(insts["custom-call.1"], comps) and classify(insts["custom-call.1"], comps) == "matmul_projections_mlp"
-    assert not is_matmul(insts["custom-call.2"], comps) and classify(insts["custom-call.2"], comps) == "norms_elementwise"
+    from resformer_jax.bench.step_profile import classify, is_matmul, parse_hlo
+
+    insts, comps = parse_hlo(
+        "\n".join(
+            [
+                "ENTRY %main (a: f32[4,4]) -> f32[4,4] {",
+                '  %custom-call.1 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm", '
+                'metadata={op_name="jit(step)/jvp(Transformer)/mlp/up/dot_general"}',
+                '  %custom-call.2 = f32[4,4]{1,0} custom-call(%a), custom_call_target="Sharding", '
+                'metadata={op_name="jit(step)/jvp(Transformer)/mlp/up/sharding"}',
+                '  ROOT %custom-call.3 = f32[4,4]{1,0} custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", '
+                'metadata={op_name="jit(step)/jvp()/lm_head_xent/dot_general"}',
+                "}",
+            ]
+        )
+    )
+    assert (
+        is_matmul(insts["custom-call.1"], comps) and classify(insts["custom-call.1"], comps) == "matmul_projections_mlp"
+    )
+    assert (
+        not is_matmul(insts["custom-call.2"], comps) and classify(insts["custom-call.2"], comps) == "norms_elementwise"
+    )
     assert is_matmul(insts["custom-call.3"], comps) and classify(insts["custom-call.3"], comps) == "lm_head_xent"
 
 
@@ -381,7 +522,9 @@ def test_step_breakdown_innermost_interval_lookup_matches_the_definition():
     took 4-5 minutes a profiled step): for every probe time, the latest-starting interval holding it, the first
     listed among equal starts, exactly as a scan over all intervals finds it."""
     import random
-    from resformer_jax.benchmarks.step_profile import _Innermost
+
+    from resformer_jax.bench.step_profile import _Innermost
+
     rng = random.Random(0)
     for _ in range(50):
         intervals = []
@@ -398,17 +541,25 @@ def test_step_breakdown_innermost_interval_lookup_matches_the_definition():
 def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
     """XLA builds some ops inside a loop body without metadata (the chunked attention's lax.map on CPU): they count
     in the group of the loop that runs them; an op without a scope anywhere stays where its opcode puts it."""
-    from resformer_jax.benchmarks.step_profile import classify, parse_hlo
-    hlo = "\n".join([
-        "HloModule m",
-        "%fused.1 (p: f32[4]) -> f32[4] {", "  ROOT %dot.1 = f32[4]{0} dot(%p, %p)", "}",
-        "%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {",
-        "  %fusion.6 = f32[4]{0} fusion(%x), kind=kCustom, calls=%fused.1",
-        "  ROOT %tuple.1 = (s32[], f32[4]) tuple(%i, %fusion.6)", "}",
-        "ENTRY %main (a: f32[4]) -> f32[4] {",
-        "  %while.2 = (s32[], f32[4]) while(%t), condition=%cond, body=%body, "
-        "metadata={op_name=\"jit(step)/jvp(Transformer)/attn/attention_kernel/while\"}",
-        "  ROOT %fusion.7 = f32[4]{0} fusion(%a), kind=kCustom, calls=%fused.1", "}"])
+    from resformer_jax.bench.step_profile import classify, parse_hlo
+
+    hlo = "\n".join(
+        [
+            "HloModule m",
+            "%fused.1 (p: f32[4]) -> f32[4] {",
+            "  ROOT %dot.1 = f32[4]{0} dot(%p, %p)",
+            "}",
+            "%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {",
+            "  %fusion.6 = f32[4]{0} fusion(%x), kind=kCustom, calls=%fused.1",
+            "  ROOT %tuple.1 = (s32[], f32[4]) tuple(%i, %fusion.6)",
+            "}",
+            "ENTRY %main (a: f32[4]) -> f32[4] {",
+            "  %while.2 = (s32[], f32[4]) while(%t), condition=%cond, body=%body, "
+            'metadata={op_name="jit(step)/jvp(Transformer)/attn/attention_kernel/while"}',
+            "  ROOT %fusion.7 = f32[4]{0} fusion(%a), kind=kCustom, calls=%fused.1",
+            "}",
+        ]
+    )
     insts, comps = parse_hlo(hlo)
     assert classify(insts["fusion.6"], comps) == "attention"
     assert insts["fusion.6"].op_name == "jit(step)/jvp(Transformer)/attn/attention_kernel/while"
@@ -419,14 +570,29 @@ def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the
     measured step time within 10%; the trace is written where --profile_dir says."""
-    from resformer_jax.benchmarks.step_profile import GROUPS
+    from resformer_jax.bench.step_profile import GROUPS
+
     # A subprocess: resformer_jax.bench defines absl flags that other tests' imports (resformer_jax.main) also do.
-    p = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=5",
-                        "--profile_steps=5", f"--profile_dir={tmp_path}", "--config.mesh.num_devices=1",
-                        # twice the demo's batch: the profiler's own cost per op (~8% of the demo's 0.25 s step,
-                        # which runs ~1,000 ops) then weighs half as much
-                        "--config.train.global_batch=32"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.bench",
+            "train",
+            "--config=configs/demo.py",
+            "--steps=5",
+            "--profile_steps=5",
+            f"--profile_dir={tmp_path}",
+            "--config.mesh.num_devices=1",
+            # twice the demo's batch: the profiler's own cost per op (~8% of the demo's 0.25 s step,
+            # which runs ~1,000 ops) then weighs half as much
+            "--config.train.global_batch=32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (r,) = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     b = r["step_breakdown"]
@@ -458,9 +624,23 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
 def test_bench_train_compares_dtypes_interleaved():
     """--compare_dtypes runs fp32 and bf16 of one variant in one process, step by step, each against the matmul
     peak of its own dtype, and prints their ratio (the bf16-vs-fp32 speed-up without two runs' host drift)."""
-    p = subprocess.run([sys.executable, "-m", "resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=2",
-                        "--profile_steps=0", "--config.mesh.num_devices=1", "--compare_dtypes=float32,bfloat16"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.bench",
+            "train",
+            "--config=configs/demo.py",
+            "--steps=2",
+            "--profile_steps=0",
+            "--config.mesh.num_devices=1",
+            "--compare_dtypes=float32,bfloat16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     f32, b16, ratio = rows
@@ -468,5 +648,8 @@ def test_bench_train_compares_dtypes_interleaved():
     assert "fp32 matmul" in f32["peak_source"] and "bf16 matmul" in b16["peak_source"]
     assert len(f32["step_s"]) == len(b16["step_s"]) == 2
     want = round(b16["median_step_s"] / f32["median_step_s"], 4)
-    assert ratio["ratio_to_resformer/float32"]["median_step_s"] == {"resformer/float32": 1.0, "resformer/bfloat16": want}
+    assert ratio["ratio_to_resformer/float32"]["median_step_s"] == {
+        "resformer/float32": 1.0,
+        "resformer/bfloat16": want,
+    }
     assert set(ratio["paired_median_step_ratio"]) == {"resformer/float32", "resformer/bfloat16"}

@@ -1,4 +1,5 @@
 """Exact resume, preemption, damaged checkpoints, resharding, and resume checks (issue 6)."""
+
 import os
 import signal
 import subprocess
@@ -8,14 +9,19 @@ import time
 import numpy as np
 import pytest
 
+from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
-from resformer_jax.commands.training import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
-FLAGS = [f"--config.train.steps={STEPS}", "--config.checkpoint.every_steps=3", "--config.train.log_every=1",
-         "--config.train.eval_every=1000", "--config.mesh.num_devices=1"]
+FLAGS = [
+    f"--config.train.steps={STEPS}",
+    "--config.checkpoint.every_steps=3",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=1000",
+    "--config.mesh.num_devices=1",
+]
 
 
 def cfg(steps=STEPS):
@@ -41,9 +47,22 @@ def reference(tmp_path_factory):
 
 def _main(workdir, extra=()):
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # same XLA_FLAGS as this process: identical compiled code
-    return subprocess.Popen([sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py",
-                             f"--workdir={workdir}", *FLAGS, *extra], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.main",
+            "--config=configs/tiny.py",
+            f"--workdir={workdir}",
+            *FLAGS,
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _run_until(proc, needle, timeout=180):
@@ -163,7 +182,9 @@ def test_a_resume_restores_every_item_without_orbax_warning_about_the_data(tmp_p
     """Every checkpoint item has its handler registered (grain's for the data iterator), so Orbax no longer tells a
     resuming user that the data state "could not be restored" while it was (resumes are bitwise elsewhere)."""
     import logging
+
     from resformer_jax.config import tiny_config
+
     c = tiny_config("resformer")
     c.train.steps, c.train.stop_at, c.train.warmup_steps, c.checkpoint.every_steps = 4, 2, 1, 2
     assert run(c, str(tmp_path)) == 0

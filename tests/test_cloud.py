@@ -4,6 +4,7 @@ gs:// goes to gcp-storage-emulator (gcsfs and google-cloud-storage follow STORAG
 gcs driver follows TENSORSTORE_GCS_HTTP_URL); s3:// goes to moto's server (s3fs, boto3 and TensorStore's s3 driver
 follow AWS_ENDPOINT_URL). Every byte goes through the real client libraries; nothing of the project is mocked.
 """
+
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ def _wait_for(port: int, proc, what: str, timeout: float = 60):
 
 def _require(*modules):
     import importlib.util
+
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         pytest.fail(f"{missing} not installed: pip install -e '.[test]' installs the emulators and clients")
@@ -54,17 +56,25 @@ def cloud(request, tmp_path_factory):
     if request.param == "gs":
         _require("gcp_storage_emulator", "gcsfs", "google.cloud.storage")
         cmd = [sys.executable, os.path.join(ROOT, "tests", "gcs_emulator.py"), str(port), BUCKET]
-        env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
-               "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}",
-               "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "test",
-               # gcsfs asks the Storage Control API (not emulated) for the bucket type on every call
-               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        env = {
+            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+            "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}",
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+            "GOOGLE_CLOUD_PROJECT": "test",
+            # gcsfs asks the Storage Control API (not emulated) for the bucket type on every call
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        }
     else:
         _require("moto", "s3fs", "boto3")
         cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-               "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_EC2_METADATA_DISABLED": "true"}
+        env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     saved = {k: os.environ.get(k) for k in env}
     try:
@@ -72,6 +82,7 @@ def cloud(request, tmp_path_factory):
         os.environ.update(env)
         if request.param == "s3":
             import boto3
+
             boto3.client("s3").create_bucket(Bucket=BUCKET)
         yield request.param, env
     finally:
@@ -88,6 +99,7 @@ def cloud(request, tmp_path_factory):
 def corpus(tmp_path_factory):
     """A small prepared corpus on local disk (ArrayRecord reads local files only) and its tokenizer."""
     from data_prep.prepare import prepare
+
     d = tmp_path_factory.mktemp("corpus")
     line = "the cat sat on the mat and the dog ate the bone. "
     (d / "raw" / "train").mkdir(parents=True)
@@ -107,42 +119,71 @@ def _cfg(data, steps=STEPS):
     return c
 
 
-FLAGS = ["--config.data.source=array_record", "--config.data.seq_len=32", "--config.model.vocab_size=300",
-         f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=1000",
-         "--config.checkpoint.every_steps=3", "--config.mesh.num_devices=1", "--config.checkpoint.async_save=True"]
+FLAGS = [
+    "--config.data.source=array_record",
+    "--config.data.seq_len=32",
+    "--config.model.vocab_size=300",
+    f"--config.train.steps={STEPS}",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=1000",
+    "--config.checkpoint.every_steps=3",
+    "--config.mesh.num_devices=1",
+    "--config.checkpoint.async_save=True",
+]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
     """The same run uninterrupted on local disk: storage must not change a bit."""
-    from resformer_jax.metrics import read_jsonl
     from resformer_jax.commands.training import run
+    from resformer_jax.metrics import read_jsonl
+
     wd = str(tmp_path_factory.mktemp("ref"))
     assert run(_cfg(corpus), wd) == 0
     return read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss")
 
 
 def _py(module, *args, env, timeout=300):
-    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env={**os.environ, **env},
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, f"{module} {args}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
 
 def test_cloud_workdir_trains_survives_sigkill_resumes_exactly_and_reads_back(cloud, corpus, reference, capsys):
     from etils import epath
-    from resformer_jax.storage import files_under
-    from resformer_jax.metrics import read_jsonl
+
     from resformer_jax.commands.training import run
+    from resformer_jax.metrics import read_jsonl
+    from resformer_jax.storage import files_under
+
     scheme, env = cloud
     wd = f"{scheme}://{BUCKET}/exp/run"
     root = epath.Path(wd)
 
     # Train in a subprocess and SIGKILL it mid-run (asynchronous saves in flight).
-    p = subprocess.Popen([sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}",
-                          f"--config.data.path={corpus}", *FLAGS], cwd=ROOT, env={**os.environ, **env,
-                                                                                 "PYTHONUNBUFFERED": "1"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.main",
+            "--config=configs/tiny.py",
+            f"--workdir={wd}",
+            f"--config.data.path={corpus}",
+            *FLAGS,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen, t0 = [], time.time()
     for line in p.stdout:
         seen.append(line)
@@ -172,9 +213,9 @@ def test_cloud_workdir_trains_survives_sigkill_resumes_exactly_and_reads_back(cl
     assert any((root / "tb").iterdir()), "TensorBoard events in the bucket"
 
     # Generation and evaluation read the run back from the bucket; evaluation writes its JSON there.
-    r = _py("resformer_jax.generate", f"--workdir={wd}", "--prompt=the cat sat", "--max_new_tokens=8", env=env)
+    r = _py("resformer_jax", "generate", f"--workdir={wd}", "--prompt=the cat sat", "--max_new_tokens=8", env=env)
     assert "the cat sat" in r.stdout
-    _py("resformer_jax.evaluate", f"--workdir={wd}", f"--data={corpus}", env=env)
+    _py("resformer_jax", "evaluate", f"--workdir={wd}", f"--data={corpus}", env=env)
     ev = json.loads((root / "eval" / f"validation_step{STEPS}.json").read_text())
     assert ev["step"] == STEPS and "Rep" in ev["loss"]
 
@@ -184,7 +225,7 @@ def test_cloud_workdir_trains_survives_sigkill_resumes_exactly_and_reads_back(cl
     blobs = [f for f in files_under(state) if "/d/" in str(f)]
     biggest = max(blobs, key=lambda f: len(f.read_bytes()))
     raw = bytearray(biggest.read_bytes())
-    raw[len(raw) // 2: len(raw) // 2 + 8] = bytes(8 - i for i in range(8))
+    raw[len(raw) // 2 : len(raw) // 2 + 8] = bytes(8 - i for i in range(8))
     biggest.write_bytes(bytes(raw))
     assert run(_cfg(corpus), wd) == 0
     cap = capsys.readouterr()
@@ -201,7 +242,9 @@ def test_cloud_workdir_trains_survives_sigkill_resumes_exactly_and_reads_back(cl
 
 def test_metrics_log_on_object_storage_keeps_every_line_in_segments(cloud, monkeypatch):
     from etils import epath
+
     from resformer_jax import storage
+
     scheme, _ = cloud
     monkeypatch.setattr(storage, "SEGMENT_LINES", 3)
     path = f"{scheme}://{BUCKET}/log/metrics.jsonl"
@@ -222,22 +265,25 @@ def test_metrics_log_on_object_storage_keeps_every_line_in_segments(cloud, monke
 @pytest.mark.parametrize("cloud", ["gs"], indirect=True)
 def test_cloud_outputs_of_analyze_compare_export_and_prepare(cloud, corpus, tmp_path, capsys):
     from etils import epath
+
     from resformer_jax.commands.training import run
-    scheme, env = cloud
+
+    _scheme, env = cloud
     wd = f"gs://{BUCKET}/exp/short"
     assert run(_cfg(corpus, steps=6), wd) == 0
-    _py("resformer_jax.analyze", f"--workdir={wd}", f"--data={corpus}", "--num_sequences=4", env=env)
+    _py("resformer_jax", "analyze", f"--workdir={wd}", f"--data={corpus}", "--num_sequences=4", env=env)
     an = epath.Path(wd) / "analysis"
     assert json.loads((an / "analysis.json").read_text())[0]["step"] == 6
     assert (an / "entropy.png").read_bytes()[:4] == b"\x89PNG"
-    _py("resformer_jax.compare", "--baseline", wd, wd, "--smooth=2", f"--out={wd}/cmp", env=env)
+    _py("resformer_jax", "compare", "--baseline", wd, wd, "--smooth=2", f"--out={wd}/cmp", env=env)
     rel = json.loads((epath.Path(wd) / "cmp" / "relative_train_loss.json").read_text())
     assert max(abs(x) for x in rel["short"]["relative"]) == 0.0
-    _py("resformer_jax.export", f"--workdir={wd}", f"--out={wd}/hf", env=env)
+    _py("resformer_jax", "export", f"--workdir={wd}", f"--out={wd}/hf", env=env)
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in (epath.Path(wd) / "hf").iterdir()}
 
     # Prepared corpora: written straight to the bucket (metadata last); training from it says how to read it.
     from data_prep.prepare import prepare
+
     raw = tmp_path / "raw" / "train"
     raw.mkdir(parents=True)
     (raw / "a.txt").write_text("one two three four five six seven eight nine ten. " * 200)
@@ -253,6 +299,7 @@ def test_cloud_outputs_of_analyze_compare_export_and_prepare(cloud, corpus, tmp_
 
 def test_missing_cloud_package_is_one_message_naming_the_extra(tmp_path, monkeypatch, capsys):
     from resformer_jax.commands.training import run
+
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     assert run(tiny_config("resformer"), "gs://bucket/run") == 2
     err = capsys.readouterr().err

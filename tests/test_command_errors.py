@@ -1,6 +1,7 @@
 """Every command's bad input ends in one line (issue 33): exit code 2, exactly one `error:` line on stderr that names
 the input and the fix, no traceback, nothing written where it should not be (a run directory a command only reads
 stays byte-identical), and object storage without credentials or network answered in seconds."""
+
 import hashlib
 import os
 import pathlib
@@ -43,38 +44,103 @@ def _one_line(args, cwd, env=None, bound_s=60):
     took = time.perf_counter() - t
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error:")]
-    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (args, r.returncode, r.stderr[-3000:])
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (
+        args,
+        r.returncode,
+        r.stderr[-3000:],
+    )
     assert took < bound_s, f"{args}: {took:.1f} s"
     return errors[0]
 
 
 CASES = [
     # (name, command args with {run}/{runs}/{file}/{other}/{tmp} placeholders, words the line must hold)
-    ("sweep workdir is a file", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={file}",
-                                 "--set", "train.seed=0,1"], ["is a file", "folder"]),
-    ("sweep duplicated value", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={tmp}/sw", "--slurm",
-                                "--set", "train.seed=0,0"], ["more than once"]),
-    ("sweep colliding names", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={tmp}/sw", "--slurm",
-                               "--set", "data.path=a/b,a-b"], ["same run directory"]),
-    ("sweep value the config rejects", ["resformer_jax.sweep", "--config=configs/tiny.py", "--workdir={tmp}/sw",
-                                        "--slurm", "--set", "model.num_heads=4,5"], ["num_heads", "divide"]),
-    ("compare --out a file", ["resformer_jax.compare", "--baseline", "{run}", "{other}",
-                                                               "--out={file}"], ["--out", "is a file"]),
-    ("compare negative smooth", ["resformer_jax.compare", "--baseline", "{run}", "{other}", "--out={tmp}/c",
-                                 "--smooth=-5"], ["--smooth", "at least 1"]),
-    ("compare invalid config.json", ["resformer_jax.compare", "{badcfg}", "--group_by", "model.value_residual",
-                                     "--baseline", "none"], ["config.json", "not valid JSON"]),
-    ("compare empty metrics", ["resformer_jax.compare", "--baseline", "{run}", "{empty}", "--out={tmp}/c"],
-     ["no training loss"]),
-    ("analyze zero sequences", ["resformer_jax.analyze", "--workdir={run}", "--num_sequences=0"], ["--num_sequences"]),
-    ("generate negative tokens", ["resformer_jax.generate", "--workdir={run}", "--prompt_ids=1,2",
-                                  "--max_new_tokens=-3"], ["--max_new_tokens"]),
-    ("generate id outside vocab", ["resformer_jax.generate", "--workdir={run}", "--prompt_ids=1,256"],
-     ["256", "vocabulary"]),
-    ("export into another run", ["resformer_jax.export", "--workdir={run}", "--out={other}"], ["run directory"]),
-    ("export into its own run", ["resformer_jax.export", "--workdir={run}", "--out={run}"], ["run directory"]),
-    ("export into a non-empty folder", ["resformer_jax.export", "--workdir={run}", "--out={nonempty}"],
-     ["not empty"]),
+    (
+        "sweep workdir is a file",
+        ["resformer_jax", "sweep", "--config=configs/tiny.py", "--workdir={file}", "--set", "train.seed=0,1"],
+        ["is a file", "folder"],
+    ),
+    (
+        "sweep duplicated value",
+        [
+            "resformer_jax",
+            "sweep",
+            "--config=configs/tiny.py",
+            "--workdir={tmp}/sw",
+            "--slurm",
+            "--set",
+            "train.seed=0,0",
+        ],
+        ["more than once"],
+    ),
+    (
+        "sweep colliding names",
+        [
+            "resformer_jax",
+            "sweep",
+            "--config=configs/tiny.py",
+            "--workdir={tmp}/sw",
+            "--slurm",
+            "--set",
+            "data.path=a/b,a-b",
+        ],
+        ["same run directory"],
+    ),
+    (
+        "sweep value the config rejects",
+        [
+            "resformer_jax",
+            "sweep",
+            "--config=configs/tiny.py",
+            "--workdir={tmp}/sw",
+            "--slurm",
+            "--set",
+            "model.num_heads=4,5",
+        ],
+        ["num_heads", "divide"],
+    ),
+    (
+        "compare --out a file",
+        ["resformer_jax", "compare", "--baseline", "{run}", "{other}", "--out={file}"],
+        ["--out", "is a file"],
+    ),
+    (
+        "compare negative smooth",
+        ["resformer_jax", "compare", "--baseline", "{run}", "{other}", "--out={tmp}/c", "--smooth=-5"],
+        ["--smooth", "at least 1"],
+    ),
+    (
+        "compare invalid config.json",
+        ["resformer_jax", "compare", "{badcfg}", "--group_by", "model.value_residual", "--baseline", "none"],
+        ["config.json", "not valid JSON"],
+    ),
+    (
+        "compare empty metrics",
+        ["resformer_jax", "compare", "--baseline", "{run}", "{empty}", "--out={tmp}/c"],
+        ["no training loss"],
+    ),
+    (
+        "analyze zero sequences",
+        ["resformer_jax", "analyze", "--workdir={run}", "--num_sequences=0"],
+        ["--num_sequences"],
+    ),
+    (
+        "generate negative tokens",
+        ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=-3"],
+        ["--max_new_tokens"],
+    ),
+    (
+        "generate id outside vocab",
+        ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,256"],
+        ["256", "vocabulary"],
+    ),
+    ("export into another run", ["resformer_jax", "export", "--workdir={run}", "--out={other}"], ["run directory"]),
+    ("export into its own run", ["resformer_jax", "export", "--workdir={run}", "--out={run}"], ["run directory"]),
+    (
+        "export into a non-empty folder",
+        ["resformer_jax", "export", "--workdir={run}", "--out={nonempty}"],
+        ["not empty"],
+    ),
     ("bench attention bad shape", ["resformer_jax.bench", "attention", "--shapes=1,2,3"], ["--shapes"]),
 ]
 
@@ -92,8 +158,15 @@ def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, name, a
     empty = tmp_path / "empty"
     shutil.copytree(runs / "svformer", empty)
     (empty / "metrics.jsonl").write_text("")
-    subs = {"{run}": str(runs / "none"), "{other}": str(runs / "svformer"), "{file}": str(tmp_path / "afile"),
-            "{tmp}": str(tmp_path), "{badcfg}": str(bad), "{empty}": str(empty), "{nonempty}": str(tmp_path / "nonempty")}
+    subs = {
+        "{run}": str(runs / "none"),
+        "{other}": str(runs / "svformer"),
+        "{file}": str(tmp_path / "afile"),
+        "{tmp}": str(tmp_path),
+        "{badcfg}": str(bad),
+        "{empty}": str(empty),
+        "{nonempty}": str(tmp_path / "nonempty"),
+    }
     args = [a for a in args]
     for i, a in enumerate(args):
         for k, v in subs.items():
@@ -115,9 +188,22 @@ def test_a_partial_last_metrics_line_is_read_without_it(trained, tmp_path):
     shutil.copytree(trained, runs)
     with open(runs / "svformer" / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "train/lo')
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", "--baseline", str(runs / "none"),
-                        str(runs / "svformer"), f"--out={tmp_path / 'c'}", "--smooth=1"], capture_output=True,
-                       text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "compare",
+            "--baseline",
+            str(runs / "none"),
+            str(runs / "svformer"),
+            f"--out={tmp_path / 'c'}",
+            "--smooth=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and "last line is incomplete" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "final relative train loss" in r.stdout
 
@@ -129,31 +215,56 @@ def _closed_port() -> int:
 
 
 def _no_cloud_env(home) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "STORAGE_EMULATOR",
-                                                                       "CLOUDSDK", "TENSORSTORE_GCS"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AWS_", "GOOGLE_", "STORAGE_EMULATOR", "CLOUDSDK", "TENSORSTORE_GCS"))
+    }
     return {**env, "HOME": str(home), "AWS_EC2_METADATA_DISABLED": "true"}
 
 
 CLOUD_CASES = [
     ("gs without credentials", "gs://bkt/run", {}, ["no Google Cloud credentials", "GOOGLE_APPLICATION_CREDENTIALS"]),
     ("s3 without credentials", "s3://bkt/run", {}, ["no AWS credentials", "AWS_ACCESS_KEY_ID"]),
-    ("gs endpoint unreachable", "gs://bkt/run", {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:{port}"},
-     ["cannot reach", "127.0.0.1"]),
-    ("s3 endpoint unreachable", "s3://bkt/run", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
-                                                  "AWS_ENDPOINT_URL": "http://127.0.0.1:{port}"}, ["cannot reach"]),
-    ("s3 unknown host", "s3://bkt/run", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
-                                          "AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000"}, ["cannot resolve"]),
+    (
+        "gs endpoint unreachable",
+        "gs://bkt/run",
+        {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:{port}"},
+        ["cannot reach", "127.0.0.1"],
+    ),
+    (
+        "s3 endpoint unreachable",
+        "s3://bkt/run",
+        {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_ENDPOINT_URL": "http://127.0.0.1:{port}"},
+        ["cannot reach"],
+    ),
+    (
+        "s3 unknown host",
+        "s3://bkt/run",
+        {
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_ENDPOINT_URL": "http://no-such-host.invalid:9000",
+        },
+        ["cannot resolve"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,workdir,env,words", CLOUD_CASES, ids=[c[0] for c in CLOUD_CASES])
 def test_object_storage_without_credentials_or_network_is_one_line_in_seconds(tmp_path, name, workdir, env, words):
-    pytest.importorskip("gcsfs" if workdir.startswith("gs") else "s3fs",
-                        reason="the cloud clients come with the test extra: pip install -e '.[test]'")
+    pytest.importorskip(
+        "gcsfs" if workdir.startswith("gs") else "s3fs",
+        reason="the cloud clients come with the test extra: pip install -e '.[test]'",
+    )
     port = _closed_port()
     env = {**_no_cloud_env(tmp_path / "home"), **{k: v.replace("{port}", str(port)) for k, v in env.items()}}
-    line = _one_line(["resformer_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", f"--workdir={workdir}"],
-                     cwd=tmp_path, env=env, bound_s=15)
+    line = _one_line(
+        ["resformer_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", f"--workdir={workdir}"],
+        cwd=tmp_path,
+        env=env,
+        bound_s=15,
+    )
     for w in words:
         assert w in line, f"{name}: {line!r}"
     assert not list(tmp_path.iterdir()), f"{name}: created {list(tmp_path.iterdir())} locally"
@@ -165,18 +276,31 @@ def test_s3_credentials_an_emulator_refuses_are_one_line(tmp_path):
     pytest.importorskip("s3fs", reason="the S3 client comes with the test extra: pip install -e '.[test]'")
     port = _closed_port()
     log = open(tmp_path / "moto.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+    )
     try:
         for _ in range(100):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.2)
-        env = {**_no_cloud_env(tmp_path / "home"), "AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong",
-               "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-        line = _one_line(["resformer_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", "--workdir=s3://bkt/run"],
-                         cwd=tmp_path, env=env, bound_s=15)
+        env = {
+            **_no_cloud_env(tmp_path / "home"),
+            "AWS_ACCESS_KEY_ID": "wrong",
+            "AWS_SECRET_ACCESS_KEY": "wrong",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        }
+        line = _one_line(
+            ["resformer_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}", "--workdir=s3://bkt/run"],
+            cwd=tmp_path,
+            env=env,
+            bound_s=15,
+        )
         assert "refused" in line and "AWS_ACCESS_KEY_ID" in line, line
         assert sorted(p.name for p in tmp_path.iterdir()) == ["moto.log"], "created something locally"
     finally:
@@ -188,6 +312,7 @@ def test_s3_credentials_an_emulator_refuses_are_one_line(tmp_path):
 def two_checkpoints(tmp_path_factory):
     """A tiny ResFormer on the demo corpus (it has a tokenizer) with checkpoints at steps 2 and 4."""
     from demo_runs import tokenized_tiny_config
+
     c = tokenized_tiny_config(steps=4)
     c.train.warmup_steps, c.checkpoint.every_steps = 1, 2
     wd = tmp_path_factory.mktemp("two_checkpoints") / "run"
@@ -200,23 +325,35 @@ def _flip_bytes(step_dir: pathlib.Path):
     biggest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(biggest.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 8] = bytes(b ^ 0x5A for b in data[mid:mid + 8])
+    data[mid : mid + 8] = bytes(b ^ 0x5A for b in data[mid : mid + 8])
     biggest.write_bytes(bytes(data))
 
 
 EVAL_SAMPLES = ROOT.parent / "shared" / "data" / "eval_samples"
-HARNESS = ["resformer_jax.harness", "--model", "resformer_jax", "--tasks", "piqa_local", "--limit", "2",
-           "--include_path", "configs/lm_eval_tasks"]
+HARNESS = [
+    "resformer_jax",
+    "harness",
+    "--model",
+    "resformer_jax",
+    "--tasks",
+    "piqa_local",
+    "--limit",
+    "2",
+    "--include_path",
+    "configs/lm_eval_tasks",
+]
 # Every command that reads a run: (name, args with {run}/{tmp}). Against a missing run directory each ends in one
 # line; against a run whose newest checkpoint is damaged each uses the newest one that restores, says so and
 # names --step, and moves nothing.
 READERS = [
-    ("generate", ["resformer_jax.generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=2"]),
-    ("evaluate validation", ["resformer_jax.evaluate", "--workdir={run}"]),
-    ("evaluate zero-shot", ["resformer_jax.evaluate", "--workdir={run}", "--tasks=piqa", f"--task_data={EVAL_SAMPLES}",
-                            "--limit=2"]),
-    ("analyze", ["resformer_jax.analyze", "--workdir={run}", "--num_sequences=2", "--out={tmp}/an"]),
-    ("export", ["resformer_jax.export", "--workdir={run}", "--out={tmp}/exported"]),
+    ("generate", ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=2"]),
+    ("evaluate validation", ["resformer_jax", "evaluate", "--workdir={run}"]),
+    (
+        "evaluate zero-shot",
+        ["resformer_jax", "evaluate", "--workdir={run}", "--tasks=piqa", f"--task_data={EVAL_SAMPLES}", "--limit=2"],
+    ),
+    ("analyze", ["resformer_jax", "analyze", "--workdir={run}", "--num_sequences=2", "--out={tmp}/an"]),
+    ("export", ["resformer_jax", "export", "--workdir={run}", "--out={tmp}/exported"]),
     ("harness", HARNESS + ["--model_args", "workdir={run}"]),
 ]
 
@@ -235,17 +372,38 @@ def test_reading_a_missing_run_is_one_line(tmp_path, name, args, shared_data):
 
 
 OTHER_COMMANDS = [
-    ("main: workdir under a file", ["resformer_jax.main", "--config=configs/tiny.py", "--workdir={tmp}/afile/run"],
-     ["afile"]),
-    ("compare: missing run", ["resformer_jax.compare", "--baseline", "{tmp}/nope", "{tmp}/nope2", "--out={tmp}/c"],
-     ["does not exist"]),
-    ("sweep: missing config", ["resformer_jax.sweep", "--config=configs/nope.py", "--workdir={tmp}/sw",
-                               "--set", "train.seed=0,1"], ["does not exist"]),
-    ("compile: missing config", ["resformer_jax.compile", "--config=configs/nope.py", "--target=h100x8"],
-     ["does not exist"]),
+    (
+        "main: workdir under a file",
+        ["resformer_jax.main", "--config=configs/tiny.py", "--workdir={tmp}/afile/run"],
+        ["afile"],
+    ),
+    (
+        "compare: missing run",
+        ["resformer_jax", "compare", "--baseline", "{tmp}/nope", "{tmp}/nope2", "--out={tmp}/c"],
+        ["does not exist"],
+    ),
+    (
+        "sweep: missing config",
+        ["resformer_jax", "sweep", "--config=configs/nope.py", "--workdir={tmp}/sw", "--set", "train.seed=0,1"],
+        ["does not exist"],
+    ),
+    (
+        "compile: missing config",
+        ["resformer_jax.compile", "--config=configs/nope.py", "--target=h100x8"],
+        ["does not exist"],
+    ),
     ("bench: missing config", ["resformer_jax.bench", "train", "--config=configs/nope.py"], ["does not exist"]),
-    ("bench zero_shot: missing tokenizer", ["resformer_jax.bench", "zero_shot", "--config=configs/tiny.py",
-                                            "--task_data={tmp}", "--tokenizer={tmp}/nope.json"], ["--tokenizer", "no such file"]),
+    (
+        "bench zero_shot: missing tokenizer",
+        [
+            "resformer_jax.bench",
+            "zero_shot",
+            "--config=configs/tiny.py",
+            "--task_data={tmp}",
+            "--tokenizer={tmp}/nope.json",
+        ],
+        ["--tokenizer", "no such file"],
+    ),
 ]
 
 
@@ -265,8 +423,14 @@ def test_reading_a_run_whose_newest_checkpoint_is_damaged(two_checkpoints, tmp_p
     _flip_bytes(wd / "checkpoints" / "4")
     before = _digest(wd / "checkpoints")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", *_sub(args, run=wd, tmp=tmp_path)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", *_sub(args, run=wd, tmp=tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, (name, r.stderr[-3000:])
     assert "checkpoint at step 4" in r.stderr and "does not restore" in r.stderr and "--step=2" in r.stderr, r.stderr
     assert _digest(wd / "checkpoints") == before, f"{name} changed the run's checkpoints"
@@ -290,10 +454,22 @@ def test_a_resumed_run_with_another_shape_names_every_differing_field_before_com
     wd = tmp_path / "run"
     shutil.copytree(two_checkpoints, wd)
     before = _digest(wd)
-    line = _one_line(["resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", "--config.data.source=demo",
-                      "--config.model.vocab_size=1024", "--config.data.seq_len=64", "--config.model.max_seq_len=256",
-                      "--config.model.d_model=32", "--config.model.ffn_dim=96", "--config.model.num_layers=2"],
-                     cwd=ROOT, bound_s=30)
+    line = _one_line(
+        [
+            "resformer_jax.main",
+            "--config=configs/tiny.py",
+            f"--workdir={wd}",
+            "--config.data.source=demo",
+            "--config.model.vocab_size=1024",
+            "--config.data.seq_len=64",
+            "--config.model.max_seq_len=256",
+            "--config.model.d_model=32",
+            "--config.model.ffn_dim=96",
+            "--config.model.num_layers=2",
+        ],
+        cwd=ROOT,
+        bound_s=30,
+    )
     for field in ("d_model", "ffn_dim", "num_layers"):
         assert f"config.model.{field}" in line, line
     assert "--config.model.d_model=64" in line and "new --workdir" in line, line
@@ -302,6 +478,7 @@ def test_a_resumed_run_with_another_shape_names_every_differing_field_before_com
 
 def test_memory_advice_leaves_out_knobs_already_at_their_limit():
     from resformer_jax.train.setup import memory_knobs
+
     c = tiny_config("resformer")
     c.train.global_batch, c.train.microbatch, c.model.remat, c.mesh.fsdp = 8, 0, "none", 1
     advice = memory_knobs(c, 2)
@@ -315,9 +492,18 @@ def test_memory_advice_leaves_out_knobs_already_at_their_limit():
 
 def test_an_export_gets_the_users_umask(two_checkpoints, tmp_path):
     out = tmp_path / "exported"
-    r = subprocess.run(["bash", "-c", f"umask 022 && {sys.executable} -m resformer_jax.export "
-                                      f"--workdir={two_checkpoints} --out={out}"],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"umask 022 && {sys.executable} -m resformer_jax export --workdir={two_checkpoints} --out={out}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert oct(out.stat().st_mode & 0o777) == oct(0o755)
     for f in out.iterdir():
@@ -330,23 +516,42 @@ def test_the_aot_extra_keeps_cpu_commands_quiet(tmp_path):
     import importlib.util
 
     from resformer_jax.runtime import nvidia_driver_present, tpu_chip_present
+
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         pytest.skip("the aot extra (CUDA plugin) is not installed: nothing to keep quiet (CI installs it)")
     if nvidia_driver_present() or tpu_chip_present():
         pytest.skip("this host has a GPU or TPU: the plugins' lines are theirs to print")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
-    for args in (["resformer_jax.main", "--config=configs/tiny.py", "--mode=summary"],
-                 ["resformer_jax.evaluate", f"--workdir={tmp_path / 'nope'}"]):
-        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                           timeout=300)
+    for args in (
+        ["resformer_jax.main", "--config=configs/tiny.py", "--mode=summary"],
+        ["resformer_jax", "evaluate", f"--workdir={tmp_path / 'nope'}"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+        )
         noise = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("cuda", "CUDA", "TPU", "Traceback"))]
         assert not noise, (args, r.stderr[-2000:])
 
 
 def test_compare_cuts_a_smoothing_window_longer_than_the_runs_and_says_so(trained, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", "--baseline", str(trained / "none"),
-                        str(trained / "svformer"), f"--out={tmp_path / 'c'}", "--smooth=100"], capture_output=True,
-                       text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "compare",
+            "--baseline",
+            str(trained / "none"),
+            str(trained / "svformer"),
+            f"--out={tmp_path / 'c'}",
+            "--smooth=100",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "--smooth=100 is longer than the runs (4 steps logged); smoothing over 4 steps" in r.stderr, r.stderr
 
@@ -355,6 +560,7 @@ def test_the_sized_for_check_takes_a_config_whose_dtype_is_auto():
     """The demo's model.dtype=auto is resolved after the start-up checks: the memory estimate works without it."""
     from resformer_jax.commands.common import load_config_file
     from resformer_jax.train.setup import too_big_for_here
+
     demo = load_config_file(str(ROOT / "configs" / "demo.py"))
     assert demo.model.dtype == "auto"
     assert too_big_for_here(demo, 1) is None

@@ -3,7 +3,7 @@ target's own compiler, without the hardware.
 
 TPU: libtpu compiles for a topology of chips (`jax.experimental.topologies`): Mosaic compiles the splash kernel,
 XLA assigns HBM and refuses a program over it. GPU: with JAX_PLATFORMS=cpu, the CUDA plugin compiles for
-compile-only H100s described by the shipped target config (resformer_jax/train/gpu_specs/h100_sxm.txtpb): Triton
+compile-only H100s described by the shipped target config (resformer_jax/compile/gpu_specs/h100_sxm.txtpb): Triton
 compiles the Pallas kernel to GPU machine code (the executable carries ELF images), enforcing the GPU's shared
 memory. These tests need `pip install -e '.[aot]'` (CI installs it); without it they skip saying so.
 
@@ -11,6 +11,7 @@ What cannot be compiled here: cuDNN's attention (jax asks the local CUDA runtime
 tracing, before any compiler runs; see the last tests) and autotuning (no device to time on), so nothing here
 says how fast a step is: `python -m resformer_jax.bench accelerator` does on a real device.
 """
+
 import importlib.util
 import json
 import os
@@ -26,10 +27,16 @@ from resformer_jax.config import tiny_config
 from resformer_jax.train.setup import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MISSING = [pkg for pkg, mod in (("jax[tpu]", "libtpu"), ("the CUDA plugin", "jax_cuda12_plugin"))
-           if importlib.util.find_spec(mod) is None]
-needs_aot = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' "
-                                                     "(CI installs it); compiling for TPU/GPU is not possible without")
+MISSING = [
+    pkg
+    for pkg, mod in (("jax[tpu]", "libtpu"), ("the CUDA plugin", "jax_cuda12_plugin"))
+    if importlib.util.find_spec(mod) is None
+]
+needs_aot = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' "
+    "(CI installs it); compiling for TPU/GPU is not possible without",
+)
 
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "tpu_custom_call"
@@ -53,8 +60,9 @@ def accelerator_config(variant, platform):
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("variant", ["none", "resformer", "svformer"])
 def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, variant):
-    from resformer_jax.train.aot import compile_for_target
-    from resformer_jax.train.targets import parse_target
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
     target = parse_target(TARGETS[platform])
     # decode once per platform, for SVFormer, whose cache differs most (no V cache past layer 1)
     steps = ("train", "eval", "decode") if variant == "svformer" else ("train", "eval")
@@ -82,13 +90,20 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
 
 # The 468M model's attention per device (Table 4: 16 heads of 64; T = 2,048), head_dim 128 with GQA, a length that
 # is no multiple of a block, and fp32.
-SHAPES = [((2, 2048, 16, 16, 64), jnp.bfloat16), ((2, 2048, 16, 4, 128), jnp.bfloat16),
-          ((1, 1000, 8, 2, 64), jnp.bfloat16), ((1, 2048, 16, 16, 64), jnp.float32)]
+SHAPES = [
+    ((2, 2048, 16, 16, 64), jnp.bfloat16),
+    ((2, 2048, 16, 4, 128), jnp.bfloat16),
+    ((1, 1000, 8, 2, 64), jnp.bfloat16),
+    ((1, 2048, 16, 16, 64), jnp.float32),
+]
 
 
 def _one_device(target_name):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from resformer_jax.train.targets import parse_target
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from resformer_jax.compile.targets import parse_target
+
     target = parse_target(target_name)
     mesh = Mesh(target.devices()[:1], ("x",))
     return target, (lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P())))
@@ -97,14 +112,22 @@ def _one_device(target_name):
 @needs_aot
 @pytest.mark.parametrize("shape,dtype", SHAPES, ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else str(s))
 def test_pallas_kernel_forward_and_backward_compile_to_gpu_machine_code_at_468m_shapes(shape, dtype):
+    from resformer_jax.compile.aot import compile_step
     from resformer_jax.kernels.pallas_attention import flash_attention
-    from resformer_jax.train.aot import compile_step
+
     target, sds = _one_device("h100x1")
     B, T, H, K, D = shape
-    fwd_bwd = jax.jit(jax.value_and_grad(lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum(),
-                                         argnums=(0, 1, 2)))
-    step = compile_step("attention", fwd_bwd, (sds((B, T, H, D), dtype), sds((B, T, K, D), dtype),
-                                               sds((B, T, K, D), dtype)), target, tiny_config(), log=lambda s: None)
+    fwd_bwd = jax.jit(
+        jax.value_and_grad(lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    )
+    step = compile_step(
+        "attention",
+        fwd_bwd,
+        (sds((B, T, H, D), dtype), sds((B, T, K, D), dtype), sds((B, T, K, D), dtype)),
+        target,
+        tiny_config(),
+        log=lambda s: None,
+    )
     # the forward, dK/dV and dQ kernels, each compiled by Triton into the executable
     assert step.custom_calls.get(TRITON) == 3, step.custom_calls
     assert int(step.machine_code.split()[0]) >= 3, step.machine_code
@@ -114,8 +137,9 @@ def test_pallas_kernel_forward_and_backward_compile_to_gpu_machine_code_at_468m_
 def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
     """Blocks of 512 x 512 at head_dim 128 in bf16 need 1,179,648 bytes of shared memory per block (H100: 232,448):
     Triton's compilation refuses it; the project says so in one line, naming the kernel and the fix."""
+    from resformer_jax.compile.aot import CompileError, compile_step
     from resformer_jax.kernels.pallas_attention import _flash
-    from resformer_jax.train.aot import CompileError, compile_step
+
     target, sds = _one_device("h100x1")
     q = sds((1, 1024, 4, 128), jnp.bfloat16)
     fwd = jax.jit(lambda q, k, v: _flash(q, k, v, True, 512, 512))
@@ -129,8 +153,9 @@ def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
 def test_a_program_over_the_tpus_hbm_is_refused_by_its_compiler_with_the_precheck_message():
     """A 2.2B-parameter model (131k x 8192 embeddings) for one v5e chip (15.75 GiB): libtpu refuses to compile it;
     the report says it does not fit, with the compiler's numbers and the knobs."""
-    from resformer_jax.train.aot import compile_for_target
-    from resformer_jax.train.targets import parse_target
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
     c = tiny_config("resformer")
     m = c.model
     m.vocab_size, m.d_model, m.num_heads, m.ffn_dim, m.num_layers = 131072, 8192, 64, 8192, 2
@@ -139,21 +164,34 @@ def test_a_program_over_the_tpus_hbm_is_refused_by_its_compiler_with_the_prechec
     assert not report.fits
     problem = report.first_problem
     assert "exceeds available HBM (15.75G)" in problem and "config.train.microbatch" in problem
-    # remat is not full yet; one chip: sharding the state over more devices is no advice (knobs at their limit are left out)
+    # remat is not full yet; one chip: sharding the state over more devices is no advice
+    # (knobs at their limit are left out)
     assert "remat=full" in problem and "config.mesh.fsdp" not in problem
 
 
 def _compile_command(*args, env=None):
     e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "resformer_jax.compile", *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "resformer_jax.compile", *args],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @needs_aot
 def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
     cfg = os.path.join(ROOT, "configs", "tiny.py")
-    r = _compile_command(f"--config={cfg}", "--target=h100x8", "--steps=train,eval", "--config.mesh.fsdp=-1",
-                         "--config.mesh.data=2", "--config.model.attention_impl=auto")
+    r = _compile_command(
+        f"--config={cfg}",
+        "--target=h100x8",
+        "--steps=train,eval",
+        "--config.mesh.fsdp=-1",
+        "--config.mesh.data=2",
+        "--config.model.attention_impl=auto",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["fits"] and out["devices"] == 8 and out["attention_impl"] == "pallas"
@@ -161,8 +199,9 @@ def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
     assert "running the GPU kernel in Pallas interpret mode" not in r.stderr
     assert "Traceback" not in r.stderr
     # the same run on cards whose allocator may use almost nothing: one line naming the numbers and the knobs
-    r = _compile_command(f"--config={cfg}", "--target=h100x8", "--steps=train",
-                         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.0000001"})
+    r = _compile_command(
+        f"--config={cfg}", "--target=h100x8", "--steps=train", env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.0000001"}
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     # tiny.py's 8 sequences are one a GPU already: the advice leaves microbatch out and names remat and fsdp
@@ -175,7 +214,8 @@ def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
 
 
 def test_target_names_resolve_to_cloud_tpu_and_gpu_node_layouts():
-    from resformer_jax.train.targets import TargetError, parse_target
+    from resformer_jax.compile.targets import TargetError, parse_target
+
     t = parse_target("v5p-64")
     assert (t.platform, t.topology_name, t.num_devices, t.chip_config) == ("tpu", "v5:2x4x4", 32, "megacore")
     assert parse_target("v4-8").topology_name == "v4:2x2x1" and parse_target("v4-8").num_devices == 4
@@ -197,19 +237,23 @@ def test_target_names_resolve_to_cloud_tpu_and_gpu_node_layouts():
 def test_the_interpret_mode_warning_is_not_given_when_compiling_for_the_kernels_platform(monkeypatch):
     """The Pallas kernels warn that they run interpreted on a non-GPU backend; compiling for CUDA from a CPU is
     not that, and must not say so (the warning is for the program that will run interpreted)."""
+    from resformer_jax.compile.aot import compile_step
     from resformer_jax.kernels import pallas_attention, tpu_attention
-    from resformer_jax.train.aot import compile_step
+
     calls = []
     monkeypatch.setattr(pallas_attention, "_warn_interpreted", calls.append)
     monkeypatch.setattr(tpu_attention, "_warn_interpreted", calls.append)
     target, sds = _one_device("h100x1")
     q = sds((1, 128, 4, 64), jnp.bfloat16)
-    compile_step("attention", jax.jit(pallas_attention.flash_attention), (q, q, q), target, tiny_config(),
-                 log=lambda s: None)
+    compile_step(
+        "attention", jax.jit(pallas_attention.flash_attention), (q, q, q), target, tiny_config(), log=lambda s: None
+    )
     assert calls == []
-    jax.jit(pallas_attention.flash_attention).lower(jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
-                                                   jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
-                                                   jnp.zeros((1, 128, 4, 64), jnp.bfloat16))
+    jax.jit(pallas_attention.flash_attention).lower(
+        jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
+        jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
+        jnp.zeros((1, 128, 4, 64), jnp.bfloat16),
+    )
     assert calls == ["cpu"]  # run here, it is interpreted, and says so
 
 
@@ -218,8 +262,9 @@ def test_cudnn_attention_cannot_be_compiled_without_a_gpu_and_says_why():
     """cuDNN's fused attention asks the local CUDA runtime for the cuDNN version while tracing, before any compiler
     runs; with no GPU that fails. The project's guard says so in one line. Checked instead: the same steps with the
     Pallas (Triton) kernel (above) and, with XLA's own attention, the eval step (below), compiled for H100."""
-    from resformer_jax.train.aot import compile_for_target
-    from resformer_jax.train.targets import parse_target
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
     c = accelerator_config("resformer", "cuda")
     c.model.attention_impl = "cudnn"
     with pytest.raises(kernels.KernelUnavailable, match="needs an NVIDIA GPU"):
@@ -233,6 +278,7 @@ def test_a_named_impl_that_cannot_run_raises_and_never_falls_back():
     c = tiny_config("resformer")
     c.model.attention_impl = "cudnn"
     from resformer_jax.train.setup import resolve_attention
+
     choice = resolve_attention(c)  # named: kept as it is, nothing probed
     assert choice.impl == "cudnn" and not choice.probed
     with pytest.raises(kernels.KernelUnavailable, match="cudnn"):
@@ -243,8 +289,9 @@ def test_auto_on_tpu_times_jax_splash_kernel_against_xla():
     """The probe with the backend injected as TPU compiles and runs JAX's splash kernel (interpreted here) and
     xla, times both and keeps the faster: a clock that makes splash's runs 1 ms and xla's 2 ms picks splash."""
     msgs, ticks = [], iter([0.0, 0.001] * 3 + [0.0, 0.002] * 3)  # (start, end) of each timed run, splash then xla
-    choice, rejected = kernels.probe_auto((1, 128, 4, 64), 2, jnp.float32, msgs.append, backend="tpu",
-                                          clock=lambda: next(ticks))
+    choice, rejected = kernels.probe_auto(
+        (1, 128, 4, 64), 2, jnp.float32, msgs.append, backend="tpu", clock=lambda: next(ticks)
+    )
     assert choice == "splash", (choice, rejected)
     assert "splash 1.00 ms" in msgs[0] and "xla 2.00 ms" in msgs[0], msgs
     assert set(rejected) == {"pallas", "cudnn"} and "not a GPU" in rejected["pallas"]
@@ -254,7 +301,9 @@ def test_auto_on_tpu_times_jax_splash_kernel_against_xla():
 
 def test_pallas_triton_blocks_fit_the_shared_memory_budget():
     import functools
+
     from resformer_jax.kernels.pallas_attention import SMEM_BUDGET_BYTES, choose_blocks, smem_bytes
+
     for D, itemsize in ((64, 2), (128, 2), (64, 4), (128, 4), (256, 2)):
         bq, bk = choose_blocks(2048, 2048, D, itemsize)
         assert smem_bytes(bq, bk, D, itemsize) <= SMEM_BUDGET_BYTES and bq >= 16 and bk >= 16
@@ -263,7 +312,8 @@ def test_pallas_triton_blocks_fit_the_shared_memory_budget():
 
 
 def test_compile_needs_its_packages_and_says_which(monkeypatch):
-    from resformer_jax.train import aot
+    from resformer_jax.compile import aot
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(aot.AotUnavailable, match=r"pip install -e '.\[aot\]'"):
         aot.check_packages("tpu")

@@ -1,4 +1,5 @@
 """Corpus preparation and the grain pipeline (issue 4)."""
+
 import json
 import os
 import subprocess
@@ -9,8 +10,16 @@ import pytest
 
 from data_prep.prepare import PrepareError, prepare
 from resformer_jax.config import tiny_config
-from resformer_jax.data.pipeline import (BatchReader, DataError, DomainSource, Mixture, check_compatible,
-                                         load_metadata, train_iterator, train_reader)
+from resformer_jax.data.pipeline import (
+    BatchReader,
+    DataError,
+    DomainSource,
+    Mixture,
+    check_compatible,
+    load_metadata,
+    train_iterator,
+    train_reader,
+)
 
 SEQ = 128
 
@@ -18,16 +27,23 @@ SEQ = 128
 @pytest.fixture(scope="module")
 def slimpajama(tmp_path_factory, request):
     from conftest import SHARED_DATA
+
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent: these tests need ../shared/data beside the checkout")
     out = str(tmp_path_factory.mktemp("sp"))
-    prepare([str(SHARED_DATA / "slimpajama_sample")], str(SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"), out,
-            seq_len=SEQ, quiet=True)
+    prepare(
+        [str(SHARED_DATA / "slimpajama_sample")],
+        str(SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"),
+        out,
+        seq_len=SEQ,
+        quiet=True,
+    )
     return out, SHARED_DATA
 
 
 def _docs(path):
     import zstandard
+
     with open(path, "rb") as f:
         text = zstandard.ZstdDecompressor().stream_reader(f).read().decode()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -36,10 +52,13 @@ def _docs(path):
 def test_token_counts_equal_independent_count(slimpajama):
     out, shared = slimpajama
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(shared / "tokenizers" / "gpt-neox-20b.json"))
     meta = load_metadata(out)
-    for split, fname in (("train", "train/chunk1/example_train_0.jsonl.zst"),
-                         ("validation", "validation/chunk1/example_holdout_0.jsonl.zst")):
+    for split, fname in (
+        ("train", "train/chunk1/example_train_0.jsonl.zst"),
+        ("validation", "validation/chunk1/example_holdout_0.jsonl.zst"),
+    ):
         counts, docs = {}, {}
         for d in _docs(shared / "slimpajama_sample" / fname):
             dom = d["meta"]["redpajama_set_name"]
@@ -59,6 +78,7 @@ def test_token_counts_equal_independent_count(slimpajama):
 def test_first_sequence_decodes_to_first_document_then_eot(slimpajama):
     out, shared = slimpajama
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     meta = load_metadata(out)
     first = {}
@@ -71,9 +91,9 @@ def test_first_sequence_decodes_to_first_document_then_eot(slimpajama):
         stream = np.concatenate([src[i] for i in range(min(len(src), need // (SEQ + 1) + 1))])
         if len(stream) < need:
             continue  # the first document is longer than the domain's whole stream
-        assert list(stream[:len(ids)]) == ids, dom
+        assert list(stream[: len(ids)]) == ids, dom
         assert stream[len(ids)] == 0, f"{dom}: end-of-text must follow the document"
-        assert tok.decode(list(stream[:len(ids)])) == text, dom
+        assert tok.decode(list(stream[: len(ids)])) == text, dom
 
 
 def test_process_slices_are_disjoint_and_form_the_global_batch(slimpajama):
@@ -111,6 +131,7 @@ def test_domain_proportions_follow_weights(slimpajama):
     out, _ = slimpajama
     meta = load_metadata(out)
     from resformer_jax.data.pipeline import domain_weights
+
     w = domain_weights(meta, "train", None)
     assert "RedPajamaArXiv" not in w and abs(sum(w.values()) - 1) < 1e-9
     assert w["RedPajamaCommonCrawl"] == pytest.approx(0.5 / 0.95)
@@ -130,12 +151,14 @@ def test_domain_proportions_follow_weights(slimpajama):
 
 def _tok_ids(out, text):
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(os.path.join(out, "tokenizer.json")).encode(text, add_special_tokens=False).ids
 
 
 def test_txt_jsonl_parquet_and_trained_tokenizer(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     raw = tmp_path / "raw"
     (raw / "train").mkdir(parents=True)
     (raw / "validation").mkdir()
@@ -144,14 +167,33 @@ def test_txt_jsonl_parquet_and_trained_tokenizer(tmp_path):
     with open(raw / "train" / "a.jsonl", "w") as f:
         for t in texts[:20]:
             f.write(json.dumps({"text": t, "meta": {"redpajama_set_name": "RedPajamaC4"}}) + "\n")
-    pq.write_table(pa.table({"text": texts[20:30], "meta": [{"redpajama_set_name": "RedPajamaBook"}] * 10}),
-                   raw / "train" / "b.parquet")
+    pq.write_table(
+        pa.table({"text": texts[20:30], "meta": [{"redpajama_set_name": "RedPajamaBook"}] * 10}),
+        raw / "train" / "b.parquet",
+    )
     (raw / "validation" / "c.txt").write_text(texts[30] + texts[31])
     (tmp_path / "loose.txt").write_text(texts[32])
     out = str(tmp_path / "out")
-    code = subprocess.run([sys.executable, "-m", "data_prep.prepare", "--input", str(raw), str(tmp_path / "loose.txt"),
-                           "--tokenizer", "train:300", "--out", out, "--seq_len", "16", "--domain", "Notes"],
-                          capture_output=True, text=True)
+    code = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep.prepare",
+            "--input",
+            str(raw),
+            str(tmp_path / "loose.txt"),
+            "--tokenizer",
+            "train:300",
+            "--out",
+            out,
+            "--seq_len",
+            "16",
+            "--domain",
+            "Notes",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert code.returncode == 0, code.stderr
     meta = load_metadata(out)
     assert meta["tokenizer"]["spec"] == "train:300" and os.path.isfile(os.path.join(out, "tokenizer.json"))
@@ -181,6 +223,7 @@ def test_txt_jsonl_parquet_and_trained_tokenizer(tmp_path):
 def test_tfds_source_reads_the_same_records(slimpajama):
     out, _ = slimpajama
     from resformer_jax.data.tfds_source import TfdsDomainSource, build
+
     build(out)
     meta = load_metadata(out)
     a = DomainSource(out, meta, "validation", "RedPajamaBook")
@@ -201,8 +244,11 @@ def test_bad_data_stops_with_clear_messages(slimpajama, tmp_path):
     meta = load_metadata(out)
     c = tiny_config()
     c.data.source, c.data.seq_len, c.model.vocab_size = "array_record", SEQ, 50277
-    for path, needle in (("", "config.data.path is empty"), (str(tmp_path / "nope"), "does not exist"),
-                         (str(tmp_path), "no metadata.json")):
+    for path, needle in (
+        ("", "config.data.path is empty"),
+        (str(tmp_path / "nope"), "does not exist"),
+        (str(tmp_path), "no metadata.json"),
+    ):
         c.data.path = path
         with pytest.raises(DataError, match=needle):
             train_reader(c)
@@ -218,6 +264,19 @@ def test_bad_data_stops_with_clear_messages(slimpajama, tmp_path):
         check_compatible(meta, SEQ, 50277, "0" * 64, out)
     with pytest.raises(PrepareError, match="does not exist"):
         prepare([str(tmp_path / "missing")], "train:300", str(tmp_path / "o"), quiet=True)
-    r = subprocess.run([sys.executable, "-m", "data_prep.prepare", "--input", str(tmp_path / "missing"),
-                        "--tokenizer", "train:300", "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep.prepare",
+            "--input",
+            str(tmp_path / "missing"),
+            "--tokenizer",
+            "train:300",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr

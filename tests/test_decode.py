@@ -1,4 +1,5 @@
 """KV-cache decoding and generation (issue 8)."""
+
 import os
 import subprocess
 import sys
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 from resformer_jax.config import paper_config, tiny_config, validate
-from resformer_jax.perf import summary
 from resformer_jax.model import Transformer
-from resformer_jax.model.decode import FrozenModelConfig, _step, init_cache, kv_bytes, sample_logits
+from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.decode import _step, init_cache, kv_bytes, sample_logits
+from resformer_jax.perf import summary
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,12 +27,12 @@ def assert_decode_equals_forward(c):
     toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
     p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
     full = jax.jit(m.apply)({"params": p}, toks)
-    mf = FrozenModelConfig(c.model)
+    mf = ModelConfig.of(c.model)
     cache = init_cache(mf, p, 2, 16)
     logits, cache = _step(p, toks[:, :5], cache, m_frozen=mf, max_len=16)
     outs = [logits]
     for t in range(5, 12):
-        logits, cache = _step(p, toks[:, t:t + 1], cache, m_frozen=mf, max_len=16)
+        logits, cache = _step(p, toks[:, t : t + 1], cache, m_frozen=mf, max_len=16)
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
     return m, p
@@ -48,13 +50,14 @@ def test_a_prompt_prefilled_in_chunks_gives_the_one_call_prefill(mode):
     """generate's prefill in chunks (model/decode.prefill, so a 64K prompt fits a GPU): 12 tokens in chunks of 5
     (5, 5, 2) leave the same last logits and the same cache as one call."""
     from resformer_jax.model.decode import prefill
+
     c = tiny_config(mode)
     c.model.num_kv_heads = 2
     validate(c)
     m = Transformer(c.model)
     toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
     p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
-    mf = FrozenModelConfig(c.model)
+    mf = ModelConfig.of(c.model)
     one, cache_one = _step(p, toks, init_cache(mf, p, 2, 16), m_frozen=mf, max_len=16)
     chunked, cache_chunked = prefill(p, toks, init_cache(mf, p, 2, 16), m_frozen=mf, max_len=16, chunk=5)
     np.testing.assert_allclose(chunked[:, -1], one[:, -1], atol=1e-5, rtol=1e-5)
@@ -77,7 +80,7 @@ def test_svformer_cache_is_L_plus_1_over_2L_of_vanilla_and_matches_summary(kv):
         c.model.num_layers, c.model.num_kv_heads = 8, kv
         validate(c)
         p = nn.unbox(jax.jit(Transformer(c.model).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
-        cache = init_cache(FrozenModelConfig(c.model), p, 3, 40)
+        cache = init_cache(ModelConfig.of(c.model), p, 3, 40)
         sizes[mode] = kv_bytes(cache)
         assert sizes[mode] == summary(c)["kv_cache_bytes_per_token"] * 3 * 40
         # SVFormer's layers >= 2 hold no V at all.
@@ -104,6 +107,7 @@ def test_sampling_limits():
 def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     from data_prep.prepare import prepare
     from resformer_jax.commands.training import run
+
     line = "the cat sat on the mat and the dog ate the bone. "
     raw = tmp_path / "raw" / "train"
     raw.mkdir(parents=True)
@@ -118,9 +122,21 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     c.mesh.num_devices = 1
     wd = str(tmp_path / "run")
     assert run(c, wd) == 0
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.generate", f"--workdir={wd}",
-                        "--prompt=the cat sat on the mat", "--max_new_tokens=24"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "generate",
+            f"--workdir={wd}",
+            "--prompt=the cat sat on the mat",
+            "--max_new_tokens=24",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "the cat sat on the mat and the dog ate the bone. the cat sat" in r.stdout, r.stdout
     assert '"kv_cache_bytes"' in r.stderr and "decode_tokens_per_s" in r.stderr
@@ -128,8 +144,10 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
 
 def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
     import ml_collections
+
     from resformer_jax.model.decode import generate
     from resformer_jax.parallel.mesh import logical_shardings, make_mesh
+
     c = tiny_config("svformer")
     validate(c)
     model = Transformer(c.model)
@@ -140,6 +158,7 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
     mesh = make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 4}))
     sh = logical_shardings(boxed, mesh, c.mesh)
     import resformer_jax.model.decode as dec
+
     seen = {}
     orig = dec._step
 
@@ -149,9 +168,10 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
         seen.setdefault("k", (k.shape, k.addressable_shards[0].data.shape))
         seen.setdefault("emb", (emb.shape, emb.addressable_shards[0].data.shape))
         return orig(params, tokens, cache, **kw)
+
     dec._step = spy
     try:
-        many, stats = generate(c.model, params, prompt, max_new_tokens=5, mesh=mesh, param_shardings=sh)
+        many, _stats = generate(c.model, params, prompt, max_new_tokens=5, mesh=mesh, param_shardings=sh)
     finally:
         dec._step = orig
     np.testing.assert_array_equal(np.asarray(one), np.asarray(many))

@@ -1,5 +1,6 @@
 """Every user mistake of issue 17 ends in one line on stderr, a non-zero exit, no traceback, nothing damaged;
 truncated inputs are errors; an interrupted re-preparation leaves a consistent folder."""
+
 import json
 import os
 import resource
@@ -13,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cmd(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          **kw)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def assert_one_line(r, *needles, code=2):
@@ -26,8 +28,16 @@ def assert_one_line(r, *needles, code=2):
 
 
 def docs(n, tag="", domain="RedPajamaC4"):
-    return "".join(json.dumps({"text": f"document {i} {tag} " + "lorem ipsum dolor sit amet " * 20,
-                               "meta": {"redpajama_set_name": domain}}) + "\n" for i in range(n))
+    return "".join(
+        json.dumps(
+            {
+                "text": f"document {i} {tag} " + "lorem ipsum dolor sit amet " * 20,
+                "meta": {"redpajama_set_name": domain},
+            }
+        )
+        + "\n"
+        for i in range(n)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +47,17 @@ def corpus(tmp_path_factory):
     for split in ("train", "validation"):
         (root / "raw" / split).mkdir(parents=True)
         (root / "raw" / split / "a.jsonl").write_text(docs(60, split))
-    r = cmd("data_prep.prepare", "--input", str(root / "raw"), "--tokenizer", "train:300", "--out",
-            str(root / "out"), "--seq_len", "32")
+    r = cmd(
+        "data_prep.prepare",
+        "--input",
+        str(root / "raw"),
+        "--tokenizer",
+        "train:300",
+        "--out",
+        str(root / "out"),
+        "--seq_len",
+        "32",
+    )
     assert r.returncode == 0, r.stderr
     return root
 
@@ -46,11 +65,15 @@ def corpus(tmp_path_factory):
 TRAIN = ["resformer_jax.main", "--config=configs/tiny.py", "--config.mesh.num_devices=1", "--config.train.steps=4"]
 
 
-@pytest.mark.parametrize("args,needles", [
-    (["--config=configs/tiny.py", "--config.model.d_modle=64"], ["d_modle", "did you mean d_model"]),
-    (["--config=configs/no_such_file.py"], ["no_such_file.py", "does not exist"]),
-    (["--config=configs/tiny.py", "--config.train.steps=many"], ["train.steps", "integer"]),
-], ids=["typo", "missing-config", "bad-type"])
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--config=configs/tiny.py", "--config.model.d_modle=64"], ["d_modle", "did you mean d_model"]),
+        (["--config=configs/no_such_file.py"], ["no_such_file.py", "does not exist"]),
+        (["--config=configs/tiny.py", "--config.train.steps=many"], ["train.steps", "integer"]),
+    ],
+    ids=["typo", "missing-config", "bad-type"],
+)
 def test_config_flag_mistakes(args, needles, tmp_path):
     assert_one_line(cmd("resformer_jax.main", *args, f"--workdir={tmp_path / 'w'}"), *needles)
     assert not (tmp_path / "w").exists()
@@ -67,8 +90,14 @@ def test_broken_config_files(tmp_path):
 
 def test_mixture_from_the_command_line(corpus, tmp_path):
     data = str(corpus / "out")
-    base = [*TRAIN, f"--workdir={tmp_path / 'w'}", "--config.data.source=array_record", f"--config.data.path={data}",
-            "--config.data.seq_len=32", "--config.model.vocab_size=512"]
+    base = [
+        *TRAIN,
+        f"--workdir={tmp_path / 'w'}",
+        "--config.data.source=array_record",
+        f"--config.data.path={data}",
+        "--config.data.seq_len=32",
+        "--config.model.vocab_size=512",
+    ]
     assert_one_line(cmd(*base, "--config.data.mixture=RedPajamaGithub=1.0"), "mixture asks for", "RedPajamaC4")
     assert_one_line(cmd(*base, "--config.data.mixture=RedPajamaC4"), "is not DOMAIN=WEIGHT")
     r = cmd(*base, "--config.data.mixture=RedPajamaC4=0.3")
@@ -77,30 +106,47 @@ def test_mixture_from_the_command_line(corpus, tmp_path):
 
 def test_damaged_prepared_data(corpus, tmp_path):
     import shutil
+
     base = [*TRAIN, "--config.data.source=array_record", "--config.data.seq_len=32", "--config.model.vocab_size=512"]
     bad_json = tmp_path / "bad_json"
     shutil.copytree(corpus / "out", bad_json)
     (bad_json / "metadata.json").write_text('{"format": "resformer_jax.packed.v1", "seq_')
-    assert_one_line(cmd(*base, f"--config.data.path={bad_json}", f"--workdir={tmp_path / 'w1'}"),
-                    "metadata.json is not valid JSON", "prepare it again")
+    assert_one_line(
+        cmd(*base, f"--config.data.path={bad_json}", f"--workdir={tmp_path / 'w1'}"),
+        "metadata.json is not valid JSON",
+        "prepare it again",
+    )
     incomplete = tmp_path / "incomplete"
     shutil.copytree(corpus / "out", incomplete)
     (incomplete / "metadata.json").write_text('{"format": "resformer_jax.packed.v1", "seq_len": 32}')
-    assert_one_line(cmd(*base, f"--config.data.path={incomplete}", f"--workdir={tmp_path / 'w2'}"),
-                    "is incomplete")
+    assert_one_line(cmd(*base, f"--config.data.path={incomplete}", f"--workdir={tmp_path / 'w2'}"), "is incomplete")
     truncated = tmp_path / "truncated"
     shutil.copytree(corpus / "out", truncated)
     shard = truncated / "train" / "RedPajamaC4" / "shard-00000.array_record"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    assert_one_line(cmd(*base, f"--config.data.path={truncated}", f"--workdir={tmp_path / 'w3'}"),
-                    "RedPajamaC4", "prepare the data again")
+    assert_one_line(
+        cmd(*base, f"--config.data.path={truncated}", f"--workdir={tmp_path / 'w3'}"),
+        "RedPajamaC4",
+        "prepare the data again",
+    )
 
 
 def test_prepare_input_mistakes_name_the_file_and_line(tmp_path):
     def prep(inp, *extra):
-        return cmd("data_prep.prepare", "--input", str(inp), "--tokenizer", "train:300", "--out",
-                   str(tmp_path / "out"), "--seq_len", "32", *extra)
+        return cmd(
+            "data_prep.prepare",
+            "--input",
+            str(inp),
+            "--tokenizer",
+            "train:300",
+            "--out",
+            str(tmp_path / "out"),
+            "--seq_len",
+            "32",
+            *extra,
+        )
+
     garbage = tmp_path / "g" / "x.jsonl.zst"
     garbage.parent.mkdir()
     garbage.write_bytes(b"this is not zstd at all" * 10)
@@ -128,13 +174,23 @@ def test_prepare_input_mistakes_name_the_file_and_line(tmp_path):
 
 def test_truncated_zst_is_an_error_or_a_counted_skip(tmp_path):
     import zstandard
+
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "good.jsonl").write_text(docs(40))
     data = zstandard.ZstdCompressor().compress(docs(40, "zst").encode())
     (raw / "cut.jsonl.zst").write_bytes(data[: len(data) * 2 // 3])
-    args = ["data_prep.prepare", "--input", str(raw), "--tokenizer", "train:300", "--out", str(tmp_path / "o"),
-            "--seq_len", "32"]
+    args = [
+        "data_prep.prepare",
+        "--input",
+        str(raw),
+        "--tokenizer",
+        "train:300",
+        "--out",
+        str(tmp_path / "o"),
+        "--seq_len",
+        "32",
+    ]
     assert_one_line(cmd(*args), "cut.jsonl.zst", "truncated")
     assert not (tmp_path / "o").exists()
     r = cmd(*args, "--skip_bad_files")
@@ -146,7 +202,9 @@ def test_truncated_zst_is_an_error_or_a_counted_skip(tmp_path):
 
 def test_killed_re_preparation_leaves_a_consistent_folder(corpus, tmp_path):
     import shutil
+
     from resformer_jax.data.records import DomainSource, load_metadata
+
     out = tmp_path / "out"
     shutil.copytree(corpus / "out", out)
     before = load_metadata(str(out))
@@ -154,8 +212,24 @@ def test_killed_re_preparation_leaves_a_consistent_folder(corpus, tmp_path):
     big.mkdir()
     for i in range(6):
         (big / f"part{i}.jsonl").write_text(docs(400, f"new{i}"))
-    proc = subprocess.Popen([sys.executable, "-m", "data_prep.prepare", "--input", str(big), "--tokenizer", "train:300",
-                             "--out", str(out), "--seq_len", "32"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "data_prep.prepare",
+            "--input",
+            str(big),
+            "--tokenizer",
+            "train:300",
+            "--out",
+            str(out),
+            "--seq_len",
+            "32",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stderr:
         if "[prepare] 1/6 files" in line:
             proc.send_signal(signal.SIGKILL)
@@ -167,8 +241,9 @@ def test_killed_re_preparation_leaves_a_consistent_folder(corpus, tmp_path):
         for dom, st in doms.items():
             if st.get("sequences"):
                 DomainSource(str(out), meta, split, dom)  # every shard opens with the listed record count
-    assert not any(p.name.startswith("out.") and (p / "metadata.json").exists()
-                   for p in tmp_path.iterdir() if p.is_dir()), "no half-written folder looks complete"
+    assert not any(
+        p.name.startswith("out.") and (p / "metadata.json").exists() for p in tmp_path.iterdir() if p.is_dir()
+    ), "no half-written folder looks complete"
 
 
 def test_bench_attention_malformed_shapes():
@@ -182,8 +257,9 @@ def test_a_step_that_cannot_fit_in_host_memory_stops_before_running(tmp_path):
     huge = ["--config.train.global_batch=1048576", "--config.mesh.num_devices=1"]
     r = cmd("resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=1", *huge)
     assert_one_line(r, "the train step needs", "this host's memory", "config.train.global_batch")
-    r = cmd("resformer_jax.main", "--config=configs/tiny.py", "--config.train.steps=4", *huge,
-            f"--workdir={tmp_path / 'w'}")
+    r = cmd(
+        "resformer_jax.main", "--config=configs/tiny.py", "--config.train.steps=4", *huge, f"--workdir={tmp_path / 'w'}"
+    )
     assert_one_line(r, "the train step needs", "config.train.global_batch")
     assert not (tmp_path / "w").exists(), os.listdir(tmp_path / "w")  # checked before anything is written
 
@@ -195,9 +271,11 @@ def test_read_only_workdir(tmp_path):
 
 def test_disk_full_while_saving(tmp_path):
     """The file-size limit stands in for a full disk: the checkpoint's array files cannot be written."""
+
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR="")  # compiled programs are larger than the limit
     r = cmd(*TRAIN, f"--workdir={tmp_path / 'w'}", "--config.checkpoint.every_steps=2", preexec_fn=limit, env=env)
     assert_one_line(r, "could not write the checkpoint", "File too large")

@@ -1,4 +1,5 @@
 """Evaluation and analysis: closed forms, readers, scoring, and the three commands end to end (issue 9)."""
+
 import json
 import os
 import subprocess
@@ -48,8 +49,8 @@ def test_spectrum_equals_eigvalsh():
 def test_multiple_choice_scoring_hand_count():
     items = [
         {"contexts": ["c"] * 2, "continuations": [" a", " bbbbbbbb"], "gold": 1},  # acc wrong, norm right
-        {"contexts": ["c"] * 3, "continuations": [" x", " y", " z"], "gold": 2},    # both right
-        {"contexts": ["c"] * 2, "continuations": [" long one", " s"], "gold": 0},   # both wrong
+        {"contexts": ["c"] * 3, "continuations": [" x", " y", " z"], "gold": 2},  # both right
+        {"contexts": ["c"] * 2, "continuations": [" long one", " s"], "gold": 0},  # both wrong
     ]
     ll = {" a": -1.0, " bbbbbbbb": -2.0, " x": -5.0, " y": -4.0, " z": -1.0, " long one": -30.0, " s": -3.0}
     r = score_items(items, lambda pairs: [ll[c] for _, c in pairs])
@@ -59,18 +60,30 @@ def test_multiple_choice_scoring_hand_count():
 def test_harness_prompts():
     it = to_items("piqa", [{"goal": "To x,", "sol1": "a.", "sol2": "b.", "label": 1}])[0]
     assert it["contexts"][0] == "Question: To x,\nAnswer:" and it["continuations"] == [" a.", " b."] and it["gold"] == 1
-    it = to_items("winogrande", [{"sentence": "A beat B because _ was strong.", "option1": "A", "option2": "B",
-                                  "answer": "2"}])[0]
+    it = to_items(
+        "winogrande", [{"sentence": "A beat B because _ was strong.", "option1": "A", "option2": "B", "answer": "2"}]
+    )[0]
     assert it["contexts"] == ["A beat B because A", "A beat B because B"]
     assert it["continuations"] == [" was strong.", " was strong."] and it["gold"] == 1
-    it = to_items("hellaswag", [{"activity_label": "Cooking", "ctx_a": "He cuts.", "ctx_b": "then he",
-                                 "endings": ["eats [title] it", "b"], "label": "0"}])[0]
+    it = to_items(
+        "hellaswag",
+        [
+            {
+                "activity_label": "Cooking",
+                "ctx_a": "He cuts.",
+                "ctx_b": "then he",
+                "endings": ["eats [title] it", "b"],
+                "label": "0",
+            }
+        ],
+    )[0]
     assert it["contexts"][0] == "Cooking: He cuts. Then he" and it["continuations"][0] == " eats. it"
 
 
 def test_readers_on_shared_samples_and_written_formats(shared_data, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     for task in TASKS:
         docs = read_task(str(shared_data / "eval_samples"), task)
         assert len(docs) == 40
@@ -81,9 +94,8 @@ def test_readers_on_shared_samples_and_written_formats(shared_data, tmp_path):
         d.mkdir()
         pq.write_table(table, d / "validation.parquet")
         assert read_task(str(tmp_path), task) == docs
-        with pa.OSFile(str(tmp_path / f"{task}.arrow"), "wb") as sink:
-            with pa.ipc.new_stream(sink, table.schema) as w:
-                w.write_table(table)
+        with pa.OSFile(str(tmp_path / f"{task}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
         (d / "validation.parquet").unlink()
         assert read_task(str(tmp_path), task) == docs
 
@@ -99,8 +111,9 @@ def test_relative_curve_of_run_against_itself_is_zero():
 
 def test_three_commands_end_to_end(tmp_path, shared_data):
     from data_prep.prepare import prepare
-    from resformer_jax.config import tiny_config
     from resformer_jax.commands.training import run
+    from resformer_jax.config import tiny_config
+
     prepare([str(shared_data / "slimpajama_sample")], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
     data = str(tmp_path / "data")
     runs = {}
@@ -111,18 +124,44 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
         runs[mode] = str(tmp_path / mode)
         assert run(c, runs[mode]) == 0
     py = [sys.executable, "-m"]
-    r = subprocess.run(py + ["resformer_jax.evaluate", f"--workdir={runs['resformer']}", f"--data={data}",
-                             "--tasks=piqa,winogrande,arc_easy", f"--task_data={shared_data / 'eval_samples'}",
-                             "--limit=6"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        py
+        + [
+            "resformer_jax",
+            "evaluate",
+            f"--workdir={runs['resformer']}",
+            f"--data={data}",
+            "--tasks=piqa,winogrande,arc_easy",
+            f"--task_data={shared_data / 'eval_samples'}",
+            "--limit=6",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "Table 5" in r.stdout and "Table 1" in r.stdout and "piqa" in r.stdout
     ev = json.load(open(os.path.join(runs["resformer"], "eval", "validation_step20.json")))
     assert "mean" in ev["loss"] and len(ev["loss"]) >= 3 and all(np.isfinite(v) for v in ev["loss"].values())
     zs = json.load(open(os.path.join(runs["resformer"], "eval", "zero_shot_step20.json")))
     assert zs["tasks"]["piqa"]["n"] == 6
-    r = subprocess.run(py + ["resformer_jax.analyze", f"--workdir={runs['resformer']}", f"--workdir={runs['none']}",
-                             f"--data={data}", "--num_sequences=8", f"--out={tmp_path / 'an'}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        py
+        + [
+            "resformer_jax",
+            "analyze",
+            f"--workdir={runs['resformer']}",
+            f"--workdir={runs['none']}",
+            f"--data={data}",
+            "--num_sequences=8",
+            f"--out={tmp_path / 'an'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     an = json.load(open(tmp_path / "an" / "analysis.json"))
     assert len(an) == 2 and len(an[0]["layers"]["entropy"]) == 3 and len(an[0]["layers"]["spectrum"][0]) == 64
@@ -136,9 +175,23 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert os.path.getsize(tmp_path / "an" / "fig3_mapping_similarity.png") > 1000
     for f in ("entropy.png", "similarity.png", "spectrum.png"):
         assert os.path.getsize(tmp_path / "an" / f) > 1000
-    r = subprocess.run(py + ["resformer_jax.compare", "--baseline", runs["none"], runs["resformer"], runs["none"],
-                             "--smooth=3", f"--out={tmp_path / 'cmp'}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        py
+        + [
+            "resformer_jax",
+            "compare",
+            "--baseline",
+            runs["none"],
+            runs["resformer"],
+            runs["none"],
+            "--smooth=3",
+            f"--out={tmp_path / 'cmp'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rel = json.load(open(tmp_path / "cmp" / "relative_train_loss.json"))
     assert max(abs(x) for x in rel["none"]["relative"]) == 0.0
@@ -151,12 +204,14 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     to, holding every example's values and averaging at the end (Eq. 12's per-example spectra included); Fig. 9
     right's largest eigenvalue is the spectrum's first entry; a cross_layer run is refused with a message."""
     import jax
+
     from resformer_jax.analysis import measures
     from resformer_jax.analysis.per_layer import analysis_sequences, analyze_run, layer_tensors
     from resformer_jax.commands.training import run
     from resformer_jax.config import ConfigError, tiny_config
     from resformer_jax.model import Transformer
     from resformer_jax.train.setup import load_run
+
     c = tiny_config("resformer")
     c.train.steps, c.train.warmup_steps, c.mesh.num_devices = 3, 1, 1
     wd = str(tmp_path / "run")
@@ -168,7 +223,7 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
     values, entropy = [[] for _ in range(3)], [[] for _ in range(3)]
     for b in range(0, 6, 4):
-        chunk = np.stack(seqs[b:b + 4])[:, :-1]
+        chunk = np.stack(seqs[b : b + 4])[:, :-1]
         t = layer_tensors(jax.device_get(fwd(chunk)), 3)
         for n in range(3):
             for r in range(len(chunk)):
@@ -183,6 +238,7 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     c2.model.mapping = "cross_layer"
     with pytest.raises(ConfigError, match="cross_layer"):
         from resformer_jax.analysis.per_layer import check_analyzable
+
         check_analyzable(c2.model)
 
 
@@ -190,12 +246,20 @@ def test_text_file_documents_are_encoded_one_by_one_with_bos_first(tmp_path):
     """Attention-sink measures depend on the first token: each line is its own sample, BOS first, truncated at the
     sequence length (short lines left out); --text_unit=stream keeps one stream cut into windows."""
     import json as json_
+
     from test_hf import write_tiny_llama
+
     from resformer_jax.analysis.per_layer import hf_sequences
+
     write_tiny_llama(str(tmp_path / "m"), extra={"bos_token_id": 7})
     text = tmp_path / "t.txt"
-    text.write_text("short\n" + "The quick brown fox jumps over the lazy dog again and again. " * 4 + "\n"
-                    + "def main():    return 42 and more code here to be long enough " * 4 + "\n")
+    text.write_text(
+        "short\n"
+        + "The quick brown fox jumps over the lazy dog again and again. " * 4
+        + "\n"
+        + "def main():    return 42 and more code here to be long enough " * 4
+        + "\n"
+    )
     seqs = hf_sequences(str(tmp_path / "m"), str(text), seq_len=16, num_sequences=10)
     assert len(seqs) == 2 and all(s[0] == 7 and len(s) == 17 for s in seqs)
     stream = hf_sequences(str(tmp_path / "m"), str(text), seq_len=16, num_sequences=10, text_unit="stream")

@@ -1,5 +1,6 @@
 """Hugging Face Llama-family checkpoints as this project's model (issue 18, Fig. 1 right / Fig. 15 right):
 import from local safetensors, equal to the HF forward, and the paper's analysis on them."""
+
 import json
 import os
 import subprocess
@@ -8,8 +9,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 import reference as ref
+
 from resformer_jax.hf import HFError, load_hf_llama
 from resformer_jax.model import Transformer
 
@@ -21,32 +22,54 @@ def write_tiny_llama(folder, tie=False, kv=2, shards=1, extra=None):
     """A tiny Llama-layout checkpoint: config.json, safetensors (sharded if asked), a trained tokenizer.json."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     os.makedirs(folder, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
+    tok.train_from_iterator(
+        [TEXT],
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
     tok.save(os.path.join(folder, "tokenizer.json"))
     V, E, H, F, L = 320, 32, 4, 48, 3
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": E,
-           "intermediate_size": F, "num_attention_heads": H, "num_key_value_heads": kv, "num_hidden_layers": L,
-           "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "max_position_embeddings": 256, "tie_word_embeddings": tie}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": V,
+        "hidden_size": E,
+        "intermediate_size": F,
+        "num_attention_heads": H,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": L,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": tie,
+    }
     cfg.update(extra or {})
     cfg = {k: v for k, v in cfg.items() if v is not None}
     rng = np.random.default_rng(0)
-    w = lambda *s: (rng.normal(size=s) * 0.1).astype(np.float32)  # noqa: E731
+    w = lambda *s: (rng.normal(size=s) * 0.1).astype(np.float32)
     D = E // H
     sd = {"model.embed_tokens.weight": w(V, E), "model.norm.weight": 1 + w(E)}
     if not tie:
         sd["lm_head.weight"] = w(V, E)
     for i in range(L):
         p = f"model.layers.{i}."
-        sd.update({p + "input_layernorm.weight": 1 + w(E), p + "post_attention_layernorm.weight": 1 + w(E),
-                   p + "self_attn.q_proj.weight": w(H * D, E), p + "self_attn.k_proj.weight": w(kv * D, E),
-                   p + "self_attn.v_proj.weight": w(kv * D, E), p + "self_attn.o_proj.weight": w(E, H * D),
-                   p + "mlp.gate_proj.weight": w(F, E), p + "mlp.up_proj.weight": w(F, E),
-                   p + "mlp.down_proj.weight": w(E, F)})
+        sd.update(
+            {
+                p + "input_layernorm.weight": 1 + w(E),
+                p + "post_attention_layernorm.weight": 1 + w(E),
+                p + "self_attn.q_proj.weight": w(H * D, E),
+                p + "self_attn.k_proj.weight": w(kv * D, E),
+                p + "self_attn.v_proj.weight": w(kv * D, E),
+                p + "self_attn.o_proj.weight": w(E, H * D),
+                p + "mlp.gate_proj.weight": w(F, E),
+                p + "mlp.up_proj.weight": w(F, E),
+                p + "mlp.down_proj.weight": w(E, F),
+            }
+        )
     names = sorted(sd)
     if shards == 1:
         save_file(sd, os.path.join(folder, "model.safetensors"))
@@ -78,7 +101,10 @@ def test_import_errors_are_clear(tmp_path):
         load_hf_llama(str(tmp_path))
     write_tiny_llama(str(tmp_path / "m"))
     cfg = json.load(open(tmp_path / "m" / "config.json"))
-    json.dump(dict(cfg, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]), open(tmp_path / "m" / "config.json", "w"))
+    json.dump(
+        dict(cfg, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]),
+        open(tmp_path / "m" / "config.json", "w"),
+    )
     with pytest.raises(HFError, match="not a Llama-family model"):
         load_hf_llama(str(tmp_path / "m"))
 
@@ -88,9 +114,24 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     write_tiny_llama(str(model))
     (tmp_path / "text.txt").write_text(TEXT)
     before = sorted(os.listdir(model))
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.analyze", f"--hf_model={model}",
-                        f"--text_file={tmp_path / 'text.txt'}", "--seq_len=32", "--num_sequences=4", "--text_unit=stream",
-                        f"--out={tmp_path / 'an'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "analyze",
+            f"--hf_model={model}",
+            f"--text_file={tmp_path / 'text.txt'}",
+            "--seq_len=32",
+            "--num_sequences=4",
+            "--text_unit=stream",
+            f"--out={tmp_path / 'an'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     an = json.load(open(tmp_path / "an" / "analysis.json"))[0]
     assert an["source"] == "hugging face checkpoint" and an["variant"] == "tiny-llama" and an["num_sequences"] == 4
@@ -112,7 +153,9 @@ EXPORT_CASES = {
 
 def _model_and_params(fields, scan=True):
     import flax.linen as nn
+
     from resformer_jax.config import tiny_config, validate
+
     c = tiny_config()
     c.model.scan_layers = scan
     for k, v in fields.items():
@@ -122,19 +165,25 @@ def _model_and_params(fields, scan=True):
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"])
     rng = np.random.default_rng(0)  # move the mixing scalars off their init so the test sees them
     params = jax.tree_util.tree_map_with_path(
-        lambda p, x: x + rng.normal(0, 0.3, np.shape(x)).astype(np.float32)
-        if p[-1].key in ("lambda1", "lambda2", "lambda_logits", "lambda_scale") else x, params)
+        lambda p, x: (
+            x + rng.normal(0, 0.3, np.shape(x)).astype(np.float32)
+            if p[-1].key in ("lambda1", "lambda2", "lambda_logits", "lambda_scale")
+            else x
+        ),
+        params,
+    )
     return c, model, params
 
 
 @pytest.mark.parametrize("case", sorted(EXPORT_CASES))
 def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
     from resformer_jax.hf import export_params, unrolled
+
     c, model, params = _model_and_params(EXPORT_CASES[case])
     out = str(tmp_path / "hf")
     hf_cfg = export_params(c.model, jax.device_get(params), out)
     m2, back = load_hf_llama(out)
-    flat = lambda t: {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(t)}  # noqa: E731
+    flat = lambda t: {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(t)}
     want, got = flat(unrolled(jax.device_get(params), c.model.num_layers)), flat(back)
     assert sorted(want) == sorted(got)
     for k in want:
@@ -142,10 +191,13 @@ def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
     tokens = np.random.default_rng(1).integers(0, c.model.vocab_size, (2, 16))
     ours = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
     from safetensors.numpy import load_file
+
     sd = load_file(os.path.join(out, "model.safetensors"))
     np.testing.assert_allclose(ref.hf_llama_forward_numpy(sd, hf_cfg, tokens), ours, atol=1e-4, rtol=1e-4)
     re_model = Transformer(m2)
-    np.testing.assert_allclose(np.asarray(jax.jit(re_model.apply)({"params": back}, tokens)), ours, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(re_model.apply)({"params": back}, tokens)), ours, atol=1e-5, rtol=1e-5
+    )
     if case == "none":
         assert hf_cfg["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in hf_cfg
         assert not os.path.exists(os.path.join(out, "modeling_resformer.py"))
@@ -156,7 +208,9 @@ def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
 
 def test_vanilla_export_has_exactly_hf_llama_names_and_shapes(tmp_path):
     from safetensors.numpy import load_file
+
     from resformer_jax.hf import export_params
+
     c, _, params = _model_and_params({"value_residual": "none", "num_kv_heads": 2})
     export_params(c.model, jax.device_get(params), str(tmp_path), shard_bytes=200_000)  # small shards: an index
     index = json.load(open(tmp_path / "model.safetensors.index.json"))
@@ -168,21 +222,33 @@ def test_vanilla_export_has_exactly_hf_llama_names_and_shapes(tmp_path):
     want = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
     for i in range(L):
         p = f"model.layers.{i}."
-        want.update({p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
-                     p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (K * D, E),
-                     p + "self_attn.v_proj.weight": (K * D, E), p + "self_attn.o_proj.weight": (E, H * D),
-                     p + "mlp.gate_proj.weight": (F, E), p + "mlp.up_proj.weight": (F, E),
-                     p + "mlp.down_proj.weight": (E, F)})
+        want.update(
+            {
+                p + "input_layernorm.weight": (E,),
+                p + "post_attention_layernorm.weight": (E,),
+                p + "self_attn.q_proj.weight": (H * D, E),
+                p + "self_attn.k_proj.weight": (K * D, E),
+                p + "self_attn.v_proj.weight": (K * D, E),
+                p + "self_attn.o_proj.weight": (E, H * D),
+                p + "mlp.gate_proj.weight": (F, E),
+                p + "mlp.up_proj.weight": (F, E),
+                p + "mlp.down_proj.weight": (E, F),
+            }
+        )
     assert {k: v.shape for k, v in sd.items()} == want
     cfg = json.load(open(tmp_path / "config.json"))
     assert (cfg["num_key_value_heads"], cfg["rms_norm_eps"], cfg["tie_word_embeddings"]) == (2, 1e-5, False)
 
 
 def test_exported_model_loads_in_transformers(tmp_path):
-    torch = pytest.importorskip("torch", reason="transformers' own check needs torch, which is not installed here; "
-                                                "the numpy HF Llama forward above checks the same logits")
+    torch = pytest.importorskip(
+        "torch",
+        reason="transformers' own check needs torch, which is not installed here; "
+        "the numpy HF Llama forward above checks the same logits",
+    )
     transformers = pytest.importorskip("transformers")
     from resformer_jax.hf import export_params
+
     for case in ("none", "svformer_gqa", "resformer_learnable"):
         c, model, params = _model_and_params(EXPORT_CASES[case])
         out = str(tmp_path / case)
@@ -195,31 +261,55 @@ def test_exported_model_loads_in_transformers(tmp_path):
 
 
 def test_export_command_on_a_run(tmp_path):
-    from resformer_jax.config import tiny_config
     from resformer_jax.commands.training import run
+    from resformer_jax.config import tiny_config
+
     c = tiny_config("svformer")
     c.train.steps, c.mesh.num_devices = 3, 1
     assert run(c, str(tmp_path / "run")) == 0
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.export", f"--workdir={tmp_path / 'run'}",
-                        f"--out={tmp_path / 'hf'}", "--dtype=bfloat16"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "export",
+            f"--workdir={tmp_path / 'run'}",
+            f"--out={tmp_path / 'hf'}",
+            "--dtype=bfloat16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["architectures"] == ["ResFormerLlamaForCausalLM"]
     assert json.load(open(tmp_path / "hf" / "config.json"))["torch_dtype"] == "bfloat16"
     assert os.path.isfile(tmp_path / "hf" / "generation_config.json") and "no tokenizer.json" in r.stderr
-    bad = subprocess.run([sys.executable, "-m", "resformer_jax.export", f"--workdir={tmp_path / 'nope'}",
-                          f"--out={tmp_path / 'x'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "export", f"--workdir={tmp_path / 'nope'}", f"--out={tmp_path / 'x'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
-LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 8192}
+LLAMA31 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def test_llama3_rope_frequencies_equal_the_hf_formula():
     """Meta-Llama-3.1-8B's rope_scaling (the authors' Fig. 1 right / Fig. 15 right model): head_dim 128,
     theta 500,000; and small original contexts, so the three frequency bands are all exercised."""
     from resformer_jax.model.layers import rope_frequencies
+
     for D, theta, orig in ((128, 500000.0, 8192), (8, 10000.0, 16), (64, 10000.0, 256)):
         rs = dict(LLAMA31, original_max_position_embeddings=orig)
         plain = 1.0 / theta ** (np.arange(0, D, 2) / D)
@@ -236,8 +326,11 @@ def test_llama3_scaled_checkpoint_imports_exactly_in_either_config_layout(tmp_pa
     scaling changes 40-token logits), its config written as transformers 4 does (top-level rope_theta and
     rope_scaling) or as transformers 5 does (rope_parameters only): the imported logits equal a numpy forward."""
     rs = dict(LLAMA31, original_max_position_embeddings=16)
-    extra = ({"rope_scaling": rs} if layout == "transformers4" else
-             {"rope_theta": None, "rope_parameters": {**rs, "rope_theta": 500000.0}})
+    extra = (
+        {"rope_scaling": rs}
+        if layout == "transformers4"
+        else {"rope_theta": None, "rope_parameters": {**rs, "rope_theta": 500000.0}}
+    )
     sd, cfg = write_tiny_llama(str(tmp_path / "m"), extra=extra)
     m, params = load_hf_llama(str(tmp_path / "m"))
     assert (m.rope_type, m.rope_theta, m.rope_factor, m.rope_original_max_position) == ("llama3", 500000.0, 8.0, 16)
@@ -253,14 +346,19 @@ def test_llama3_scaled_checkpoint_imports_exactly_in_either_config_layout(tmp_pa
 
 
 def test_transformers5_theta_is_read_and_unimplemented_fields_stop_the_import(tmp_path):
-    sd, cfg = write_tiny_llama(str(tmp_path / "m"), extra={"rope_theta": None, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 500000.0}})
+    _sd, _cfg = write_tiny_llama(
+        str(tmp_path / "m"),
+        extra={"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    )
     m, _ = load_hf_llama(str(tmp_path / "m"))
     assert m.rope_theta == 500000.0 and m.rope_type == "default"
-    for extra, words in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
-                         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
-                         ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
-                         ({"hidden_act": "gelu"}, "hidden_act")):
+    for extra, words in (
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ):
         write_tiny_llama(str(tmp_path / "bad"), extra=extra)
         with pytest.raises(HFError, match=words):
             load_hf_llama(str(tmp_path / "bad"))
@@ -275,25 +373,34 @@ def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
     same logits."""
     from resformer_jax.config import tiny_config
     from resformer_jax.hf import export_params
+
     rs = dict(LLAMA31, original_max_position_embeddings=16)
     write_tiny_llama(str(tmp_path / "m"), extra={"rope_scaling": rs})
     m, params = load_hf_llama(str(tmp_path / "m"))
     tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 24))
     want = np.asarray(jax.jit(Transformer(m).apply)({"params": params}, tokens))
     cfg = export_params(m, params, str(tmp_path / "out"))
-    assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["original_max_position_embeddings"] == 16
+    assert (
+        cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["original_max_position_embeddings"] == 16
+    )
     m2, params2 = load_hf_llama(str(tmp_path / "out"))
-    np.testing.assert_allclose(np.asarray(jax.jit(Transformer(m2).apply)({"params": params2}, tokens)), want,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(Transformer(m2).apply)({"params": params2}, tokens)), want, rtol=1e-6, atol=1e-6
+    )
     c = tiny_config("none")
     c.model.tie_embeddings = True
     model = Transformer(c.model)
     p = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"]
     import flax.linen as nn
+
     p = nn.unbox(p)
     assert "lm_head" not in p
     cfg = export_params(c.model, jax.device_get(p), str(tmp_path / "tied"))
     assert cfg["tie_word_embeddings"] is True
     m3, params3 = load_hf_llama(str(tmp_path / "tied"))
-    np.testing.assert_allclose(np.asarray(jax.jit(Transformer(m3).apply)({"params": params3}, tokens)),
-                               np.asarray(jax.jit(model.apply)({"params": p}, tokens)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(Transformer(m3).apply)({"params": params3}, tokens)),
+        np.asarray(jax.jit(model.apply)({"params": p}, tokens)),
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -1,13 +1,14 @@
 """Attention kernels: pallas (interpret mode on CPU), xla and cudnn against the reference (issue 7)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from resformer_jax import kernels
+from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
-from resformer_jax.commands.training import run
 
 SHAPES = [(T, H, K, 64) for T in (1, 7, 128, 300) for H, K in ((4, 4), (8, 2), (8, 1))]
 SHAPES += [(7, 8, 2, 128), (300, 8, 1, 128), (128, 4, 4, 128)]
@@ -22,6 +23,7 @@ def fwd_bwd(impl, q, k, v, do):
     def go(q, k, v, do):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
+
     return go(q, k, v, do)
 
 
@@ -92,13 +94,16 @@ def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
     assert "auto chose 'chunked'" in msgs[0]
 
 
-@pytest.mark.parametrize("T,S,block,causal", [(7, 7, 3, True), (300, 300, 64, True), (64, 64, 16, True),
-                                              (5, 12, 2, True), (1, 9, 1, True), (9, 9, 4, False)])
+@pytest.mark.parametrize(
+    "T,S,block,causal",
+    [(7, 7, 3, True), (300, 300, 64, True), (64, 64, 16, True), (5, 12, 2, True), (1, 9, 1, True), (9, 9, 4, False)],
+)
 def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal):
     """Many query blocks (each seeing only its key prefix), ragged last block, queries aligned
     at the end of a longer key sequence (S > T, as in decode), and no mask at all. The
     backward is chunked_attention's own (custom VJP from the saved log-sum-exp)."""
     from resformer_jax.kernels.chunked_attention import chunked_attention
+
     ks = jax.random.split(jax.random.PRNGKey(T * 31 + S), 4)
     q = jax.random.normal(ks[0], (2, T, 8, 32))
     k = jax.random.normal(ks[1], (2, S, 2, 32))
@@ -108,6 +113,7 @@ def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal
     def run_impl(f):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
+
     want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v, causal=causal))
     got = jax.jit(lambda: run_impl(lambda q, k, v: chunked_attention(q, k, v, causal=causal, block=block)))()
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
@@ -120,6 +126,7 @@ def test_chunked_pairs_loop_matches_the_batched_form(T, S, block, pairs):
     remainder step): the same ops per pair, so output and gradients equal the all-at-once form up to the
     summation order inside a matmul of another shape."""
     from resformer_jax.kernels.chunked_attention import chunked_attention
+
     ks = jax.random.split(jax.random.PRNGKey(T + S), 4)
     q, do = jax.random.normal(ks[0], (2, T, 8, 32)), jax.random.normal(ks[3], (2, T, 8, 32))
     k, v = jax.random.normal(ks[1], (2, S, 2, 32)), jax.random.normal(ks[2], (2, S, 2, 32))
@@ -127,6 +134,7 @@ def test_chunked_pairs_loop_matches_the_batched_form(T, S, block, pairs):
     def run(p):
         o, vjp = jax.vjp(lambda q, k, v: chunked_attention(q, k, v, block=block, pairs=p), q, k, v)
         return (o,) + vjp(do)
+
     for name, a, b in zip(("out", "dq", "dk", "dv"), jax.jit(lambda: run(pairs))(), jax.jit(lambda: run(0))()):
         assert rel(a, b) < 1e-6, f"pairs={pairs} {name}: {rel(a, b):.2e}"
 
@@ -136,8 +144,9 @@ def test_chunked_loops_over_pairs_only_on_cpu():
     unchanged, and so does a CPU program under a multi-device mesh (its batch axis is sharded)."""
     from resformer_jax.kernels.chunked_attention import chunked_attention, pairs_per_step
     from resformer_jax.kernels.names import compiling_for
+
     q, kv = jnp.ones((2, 256, 4, 64)), jnp.ones((2, 256, 4, 64))
-    loops = lambda f: "scan" in str(jax.make_jaxpr(jax.grad(lambda q: f(q).sum()))(q))  # noqa: E731
+    loops = lambda f: "scan" in str(jax.make_jaxpr(jax.grad(lambda q: f(q).sum()))(q))
     assert pairs_per_step(1, 128, 256) == 4  # [128, 256] fp32 logits: 128 KiB a pair
     assert loops(lambda q: chunked_attention(q, kv, kv))
     with compiling_for("cuda"):
@@ -173,6 +182,7 @@ def test_splash_tpu_kernel_matches_reference_interpreted(T, H, K):
     def run_impl(f):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
+
     want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v))
     got = jax.jit(lambda: run_impl(lambda q, k, v: kernels.attention(q, k, v, impl="splash")))()
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):

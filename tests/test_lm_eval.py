@@ -1,4 +1,5 @@
 """lm-evaluation-harness on this project's checkpoints (issue 19): the adapter agrees with resformer_jax.evaluate."""
+
 import os
 import subprocess
 import sys
@@ -6,8 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[lm_eval]'; "
-                                                "CI installs it)")
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[lm_eval]'; CI installs it)"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS_DIR = os.path.join(ROOT, "configs", "lm_eval_tasks")
@@ -18,35 +20,45 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from demo_runs import tokenized_tiny_config
+
     from resformer_jax.commands.training import run
+
     wd = str(tmp_path_factory.mktemp("lm_eval_run"))
     assert run(tokenized_tiny_config(), wd) == 0
     from resformer_jax.eval.lm_eval_model import ResformerLM
+
     return wd, ResformerLM(workdir=wd, batch_size=8)
 
 
 def _instances(kind, args_list):
     from lm_eval.api.instance import Instance
+
     return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args_list)]
 
 
 def test_per_item_loglikelihoods_equal_the_project_evaluator(trained, shared_data):
     from resformer_jax.eval.loglik import ContinuationScorer
     from resformer_jax.eval.zero_shot import make_loglik_fn, read_task, to_items
-    wd, lm = trained
-    items = to_items("piqa", read_task(str(shared_data / "eval_samples"), "piqa")[:6]) + \
-        to_items("hellaswag", read_task(str(shared_data / "eval_samples"), "hellaswag")[:3])
+
+    _wd, lm = trained
+    items = to_items("piqa", read_task(str(shared_data / "eval_samples"), "piqa")[:6]) + to_items(
+        "hellaswag", read_task(str(shared_data / "eval_samples"), "hellaswag")[:3]
+    )
     pairs = [(c, x) for it in items for c, x in zip(it["contexts"], it["continuations"])]
     ours = make_loglik_fn(ContinuationScorer(lm.cfg.model, lm.params, lm.max_length, 8), lm.encode)(pairs)
     got = lm.loglikelihood(_instances("loglikelihood", pairs))
     np.testing.assert_allclose([g for g, _ in got], ours, rtol=1e-5, atol=1e-4)
-    assert len(lm.scorer.buckets) <= 4  # a few compiled lengths (powers of two from 32 to the 256 context), not one per request
+    assert (
+        len(lm.scorer.buckets) <= 4
+    )  # a few compiled lengths (powers of two from 32 to the 256 context), not one per request
 
 
 def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
+
     from resformer_jax.eval.zero_shot import zero_shot
+
     wd, lm = trained
     tasks = ["hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
     limit = 8
@@ -54,8 +66,9 @@ def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
     cwd = os.getcwd()
     os.chdir(ROOT)  # the shipped task files name ../shared/data/eval_samples relative to the repository
     try:
-        res = simple_evaluate(model=lm, tasks=[f"{t}_local" for t in tasks], limit=limit,
-                              task_manager=TaskManager(include_path=TASKS_DIR))
+        res = simple_evaluate(
+            model=lm, tasks=[f"{t}_local" for t in tasks], limit=limit, task_manager=TaskManager(include_path=TASKS_DIR)
+        )
     finally:
         os.chdir(cwd)
     for t in tasks:
@@ -67,7 +80,8 @@ def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
 
 def test_rolling_and_generation(trained):
     from resformer_jax.model.decode import generate
-    wd, lm = trained
+
+    _wd, lm = trained
     short = "def main():\n    return 0\n"  # within the context: one window, every token given all before it
     (rolled,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(short,)]))
     full = [lm.eot_id] + lm.encode(short)
@@ -75,19 +89,25 @@ def test_rolling_and_generation(trained):
     assert rolled == pytest.approx(direct, rel=1e-5, abs=1e-4)
     long = short * 40  # longer than the 256-token context: the harness's disjoint windows cover each token once
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
     ids = lm.encode(long)
-    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-        token_list=ids, prefix_token=lm.eot_id, max_seq_len=lm.max_length, context_len=1)]
+    windows = [
+        make_disjoint_window(w)
+        for w in get_rolling_token_windows(
+            token_list=ids, prefix_token=lm.eot_id, max_seq_len=lm.max_length, context_len=1
+        )
+    ]
     assert len(ids) > lm.max_length and sum(len(c) for _, c in windows) == len(ids)
     (rolled_long,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(long,)]))
     assert rolled_long == pytest.approx(sum(lm._score([w])[0][0] for w in windows), rel=1e-5)
     prompt = "def main():"
     (out,) = lm.generate_until(_instances("generate_until", [(prompt, {"until": ["\n\n"], "max_gen_toks": 12})]))
     p = lm.encode(prompt)
-    toks, _ = generate(lm.cfg.model, lm.params, np.asarray([p]), max_new_tokens=12, max_len=len(p) + 12,
-                       eos_id=lm.eot_id)
-    new = [int(t) for t in np.asarray(toks[0, len(p):])]
-    new = new[:new.index(lm.eot_id)] if lm.eot_id in new else new
+    toks, _ = generate(
+        lm.cfg.model, lm.params, np.asarray([p]), max_new_tokens=12, max_len=len(p) + 12, eos_id=lm.eot_id
+    )
+    new = [int(t) for t in np.asarray(toks[0, len(p) :])]
+    new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
     want = lm.tok.decode(new).split("\n\n")[0]
     assert out == want
 
@@ -96,9 +116,29 @@ def test_harness_command_line(trained, shared_data):
     # shared_data: the shipped piqa_local task reads ../shared/data/eval_samples (skips where it is absent)
     wd, _ = trained
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.harness", "--model", "resformer_jax", "--model_args",
-                        f"workdir={wd},batch_size=4", "--tasks", "piqa_local", "--include_path", TASKS_DIR,
-                        "--limit", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "harness",
+            "--model",
+            "resformer_jax",
+            "--model_args",
+            f"workdir={wd},batch_size=4",
+            "--tasks",
+            "piqa_local",
+            "--include_path",
+            TASKS_DIR,
+            "--limit",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "piqa_local" in r.stdout and "acc" in r.stdout
 
@@ -106,7 +146,7 @@ def test_harness_command_line(trained, shared_data):
 def test_context_defaults_to_the_exports_and_a_too_long_continuation_is_refused_with_a_count(trained):
     """The adapter's context is the model's max_seq_len (the export's max_position_embeddings, what the stock
     `lm_eval --model hf` uses), not data.seq_len; a continuation longer than it is not scored in part."""
-    wd, lm = trained
+    _wd, lm = trained
     assert lm.max_length == lm.cfg.model.max_seq_len != lm.cfg.data.seq_len
     long_cont = " x" * (lm.max_length + 5)
     reqs = _instances("loglikelihood", [("a", " b"), ("a", long_cont), ("c", long_cont)])

@@ -1,4 +1,5 @@
 """The value-residual decoder against the paper's equations (issue 2)."""
+
 import json
 import subprocess
 import sys
@@ -8,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import reference as ref
+
 from resformer_jax.config import ConfigError, base_config, paper_config, tiny_config, validate
-from resformer_jax.perf import summary
 from resformer_jax.model import Transformer
+from resformer_jax.perf import summary
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
 
@@ -42,8 +43,9 @@ def test_matches_plain_jnp_reference(mode, kv_heads):
     model, params, tokens = init(c)
     got = jax.jit(model.apply)({"params": params}, tokens)
     want = ref.forward(params, tokens, mode, c.model.num_layers)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
-                               err_msg=f"{mode} (kv_heads={kv_heads}) differs from the paper's equation")
+    np.testing.assert_allclose(
+        got, want, atol=1e-5, rtol=1e-5, err_msg=f"{mode} (kv_heads={kv_heads}) differs from the paper's equation"
+    )
 
 
 def test_svformer_later_layers_have_no_value_projection():
@@ -74,8 +76,12 @@ def test_scanned_equals_unrolled_outputs_and_grads(mode):
     def loss(model, p):
         return jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)
 
-    np.testing.assert_allclose(jax.jit(model_un.apply)({"params": params}, tokens),
-                               jax.jit(model_sc.apply)({"params": params_sc}, tokens), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(model_un.apply)({"params": params}, tokens),
+        jax.jit(model_sc.apply)({"params": params_sc}, tokens),
+        atol=1e-6,
+        rtol=1e-6,
+    )
     g_un = jax.jit(jax.grad(lambda p: loss(model_un, p)))(params)
     g_sc = ref.unstack_scanned(jax.jit(jax.grad(lambda p: loss(model_sc, p)))(params_sc), c_un.model.num_layers)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5), g_un, g_sc)
@@ -89,22 +95,22 @@ def test_remat_policies_give_equal_gradients(scan):
         model, params, tokens = init(c)
         grads[policy] = jax.jit(jax.grad(lambda p: jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)))(params)
     for policy in ("dots", "full"):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5),
-                     grads["none"], grads[policy])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5), grads["none"], grads[policy])
 
 
 @pytest.mark.parametrize("mode", ["resformer", "svformer"])
 def test_gradient_reaches_first_layer_values_from_later_layers(mode):
     c = make(mode)
     model, params, tokens = init(c)
-    loss = lambda p, stop=False: jnp.mean(ref.forward(p, tokens, mode, 3, stop_v1=stop) ** 2)  # noqa: E731
+    loss = lambda p, stop=False: jnp.mean(ref.forward(p, tokens, mode, 3, stop_v1=stop) ** 2)
     g_model = jax.jit(jax.grad(lambda p: jnp.mean(jax.jit(model.apply)({"params": p}, tokens) ** 2)))(params)
     g_ref = jax.grad(loss)(params)
     g_stop = jax.grad(lambda p: loss(p, True))(params)
-    w = lambda g: np.asarray(g["layer_1"]["attn"]["value"]["kernel"])  # noqa: E731
+    w = lambda g: np.asarray(g["layer_1"]["attn"]["value"]["kernel"])
     np.testing.assert_allclose(w(g_model), w(g_ref), atol=1e-7, rtol=1e-4)
-    assert np.abs(w(g_model) - w(g_stop)).max() > 1e-4 * np.abs(w(g_stop)).max(), \
+    assert np.abs(w(g_model) - w(g_stop)).max() > 1e-4 * np.abs(w(g_stop)).max(), (
         "layer 1's W_V gets no gradient through V_1 from later layers"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -116,7 +122,7 @@ def test_causality(mode):
     a = jax.jit(model.apply)({"params": params}, tokens)
     b = jax.jit(model.apply)({"params": params}, changed)
     np.testing.assert_array_equal(np.asarray(a[:, : t + 1]), np.asarray(b[:, : t + 1]))
-    assert np.abs(np.asarray(a[:, t + 1:] - b[:, t + 1:])).max() > 0
+    assert np.abs(np.asarray(a[:, t + 1 :] - b[:, t + 1 :])).max() > 0
 
 
 @pytest.mark.parametrize("scan", [True])
@@ -141,24 +147,36 @@ def test_paper_param_counts_and_kv_cache():
         assert van["params_total"] - sv["params_total"] == (L - 1) * d * d
         assert res["params_total"] == van["params_total"]
         assert sv["kv_cache_bytes_per_token"] / van["kv_cache_bytes_per_token"] == (L + 1) / (2 * L)
-    assert abs(summary(paper_config("82m", "svformer"))["kv_cache_bytes_per_token"]
-               / summary(paper_config("82m", "none"))["kv_cache_bytes_per_token"] - 0.5625) < 1e-12
+    assert (
+        abs(
+            summary(paper_config("82m", "svformer"))["kv_cache_bytes_per_token"]
+            / summary(paper_config("82m", "none"))["kv_cache_bytes_per_token"]
+            - 0.5625
+        )
+        < 1e-12
+    )
     gqa = paper_config("82m", "none")
     gqa.model.num_kv_heads = 2
-    assert summary(gqa)["kv_cache_bytes_per_token"] / summary(paper_config("82m", "none"))[
-        "kv_cache_bytes_per_token"] == 2 / 8
+    assert (
+        summary(gqa)["kv_cache_bytes_per_token"] / summary(paper_config("82m", "none"))["kv_cache_bytes_per_token"]
+        == 2 / 8
+    )
     sv_gqa = paper_config("468m", "svformer")
     sv_gqa.model.num_kv_heads = 4
     assert summary(sv_gqa)["kv_cache_bytes_per_token"] / summary(paper_config("468m", "none"))[
-        "kv_cache_bytes_per_token"] == pytest.approx(25 / 48 * 4 / 16, abs=0)
+        "kv_cache_bytes_per_token"
+    ] == pytest.approx(25 / 48 * 4 / 16, abs=0)
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("model.num_heads", 7, "num_heads"),
-    ("model.num_kv_heads", 3, "num_kv_heads"),
-    ("model.value_residual", "resformerr", "value_residual"),
-    ("data.seq_len", 4096, "max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("model.num_heads", 7, "num_heads"),
+        ("model.num_kv_heads", 3, "num_kv_heads"),
+        ("model.value_residual", "resformerr", "value_residual"),
+        ("data.seq_len", 4096, "max_seq_len"),
+    ],
+)
 def test_impossible_config_names_field_and_fix(field, value, needle):
     c = paper_config("82m", "none")
     sec, name = field.split(".")
@@ -169,13 +187,27 @@ def test_impossible_config_names_field_and_fix(field, value, needle):
 
 
 def test_summary_cli_prints_json_and_bad_config_exits_cleanly():
-    out = subprocess.run([sys.executable, "-m", "resformer_jax.main", "--config=configs/resformer_468m.py",
-                          "--mode=summary"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "resformer_jax.main", "--config=configs/resformer_468m.py", "--mode=summary"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     s = json.loads(out.stdout)
     assert s["params_total"] == summary(paper_config("468m", "resformer"))["params_total"]
     assert s["model"]["value_residual"] == "resformer"
-    bad = subprocess.run([sys.executable, "-m", "resformer_jax.main", "--config=configs/resformer_82m.py",
-                          "--config.model.num_heads=7", "--mode=summary"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.main",
+            "--config=configs/resformer_82m.py",
+            "--config.model.num_heads=7",
+            "--mode=summary",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0
     assert "config.model.num_heads" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -183,6 +215,7 @@ def test_summary_cli_prints_json_and_bad_config_exits_cleanly():
 def test_every_paper_config_loads():
     import importlib.util
     import pathlib
+
     root = pathlib.Path(__file__).resolve().parents[1] / "configs"
     for size in ("2m", "82m", "180m", "468m"):
         for name, mode in (("transformer", "none"), ("resformer", "resformer"), ("svformer", "svformer")):

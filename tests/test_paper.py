@@ -1,4 +1,5 @@
 """The paper's definitions, exactly (issue 18): Eq. 12 averaged per example, Eq. 5 and the Fig. 7 pair."""
+
 import importlib.util
 import os
 
@@ -43,6 +44,7 @@ def test_fig7_configs_differ_only_in_the_mapping_and_eq5_eq6_have_their_own():
 def test_fig3_measure_equals_one_where_eq3_is_exact_and_not_for_identity():
     """With K_m = K_n, Eq. 3 is exactly Eq. 2 (the block-matrix step to Eq. 4): similarity 1."""
     from resformer_jax.analysis.measures import mapping_similarity
+
     rng = np.random.default_rng(0)
     T, H, K, D = 12, 4, 2, 8
     q, k = rng.normal(size=(T, H, D)), rng.normal(size=(T, K, D))
@@ -56,6 +58,7 @@ def test_fig3_measure_equals_one_where_eq3_is_exact_and_not_for_identity():
 def test_sequence_length_presets_make_2m_tokens_a_step_and_fit_their_hardware():
     from resformer_jax.config import TABLE3, seq_len_config, validate
     from resformer_jax.perf import summary
+
     for T in TABLE3:
         s = summary(validate(seq_len_config("82m", "svformer", T)))
         assert abs(s["tokens_per_step"] - 2**21) < T and s["seq_len"] == T
@@ -66,14 +69,20 @@ def test_sequence_length_presets_make_2m_tokens_a_step_and_fit_their_hardware():
     spec.loader.exec_module(kv64k)
     kv = {name: summary(validate(kv64k.get_config(name))) for name in kv64k.PRESETS}
     van = kv["none"]["kv_cache_bytes_per_token"]
-    for name, want in (("svformer", 9 / 16), ("gqa_half", 1 / 2), ("cla2", 1 / 2), ("svformer_gqa", 9 / 64),
-                       ("gqa_eighth", 1 / 8)):
+    for name, want in (
+        ("svformer", 9 / 16),
+        ("gqa_half", 1 / 2),
+        ("cla2", 1 / 2),
+        ("svformer_gqa", 9 / 64),
+        ("gqa_eighth", 1 / 8),
+    ):
         assert kv[name]["kv_cache_bytes_per_token"] / van == want, name
         assert kv[name]["seq_len"] == 65536 and kv[name]["memory_estimate_per_device"]["fits"]
 
 
 def test_critical_point_found_or_predicted_and_exponential_fit():
     from resformer_jax.analysis.grouping import critical_point, fit_exponential
+
     steps = np.arange(0, 2000, 10)
     crossing = -0.1 + steps / 10000.0  # crosses zero at step 1000
     assert critical_point(steps, crossing) == (1000.0, False)
@@ -93,8 +102,10 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     import flax.linen as nn
     import jax
     import reference as ref
+
     from resformer_jax.config import tiny_config, validate
     from resformer_jax.model import Transformer
+
     c = tiny_config(mode)
     c.model.arch, c.model.scan_layers, c.model.tie_embeddings = "gpt2", False, tie
     validate(c)
@@ -103,8 +114,11 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
     # biases start at zero; move them so the test sees them
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape)
-        if path[-1].key == "bias" else x, params)
+        lambda path, x: (
+            x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape) if path[-1].key == "bias" else x
+        ),
+        params,
+    )
     assert ("lm_head" not in params) == tie and params["pos_embed"].shape == (c.model.max_seq_len, c.model.d_model)
     want = ref.forward_gpt2(params, tokens, mode, c.model.num_layers)
     np.testing.assert_allclose(jax.jit(model.apply)({"params": params}, tokens), want, atol=2e-5, rtol=2e-5)
@@ -118,9 +132,11 @@ def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
     import flax.linen as nn
     import jax
     import optax
+    from test_decode import assert_decode_equals_forward
+
     from resformer_jax.config import tiny_config
     from resformer_jax.train.step import init_state, make_train_step
-    from test_decode import assert_decode_equals_forward
+
     c = tiny_config(mode)
     c.model.arch = "gpt2"
     model, _ = assert_decode_equals_forward(c)
@@ -141,9 +157,11 @@ def test_gpt2_at_the_82m_shape_is_untied_as_table_4_with_the_tied_form_on_reques
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
+
     from resformer_jax.commands.common import load_config_file
     from resformer_jax.model import Transformer
     from resformer_jax.perf import summary
+
     for tie, want in ((False, 77_752_320), (True, 52_010_496)):
         c = load_config_file(os.path.join(ROOT, "configs", "gpt2_82m.py") + ":none")
         c.model.tie_embeddings = tie
@@ -159,9 +177,11 @@ def test_gpt2_scaled_output_init_and_dropout():
     import flax.linen as nn
     import jax
     import optax
+
     from resformer_jax.config import tiny_config
     from resformer_jax.model import Transformer
     from resformer_jax.train.step import init_state, loss_fn, make_train_step
+
     c = tiny_config("svformer")
     c.model.arch, c.model.scan_layers, c.model.scaled_output_init = "gpt2", False, True
     c.model.d_model, c.model.ffn_dim = 128, 512
@@ -186,6 +206,7 @@ def test_gpt2_scaled_output_init_and_dropout():
             out.append(float(metrics["loss"]))
         evals = [float(jax.jit(lambda p: loss_fn(p, m, tokens))(state.params)) for _ in range(2)]
         return out, evals
+
     with_dropout, evals = losses(0.2)
     assert losses(0.2) == (with_dropout, evals)  # a function of (seed, step): resumes drop the same units
     assert evals[0] == evals[1]  # evaluation never drops
@@ -199,6 +220,7 @@ def test_paper_configs_are_sized_for_8_h100s():
     devices and leaves headroom under JAX's 75% of an 80 GB card."""
     from resformer_jax.config import paper_config, validate
     from resformer_jax.perf import summary
+
     for size in ("82m", "180m", "468m"):
         for variant in ("none", "resformer", "svformer"):
             s = summary(validate(paper_config(size, variant)))

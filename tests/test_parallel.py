@@ -1,4 +1,5 @@
 """Meshes, FSDP sharding, multi-process runs and the memory precheck (issue 5)."""
+
 import os
 import subprocess
 import sys
@@ -7,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
+from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.parallel.mesh import MeshError, make_mesh
-from resformer_jax.commands.training import run
 from resformer_jax.train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def losses(workdir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     ea = EventAccumulator(os.path.join(workdir, "tb"))
     ea.Reload()
     return np.array([e.value for e in ea.Scalars("train/loss")])
@@ -48,7 +50,9 @@ def test_fsdp_mesh_matches_one_device_and_shards_params(tmp_path, one_device_los
     np.testing.assert_allclose(losses(str(tmp_path)), one_device_losses, rtol=1e-5, atol=1e-5)
     assert dict(t.mesh.shape) == {"data": 2, "fsdp": 4}
     checked = 0
-    for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(t.state.params), jax.tree.leaves(t.state_sh.params)):
+    for (path, leaf), sh in zip(
+        jax.tree_util.tree_leaves_with_path(t.state.params), jax.tree.leaves(t.state_sh.params)
+    ):
         assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), path
         spec = tuple(sh.spec)
         if "fsdp" in spec:
@@ -69,10 +73,25 @@ def test_local_multiprocess_matches_single_process(tmp_path, one_device_losses):
     wd = str(tmp_path / "mp")
     env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd,
-                        "--config.model.num_kv_heads=2", "--config.train.steps=5", "--config.train.log_every=1",
-                        "--config.train.eval_every=1000", "--config.checkpoint.every_steps=1000"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            "bash",
+            os.path.join(ROOT, "launch", "local_multiprocess.sh"),
+            "2",
+            "configs/tiny.py",
+            wd,
+            "--config.model.num_kv_heads=2",
+            "--config.train.steps=5",
+            "--config.train.log_every=1",
+            "--config.train.eval_every=1000",
+            "--config.checkpoint.every_steps=1000",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "4 devices" in r.stdout
     np.testing.assert_allclose(losses(wd), one_device_losses, rtol=1e-5, atol=1e-5)
@@ -112,11 +131,18 @@ def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same
     never interrupted (here: one device, which the multi-process run matches, test above)."""
     import signal
     import time
+
     from resformer_jax.metrics import read_jsonl
+
     steps, every = 40, 10
-    flags = ["--config.model.num_kv_heads=2", f"--config.train.steps={steps}", "--config.train.log_every=1",
-             "--config.train.eval_every=1000", f"--config.checkpoint.every_steps={every}",
-             "--config.distributed.heartbeat_timeout_s=5"]
+    flags = [
+        "--config.model.num_kv_heads=2",
+        f"--config.train.steps={steps}",
+        "--config.train.log_every=1",
+        "--config.train.eval_every=1000",
+        f"--config.checkpoint.every_steps={every}",
+        "--config.distributed.heartbeat_timeout_s=5",
+    ]
     wd = str(tmp_path / "mp")
     env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
     env.pop("XLA_FLAGS", None)
@@ -127,11 +153,13 @@ def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same
     while not os.path.isdir(ckpt) and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
     assert os.path.isdir(ckpt), "no checkpoint appeared"
-    pid1 = subprocess.run(["pgrep", "-f", "--", f"--workdir={wd} .*--process_id=1"], capture_output=True, text=True).stdout.split()
+    pid1 = subprocess.run(
+        ["pgrep", "-f", "--", f"--workdir={wd} .*--process_id=1"], capture_output=True, text=True
+    ).stdout.split()
     assert pid1, "process 1 already gone"
     os.kill(int(pid1[0]), signal.SIGKILL)
     killed = time.time()
-    out, err = p.communicate(timeout=120)
+    _out, err = p.communicate(timeout=120)
     assert time.time() - killed < 60, "the surviving process outlived the heartbeat timeout by far"
     assert p.returncode != 0
     last = [ln for ln in err.splitlines() if ln.startswith("error:")]
@@ -150,4 +178,6 @@ def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same
     assert run(c, one) == 0
     want = read_jsonl(os.path.join(one, "metrics.jsonl"), "train/loss")
     assert sorted(resumed) == list(range(1, steps + 1))
-    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [want[s] for s in sorted(want)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        [resumed[s] for s in sorted(resumed)], [want[s] for s in sorted(want)], rtol=1e-5, atol=1e-5
+    )

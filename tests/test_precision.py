@@ -3,13 +3,14 @@
 The bf16 matmuls take fp32 accumulation and canonical layouts (model/layers.py `mixed_matmul`, `transposed`;
 train/loss.py); fp32 keeps its exact old code path (tests/test_structure.py pins its losses bitwise).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.config import tiny_config
-from resformer_jax.model import Transformer
 from resformer_jax.kernels.cpu_matmul import mixed_matmul, swiglu_mlp, transposed
+from resformer_jax.model import Transformer
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
 from resformer_jax.train.step import loss_fn
 
@@ -25,7 +26,7 @@ def test_mixed_matmul_value_and_gradients_against_autodiff_of_the_plain_product(
     w = jax.random.normal(kw, (48, 40), jnp.float32)
     g = jax.random.normal(kg, (64, 40), jnp.float32)
     # The reference: the same rounded operands, everything else in fp32 (what the bf16 path approximates).
-    ref = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    ref = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
     y, vjp = jax.vjp(mixed_matmul, x, w)
     y_ref, vjp_ref = jax.vjp(ref, x, w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-5)  # fp32 accumulation
@@ -34,7 +35,9 @@ def test_mixed_matmul_value_and_gradients_against_autodiff_of_the_plain_product(
     assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32  # the parameter's gradient never rounded to bf16
     # bf16 cotangent rounding: relative error about 2^-8 of each product's magnitude
     scale_x = np.abs(np.asarray(g)) @ np.abs(np.asarray(w)).T
-    np.testing.assert_array_less(np.abs(np.asarray(dx, np.float32) - np.asarray(dx_ref, np.float32)), 1e-2 * scale_x + 1e-3)
+    np.testing.assert_array_less(
+        np.abs(np.asarray(dx, np.float32) - np.asarray(dx_ref, np.float32)), 1e-2 * scale_x + 1e-3
+    )
     scale_w = np.abs(np.asarray(x, np.float32)).T @ np.abs(np.asarray(g))
     np.testing.assert_array_less(np.abs(np.asarray(dw) - np.asarray(dw_ref)), 1e-2 * scale_w + 1e-3)
 
@@ -79,7 +82,7 @@ def test_swiglu_mlp_bf16_against_autodiff_in_fp32():
     for got, want in zip((y, *grads), (y_ref, *grads_ref)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         # three roundings to bf16 on the way (gate/up, the product, the cotangent): a few 2^-8 of the scale
-        np.testing.assert_array_less(np.abs(got - want), 4 * 2 ** -8 * np.abs(want).max())
+        np.testing.assert_array_less(np.abs(got - want), 4 * 2**-8 * np.abs(want).max())
 
 
 def test_chunked_loss_bf16_equals_full_logits_within_bf16_tolerance():
@@ -87,8 +90,8 @@ def test_chunked_loss_bf16_equals_full_logits_within_bf16_tolerance():
     h = jax.random.normal(kh, (2, 40, 32), jnp.float32).astype(jnp.bfloat16)
     w = 0.2 * jax.random.normal(kw, (32, 300), jnp.float32)
     t = jax.random.randint(kt, (2, 40), 0, 300)
-    full = lambda h, w: cross_entropy(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32), t)  # noqa
-    fused = lambda h, w: chunked_cross_entropy(h, w, t, 16)  # noqa: E731
+    full = lambda h, w: cross_entropy(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32), t)
+    fused = lambda h, w: chunked_cross_entropy(h, w, t, 16)
     (l1, (dh1, dw1)), (l2, (dh2, dw2)) = [jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w) for f in (full, fused)]
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(dh1, np.float32), np.asarray(dh2, np.float32), rtol=2e-2, atol=2e-4)
@@ -102,6 +105,7 @@ def _loss_and_grads(dtype, chunk):
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, c.data.seq_len + 1), 0, c.model.vocab_size)
     params = jax.jit(m.init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
     import flax.linen as nn
+
     params = nn.unbox(params)
     return params, jax.jit(jax.value_and_grad(lambda p: loss_fn(p, m, tokens, chunk)))(params)
 

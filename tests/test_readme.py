@@ -1,4 +1,5 @@
 """README's two top commands are what CI runs, exactly (issue 35)."""
+
 import pathlib
 import re
 import sys
@@ -24,5 +25,7 @@ def test_ci_runs_readme_commands_first_and_nothing_of_its_own_before_them():
     first = next(i for i, ln in enumerate(steps) if 'README_COMMANDS[0]}"' in ln and ln.startswith("bash"))
     before = steps[:first]
     assert any("readme_commands.py" in ln for ln in before), "CI must read the commands from README"
-    assert not [ln for ln in before if re.search(r"\bpip3?\b|\bvenv\b|\bpython3?\b.*-m", ln)], f"CI sets up something before README's command: {before}"
-    assert any(ln.startswith("bash") and 'README_COMMANDS[1]}"' in ln for ln in steps[first + 1:])
+    assert not [ln for ln in before if re.search(r"\bpip3?\b|\bvenv\b|\bpython3?\b.*-m", ln)], (
+        f"CI sets up something before README's command: {before}"
+    )
+    assert any(ln.startswith("bash") and 'README_COMMANDS[1]}"' in ln for ln in steps[first + 1 :])

@@ -1,13 +1,14 @@
 """Nothing silently lost or wrong (issue 17): checkpoint fingerprints, no restart from zero over a workdir
 that held checkpoints, config changes told apart from damage, and the smaller resume cases."""
+
 import os
 import signal
 import subprocess
 import sys
 
+from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
-from resformer_jax.commands.training import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +54,7 @@ def test_requeue_after_total_damage_refuses_to_start_from_zero(tmp_path, capsys)
     assert "none of the checkpoints" in capsys.readouterr().err
     assert run(cfg(steps=6), wd) == 2  # the cluster requeues the same command
     err = capsys.readouterr().err
-    assert "refusing to start again from step 0" in err and "checkpoints_damaged" in err and "[\'3\']" in err
+    assert "refusing to start again from step 0" in err and "checkpoints_damaged" in err and "['3']" in err
     assert not [s for s in os.listdir(os.path.join(wd, "checkpoints")) if s.isdigit()], "nothing was trained"
     c = cfg(steps=6)
     c.checkpoint.allow_fresh_start = True
@@ -69,13 +70,16 @@ def test_a_changed_structure_field_is_a_config_error_and_moves_nothing(tmp_path,
     assert not os.path.exists(os.path.join(wd, "checkpoints_damaged"))
     assert os.path.isdir(os.path.join(wd, "checkpoints", "3"))
     # A change only the parameter tree shows (the saved config agrees): named from the trees.
-    from resformer_jax.rundir import RunDir
     import ml_collections
+
+    from resformer_jax.rundir import RunDir
+
     ck = RunDir(wd).checkpointer(ml_collections.ConfigDict({"max_to_keep": 3, "keep_period": 0, "async_save": False}))
     layout = ck.saved_params_layout(3)
     ck.close()
     assert any("value" in p for p in layout if p.startswith("layer_1")) and not any(
-        "layers/block/attn/value" in p for p in layout), "SVFormer layers >= 2 have no W_V"
+        "layers/block/attn/value" in p for p in layout
+    ), "SVFormer layers >= 2 have no W_V"
     assert run(cfg(steps=6), wd) == 0 and "resumed from step 3" in capsys.readouterr().out
 
 
@@ -99,9 +103,21 @@ def test_async_saving_keeps_max_to_keep(tmp_path):
 def test_sigterm_during_start_up_exits_cleanly(tmp_path):
     wd = str(tmp_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}",
-                             "--config.mesh.num_devices=1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.main",
+            "--config=configs/tiny.py",
+            f"--workdir={wd}",
+            "--config.mesh.num_devices=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = []
     for line in proc.stdout:  # the trainer has started (its handlers are installed) but not yet compiled
         out.append(line)
@@ -116,7 +132,12 @@ def test_sigterm_during_start_up_exits_cleanly(tmp_path):
 
 def test_generate_on_a_missing_workdir_creates_nothing(tmp_path):
     missing = tmp_path / "no_such_run"
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.generate", f"--workdir={missing}", "--prompt_ids=1,2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "generate", f"--workdir={missing}", "--prompt_ids=1,2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and str(missing) in r.stderr, r.stderr
     assert not missing.exists()

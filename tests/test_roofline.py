@@ -1,6 +1,8 @@
-"""The compile report's roofline (train/roofline.py) against programs whose FLOPs and bytes are known by hand, for
+# ruff: noqa: E501 - HLO text fixtures are kept as XLA prints them, one instruction a line
+"""The compile report's roofline (compile/roofline.py) against programs whose FLOPs and bytes are known by hand, for
 a GPU and a TPU target, and ptxas' register report naming a spilling kernel. Compiling needs the aot extra
 (CI installs it); the HLO-text tests run everywhere."""
+
 import importlib.util
 
 import jax
@@ -8,12 +10,16 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from resformer_jax.train import roofline as rl
+from resformer_jax.compile import roofline as rl
 
-MISSING = [pkg for pkg, mod in (("jax[tpu]", "libtpu"), ("the CUDA plugin", "jax_cuda12_plugin"))
-           if importlib.util.find_spec(mod) is None]
-needs_aot = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' "
-                                                     "(CI installs it)")
+MISSING = [
+    pkg
+    for pkg, mod in (("jax[tpu]", "libtpu"), ("the CUDA plugin", "jax_cuda12_plugin"))
+    if importlib.util.find_spec(mod) is None
+]
+needs_aot = pytest.mark.skipif(
+    bool(MISSING), reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' (CI installs it)"
+)
 H100, V5E = rl.CHIPS["NVIDIA H100 SXM 80GB"], rl.CHIPS["TPU v5e"]
 
 HLO = """HloModule m
@@ -66,7 +72,9 @@ def test_hand_written_program_dot_in_a_loop_in_place_update_and_a_collective():
     upd = next(o for o in r.ops if o.name == "u")
     assert upd.bytes == 8 * 4 * (64 * 32 + 1 + 64 * 32)  # the update (and the index) read, only the update written
     assert r.collective_bytes == 4 * 64 * 32 and r.unknown_trip_counts == 0
-    per_op = sum(max(o.flops / H100.peak_flops, o.bytes / H100.hbm_bytes_per_s) for o in r.ops if o.kind != "collective")
+    per_op = sum(
+        max(o.flops / H100.peak_flops, o.bytes / H100.hbm_bytes_per_s) for o in r.ops if o.kind != "collective"
+    )
     assert r.per_op_bound_s == pytest.approx(per_op)
     assert r.program_bound_s == pytest.approx(max(r.flops / H100.peak_flops, r.hbm_bytes / H100.hbm_bytes_per_s))
     rep = r.report(model_flops_per_device=r.flops, model_6n_flops_per_device=r.flops / 2)
@@ -76,15 +84,18 @@ def test_hand_written_program_dot_in_a_loop_in_place_update_and_a_collective():
 
 
 def test_an_instruction_over_several_lines_is_one_instruction():
-    text = HLO.replace('%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond',
-                       '%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond, '
-                       'frontend_attributes={kernel_metadata={\n  "a": "}"\n}}')
+    text = HLO.replace(
+        "%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond",
+        "%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond, "
+        'frontend_attributes={kernel_metadata={\n  "a": "}"\n}}',
+    )
     comps, entry = rl.parse_module(text)
     assert [i.name for i in comps[entry]][-2:] == ["ar", "out"]
 
 
 def test_ptxas_report_is_parsed():
-    from resformer_jax.train.ptxas import parse_ptxas
+    from resformer_jax.compile.ptxas import parse_ptxas
+
     text = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'flash_attention_dkdv' for 'sm_90a'
 ptxas info    : Function properties for flash_attention_dkdv
@@ -96,23 +107,32 @@ ptxas info    : Function properties for flash_attention_fwd
 ptxas info    : Used 186 registers, used 1 barriers
 """
     dkdv, fwd = parse_ptxas(text)
-    assert (dkdv.kernel, dkdv.registers, dkdv.spill_store_bytes, dkdv.spill_load_bytes) == ("flash_attention_dkdv", 255,
-                                                                                           604, 504)
+    assert (dkdv.kernel, dkdv.registers, dkdv.spill_store_bytes, dkdv.spill_load_bytes) == (
+        "flash_attention_dkdv",
+        255,
+        604,
+        504,
+    )
     assert dkdv.spills and not fwd.spills and fwd.registers == 186
 
 
 def _device(target_name):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from resformer_jax.train.targets import parse_target
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from resformer_jax.compile.targets import parse_target
+
     target = parse_target(target_name)
     mesh = Mesh(target.devices()[:1], ("x",))
-    return target, (lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype,
-                                                                          sharding=NamedSharding(mesh, P())))
+    return target, (
+        lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    )
 
 
 def _compile(target, fn, *args):
+    from resformer_jax.compile.aot import compile_step
     from resformer_jax.config import tiny_config
-    from resformer_jax.train.aot import compile_step
+
     return compile_step("probe", jax.jit(fn), args, target, tiny_config(), log=lambda s: None)
 
 
@@ -127,10 +147,13 @@ def test_one_matmul_and_a_matmul_in_a_scan(target_name):
     assert r["by_kind"]["gemm"]["flops"] == 2 * M * K * N
     gemm_bytes = r["by_kind"]["gemm"]["bytes"]
     assert gemm_bytes == 2 * (M * K + K * N + M * N), gemm_bytes  # bf16 operands read, the bf16 result written
-    assert r["per_op_bound_s"] >= max(2 * M * K * N / r["chip"]["peak_flops"], gemm_bytes / r["chip"]["hbm_bytes_per_s"])
+    assert r["per_op_bound_s"] >= max(
+        2 * M * K * N / r["chip"]["peak_flops"], gemm_bytes / r["chip"]["hbm_bytes_per_s"]
+    )
 
     def scanned(x, w):
         return lax.scan(lambda c, _: (c @ w, None), x, None, length=7)[0]
+
     r = _compile(target, scanned, sds((M, N)), sds((N, N))).roofline
     assert r["by_kind"]["gemm"]["flops"] == 7 * 2 * M * N * N
     assert r["unknown_trip_counts"] == 0
@@ -139,6 +162,7 @@ def test_one_matmul_and_a_matmul_in_a_scan(target_name):
 @needs_aot
 def test_a_pallas_kernel_call_on_gpu_counts_its_causal_blocks():
     from resformer_jax.kernels.pallas_attention import _forward
+
     target, sds = _device("h100x1")
     B, T, H, D = 2, 256, 4, 64
     r = _compile(target, lambda q, k, v: _forward(q, k, v, True, 128, 128)[0], *(sds((B, T, H, D)),) * 3).roofline
@@ -150,6 +174,7 @@ def test_a_pallas_kernel_call_on_gpu_counts_its_causal_blocks():
 @needs_aot
 def test_a_pallas_kernel_call_on_tpu_counts_its_causal_blocks():
     from resformer_jax.kernels.tpu_attention import splash_attention
+
     target, sds = _device("v5e-1")
     B, T, H, D = 1, 1024, 2, 128
     r = _compile(target, lambda q, k, v: splash_attention(q, k, v), *(sds((B, T, H, D)),) * 3).roofline
@@ -164,10 +189,13 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     not with the 8 the project gives them."""
     from resformer_jax.kernels import pallas_attention
     from resformer_jax.kernels.pallas_attention import flash_attention
+
     target, sds = _device("h100x1")
     args = (sds((1, 2048, 16, 64)),) * 3
+
     def fwd_bwd():  # a new function each time: jit's trace cache would hand back the first kernels
         return jax.value_and_grad(lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
     ok = {k["kernel"]: k for k in _compile(target, fwd_bwd(), *args).kernel_resources}
     assert set(ok) == {"flash_attention_fwd", "flash_attention_dkdv", "flash_attention_dq"}
     assert all(k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0 for k in ok.values()), ok
@@ -175,7 +203,8 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     step = _compile(target, fwd_bwd(), *args)
     spilled = {k["kernel"]: k for k in step.kernel_resources}
     assert spilled["flash_attention_dkdv"]["spill_store_bytes"] > 0, spilled
-    from resformer_jax.train.aot import CompileReport
+    from resformer_jax.compile.aot import CompileReport
+
     lines = "\n".join(CompileReport(target, "pallas", "bfloat16", {}, 1, "none", [step], {}).lines())
     assert "kernel flash_attention_dkdv: 255 registers, SPILLS" in lines
 
@@ -188,10 +217,24 @@ def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(t
     import os
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "best.txt"
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compile", "--config=configs/tiny.py", "--target=h100x8",
-                        "--tune", f"--tune_write={out}"], cwd=root, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.compile",
+            "--config=configs/tiny.py",
+            "--target=h100x8",
+            "--tune",
+            f"--tune_write={out}",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])["results"]
     settings = {(x["overrides"]["model.remat"], x["overrides"]["mesh.fsdp"]) for x in results}

@@ -1,5 +1,6 @@
 """The structure holds (issue 15): losses bitwise as before the refactor, a variant is one plan and
 one equation function, no hidden state in model/ or kernels/, folder boundaries respected."""
+
 import ast
 import dataclasses
 import json
@@ -9,11 +10,11 @@ import pathlib
 import flax.linen as nn
 import jax
 import numpy as np
+from record_losses import cpu_description, tiny_run_losses
 
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import ValueMix, plan_layer
-from record_losses import cpu_description, tiny_run_losses
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax"
 
@@ -25,15 +26,48 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax"
 # change by step 12 1.4e-6 (3 ulp).
 RECORDED_ON = "AMD EPYC (avx2, fma), jax/jaxlib 0.10.2, 2 cores"
 RECORDED = {
-    "resformer": [5.55007791519165, 5.58544921875, 5.519339084625244, 5.460906028747559, 5.509005546569824,
-                  5.4785943031311035, 5.424710750579834, 5.344350814819336, 5.228451728820801, 5.288911819458008,
-                  5.264046669006348, 5.22084379196167],
-    "svformer": [5.551589488983154, 5.585107326507568, 5.515583515167236, 5.455490589141846, 5.50128698348999,
-                 5.454858303070068, 5.370326042175293, 5.281125068664551, 5.166407585144043, 5.220994472503662,
-                 5.203644275665283, 5.17430305480957],
-    "none": [5.549096584320068, 5.580244541168213, 5.523874759674072, 5.471688747406006, 5.50875186920166,
-             5.5045599937438965, 5.485844612121582, 5.426509857177734, 5.35381555557251, 5.362332820892334,
-             5.354658603668213, 5.333314895629883],
+    "resformer": [
+        5.55007791519165,
+        5.58544921875,
+        5.519339084625244,
+        5.460906028747559,
+        5.509005546569824,
+        5.4785943031311035,
+        5.424710750579834,
+        5.344350814819336,
+        5.228451728820801,
+        5.288911819458008,
+        5.264046669006348,
+        5.22084379196167,
+    ],
+    "svformer": [
+        5.551589488983154,
+        5.585107326507568,
+        5.515583515167236,
+        5.455490589141846,
+        5.50128698348999,
+        5.454858303070068,
+        5.370326042175293,
+        5.281125068664551,
+        5.166407585144043,
+        5.220994472503662,
+        5.203644275665283,
+        5.17430305480957,
+    ],
+    "none": [
+        5.549096584320068,
+        5.580244541168213,
+        5.523874759674072,
+        5.471688747406006,
+        5.50875186920166,
+        5.5045599937438965,
+        5.485844612121582,
+        5.426509857177734,
+        5.35381555557251,
+        5.362332820892334,
+        5.354658603668213,
+        5.333314895629883,
+    ],
 }
 # Across CPUs XLA's code differs (instruction set, host), so the same program's losses differ in the last bits:
 # measured 1-2 ulp (relative <= 1.8e-7) on another AMD EPYC and on an Intel Xeon with AMX. RTOL is ~50 ulp of
@@ -51,15 +85,18 @@ def test_tiny_run_losses_are_those_recorded(tmp_path):
         assert got == record["losses"], (
             f"per-step losses are not bitwise those recorded in {baseline} on {record['cpu']} (this CPU: "
             f"{cpu_description()}): {got} vs {record['losses']}. A change meant to keep numerics did not (or the "
-            "baseline came from another machine: record it here, before the change)")
+            "baseline came from another machine: record it here, before the change)"
+        )
         return
     for variant, want in RECORDED.items():
         rel = np.abs(np.array(got[variant]) - np.array(want)) / np.abs(np.array(want))
         assert rel.max() <= RTOL, (
             f"{variant}: per-step losses changed beyond the cross-CPU tolerance (largest relative difference "
-            f"{rel.max():.2e} at step {int(rel.argmax()) + 1}, tolerance {RTOL:g}): {got[variant]} on {cpu_description()} "
+            f"{rel.max():.2e} at step {int(rel.argmax()) + 1}, tolerance {RTOL:g}): {got[variant]} "
+            f"on {cpu_description()} "
             f"vs {want} recorded on {RECORDED_ON}. A change meant to keep numerics did not; if it is meant to alter "
-            "them, re-record RECORDED with tests/record_losses.py and say why in the commit.")
+            "them, re-record RECORDED with tests/record_losses.py and say why in the commit."
+        )
 
 
 def quarter_mix(x: ValueMix):
@@ -100,7 +137,8 @@ def _module_level_mutables(path: pathlib.Path) -> list[str]:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             value = node.value
             mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
-                isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("dict", "list", "set"))
+                isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("dict", "list", "set")
+            )
             if mutable:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 found += [f"{path.name}: {ast.unparse(t)}" for t in targets]
@@ -144,7 +182,8 @@ def _top_level_imports(path: pathlib.Path) -> set[str]:
 
 
 def _library_files():
-    return [f for f in PKG.rglob("*.py") if "commands" not in f.relative_to(PKG).parts]
+    """Every module but the commands and the `python -m` entry files (`__main__.py`) that only call one."""
+    return [f for f in PKG.rglob("*.py") if "commands" not in f.relative_to(PKG).parts and f.name != "__main__.py"]
 
 
 def _module_name(f: pathlib.Path) -> str:
@@ -195,8 +234,12 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 def _imported_names(path: pathlib.Path, module: str) -> list[str]:
-    return [a.name for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ImportFrom) and node.module == module for a in node.names]
+    return [
+        a.name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == module
+        for a in node.names
+    ]
 
 
 def test_no_import_cycles_among_library_modules():
@@ -208,57 +251,74 @@ def test_no_import_cycles_among_library_modules():
         state[n] = "open"
         for d in sorted(graph[n]):
             if state.get(d) == "open":
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d, stack + [d])
         state[n] = "done"
+
     for n in sorted(graph):
         if n not in state:
             visit(n, [n])
     assert not cycles, "import cycles among library modules: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-# Every command, by the `python -m` path README shows, and where it lives.
-COMMANDS = {
-    "resformer_jax.main": "main", "resformer_jax.bench": "bench", "resformer_jax.compare": "compare",
-    "resformer_jax.sweep": "sweep", "resformer_jax.analyze": "analyze", "resformer_jax.evaluate": "evaluate",
-    "resformer_jax.generate": "generate", "resformer_jax.export": "export", "resformer_jax.harness": "harness",
-    "resformer_jax.compile": "compile",
-    "resformer_jax.data.tfds_source": "tfds_build", "resformer_jax.eval.lm_eval_tasks": "lm_eval_tasks",
-}
+def _cli_commands():
+    """(command, module) from commands/cli.py's table, read from the file (importing it would import commands)."""
+    tree = ast.parse((PKG / "commands" / "cli.py").read_text())
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "COMMANDS")
+    return [(e.elts[0].value, e.elts[1].value) for e in table.elts]
 
 
-def test_every_command_lives_in_commands_and_the_old_paths_only_call_it():
-    readme = (PKG.parent / "README.md").read_text()
+def test_entry_points_are_the_console_script_and_main_only():
+    """`resformer COMMAND` (pyproject's script) dispatches to commands/; `python -m resformer_jax.main` stays the
+    headline command; no other module at the package root is an entry shim and the library has no __main__ block."""
     import re
-    shown = set(re.findall(r"python -m (resformer_jax(?:\.\w+)+)", readme)) - {"resformer_jax.lm_eval"}
-    assert shown <= set(COMMANDS), f"README shows commands this test does not know: {shown - set(COMMANDS)}"
-    for path, cmd in COMMANDS.items():
-        assert (PKG / "commands" / f"{cmd}.py").is_file(), cmd
-        f = PKG.parent / (path.replace(".", "/") + ".py")
-        tree = ast.parse(f.read_text())
-        main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-        assert len(main_blocks) == 1 and f"resformer_jax.commands.{cmd}" in ast.unparse(main_blocks[0]), path
-    shims = [f for f in PKG.glob("*.py") if f"resformer_jax.{f.stem}" in COMMANDS]
-    for f in shims:  # at the package root a command path is nothing but the call
-        body = [n for n in ast.parse(f.read_text()).body if not isinstance(n, ast.Expr)]
-        assert len(body) == 1, f"{f.name} must only call its command"
+    import tomllib
+
+    scripts = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"resformer": "resformer_jax.commands.cli:main"}
+    for _, module in _cli_commands():
+        assert (PKG / "commands" / f"{module}.py").is_file(), module
+    with_main = sorted(
+        str(f.relative_to(PKG))
+        for f in PKG.rglob("*.py")
+        if f.parent.name != "commands" and re.search(r"^if __name__ == .__main__.:", f.read_text(), re.M)
+    )
+    assert with_main == ["main.py"], f"only main.py may have a __main__ block outside commands/: {with_main}"
+    docs = [PKG.parent / "README.md", *sorted((PKG.parent / "docs").glob("*.md"))]
+    shown = {m for d in docs for m in re.findall(r"(?:^|[\s`(])resformer ([a-z][a-z-]*)\b", d.read_text(), re.M)}
+    shown -= {"command", "commands"}
+    modules = {m.rstrip(".") for d in docs for m in re.findall(r"python -m (resformer_jax[\w.]*)", d.read_text())}
+    kept = {"resformer_jax", "resformer_jax.main", "resformer_jax.bench", "resformer_jax.compile"}
+    assert modules <= kept, f"README or docs/ show `python -m` paths that do not exist: {modules - kept}"
+    names = {name for name, _ in _cli_commands()}
+    assert shown <= names, f"README or docs/ show commands the CLI does not have: {shown - names}"
 
 
 def test_every_command_answers_help():
-    """Each command line README shows starts: --help prints the command's own usage (absl exits 1 after it)."""
+    """Each command starts: --help prints the command's own usage (absl exits 1 after it), through the console
+    script's dispatcher and through the `python -m` paths kept for main, bench and compile."""
     import subprocess
     import sys
+
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for path, cmd in COMMANDS.items():
-        if path == "resformer_jax.harness":  # lm-eval's own CLI; without lm-eval one line says what to install
-            continue
-        r = subprocess.run([sys.executable, "-m", path, "--help"], capture_output=True, text=True, env=env, timeout=120)
+    runs = [(["resformer_jax", name], module) for name, module in _cli_commands() if name != "harness"]
+    runs += [
+        (["resformer_jax.main"], "main"),
+        (["resformer_jax.bench"], "bench"),
+        (["resformer_jax.compile"], "compile"),
+    ]
+    for args, module in runs:  # harness is lm-eval's own CLI; without lm-eval one line says what to install
+        r = subprocess.run(
+            [sys.executable, "-m", *args, "--help"], capture_output=True, text=True, env=env, timeout=120
+        )
         out = r.stdout + r.stderr
-        assert r.returncode in (0, 1) and "Traceback" not in out, f"{path} --help: {out[-2000:]}"
+        assert r.returncode in (0, 1) and "Traceback" not in out, f"{args} --help: {out[-2000:]}"
         # (read from the file: importing several commands here would define their absl flags twice)
-        doc = ast.get_docstring(ast.parse((PKG / "commands" / f"{cmd}.py").read_text())).splitlines()[0]
-        assert doc in out, f"{path} --help does not show its command's usage ({doc!r}): {out[:500]}"
+        doc = ast.get_docstring(ast.parse((PKG / "commands" / f"{module}.py").read_text())).splitlines()[0]
+        assert doc in out, f"{args} --help does not show its command's usage ({doc!r}): {out[:500]}"
+    r = subprocess.run([sys.executable, "-m", "resformer_jax", "nonsense"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "unknown command 'nonsense'" in r.stderr and "commands:" in r.stderr
 
 
 def test_every_paper_equation_the_model_implements_is_findable_by_number():
@@ -271,10 +331,14 @@ def test_the_export_writes_the_plan_and_refuses_what_it_cannot_express():
     """config.json carries which layers own W_V and which value each attends over, from the plan (the torch twin
     reads these fields, not the variant's name); a plan the format cannot express stops the export by name."""
     import pytest
+
     from resformer_jax.hf import HFError, hf_config
-    for variant, owns, mix in (("none", [True] * 3, ["own"] * 3),
-                               ("resformer", [True] * 3, ["own", "lambda_mix", "lambda_mix"]),
-                               ("svformer", [True, False, False], ["own", "first", "first"])):
+
+    for variant, owns, mix in (
+        ("none", [True] * 3, ["own"] * 3),
+        ("resformer", [True] * 3, ["own", "lambda_mix", "lambda_mix"]),
+        ("svformer", [True, False, False], ["own", "first", "first"]),
+    ):
         m = tiny_config(variant).model
         cfg = hf_config(m)
         assert [plan_layer(m, n).owns[2] for n in range(1, 4)] == owns

@@ -1,4 +1,5 @@
 """Sweeps over variants and seeds, grouped comparisons with seed bands and a verdict (issue 20)."""
+
 import json
 import os
 import shutil
@@ -14,16 +15,35 @@ from resformer_jax.analysis import grouping
 from resformer_jax.analysis.measures import moving_average
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SWEEP = ["--config=configs/tiny.py", "--set", "model.value_residual=none,resformer", "--set", "train.seed=0,1",
-         "--config.train.steps=30", "--config.train.log_every=1", "--config.train.eval_every=10",
-         "--config.checkpoint.every_steps=2", "--config.mesh.num_devices=1"]
-NAMES = ["value_residual-none_seed-0", "value_residual-none_seed-1", "value_residual-resformer_seed-0",
-         "value_residual-resformer_seed-1"]
+SWEEP = [
+    "--config=configs/tiny.py",
+    "--set",
+    "model.value_residual=none,resformer",
+    "--set",
+    "train.seed=0,1",
+    "--config.train.steps=30",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=10",
+    "--config.checkpoint.every_steps=2",
+    "--config.mesh.num_devices=1",
+]
+NAMES = [
+    "value_residual-none_seed-0",
+    "value_residual-none_seed-1",
+    "value_residual-resformer_seed-0",
+    "value_residual-resformer_seed-1",
+]
 
 
 def sweep(workdir, *extra, **kw):
-    return subprocess.run([sys.executable, "-m", "resformer_jax.sweep", f"--workdir={workdir}", *SWEEP, *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "sweep", f"--workdir={workdir}", *SWEEP, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kw,
+    )
 
 
 def losses(run):
@@ -39,13 +59,20 @@ def losses(run):
 def swept(tmp_path_factory):
     """A 2 x 2 sweep, killed while its second run trains, then rerun to completion."""
     wd = str(tmp_path_factory.mktemp("sweep") / "s")
-    proc = subprocess.Popen([sys.executable, "-m", "resformer_jax.sweep", f"--workdir={wd}", *SWEEP], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resformer_jax", "sweep", f"--workdir={wd}", *SWEEP],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     second = os.path.join(wd, NAMES[1], "checkpoints")
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if os.path.isdir(second) and any(os.path.isfile(os.path.join(second, d, "_CHECKPOINT_METADATA"))
-                                         for d in os.listdir(second) if d.isdigit()):
+        if os.path.isdir(second) and any(
+            os.path.isfile(os.path.join(second, d, "_CHECKPOINT_METADATA")) for d in os.listdir(second) if d.isdigit()
+        ):
             break
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the run it is training, as a preempted job
@@ -76,9 +103,27 @@ def test_sweep_creates_named_runs_and_manifest_and_resumes(swept):
 def test_grouped_comparison_equals_direct_computation_and_verdict_flips(swept, tmp_path):
     wd, _ = swept
     out = str(tmp_path / "cmp")
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", wd, "--group_by", "model.value_residual",
-                        "--baseline", "none", "--smooth", "5", "--out", out], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "compare",
+            wd,
+            "--group_by",
+            "model.value_residual",
+            "--baseline",
+            "none",
+            "--smooth",
+            "5",
+            "--out",
+            out,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rep = json.load(open(os.path.join(out, "grouped_comparison.json")))
     g = rep["groups"]["resformer"]
@@ -108,15 +153,30 @@ def test_grouped_comparison_equals_direct_computation_and_verdict_flips(swept, t
                 if "train/loss" in rec:
                     rec["train/loss"] += 10 * noise + 0.5
                 f.write(json.dumps(rec) + "\n")
-    runs = [grouping.RunCurves(n, json.load(open(os.path.join(shifted, n, "config.json"))),
-                               losses(os.path.join(shifted, n)), {}) for n in NAMES]
+    runs = [
+        grouping.RunCurves(
+            n, json.load(open(os.path.join(shifted, n, "config.json"))), losses(os.path.join(shifted, n)), {}
+        )
+        for n in NAMES
+    ]
     shifted_res = grouping.compare_groups(runs, "model.value_residual", "none", smooth=5)
     assert shifted_res["resformer"].verdict == "gap larger than seed noise"
-    tiny_gap = [grouping.RunCurves(n, r.config, {s: v + (noise / 10 if "resformer" in n else 0.0)
-                                                 for s, v in losses(os.path.join(wd, NAMES[0 if "seed-0" in n else 1])).items()}, {})
-                for n, r in zip(NAMES, runs)]
-    assert grouping.compare_groups(tiny_gap, "model.value_residual", "none", smooth=5)["resformer"].verdict == \
-        "within seed noise"
+    tiny_gap = [
+        grouping.RunCurves(
+            n,
+            r.config,
+            {
+                s: v + (noise / 10 if "resformer" in n else 0.0)
+                for s, v in losses(os.path.join(wd, NAMES[0 if "seed-0" in n else 1])).items()
+            },
+            {},
+        )
+        for n, r in zip(NAMES, runs)
+    ]
+    assert (
+        grouping.compare_groups(tiny_gap, "model.value_residual", "none", smooth=5)["resformer"].verdict
+        == "within seed noise"
+    )
 
 
 def test_power_law_fit_recovers_known_exponents_and_savings():
@@ -151,6 +211,7 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
     k_d k_n^(0.07/0.05) times its tokens."""
     from resformer_jax.config import tiny_config
     from resformer_jax.perf import model_flops
+
     for variant, k_n, k_d in (("none", 1.0, 1.0), ("resformer", 1.25, 1.1)):
         for d in (32, 64, 128):
             c = tiny_config(variant)
@@ -166,10 +227,29 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
                     loss = 9.0 * (k_n * n) ** -0.07 * (k_d * step * tokens_per_step) ** -0.05
                     f.write(json.dumps({"step": step, "eval/loss": loss}) + "\n")
     out = tmp_path / "cmp"
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path), "--group_by",
-                        "model.value_residual", "--baseline", "none", "--scaling", "--scaling_loss=validation",
-                        "--smooth", "1", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "compare",
+            str(tmp_path),
+            "--group_by",
+            "model.value_residual",
+            "--baseline",
+            "none",
+            "--scaling",
+            "--scaling_loss=validation",
+            "--smooth",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     sc = json.load(open(out / "grouped_comparison.json"))["scaling"]
     want_n = 1 - 1 / (1.25 * 1.1 ** (0.05 / 0.07))
@@ -182,6 +262,7 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
 def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path):
     """Fig. 11 right from runs: SVFormer ahead early, overtaken at a step that grows with the sequence length."""
     from resformer_jax.config import tiny_config
+
     cross = {32: 30, 64: 60}  # relative loss crosses zero at these steps; 64's run ends before: predicted
     for seq_len, at in cross.items():
         for variant in ("none", "svformer"):
@@ -195,9 +276,31 @@ def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path)
                     rel = (step - at) / 100.0 if variant == "svformer" else 0.0
                     f.write(json.dumps({"step": step, "train/loss": 5.0 + rel}) + "\n")
     out = tmp_path / "cmp"
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path), "--group_by",
-                        "model.value_residual", "--baseline", "none", "--vs", "data.seq_len", "--smooth", "1",
-                        "--last", "20", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "compare",
+            str(tmp_path),
+            "--group_by",
+            "model.value_residual",
+            "--baseline",
+            "none",
+            "--vs",
+            "data.seq_len",
+            "--smooth",
+            "1",
+            "--last",
+            "20",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     cp = json.load(open(out / "grouped_comparison.json"))["critical_points"]["svformer"]
     assert cp["32"] == {"critical_step": 30.0, "predicted": False, "final_relative": pytest.approx(0.2)}
@@ -207,6 +310,7 @@ def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path)
 
 def _synthetic_run(folder, variant, seq_len, losses_by_step, evals=None):
     from resformer_jax.config import tiny_config
+
     c = tiny_config(variant)
     c.data.seq_len = seq_len
     folder.mkdir(parents=True)
@@ -226,8 +330,10 @@ def test_critical_step_is_counted_in_training_steps_whatever_log_every(log_every
     interval): windows and --last count training steps, not logged points."""
     at, steps = 2688, 4000
     per_step = {s: (s - at) / 1000.0 for s in range(1, steps + 1)}
-    logged = {s: float(np.mean([per_step[t] for t in range(s - log_every + 1, s + 1)]))
-              for s in range(log_every, steps + 1, log_every)}
+    logged = {
+        s: float(np.mean([per_step[t] for t in range(s - log_every + 1, s + 1)]))
+        for s in range(log_every, steps + 1, log_every)
+    }
     base = {s: 0.0 for s in logged}
     rel = grouping.smoothed(logged, log_every)
     b = grouping.smoothed(base, log_every)
@@ -250,14 +356,32 @@ def test_mixed_lengths_are_refused_as_one_comparison_and_grouped_with_vs(tmp_pat
     the differing field; with --vs data.seq_len each length is its own comparison (per-length curves)."""
     for seq_len, gap in ((32, -0.2), (64, -0.1)):
         for v in ("none", "svformer"):
-            _synthetic_run(tmp_path / "runs" / f"{v}_{seq_len}", v, seq_len,
-                           {s: 5.0 - s / 100 + (gap if v == "svformer" else 0.0) for s in range(1, 41)})
-    cmd = [sys.executable, "-m", "resformer_jax.compare", str(tmp_path / "runs"), "--group_by",
-           "model.value_residual", "--baseline", "none", "--smooth", "1", "--out", str(tmp_path / "cmp")]
+            _synthetic_run(
+                tmp_path / "runs" / f"{v}_{seq_len}",
+                v,
+                seq_len,
+                {s: 5.0 - s / 100 + (gap if v == "svformer" else 0.0) for s in range(1, 41)},
+            )
+    cmd = [
+        sys.executable,
+        "-m",
+        "resformer_jax",
+        "compare",
+        str(tmp_path / "runs"),
+        "--group_by",
+        "model.value_residual",
+        "--baseline",
+        "none",
+        "--smooth",
+        "1",
+        "--out",
+        str(tmp_path / "cmp"),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "data.seq_len" in r.stderr and "--vs" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run(cmd + ["--vs", "data.seq_len", "--last", "10"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        cmd + ["--vs", "data.seq_len", "--last", "10"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     groups = json.load(open(tmp_path / "cmp" / "grouped_comparison.json"))["groups"]
     assert groups["svformer [data.seq_len=32]"]["final_relative"] == pytest.approx(-0.2)
@@ -269,6 +393,7 @@ def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_s
     every 10 here: the last 5 points), not the final validation loss."""
     from resformer_jax.config import tiny_config
     from resformer_jax.perf import model_flops
+
     want = {}
     for v in ("none", "resformer"):
         for d in (32, 64):
@@ -283,9 +408,28 @@ def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_s
                     f.write(json.dumps({"step": s, "train/loss": loss, "eval/loss": loss + 1}) + "\n")
             n = model_flops(c.model, c.data.seq_len).params_non_embedding
             want.setdefault(v, {})[n] = np.mean([train[s] for s in (160, 170, 180, 190, 200)])
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.compare", str(tmp_path / "runs"), "--group_by",
-                        "model.value_residual", "--baseline", "none", "--scaling", "--smooth", "1", "--out",
-                        str(tmp_path / "cmp")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "compare",
+            str(tmp_path / "runs"),
+            "--group_by",
+            "model.value_residual",
+            "--baseline",
+            "none",
+            "--scaling",
+            "--smooth",
+            "1",
+            "--out",
+            str(tmp_path / "cmp"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     sc = json.load(open(tmp_path / "cmp" / "grouped_comparison.json"))["scaling"]
     for v in want:
@@ -298,39 +442,73 @@ def test_a_tuple_field_sweeps_with_plus_joined_items_that_the_runs_accept(tmp_pa
     """Fig. 14's anchors: `--set model.svformer_anchors=none,5,3+5+7` gives three runs whose flags the training
     command parses back to (), (5,) and (3, 5, 7)."""
     wd = tmp_path / "fig14"
-    r = subprocess.run([sys.executable, "-m", "resformer_jax.sweep", "--config=configs/svformer_82m.py",
-                        f"--workdir={wd}", "--set", "model.svformer_anchors=none,5,3+5+7", "--slurm"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "sweep",
+            "--config=configs/svformer_82m.py",
+            f"--workdir={wd}",
+            "--set",
+            "model.svformer_anchors=none,5,3+5+7",
+            "--slurm",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     runs = json.load(open(wd / "sweep.json"))["runs"]
     assert [x["name"] for x in runs] == ["svformer_anchors-none", "svformer_anchors-5", "svformer_anchors-3+5+7"]
     for x, want in zip(runs, ([], [5], [3, 5, 7])):
-        flag = [f"--config.{k}=" + ("(" + ",".join(map(str, v)) + ("," if len(v) == 1 else "") + ")")
-                for k, v in x["values"].items()][0]
+        flag = next(
+            f"--config.{k}=" + ("(" + ",".join(map(str, v)) + ("," if len(v) == 1 else "") + ")")
+            for k, v in x["values"].items()
+        )
         assert f"'{flag}'" in (wd / "sweep.sbatch").read_text()
-        s = subprocess.run([sys.executable, "-m", "resformer_jax.main", "--config=configs/svformer_82m.py", flag,
-                            "--mode=summary"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        s = subprocess.run(
+            [sys.executable, "-m", "resformer_jax.main", "--config=configs/svformer_82m.py", flag, "--mode=summary"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert json.loads(s.stdout.strip().splitlines()[-1])["model"]["svformer_anchors"] == want, s.stderr
 
 
-@pytest.mark.parametrize("accel,version", [("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v5e-8", "v2-alpha-tpuv5-lite"),
-                                           ("v5p-64", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e"),
-                                           ("v4-8", "tpu-ubuntu2204-base")])
+@pytest.mark.parametrize(
+    "accel,version",
+    [
+        ("v5litepod-16", "v2-alpha-tpuv5-lite"),
+        ("v5e-8", "v2-alpha-tpuv5-lite"),
+        ("v5p-64", "v2-alpha-tpuv5"),
+        ("v6e-8", "v2-alpha-tpuv6e"),
+        ("v4-8", "tpu-ubuntu2204-base"),
+    ],
+)
 def test_tpu_pod_launcher_picks_the_runtime_of_the_accelerator_type(tmp_path, accel, version):
     """launch/tpu_pod.sh against a stand-in gcloud that records its arguments: the VM is created with the runtime
     image that generation needs; TPU_SOFTWARE_VERSION overrides it."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "gcloud").write_text('#!/usr/bin/env bash\necho "gcloud $*" >> "$GCLOUD_LOG"\n'
-                                 'case "$*" in *describe*) exit 1;; esac\nexit 0\n')
+    (fake / "gcloud").write_text(
+        '#!/usr/bin/env bash\necho "gcloud $*" >> "$GCLOUD_LOG"\ncase "$*" in *describe*) exit 1;; esac\nexit 0\n'
+    )
     (fake / "gcloud").chmod(0o755)
     log = tmp_path / "gcloud.log"
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GCLOUD_LOG": str(log), "REPO_URL": "x"}
     script = os.path.join(ROOT, "launch", "tpu_pod.sh")
-    subprocess.run(["bash", script, "n", "z", accel, "configs/tiny.py", "gs://b/r"], env=env, capture_output=True,
-                   timeout=60)
+    subprocess.run(
+        ["bash", script, "n", "z", accel, "configs/tiny.py", "gs://b/r"], env=env, capture_output=True, timeout=60
+    )
     assert f"--version={version}" in log.read_text()
     log.unlink()
-    subprocess.run(["bash", script, "n", "z", accel, "configs/tiny.py", "gs://b/r"], capture_output=True, timeout=60,
-                   env={**env, "TPU_SOFTWARE_VERSION": "my-image"})
+    subprocess.run(
+        ["bash", script, "n", "z", accel, "configs/tiny.py", "gs://b/r"],
+        capture_output=True,
+        timeout=60,
+        env={**env, "TPU_SOFTWARE_VERSION": "my-image"},
+    )
     assert "--version=my-image" in log.read_text()

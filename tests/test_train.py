@@ -1,4 +1,5 @@
 """Optimizer, schedule, accumulation, the loop and its TensorBoard logs (issue 3)."""
+
 import glob
 import os
 
@@ -9,9 +10,9 @@ import numpy as np
 import optax
 import pytest
 
+from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
-from resformer_jax.commands.training import run
 from resformer_jax.train.optimizer import lr_schedule, make_optimizer
 from resformer_jax.train.step import init_state, make_train_step
 
@@ -69,6 +70,7 @@ def test_fused_chunked_cross_entropy_equals_full_logits(chunk_len):
     """The fused LM head + CE (train/loss.py) against CE on the full logits: the loss and the
     gradients of the hidden states and of the head, including a ragged last block (16 % 5)."""
     from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
+
     ks = jax.random.split(jax.random.PRNGKey(chunk_len), 3)
     h = jax.random.normal(ks[0], (3, 16, 24))
     w = jax.random.normal(ks[1], (24, 97)) * 0.3
@@ -79,6 +81,7 @@ def test_fused_chunked_cross_entropy_equals_full_logits(chunk_len):
 
     def fused(h, w):
         return chunked_cross_entropy(h, w, t, chunk_len)
+
     want_l, want_g = jax.value_and_grad(full, argnums=(0, 1))(h, w)
     got_l, got_g = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(h, w)
     np.testing.assert_allclose(got_l, want_l, rtol=1e-6)
@@ -102,6 +105,7 @@ def test_train_step_same_with_fused_and_full_logits_loss():
 
 def read_scalars(logdir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     ea = EventAccumulator(logdir)
     ea.Reload()
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}, ea
@@ -120,8 +124,17 @@ def test_tiny_model_trains_on_real_text_and_logs_tensorboard(tmp_path, capsys):
     c.checkpoint.every_steps = 100
     assert run(c, str(tmp_path)) == 0
     scalars, ea = read_scalars(str(tmp_path / "tb"))
-    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s",
-                "perf/mfu_6n", "perf/mfu_model", "eval/loss", "eval/PythonStdlib/loss"):
+    for tag in (
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/step_time_s",
+        "perf/mfu_6n",
+        "perf/mfu_model",
+        "eval/loss",
+        "eval/PythonStdlib/loss",
+    ):
         assert tag in scalars, f"missing TensorBoard scalar {tag}"
     losses = [v for _, v in scalars["train/loss"]]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -130,8 +143,9 @@ def test_tiny_model_trains_on_real_text_and_logs_tensorboard(tmp_path, capsys):
     assert "config" in "".join(ea.Tags().get("tensors", [])), "the resolved config is logged as text"
     out = capsys.readouterr().out
     assert "tok/s" in out and "ETA" in out
-    assert len([ln for ln in out.splitlines() if ln.startswith("step ") and "/40" in ln]) == 4, \
+    assert len([ln for ln in out.splitlines() if ln.startswith("step ") and "/40" in ln]) == 4, (
         "progress prints once per log interval, not once per step"
+    )
 
 
 def test_nonfinite_loss_stops_with_step(tmp_path, capsys):

@@ -1,7 +1,9 @@
-"""CLA2 (Brandon et al. 2024): K and V shared by pairs of layers; half the KV cache. 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""CLA2 (Brandon et al. 2024): K and V shared by pairs of layers; half the KV cache. 82M, as in the paper's ablations;
+ABLATION holds the fields a tiny test applies."""
+
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'none', 'cla_share_every': 2}
+ABLATION = {"value_residual": "none", "cla_share_every": 2}
 
 
 def get_config():

@@ -1,7 +1,9 @@
-"""ResFormer with the paper's constant lambdas (2, 1). 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""ResFormer with the paper's constant lambdas (2, 1). 82M, as in the paper's ablations; ABLATION holds the fields a
+tiny test applies."""
+
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'resformer', 'lambda_init': (2.0, 1.0)}
+ABLATION = {"value_residual": "resformer", "lambda_init": (2.0, 1.0)}
 
 
 def get_config():

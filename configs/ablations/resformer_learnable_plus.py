@@ -1,7 +1,9 @@
-"""ResFormer learnable-plus: l1 = scale * softmax(logits) over layers. 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""ResFormer learnable-plus: l1 = scale * softmax(logits) over layers. 82M, as in the paper's ablations; ABLATION holds
+the fields a tiny test applies."""
+
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'resformer', 'resformer_lambdas': 'learnable_plus'}
+ABLATION = {"value_residual": "resformer", "resformer_lambdas": "learnable_plus"}
 
 
 def get_config():

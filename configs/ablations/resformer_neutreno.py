@@ -1,7 +1,9 @@
-"""ResFormer + NeuTRENO (lambda 0.2 on the mixed V). 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""ResFormer + NeuTRENO (lambda 0.2 on the mixed V). 82M, as in the paper's ablations; ABLATION holds the fields a tiny
+test applies."""
+
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'resformer+neutreno'}
+ABLATION = {"value_residual": "resformer+neutreno"}
 
 
 def get_config():

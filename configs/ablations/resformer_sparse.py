@@ -1,7 +1,14 @@
-"""ResFormer sparse: l1 = 5 on the last three layers only. 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""ResFormer sparse: l1 = 5 on the last three layers only. 82M, as in the paper's ablations; ABLATION holds the fields
+a tiny test applies."""
+
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'resformer', 'resformer_lambdas': 'sparse', 'sparse_layers': 'LAST3', 'sparse_lambda': 5.0}
+ABLATION = {
+    "value_residual": "resformer",
+    "resformer_lambdas": "sparse",
+    "sparse_layers": "LAST3",
+    "sparse_lambda": 5.0,
+}
 
 
 def get_config():

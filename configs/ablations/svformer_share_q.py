@@ -1,7 +1,9 @@
-"""Fig. 13: share the first layer's queries instead of values. 82M, as in the paper's ablations; ABLATION holds the fields a tiny test applies."""
+"""Fig. 13: share the first layer's queries instead of values. 82M, as in the paper's ablations; ABLATION holds the
+fields a tiny test applies."""
+
 from resformer_jax.config import apply_ablation, paper_config
 
-ABLATION = {'value_residual': 'svformer', 'svformer_share': 'q'}
+ABLATION = {"value_residual": "svformer", "svformer_share": "q"}
 
 
 def get_config():

@@ -1,4 +1,5 @@
 """Helpers of lm-eval 0.4's hellaswag and winogrande tasks (the same functions), for the local task files."""
+
 import re
 
 
@@ -11,8 +12,12 @@ def _preprocess(text):
 def hellaswag_process_docs(dataset):
     def one(doc):
         ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-        return {"query": _preprocess(doc["activity_label"] + ": " + ctx),
-                "choices": [_preprocess(e) for e in doc["endings"]], "gold": int(doc["label"])}
+        return {
+            "query": _preprocess(doc["activity_label"] + ": " + ctx),
+            "choices": [_preprocess(e) for e in doc["endings"]],
+            "gold": int(doc["label"]),
+        }
+
     return dataset.map(one)
 
 
@@ -21,7 +26,7 @@ def winogrande_doc_to_text(doc):
 
 
 def winogrande_doc_to_target(doc):
-    return doc["sentence"][doc["sentence"].index("_") + 1:].strip()
+    return doc["sentence"][doc["sentence"].index("_") + 1 :].strip()
 
 
 def winogrande_doc_to_choice(doc):

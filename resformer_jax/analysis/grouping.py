@@ -9,13 +9,13 @@ The band is min-max over seeds with fewer than 3, the standard error with 3 or m
 compares the final gap with the pooled seed spread: the pooled standard deviation, across seeds,
 of the two groups' final (smoothed) losses.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 
 import numpy as np
-
 
 
 @dataclasses.dataclass
@@ -60,9 +60,23 @@ def mean_over_last_steps(curve: dict[int, float], steps: int) -> float:
 
 # Config fields that do not change what a run computes (bookkeeping, layout, speed): runs may differ in them and
 # still be compared. Any other difference besides the grouping field and the seed is a different experiment.
-NEUTRAL_FIELDS = ("checkpoint.", "mesh.", "distributed.", "data.num_threads", "data.prefetch", "data.tokenizer_hash",
-                  "train.log_every", "train.eval_every", "train.eval_batches", "train.stop_at", "train.microbatch",
-                  "train.loss_chunk_len", "model.attention_impl", "model.remat", "model.scan_layers")
+NEUTRAL_FIELDS = (
+    "checkpoint.",
+    "mesh.",
+    "distributed.",
+    "data.num_threads",
+    "data.prefetch",
+    "data.tokenizer_hash",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.stop_at",
+    "train.microbatch",
+    "train.loss_chunk_len",
+    "model.attention_impl",
+    "model.remat",
+    "model.scan_layers",
+)
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
@@ -79,8 +93,9 @@ def differing_fields(runs: list[RunCurves], exclude: tuple[str, ...]) -> list[st
     """Config fields (dotted) whose values differ across `runs`, besides `exclude` and the neutral fields."""
     flats = [_flat(r.config) for r in runs]
     keys = set().union(*flats) if flats else set()
-    return sorted(k for k in keys if not k.startswith(NEUTRAL_FIELDS) and k not in exclude
-                  and len({f.get(k) for f in flats}) > 1)
+    return sorted(
+        k for k in keys if not k.startswith(NEUTRAL_FIELDS) and k not in exclude and len({f.get(k) for f in flats}) > 1
+    )
 
 
 def band(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
@@ -119,14 +134,15 @@ def _stack(curves: list[dict[int, float]], steps: list[int]) -> np.ndarray:
     return np.array([[c[s] for s in steps] for c in curves], np.float64)
 
 
-def compare_groups(runs: list[RunCurves], group_by: str, baseline: str, smooth: int = 100,
-                   seed_field: str = "train.seed") -> dict[str, GroupComparison]:
+def compare_groups(
+    runs: list[RunCurves], group_by: str, baseline: str, smooth: int = 100, seed_field: str = "train.seed"
+) -> dict[str, GroupComparison]:
     groups: dict[str, list[RunCurves]] = {}
     for r in runs:
         groups.setdefault(str(get_field(r.config, group_by)), []).append(r)
     if baseline not in groups:
         raise ValueError(f"no run has {group_by}={baseline!r}; groups found: {sorted(groups)}")
-    seed = lambda r: get_field(r.config, seed_field)  # noqa: E731
+    seed = lambda r: get_field(r.config, seed_field)
     base = {seed(r): smoothed(r.train, smooth) for r in groups[baseline]}
     out = {}
     for name, members in sorted(groups.items()):
@@ -156,15 +172,28 @@ def compare_groups(runs: list[RunCurves], group_by: str, baseline: str, smooth: 
         elif math.isnan(noise):
             verdict = "no verdict: needs 2 or more seeds in a group"
         else:
-            verdict = ("gap larger than seed noise" if abs(gap) > noise else "within seed noise")
+            verdict = "gap larger than seed noise" if abs(gap) > noise else "within seed noise"
         ev = {}
         for key in sorted({k for r in members for k in r.evals}):
             g_final = [r.evals[key][max(r.evals[key])] for r in members if r.evals.get(key)]
             b_final = [r.evals[key][max(r.evals[key])] for r in groups[baseline] if r.evals.get(key)]
             if g_final and b_final:
                 ev[key] = float(np.mean(g_final) - np.mean(b_final))
-        out[name] = GroupComparison(name, sorted(cur), paired, steps, mean.tolist(), lo.tolist(), hi.tolist(), kind,
-                                    gap, float(finals.max() - finals.min()), noise, verdict, ev)
+        out[name] = GroupComparison(
+            name,
+            sorted(cur),
+            paired,
+            steps,
+            mean.tolist(),
+            lo.tolist(),
+            hi.tolist(),
+            kind,
+            gap,
+            float(finals.max() - finals.min()),
+            noise,
+            verdict,
+            ev,
+        )
     return out
 
 

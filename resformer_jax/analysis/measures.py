@@ -1,4 +1,5 @@
 """The paper's analysis measures as plain numpy functions (Eqs. 11-13)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -84,7 +85,7 @@ def mapping_similarity(q_TxHxD, k_TxKxD, v_TxKxD, km_TxKxD, vm_TxKxD) -> dict[st
     """
     T, H, D = q_TxHxD.shape
     G = H // k_TxKxD.shape[1]
-    rep = lambda x: np.repeat(x.astype(np.float64), G, axis=1)  # noqa: E731
+    rep = lambda x: np.repeat(x.astype(np.float64), G, axis=1)
     q, k, v, km, vm = q_TxHxD.astype(np.float64), rep(k_TxKxD), rep(v_TxKxD), rep(km_TxKxD), rep(vm_TxKxD)
     causal = np.tril(np.ones((T, T), bool))[None]
     s_n = np.where(causal, np.einsum("thd,shd->hts", q, k) / np.sqrt(D), -np.inf)
@@ -94,5 +95,5 @@ def mapping_similarity(q_TxHxD, k_TxKxD, v_TxKxD, km_TxKxD, vm_TxKxD) -> dict[st
     a_n = _softmax(s_n)
     u3 = 0.5 * np.einsum("hts,shd->thd", a_n, v + vm)  # Eq. 3 / Eq. 4
     u6 = np.einsum("hts,shd->thd", a_n, v) + vm  # Eq. 6 with the one earlier layer m
-    flat = lambda u: u.reshape(T, -1)  # noqa: E731
+    flat = lambda u: u.reshape(T, -1)
     return {"eq3": _mean_cosine(flat(u3), flat(u2)), "eq6": _mean_cosine(flat(u6), flat(u2))}

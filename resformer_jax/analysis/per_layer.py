@@ -1,12 +1,15 @@
-"""The per-layer analysis of a run or an imported model (what `python -m resformer_jax.analyze` prints and plots):
+"""The per-layer analysis of a run or an imported model (what `resformer analyze` prints and plots):
 attention entropy (Eq. 11), token similarity (Eq. 13), the first token's attention share, value and hidden-state
 norms, the value eigen-spectrum (Eq. 12) and its largest eigenvalue (Fig. 9 right), Fig. 3's mapping similarity.
 Sequences stream through in batches and every measure is a running mean, so memory is one batch."""
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
+
+from resformer_jax.model.config import ModelConfig
 
 
 class RunningMean:
@@ -27,6 +30,7 @@ class RunningMean:
 def layer_tensors(inter: dict, num_layers: int) -> dict:
     """{name: [L, ...]} stacked over layers from the capture model's intermediates."""
     import numpy as np
+
     out = {}
     for name in ("attn_probs", "values", "values_own", "queries", "keys", "hidden"):
         per = []
@@ -48,6 +52,7 @@ def analysis_sequences(cfg, split: str, num_sequences: int, batch: int):
     """The first `num_sequences` sequences of the training stream (the run's own mixture, in step order) or of
     the validation split (every domain, in record order)."""
     from resformer_jax.data.pipeline import train_reader, validation_sets
+
     if split == "train":
         read, _ = train_reader(cfg)
         return [read(g) for g in range(num_sequences)]
@@ -63,9 +68,12 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
     scripts encode each sample (attention-sink measures depend on the first token); documents shorter than a
     sequence are left out. "stream": one token stream cut into consecutive windows (only the first has a BOS)."""
     import json
+
     import numpy as np
     from tokenizers import Tokenizer
+
     from resformer_jax.hf import HFError
+
     tok_path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tok_path):
         raise HFError(f"{folder} has no tokenizer.json to tokenize --text_file with; give --data prepared with it")
@@ -78,7 +86,7 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
         n = min(num_sequences, len(ids) // n_tok)
         if n == 0:
             raise HFError(f"{text_file} has {len(ids)} tokens, fewer than one sequence of {n_tok}; lower --seq_len")
-        return [np.asarray(ids[i * n_tok:(i + 1) * n_tok], np.int32) for i in range(n)]
+        return [np.asarray(ids[i * n_tok : (i + 1) * n_tok], np.int32) for i in range(n)]
     cfg_path = os.path.join(folder, "config.json")
     bos = None
     if os.path.isfile(cfg_path):
@@ -94,30 +102,49 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
             if len(out) == num_sequences:
                 break
     if not out:
-        raise HFError(f"no {text_unit} of {text_file} holds {n_tok} tokens (--seq_len + 1, BOS included); lower "
-                      "--seq_len, or use --text_unit=stream")
+        raise HFError(
+            f"no {text_unit} of {text_file} holds {n_tok} tokens (--seq_len + 1, BOS included); lower "
+            "--seq_len, or use --text_unit=stream"
+        )
     return out
 
 
 def check_analyzable(m) -> None:
     """The capture model records each layer's attention matrix; Eq. 2's cross-layer mapping has none of its own."""
-    if m.get("mapping", "attention") == "cross_layer":
+    if ModelConfig.of(m).mapping == "cross_layer":
         from resformer_jax.config import ConfigError
-        raise ConfigError("analyze cannot measure a mapping=cross_layer run: its layers >= 2 attend through Eq. 2's "
-                          "joint softmax over two layers' keys, which has no per-layer attention matrix for the "
-                          "entropy, first-token and Fig. 3 measures; analyse the attention-mapping runs instead")
+
+        raise ConfigError(
+            "analyze cannot measure a mapping=cross_layer run: its layers >= 2 attend through Eq. 2's "
+            "joint softmax over two layers' keys, which has no per-layer attention matrix for the "
+            "entropy, first-token and Fig. 3 measures; analyse the attention-mapping runs instead"
+        )
 
 
-def analyze_run(workdir, step, data, num_sequences, batch, split="train", value="own", hf_model=None,
-                text_file=None, seq_len=512, text_unit="line") -> dict:
+def analyze_run(
+    workdir,
+    step,
+    data,
+    num_sequences,
+    batch,
+    split="train",
+    value="own",
+    hf_model=None,
+    text_file=None,
+    seq_len=512,
+    text_unit="line",
+) -> dict:
     import jax
     import numpy as np
+
     from resformer_jax.analysis import measures
     from resformer_jax.model import Transformer
     from resformer_jax.train.setup import load_run
+
     if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf.py)
         from resformer_jax.config import base_config
         from resformer_jax.hf import load_hf_llama
+
         cfg = base_config()
         cfg.model, params = load_hf_llama(hf_model)
         cfg.model.attention_impl = "reference"
@@ -129,6 +156,7 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
             seqs = hf_sequences(hf_model, text_file, seq_len, num_sequences, text_unit)
         else:
             from resformer_jax.hf import HFError
+
             raise HFError("--hf_model needs --text_file or --data to analyse")
     else:
         # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
@@ -142,13 +170,15 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
     L = cfg.model.num_layers
     # Every measure is a running mean over the sequences as they stream through (per-example spectra are
     # averaged, as the paper does): memory is one batch's tensors, whatever --num_sequences is.
-    acc = {k: [RunningMean() for _ in range(L)] for k in ("entropy", "similarity", "first_token", "value_norm",
-                                                            "hidden_norm")}
+    acc = {
+        k: [RunningMean() for _ in range(L)]
+        for k in ("entropy", "similarity", "first_token", "value_norm", "hidden_norm")
+    }
     spectra = [RunningMean() for _ in range(L)]
     fig3 = {"eq3": [RunningMean() for _ in range(L)], "eq6": [RunningMean() for _ in range(L)]}
     sim_all = [RunningMean() for _ in range(L + 2)]  # embedding output, each block's output, final-norm output
     for b in range(0, len(seqs), batch):
-        chunk = np.stack(seqs[b:b + batch])[:, :-1]
+        chunk = np.stack(seqs[b : b + batch])[:, :-1]
         inter = jax.device_get(fwd(chunk))
         t = layer_tensors(inter, L)
         ends = {0: np.asarray(inter["embedding_output"][0]), L + 1: np.asarray(inter["final_norm_output"][0])}
@@ -161,8 +191,13 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
                 sim_all[n + 1].add(measures.mean_token_similarity(h))
                 v_spec = (t["values_own"] if value == "own" else t["values"])[n][r]
                 if n >= 1:  # Fig. 3: layer n's exact cross-layer attention over layer n - 1, and its approximations
-                    sim = measures.mapping_similarity(t["queries"][n][r], t["keys"][n][r], t["values_own"][n][r],
-                                                      t["keys"][n - 1][r], t["values_own"][n - 1][r])
+                    sim = measures.mapping_similarity(
+                        t["queries"][n][r],
+                        t["keys"][n][r],
+                        t["values_own"][n][r],
+                        t["keys"][n - 1][r],
+                        t["values_own"][n - 1][r],
+                    )
                     for key in fig3:
                         fig3[key][n].add(sim[key])
                 spectra[n].add(measures.value_spectrum(v_spec.reshape(len(v_spec), -1)))  # Eq. 12
@@ -179,11 +214,16 @@ def analyze_run(workdir, step, data, num_sequences, batch, split="train", value=
     # Fig. 3 (meant for a trained vanilla model): per layer n >= 2, cosine similarity with Eq. 2 over layer n - 1
     res["fig3_eq3_vs_eq2"] = [float(x.mean()) if x.count else None for x in fig3["eq3"]]
     res["fig3_eq6_vs_eq2"] = [float(x.mean()) if x.count else None for x in fig3["eq6"]]
-    return {"workdir": workdir, "step": step, "num_sequences": len(seqs),
-            "variant": os.path.basename(os.path.normpath(hf_model)) if hf_model else cfg.model.value_residual,
-            "source": "hugging face checkpoint" if hf_model else "run",
-            "split": split, "spectrum_value": "each layer's own V_n" if value == "own" else
-            "the value each layer attends over",
-            "similarity_all_hidden_states_are": ["embedding output"] + [f"block {n} output" for n in range(1, L + 1)]
-            + ["final RMSNorm output"],
-            "layers": res}
+    return {
+        "workdir": workdir,
+        "step": step,
+        "num_sequences": len(seqs),
+        "variant": os.path.basename(os.path.normpath(hf_model)) if hf_model else cfg.model.value_residual,
+        "source": "hugging face checkpoint" if hf_model else "run",
+        "split": split,
+        "spectrum_value": "each layer's own V_n" if value == "own" else "the value each layer attends over",
+        "similarity_all_hidden_states_are": ["embedding output"]
+        + [f"block {n} output" for n in range(1, L + 1)]
+        + ["final RMSNorm output"],
+        "layers": res,
+    }

@@ -1,12 +1,13 @@
 """Runs as curves: a run directory's training and validation losses and its config, read for comparison
 (compare's relative curves, grouping's verdicts). Reads only; local paths, gs:// and s3:// alike."""
+
 from __future__ import annotations
 
 import json
 import os
-
 import sys
 
+from resformer_jax.config import as_run
 from resformer_jax.errors import UserError
 from resformer_jax.metrics import read_jsonl, read_records
 from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
@@ -32,14 +33,17 @@ def read_train_loss(run: str) -> dict[int, float]:
     if has_lines(path):
         curve = read_jsonl(path, "train/loss", warn=_note)
         if not curve:
-            raise RunsError(f"{run}: metrics.jsonl holds no training loss yet; wait for the run's first logged step "
-                            "or leave it out")
+            raise RunsError(
+                f"{run}: metrics.jsonl holds no training loss yet; wait for the run's first logged step or leave it out"
+            )
         return curve
     tb = os.fspath(RunDir(run).tensorboard)
     if is_remote(run) or not os.path.isdir(tb):
-        raise RunsError(f"{run}: neither a non-empty metrics.jsonl nor tb/ found; is it a run directory that has "
-                        "logged a step?")
+        raise RunsError(
+            f"{run}: neither a non-empty metrics.jsonl nor tb/ found; is it a run directory that has logged a step?"
+        )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     ea = EventAccumulator(tb)
     ea.Reload()
     return {e.step: e.value for e in ea.Scalars("train/loss")}
@@ -49,6 +53,7 @@ def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[
     """Each run's training loss minus the baseline's at the steps both logged, each smoothed over a trailing
     window of `smooth` training steps."""
     from resformer_jax.analysis.grouping import smoothed
+
     b_s = smoothed(baseline, smooth)
     out = {}
     for name, curve in runs.items():
@@ -62,11 +67,13 @@ def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[
 def read_run(run: str):
     """(config dict, train curve, eval curves) of a run directory."""
     from resformer_jax.analysis.grouping import RunCurves
+
     rd = RunDir(run)
     path = rd.metrics_jsonl
     if not has_lines(path):
-        raise RunsError(f"{run}: no logged steps (metrics.jsonl missing or empty); is it a run directory that has "
-                        "logged a step?")
+        raise RunsError(
+            f"{run}: no logged steps (metrics.jsonl missing or empty); is it a run directory that has logged a step?"
+        )
     train, evals = {}, {}
     for rec in read_records(path, warn=_note):
         for k, v in rec.items():
@@ -78,8 +85,10 @@ def read_run(run: str):
         try:
             config = rd.read_config()
         except ValueError as e:
-            raise RunsError(f"{rd.config_json} is not valid JSON ({e}); remove it (compare then reads the config from the "
-                            "run's checkpoints) or leave the run out") from None
+            raise RunsError(
+                f"{rd.config_json} is not valid JSON ({e}); remove it (compare then reads the config from the "
+                "run's checkpoints) or leave the run out"
+            ) from None
         if not isinstance(config, dict):
             raise RunsError(f"{rd.config_json} does not hold a config object; restore it or leave the run out")
     else:  # runs from before config.json: the checkpoint's copy
@@ -88,7 +97,7 @@ def read_run(run: str):
         if not steps:
             raise RunsError(f"{run}: neither config.json nor a checkpoint to read its config from")
         config = ck.read_config(steps[-1])
-    return RunCurves(run_name(run), config, train, evals)
+    return RunCurves(run_name(run), as_run(config), train, evals)
 
 
 def find_runs(paths: list[str]) -> list[str]:
@@ -105,20 +114,27 @@ def find_runs(paths: list[str]) -> list[str]:
             try:
                 listed = [r["workdir"] for r in json.loads(manifest.read_text())["runs"]]
             except (ValueError, KeyError, TypeError) as e:
-                raise RunsError(f"{manifest} is damaged ({type(e).__name__}: {e}); rerun the sweep command to "
-                                "rewrite it") from None
+                raise RunsError(
+                    f"{manifest} is damaged ({type(e).__name__}: {e}); rerun the sweep command to rewrite it"
+                ) from None
         elif root.path.is_dir():
-            listed = [f"{p.rstrip('/')}/{d.name}" for d in sorted(root.path.iterdir(), key=lambda d: d.name)
-                      if RunDir(f"{p.rstrip('/')}/{d.name}").is_run()]
+            listed = [
+                f"{p.rstrip('/')}/{d.name}"
+                for d in sorted(root.path.iterdir(), key=lambda d: d.name)
+                if RunDir(f"{p.rstrip('/')}/{d.name}").is_run()
+            ]
         else:
             raise RunsError(f"{p}: no such run or sweep directory")
         found = [d for d in listed if RunDir(d).has_metrics()]
         if not found:
-            raise RunsError(f"{p}: not a run directory (no logged steps in metrics.jsonl) and holds no runs that "
-                            "have logged a step")
+            raise RunsError(
+                f"{p}: not a run directory (no logged steps in metrics.jsonl) and holds no runs that have logged a step"
+            )
         skipped = [d for d in listed if d not in found]
         if skipped:
-            _note(f"note: {p}: left out {len(skipped)} run(s) with no logged steps yet: "
-                  + ", ".join(run_name(d) for d in skipped))
+            _note(
+                f"note: {p}: left out {len(skipped)} run(s) with no logged steps yet: "
+                + ", ".join(run_name(d) for d in skipped)
+            )
         out += found
     return out

@@ -2,6 +2,7 @@
 library, and turns a `UserError` into one line on stderr and its exit code (common.py). Nothing in the library
 imports this folder; the `python -m resformer_jax.<command>` paths README shows are two-line modules that call
 the command here."""
+
 from resformer_jax.runtime import quiet_absent_accelerators, restart_with_host_memory_defaults
 
 # First, before a command imports JAX: on a CPU host the process restarts once with huge pages for XLA's buffers

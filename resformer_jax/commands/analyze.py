@@ -1,6 +1,6 @@
 """Per-layer analysis of a checkpoint: the paper's Eqs. 11-13 and Figs. 1, 9, 15.
 
-  python -m resformer_jax.analyze --workdir=RUN --data=PREPARED_DIR [--num_sequences 1000] [--workdir=RUN_B]
+  resformer analyze --workdir=RUN --data=PREPARED_DIR [--num_sequences 1000] [--workdir=RUN_B]
 
 Per layer: entropy of token importance (Eq. 11, head-averaged attention),
 mean pairwise cosine similarity of hidden states (Eq. 13), the eigen-spectrum
@@ -8,6 +8,7 @@ of the values' second-moment matrix (Eq. 12), the share of attention on the
 first token, and mean value and hidden-state norms. Writes JSON, PNG plots and
 TensorBoard scalars; a second --workdir is overlaid in the same plots, written into each run's analysis/ (or --out).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,20 +16,37 @@ import os
 from absl import app, flags
 
 flags.DEFINE_multi_string("workdir", [], "Run directory (give twice to overlay two runs).")
-flags.DEFINE_multi_string("hf_model", [], "A local Hugging Face Llama/Mistral folder (config.json, *.safetensors, "
-                          "tokenizer.json) to analyse, e.g. Fig. 1 right; repeatable, overlays with --workdir.")
-flags.DEFINE_string("text_file", None, "--hf_model: text to analyse, tokenized with the model's tokenizer.json "
-                    "(or give --data, prepared with that tokenizer).")
+flags.DEFINE_multi_string(
+    "hf_model",
+    [],
+    "A local Hugging Face Llama/Mistral folder (config.json, *.safetensors, "
+    "tokenizer.json) to analyse, e.g. Fig. 1 right; repeatable, overlays with --workdir.",
+)
+flags.DEFINE_string(
+    "text_file",
+    None,
+    "--hf_model: text to analyse, tokenized with the model's tokenizer.json "
+    "(or give --data, prepared with that tokenizer).",
+)
 flags.DEFINE_integer("seq_len", 512, "--hf_model: tokens per analysed sequence.")
-flags.DEFINE_enum("text_unit", "line", ["line", "paragraph", "stream"], "--text_file: each line (or blank-line "
-                  "separated paragraph) a document encoded on its own with BOS first and truncated, as the authors' "
-                  "scripts; stream: one token stream cut into windows.")
+flags.DEFINE_enum(
+    "text_unit",
+    "line",
+    ["line", "paragraph", "stream"],
+    "--text_file: each line (or blank-line "
+    "separated paragraph) a document encoded on its own with BOS first and truncated, as the authors' "
+    "scripts; stream: one token stream cut into windows.",
+)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("data", None, "Prepared corpus folder (default: the run's own data).")
 flags.DEFINE_integer("num_sequences", 1000, "Sequences to analyse (the paper: 1,000).")
 flags.DEFINE_enum("split", "train", ["train", "validation"], "Analyse training sequences (as the paper) or validation.")
-flags.DEFINE_enum("value", "own", ["own", "mixed"], "Eq. 12 on each layer's own V_n (default) or the value it attends "
-                  "over (ResFormer's mix, SVFormer's V_1).")
+flags.DEFINE_enum(
+    "value",
+    "own",
+    ["own", "mixed"],
+    "Eq. 12 on each layer's own V_n (default) or the value it attends over (ResFormer's mix, SVFormer's V_1).",
+)
 flags.DEFINE_integer("batch", 8, "Sequences per forward pass.")
 flags.DEFINE_string("out", None, "Output folder (default: FIRST_RUN/analysis).")
 FLAGS = flags.FLAGS
@@ -39,7 +57,9 @@ def _save(fig, path):
     eigenvalue axes are counts: integer ticks."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
     from resformer_jax.storage import save_figure
+
     for ax in fig.axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
@@ -50,17 +70,28 @@ def _save(fig, path):
 
 def plot(results: list[dict], out: str) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     files = []
-    titles = {"entropy": "entropy of token importance (Eq. 11)", "similarity": "token similarity (Eq. 13)",
-              "first_token": "attention share of the first token", "value_norm": "mean value norm",
-              "hidden_norm": "mean hidden-state norm"}
+    titles = {
+        "entropy": "entropy of token importance (Eq. 11)",
+        "similarity": "token similarity (Eq. 13)",
+        "first_token": "attention share of the first token",
+        "value_norm": "mean value norm",
+        "hidden_norm": "mean hidden-state norm",
+    }
     for key, title in titles.items():
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for r in results:
             y = r["layers"][key]
-            ax.plot(range(1, len(y) + 1), y, marker="o", label=f"{r['variant']} ({os.path.basename(str(r['workdir']).rstrip('/'))})")
+            ax.plot(
+                range(1, len(y) + 1),
+                y,
+                marker="o",
+                label=f"{r['variant']} ({os.path.basename(str(r['workdir']).rstrip('/'))})",
+            )
         ax.set_xlabel("layer")
         ax.set_title(title)
         ax.legend()
@@ -96,27 +127,49 @@ def plot(results: list[dict], out: str) -> list[str]:
 
 def main(argv):
     from resformer_jax.commands import common as cli
+
     cli.start()
     from resformer_jax.metrics import Writer
     from resformer_jax.rundir import RunDir
     from resformer_jax.storage import run_path, write_json
+
     with cli.exit_on_user_error():
         for name, least in (("num_sequences", 1), ("batch", 1), ("seq_len", 2)):
             if FLAGS[name].value < least:
                 raise cli.ConfigFlagError(f"--{name}={FLAGS[name].value}: must be at least {least}")
         if not FLAGS.workdir and not FLAGS.hf_model:
             from resformer_jax.hf import HFError
+
             raise HFError("give --workdir=RUN (or --hf_model=DIR) to analyse")
         from resformer_jax.analysis.per_layer import analyze_run
-        results = [analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value)
-                   for w in FLAGS.workdir]
-        results += [analyze_run(None, None, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value,
-                                hf_model=h, text_file=FLAGS.text_file, seq_len=FLAGS.seq_len, text_unit=FLAGS.text_unit)
-                    for h in FLAGS.hf_model]
+
+        results = [
+            analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value)
+            for w in FLAGS.workdir
+        ]
+        results += [
+            analyze_run(
+                None,
+                None,
+                FLAGS.data,
+                FLAGS.num_sequences,
+                FLAGS.batch,
+                FLAGS.split,
+                FLAGS.value,
+                hf_model=h,
+                text_file=FLAGS.text_file,
+                seq_len=FLAGS.seq_len,
+                text_unit=FLAGS.text_unit,
+            )
+            for h in FLAGS.hf_model
+        ]
     with cli.exit_on_user_error():
         # Without --out, every analysed run gets the overlay in its own analysis/ folder (not the first one only).
-        outs = ([run_path(FLAGS.out)] if FLAGS.out else [RunDir(w).analysis_dir for w in FLAGS.workdir]
-                or [run_path(FLAGS.hf_model[0]) / "analysis"])
+        outs = (
+            [run_path(FLAGS.out)]
+            if FLAGS.out
+            else [RunDir(w).analysis_dir for w in FLAGS.workdir] or [run_path(FLAGS.hf_model[0]) / "analysis"]
+        )
         for out in outs:
             out.mkdir(parents=True, exist_ok=True)
             write_json(out / "analysis.json", results, indent=1)

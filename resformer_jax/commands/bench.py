@@ -1,15 +1,15 @@
 """Benchmarks on whatever device is present. Each prints one JSON object per measurement.
 
-  python -m resformer_jax.bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
+  resformer bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
       --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \
       [--compare=none,resformer,svformer] [--compare_dtypes=float32,bfloat16] [--compile_only]
-  python -m resformer_jax.bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
-  python -m resformer_jax.bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
+  resformer bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
+  resformer bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
       [--compare=none,svformer] [--batch=1]
-  python -m resformer_jax.bench accelerator [--out=report.json]   # first thing to run on new hardware
-  python -m resformer_jax.bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \
+  resformer bench accelerator [--out=report.json]   # first thing to run on new hardware
+  resformer bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \
       [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
-  python -m resformer_jax.bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \
+  resformer bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \
       [--tasks=hellaswag] [--items=256]   # items/s and peak memory; the full validation split's projected time
 
 train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
@@ -19,11 +19,12 @@ at the compute dtype, the best sample; `mfu_model_vs_median_peak` against the me
 sample; `mfu_model_vs_paired_peak` each step against the sample taken just before it, the
 median over steps), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
 temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU), and
-`step_breakdown`: the step's time by group from a real XLA profile (benchmarks/step_profile.py), with the
+`step_breakdown`: the step's time by group from a real XLA profile (bench/step_profile.py), with the
 matmuls' share of it, from which `matmul_flops_per_s_in_step` (their rate inside the step) and
 `mfu_model_matmuls_only` (the MFU of a step that ran only its matmuls).
-Each benchmark is a module of resformer_jax/benchmarks/; BENCHMARKS below maps the subcommands to them.
+Each benchmark is a module of resformer_jax/bench/; BENCHMARKS below maps the subcommands to them.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,57 +39,86 @@ from resformer_jax.commands import common as cli
 config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
 flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
 flags.DEFINE_string("compare", None, "Comma-separated value_residual modes to run at the same shapes.")
-flags.DEFINE_string("compare_dtypes", None, "train: comma-separated compute dtypes (e.g. float32,bfloat16) to run "
-                    "at the same shapes, interleaved like --compare (with --compare: every variant in every dtype).")
+flags.DEFINE_string(
+    "compare_dtypes",
+    None,
+    "train: comma-separated compute dtypes (e.g. float32,bfloat16) to run "
+    "at the same shapes, interleaved like --compare (with --compare: every variant in every dtype).",
+)
 flags.DEFINE_bool("compile_only", False, "train: only lower and compile; report compile seconds.")
-flags.DEFINE_integer("profile_steps", 1, "train: steps run under jax.profiler (one per round, in the last rounds), for the "
-                     "step_breakdown (matmuls, attention, LM head + CE, norms/elementwise, optimizer, host); 0: none.")
-flags.DEFINE_string("profile_dir", None, "train: keep the profiler traces here (DIR/<variant>; open with TensorBoard's "
-                    "profile plugin: tensorboard --logdir DIR). Default: a temporary folder, deleted.")
-flags.DEFINE_bool("interleave", True, "train --compare: variants take turns step by step (False: one after "
-                  "another, one state in memory at a time).")
+flags.DEFINE_integer(
+    "profile_steps",
+    1,
+    "train: steps run under jax.profiler (one per round, in the last rounds), for the "
+    "step_breakdown (matmuls, attention, LM head + CE, norms/elementwise, optimizer, host); 0: none.",
+)
+flags.DEFINE_string(
+    "profile_dir",
+    None,
+    "train: keep the profiler traces here (DIR/<variant>; open with TensorBoard's "
+    "profile plugin: tensorboard --logdir DIR). Default: a temporary folder, deleted.",
+)
+flags.DEFINE_bool(
+    "interleave",
+    True,
+    "train --compare: variants take turns step by step (False: one after another, one state in memory at a time).",
+)
 flags.DEFINE_multi_string("shapes", ["2,1024,8,8,64"], "attention: B,T,H,K,D (repeatable).")
 flags.DEFINE_string("impls", "xla,pallas,reference", "attention: impls to time.")
 flags.DEFINE_string("dtype", "float32", "attention: input dtype.")
 flags.DEFINE_integer("context", 2048, "decode: prompt length.")
 flags.DEFINE_integer("new_tokens", 32, "decode: tokens to generate.")
 flags.DEFINE_integer("batch", 1, "decode: batch size.")
-flags.DEFINE_string("matrix", None, "decode: BATCHES:CONTEXTS, e.g. 1,16:512,2048 -- every combination, the --compare "
-                    "variants interleaved, with bytes read per token and the fraction of measured memory bandwidth.")
+flags.DEFINE_string(
+    "matrix",
+    None,
+    "decode: BATCHES:CONTEXTS, e.g. 1,16:512,2048 -- every combination, the --compare "
+    "variants interleaved, with bytes read per token and the fraction of measured memory bandwidth.",
+)
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
-flags.DEFINE_string("task_data", None, "zero_shot: folder with the tasks' files (the samples: ../shared/data/eval_samples).")
+flags.DEFINE_string(
+    "task_data", None, "zero_shot: folder with the tasks' files (the samples: ../shared/data/eval_samples)."
+)
 flags.DEFINE_string("tokenizer", None, "zero_shot: tokenizer.json to encode the tasks with.")
 flags.DEFINE_string("tasks", "hellaswag", "zero_shot: comma-separated tasks.")
 flags.DEFINE_integer("items", 256, "zero_shot: items per task (the file's items cycled).")
 flags.DEFINE_integer("score_batch", 0, "zero_shot: choices per forward pass (0: sized to memory, as evaluate).")
-flags.DEFINE_float("step_tokens_per_s", 0.0, "data: the train step's tokens/s to compare with (0: time the "
-                   "config's step here, 3 steps).")
+flags.DEFINE_float(
+    "step_tokens_per_s",
+    0.0,
+    "data: the train step's tokens/s to compare with (0: time the config's step here, 3 steps).",
+)
 FLAGS = flags.FLAGS
 
 
 def run_train(modes: list[str]) -> list[dict]:
-    from resformer_jax.benchmarks.train import bench_train
+    from resformer_jax.bench.train import bench_train
     from resformer_jax.train.setup import resolve_attention, resolve_dtype
+
     if not FLAGS.compare_dtypes:
         # model.dtype=auto: measured once, so every compared variant runs in the same dtype
-        resolve_dtype(FLAGS.config, log=lambda m: print(m, file=sys.stderr))
+        FLAGS.config.model.dtype = resolve_dtype(FLAGS.config, log=lambda m: print(m, file=sys.stderr))
     cfgs = _variants(modes, FLAGS.compare_dtypes.split(",") if FLAGS.compare_dtypes else [FLAGS.config.model.dtype])
     # `auto` is probed once, at the first variant's shapes, and used by every variant.
     attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
-    return bench_train(cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention, FLAGS.profile_dir,
-                       FLAGS.profile_steps)
+    return bench_train(
+        cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention, FLAGS.profile_dir, FLAGS.profile_steps
+    )
 
 
 def run_decode(modes: list[str]) -> list[dict]:
-    from resformer_jax.benchmarks.decode import bench_decode, bench_decode_matrix
+    from resformer_jax.bench.decode import bench_decode, bench_decode_matrix
+
     cfgs = _variants(modes, [FLAGS.config.model.dtype])
     if FLAGS.matrix:
         b_text, _, c_text = FLAGS.matrix.partition(":")
         try:
             batches, contexts = [int(x) for x in b_text.split(",")], [int(x) for x in c_text.split(",")]
         except ValueError:
-            raise cli.ConfigFlagError(f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048") from None
+            raise cli.ConfigFlagError(
+                f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
+            ) from None
         for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds):
             print(json.dumps(r))
         return []
@@ -96,42 +126,62 @@ def run_decode(modes: list[str]) -> list[dict]:
 
 
 def run_data(modes: list[str]) -> list[dict]:
-    from resformer_jax.benchmarks.data import bench_data
+    from resformer_jax.bench.data import bench_data
+
     return [bench_data(FLAGS.config, FLAGS.steps, FLAGS.step_tokens_per_s)]
 
 
 def run_attention(modes: list[str]) -> list[dict]:
     import jax.numpy as jnp
-    from resformer_jax.benchmarks.attention import bench_attention
+
+    from resformer_jax.bench.attention import bench_attention
     from resformer_jax.kernels.names import IMPLS
+
     for spec in FLAGS.shapes:
         parts = spec.split(",")
         if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-            raise cli.ConfigFlagError(f"--shapes={spec!r}: expected five positive integers B,T,H,K,D (e.g. 4,2048,16,4,64)")
+            raise cli.ConfigFlagError(
+                f"--shapes={spec!r}: expected five positive integers B,T,H,K,D (e.g. 4,2048,16,4,64)"
+            )
         if int(parts[2]) % int(parts[3]):
-            raise cli.ConfigFlagError(f"--shapes={spec!r}: K={parts[3]} kv heads do not divide H={parts[2]} query heads")
+            raise cli.ConfigFlagError(
+                f"--shapes={spec!r}: K={parts[3]} kv heads do not divide H={parts[2]} query heads"
+            )
     unknown = [i for i in FLAGS.impls.split(",") if i not in IMPLS]
     if unknown:
-        raise cli.ConfigFlagError(f"--impls: unknown {unknown}; choose from {', '.join(i for i in IMPLS if i != 'auto')}")
+        raise cli.ConfigFlagError(
+            f"--impls: unknown {unknown}; choose from {', '.join(i for i in IMPLS if i != 'auto')}"
+        )
     return bench_attention(FLAGS.shapes, FLAGS.impls.split(","), jnp.dtype(FLAGS.dtype).type)
 
 
 def run_zero_shot(modes: list[str]) -> list[dict]:
-    from resformer_jax.benchmarks.zero_shot import bench_zero_shot
+    from resformer_jax.bench.zero_shot import bench_zero_shot
+
     if not FLAGS.task_data or not FLAGS.tokenizer:
         raise cli.ConfigFlagError("bench zero_shot needs --task_data=DIR and --tokenizer=FILE (tokenizer.json)")
     import os
+
     if not os.path.isfile(FLAGS.tokenizer):
-        raise cli.ConfigFlagError(f"--tokenizer={FLAGS.tokenizer}: no such file; give a tokenizer.json (e.g. "
-                                  "../shared/data/tokenizers/gpt-neox-20b.json)")
+        raise cli.ConfigFlagError(
+            f"--tokenizer={FLAGS.tokenizer}: no such file; give a tokenizer.json (e.g. "
+            "../shared/data/tokenizers/gpt-neox-20b.json)"
+        )
     if FLAGS.items < 1:
         raise cli.ConfigFlagError(f"--items={FLAGS.items}: must be at least 1")
-    return bench_zero_shot(FLAGS.config, FLAGS.task_data, [t for t in FLAGS.tasks.split(",") if t], FLAGS.items,
-                           FLAGS.tokenizer, FLAGS.score_batch)
+    return bench_zero_shot(
+        FLAGS.config,
+        FLAGS.task_data,
+        [t for t in FLAGS.tasks.split(",") if t],
+        FLAGS.items,
+        FLAGS.tokenizer,
+        FLAGS.score_batch,
+    )
 
 
 def run_accelerator(modes: list[str]) -> list[dict]:
-    from resformer_jax.benchmarks import accelerator
+    from resformer_jax.bench import accelerator
+
     accelerator.main(FLAGS.out)
     return []
 
@@ -165,19 +215,23 @@ def print_ratios(what: str, results: list[dict], key: str):
     if key not in base:
         return
     ratios = {label(r): round(r[key] / base[key], 4) for r in results}
-    extra = {"kv_cache_ratio": {label(r): round(r["kv_cache_bytes"] / base["kv_cache_bytes"], 4)
-                                for r in results}} if what == "decode" else {}
+    extra = (
+        {"kv_cache_ratio": {label(r): round(r["kv_cache_bytes"] / base["kv_cache_bytes"], 4) for r in results}}
+        if what == "decode"
+        else {}
+    )
     if what == "train" and FLAGS.interleave and not FLAGS.compile_only:
         # Steps of one round ran back to back: the median of per-round ratios cancels host drift.
-        extra["paired_median_step_ratio"] = {label(r): round(statistics.median(
-            a / b for a, b in zip(r["step_s"], base["step_s"])), 4) for r in results}
+        extra["paired_median_step_ratio"] = {
+            label(r): round(statistics.median(a / b for a, b in zip(r["step_s"], base["step_s"])), 4) for r in results
+        }
     print(json.dumps({"ratio_to_" + label(base): {key: ratios}, **extra}))
 
 
 def main(argv):
     cli.start()
     if len(argv) < 2 or argv[1] not in BENCHMARKS:
-        raise app.UsageError(f"usage: python -m resformer_jax.bench {{{','.join(BENCHMARKS)}}} [flags]")
+        raise app.UsageError(f"usage: resformer bench {{{','.join(BENCHMARKS)}}} [flags]")
     what = argv[1]
     runner, needs_config, key = BENCHMARKS[what]
     if needs_config and FLAGS.config is None:

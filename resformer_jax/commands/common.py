@@ -8,6 +8,7 @@ and an exit code, never a traceback.
       with common.exit_on_user_error():
           ...
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,10 @@ def start():
     """Sets the project's XLA defaults (before JAX starts its backend) and quiets absl's INFO logs
     (orbax and grain log every step at INFO)."""
     from resformer_jax.runtime import configure_xla
+
     configure_xla()
     from absl import logging as absl_logging
+
     absl_logging.set_verbosity(absl_logging.WARNING)
 
 
@@ -29,8 +32,12 @@ def report_user_error(e: BaseException) -> int:
     """One line on stderr for a UserError (its message) or an OSError (the path and what to check); the exit code."""
     if isinstance(e, OSError):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"error: {e.strerror or e}{where}; check the path, its permissions and the free space "
-              "(a read-only or full disk, or a missing folder)", file=sys.stderr, flush=True)
+        print(
+            f"error: {e.strerror or e}{where}; check the path, its permissions and the free space "
+            "(a read-only or full disk, or a missing folder)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     print(f"error: {e}", file=sys.stderr, flush=True)
     return getattr(e, "exit_code", 2)
@@ -55,6 +62,7 @@ def load_config_file(path: str):
     error, an error while it runs, or no get_config()."""
     import importlib.util
     import os
+
     arg = None
     if not os.path.isfile(path) and ":" in path and os.path.isfile(path.rsplit(":", 1)[0]):
         path, arg = path.rsplit(":", 1)  # ml_collections' FILE:ARGUMENT form, passed to get_config(ARGUMENT)
@@ -66,13 +74,13 @@ def load_config_file(path: str):
         spec.loader.exec_module(mod)
     except SyntaxError as e:
         raise ConfigFlagError(f"--config {path}: syntax error at line {e.lineno}: {e.msg}; fix the file") from None
-    except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported, not raised
+    except Exception as e:
         raise ConfigFlagError(f"--config {path} fails while loading ({type(e).__name__}: {e}); fix the file") from None
     if not callable(getattr(mod, "get_config", None)):
         raise ConfigFlagError(f"--config {path} has no get_config() function; define one returning a ConfigDict")
     try:
         return mod.get_config() if arg is None else mod.get_config(arg)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ConfigFlagError(f"--config {path}: get_config() fails ({type(e).__name__}: {e}); fix the file") from None
 
 
@@ -81,6 +89,7 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
     from deep inside ml_collections): a missing or broken file, an unknown field (with the closest names),
     a value of the wrong type. Exits 2 with one line on the first problem."""
     import difflib
+
     path, fields = default_config, []
     args = list(argv[1:])
     for i, a in enumerate(args):
@@ -89,7 +98,7 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
         elif a.startswith(f"--{name}="):
             path = a.split("=", 1)[1]
         elif a.startswith(f"--{name}."):
-            field, _, value = a[len(name) + 3:].partition("=")
+            field, _, value = a[len(name) + 3 :].partition("=")
             if not _ and i + 1 < len(args):
                 value = args[i + 1]
             fields.append((field, value))
@@ -108,7 +117,8 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
                     close = difflib.get_close_matches(part, keys, n=3)
                     raise ConfigFlagError(
                         f"--{name}.{field}: {where} has no field {part!r}"
-                        + (f"; did you mean {', '.join(close)}?" if close else f"; its fields: {', '.join(keys)}"))
+                        + (f"; did you mean {', '.join(close)}?" if close else f"; its fields: {', '.join(keys)}")
+                    )
                 if j < len(parts) - 1:
                     node = node[part]
             current = node[parts[-1]]
@@ -140,9 +150,12 @@ class _LibraryErrorFile:
     def __init__(self, workdir: str):
         import os
         import tempfile
+
         from etils import epath
+
         from resformer_jax import storage
         from resformer_jax.rundir import RunDir
+
         self._epath, self._is_remote = epath.Path, storage.is_remote  # bound now: writes may come at shutdown
         self.candidates = [os.path.join(tempfile.gettempdir(), f"resformer_jax_library_errors_{os.getpid()}.log")]
         try:
@@ -158,7 +171,7 @@ class _LibraryErrorFile:
 
     def write(self, text: str):
         text = text if text.endswith("\n") else text + "\n"
-        for path in ([self.path] if self.path else self.candidates):
+        for path in [self.path] if self.path else self.candidates:
             try:
                 if self._is_remote(path):
                     self._epath(path).write_text(self.text + text)
@@ -168,7 +181,7 @@ class _LibraryErrorFile:
                 self.text += text
                 self.path = path
                 return
-            except Exception:  # noqa: BLE001 - the next candidate, then nowhere: never raise from logging
+            except Exception:
                 continue
 
 
@@ -178,6 +191,7 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
     the file. Warnings stay on the console."""
     import logging
     import threading
+
     sink = _LibraryErrorFile(workdir)
 
     class Divert(logging.Filter):
@@ -194,13 +208,15 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
 
     def thread_hook(args):
         sink.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+
     threading.excepthook = thread_hook
 
     def unraisable_hook(u):
-        try:
-            sink.write(f"{u.err_msg or 'unraisable'}: " + "".join(traceback.format_exception(
-                type(u.exc_value), u.exc_value, u.exc_traceback)))
-        except Exception:  # noqa: BLE001 - at interpreter shutdown nothing more can be done
-            pass
+        with contextlib.suppress(Exception):
+            sink.write(
+                f"{u.err_msg or 'unraisable'}: "
+                + "".join(traceback.format_exception(type(u.exc_value), u.exc_value, u.exc_traceback))
+            )
+
     sys.unraisablehook = unraisable_hook
     return sink

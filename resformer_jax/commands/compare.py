@@ -1,8 +1,8 @@
 """Relative training loss against a baseline (the paper's Fig. 5 / Fig. 1 left), for runs or for groups of seeds.
 
-  python -m resformer_jax.compare --baseline RUN_VANILLA RUN_A RUN_B ... [--smooth 100] --out DIR
-  python -m resformer_jax.compare runs/sweep82m --group_by model.value_residual --baseline none [--out DIR]
-  python -m resformer_jax.compare runs/sizes --group_by model.value_residual --baseline none --scaling
+  resformer compare --baseline RUN_VANILLA RUN_A RUN_B ... [--smooth 100] --out DIR
+  resformer compare runs/sweep82m --group_by model.value_residual --baseline none [--out DIR]
+  resformer compare runs/sizes --group_by model.value_residual --baseline none --scaling
 
 Grouped (--group_by FIELD): runs (run directories, or sweep directories holding them) are grouped by
 any config field read from each run's config.json (seeds pooled); each group's mean smoothed training
@@ -18,6 +18,7 @@ to DIR/relative_train_loss.png and written as TensorBoard scalars
 `relative/train_loss` under DIR/tb/<run name> (so `tensorboard --logdir DIR/tb`
 shows the same curves) and as DIR/relative_train_loss.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,12 +39,15 @@ def cohorts(runs, group_by: str, vs: str | None, split_all: bool = False) -> dic
     split_all (--scaling: a sweep over sizes): one comparison per combination of whatever fields differ."""
     from resformer_jax.analysis import grouping
     from resformer_jax.analysis.runs import RunsError
+
     exclude = (group_by, "train.seed") + ((vs,) if vs else ())
     differ = grouping.differing_fields(runs, exclude)
     if differ and not split_all:
-        raise RunsError(f"the runs differ in {', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''} besides "
-                        f"{group_by} and the seed; comparing them as one would merge different experiments. Give "
-                        f"--vs={differ[0]} (one comparison per value), or compare the runs of each value apart")
+        raise RunsError(
+            f"the runs differ in {', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''} besides "
+            f"{group_by} and the seed; comparing them as one would merge different experiments. Give "
+            f"--vs={differ[0]} (one comparison per value), or compare the runs of each value apart"
+        )
     fields = ([vs] if vs else []) + (differ if split_all else [])
     if not fields:
         return {"": runs}
@@ -54,8 +58,10 @@ def cohorts(runs, group_by: str, vs: str | None, split_all: bool = False) -> dic
         except KeyError as e:
             raise RunsError(f"--vs {vs}: no such config field in {r.name} ({e})") from None
         out.setdefault(tuple(values), []).append(r)
-    return {", ".join(f"{f}={v}" for f, v in zip(fields, key)): members
-            for key, members in sorted(out.items(), key=lambda kv: [_sort_key(str(v)) for v in kv[0]])}
+    return {
+        ", ".join(f"{f}={v}" for f, v in zip(fields, key)): members
+        for key, members in sorted(out.items(), key=lambda kv: [_sort_key(str(v)) for v in kv[0]])
+    }
 
 
 def _sort_key(v: str):
@@ -68,6 +74,7 @@ def _sort_key(v: str):
 def grouped(a) -> int:
     from resformer_jax.analysis import grouping
     from resformer_jax.analysis.runs import RunsError
+
     runs = [read_run(r) for r in find_runs(a.runs)]
     clip_smooth(a, max((max(r.train, default=0) for r in runs), default=0))
     res, split = {}, cohorts(runs, a.group_by, a.vs, a.scaling)
@@ -82,17 +89,26 @@ def grouped(a) -> int:
     out = run_path(a.out) if a.out else run_path(a.runs[0]) / "compare"
     out.mkdir(parents=True, exist_ok=True)
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from resformer_jax.metrics import Writer
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, g in res.items():
-        line, = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
+        (line,) = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
         ax.fill_between(g.steps, g.low, g.high, color=line.get_color(), alpha=0.2)
         w = Writer(out / "tb" / name)
         for i, st in enumerate(g.steps):
-            w.scalars(st, {"relative/train_loss": g.relative[i], "relative/train_loss_low": g.low[i],
-                           "relative/train_loss_high": g.high[i]})
+            w.scalars(
+                st,
+                {
+                    "relative/train_loss": g.relative[i],
+                    "relative/train_loss_low": g.low[i],
+                    "relative/train_loss_high": g.high[i],
+                },
+            )
         w.close()
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("step")
@@ -115,7 +131,7 @@ def grouped(a) -> int:
         fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
         for ax, key in zip(axes[0], eval_keys):
             for name, (steps, mean, lo, hi) in eval_curves[key].items():
-                line, = ax.plot(steps, mean, marker="o", label=name)
+                (line,) = ax.plot(steps, mean, marker="o", label=name)
                 ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
                 w = Writer(out / "tb" / name)
                 for i, st in enumerate(steps):
@@ -127,15 +143,25 @@ def grouped(a) -> int:
         fig.tight_layout()
         save_figure(fig, out / "relative_validation_loss.png")
         plt.close(fig)
-    report = {"group_by": a.group_by, "baseline": a.baseline, "smooth": a.smooth,
-              "groups": {n: dataclasses.asdict(g) for n, g in res.items()},
-              "relative_eval": {k: {n: {"steps": c[0], "relative": c[1], "low": c[2], "high": c[3]}
-                                    for n, c in v.items()} for k, v in eval_curves.items()}}
-    print(f"{a.group_by:>24} {'seeds':>5} {'paired':>6} {'final rel. train loss':>22} {'seed spread':>11} "
-          f"{'seed noise':>10}  verdict")
+    report = {
+        "group_by": a.group_by,
+        "baseline": a.baseline,
+        "smooth": a.smooth,
+        "groups": {n: dataclasses.asdict(g) for n, g in res.items()},
+        "relative_eval": {
+            k: {n: {"steps": c[0], "relative": c[1], "low": c[2], "high": c[3]} for n, c in v.items()}
+            for k, v in eval_curves.items()
+        },
+    }
+    print(
+        f"{a.group_by:>24} {'seeds':>5} {'paired':>6} {'final rel. train loss':>22} {'seed spread':>11} "
+        f"{'seed noise':>10}  verdict"
+    )
     for n, g in res.items():
-        print(f"{n:>24} {len(g.seeds):>5} {str(g.paired):>6} {g.final_relative:>+22.4f} {g.final_spread:>11.4f} "
-              f"{g.seed_noise:>10.4f}  {g.verdict}")
+        print(
+            f"{n:>24} {len(g.seeds):>5} {g.paired!s:>6} {g.final_relative:>+22.4f} {g.final_spread:>11.4f} "
+            f"{g.seed_noise:>10.4f}  {g.verdict}"
+        )
         for key, v in g.final_eval_relative.items():
             print(f"{'':>24} {key}: {v:+.4f}")
     if a.scaling:
@@ -143,8 +169,10 @@ def grouped(a) -> int:
     if a.vs:
         report["critical_points"] = critical_points(runs, a.group_by, a.baseline, a.vs, a.smooth, a.last, out)
     (out / "grouped_comparison.json").write_text(json.dumps(report, indent=1, default=float))
-    print(f"wrote {out}/relative_train_loss.png, relative_validation_loss.png, grouped_comparison.json and "
-          f"TensorBoard logs under {out}/tb")
+    print(
+        f"wrote {out}/relative_train_loss.png, relative_validation_loss.png, grouped_comparison.json and "
+        f"TensorBoard logs under {out}/tb"
+    )
     return 0
 
 
@@ -153,7 +181,9 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
     step where the baseline overtakes it (predicted by a line over the last points where it has not yet),
     then an exponential fit of that step against `vs`."""
     import matplotlib.pyplot as plt
+
     from resformer_jax.analysis import grouping
+
     by_value: dict = {}
     for r in runs:
         by_value.setdefault(grouping.get_field(r.config, vs), []).append(r)
@@ -167,8 +197,11 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
             if name == baseline:
                 continue
             step, predicted = grouping.critical_point(g.steps, g.relative, last)
-            res.setdefault(name, {})[str(value)] = {"critical_step": step, "predicted": predicted,
-                                                    "final_relative": g.final_relative}
+            res.setdefault(name, {})[str(value)] = {
+                "critical_step": step,
+                "predicted": predicted,
+                "final_relative": g.final_relative,
+            }
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, per in res.items():
         pts = [(float(v), d["critical_step"]) for v, d in per.items() if d["critical_step"]]
@@ -178,8 +211,10 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
             print(f"{name}: critical step = {a_:.4g} * exp({b_:.4g} * {vs})")
         for v, d in per.items():
             if v != "fit":
-                print(f"{name} at {vs}={v}: critical step {d['critical_step']}"
-                      + (" (predicted by a line over the last points)" if d["predicted"] else ""))
+                print(
+                    f"{name} at {vs}={v}: critical step {d['critical_step']}"
+                    + (" (predicted by a line over the last points)" if d["predicted"] else "")
+                )
         if pts:
             ax.plot(*zip(*sorted(pts)), "o-", label=name)
     ax.set_xlabel(vs)
@@ -198,14 +233,17 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
     import matplotlib.pyplot as plt
     import ml_collections
     import numpy as np
+
     from resformer_jax.analysis import grouping
     from resformer_jax.perf import model_flops
+
     by_group: dict[str, dict[int, list]] = {}
 
     def final_loss(r) -> float:
         if measure == "validation":
             return r.evals["eval/loss"][max(r.evals["eval/loss"])]
         return grouping.mean_over_last_steps(r.train, 50)
+
     for r in runs:
         key = "eval/loss"
         if not r.evals.get(key) or (measure != "validation" and not r.train):
@@ -223,7 +261,7 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
         if len(ns) >= 2:
             fits_n[g] = grouping.fit_power_law(ns, losses)
             entry["fit_params"] = {"a": fits_n[g][0], "b": fits_n[g][1], "form": "loss = a * N^-b"}
-        line, = ax_n.loglog(ns, losses, "o", label=g)
+        (line,) = ax_n.loglog(ns, losses, "o", label=g)
         if g in fits_n:
             grid = np.geomspace(min(ns), max(ns), 50)
             ax_n.loglog(grid, fits_n[g][0] * grid ** -fits_n[g][1], color=line.get_color())
@@ -245,12 +283,21 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
         if g != baseline and g in fits_d and baseline in fits_d:
             res[g]["fewer_tokens_for_same_loss"] = grouping.saving(fits_d[g], fits_d[baseline], xs[baseline][1])
         if "fewer_params_for_same_loss" in res[g]:
-            print(f"{g} needs {100 * res[g]['fewer_params_for_same_loss']:.2f}% fewer parameters"
-                  + (f" and {100 * res[g]['fewer_tokens_for_same_loss']:.2f}% fewer tokens"
-                     if "fewer_tokens_for_same_loss" in res[g] else "")
-                  + f" than {baseline} for the same loss (fitted power laws; parameters on "
-                  + ("the final validation loss" if measure == "validation" else
-                     "the mean training loss of the last 50 steps, as Fig. 5 middle") + ", tokens on validation loss)")
+            print(
+                f"{g} needs {100 * res[g]['fewer_params_for_same_loss']:.2f}% fewer parameters"
+                + (
+                    f" and {100 * res[g]['fewer_tokens_for_same_loss']:.2f}% fewer tokens"
+                    if "fewer_tokens_for_same_loss" in res[g]
+                    else ""
+                )
+                + f" than {baseline} for the same loss (fitted power laws; parameters on "
+                + (
+                    "the final validation loss"
+                    if measure == "validation"
+                    else "the mean training loss of the last 50 steps, as Fig. 5 middle"
+                )
+                + ", tokens on validation loss)"
+            )
     ax_n.set_xlabel("non-embedding parameters")
     ax_n.set_ylabel("final validation loss" if measure == "validation" else "training loss, mean of the last 50 steps")
     ax_d.set_xlabel("training tokens (largest model)")
@@ -265,15 +312,32 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
 flags.DEFINE_string("baseline", None, "The vanilla run; with --group_by, the baseline group's value (e.g. none).")
 flags.DEFINE_string("group_by", None, "A config field (e.g. model.value_residual): compare groups.")
 flags.DEFINE_bool("scaling", False, "With --group_by: loss against parameters and tokens.")
-flags.DEFINE_enum("scaling_loss", "train_last50", ["train_last50", "validation"], "--scaling: the loss plotted against "
-                  "parameters: the mean training loss of the last 50 training steps (paper Fig. 5 middle) or the "
-                  "final validation loss.")
-flags.DEFINE_integer("smooth", 100, "Trailing moving-average window in training steps (whatever train.log_every "
-                     "was: with log_every=10 a 100-step window averages 10 logged points), as the paper's 100 steps.")
-flags.DEFINE_string("vs", None, "With --group_by: a field (e.g. data.seq_len) for Fig. 11 right: the step where the "
-                    "baseline overtakes each group, against that field.")
-flags.DEFINE_integer("last", 1000, "--vs: the line that predicts a critical point is fitted over the last this many "
-                     "training steps (the paper: 1,000).")
+flags.DEFINE_enum(
+    "scaling_loss",
+    "train_last50",
+    ["train_last50", "validation"],
+    "--scaling: the loss plotted against "
+    "parameters: the mean training loss of the last 50 training steps (paper Fig. 5 middle) or the "
+    "final validation loss.",
+)
+flags.DEFINE_integer(
+    "smooth",
+    100,
+    "Trailing moving-average window in training steps (whatever train.log_every "
+    "was: with log_every=10 a 100-step window averages 10 logged points), as the paper's 100 steps.",
+)
+flags.DEFINE_string(
+    "vs",
+    None,
+    "With --group_by: a field (e.g. data.seq_len) for Fig. 11 right: the step where the "
+    "baseline overtakes each group, against that field.",
+)
+flags.DEFINE_integer(
+    "last",
+    1000,
+    "--vs: the line that predicts a critical point is fitted over the last this many "
+    "training steps (the paper: 1,000).",
+)
 flags.DEFINE_string("out", None, "Output folder (grouped default: FIRST_PATH/compare).")
 FLAGS = flags.FLAGS
 
@@ -281,8 +345,11 @@ FLAGS = flags.FLAGS
 def clip_smooth(a, last_step: int) -> None:
     """A window longer than the runs is cut to their length, saying so (the plot's title gives the window used)."""
     if 0 < last_step < a.smooth:
-        print(f"note: --smooth={a.smooth} is longer than the runs ({last_step} steps logged); smoothing over "
-              f"{last_step} steps", file=sys.stderr)
+        print(
+            f"note: --smooth={a.smooth} is longer than the runs ({last_step} steps logged); smoothing over "
+            f"{last_step} steps",
+            file=sys.stderr,
+        )
         a.smooth = last_step
 
 
@@ -304,8 +371,13 @@ def main(argv):
         raise app.UsageError("--baseline is required: the vanilla run (with --group_by, the baseline group's value)")
     if len(argv) < 2:
         raise app.UsageError("give the runs to compare (with --group_by: runs or sweep directories)")
-    a = types.SimpleNamespace(runs=argv[1:], **{k: FLAGS[k].value for k in (
-        "baseline", "group_by", "scaling", "scaling_loss", "smooth", "vs", "last", "out")})
+    a = types.SimpleNamespace(
+        runs=argv[1:],
+        **{
+            k: FLAGS[k].value
+            for k in ("baseline", "group_by", "scaling", "scaling_loss", "smooth", "vs", "last", "out")
+        },
+    )
     with cli.exit_on_user_error():
         check_flags(a)
         if a.group_by:
@@ -318,9 +390,12 @@ def main(argv):
     with cli.exit_on_user_error():
         out.mkdir(parents=True, exist_ok=True)
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from resformer_jax.metrics import Writer
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, (steps, rel) in curves.items():
         ax.plot(steps, rel, label=name)
@@ -335,10 +410,15 @@ def main(argv):
     ax.legend()
     fig.tight_layout()
     save_figure(fig, out / "relative_train_loss.png")
-    (out / "relative_train_loss.json").write_text(json.dumps({n: {"steps": s, "relative": r}
-                                                              for n, (s, r) in curves.items()}))
+    (out / "relative_train_loss.json").write_text(
+        json.dumps({n: {"steps": s, "relative": r} for n, (s, r) in curves.items()})
+    )
     for name, (steps, rel) in curves.items():
-        print(f"{name}: final relative train loss {rel[-1]:+.4f} at step {steps[-1]}" if rel else f"{name}: no common steps")
+        print(
+            f"{name}: final relative train loss {rel[-1]:+.4f} at step {steps[-1]}"
+            if rel
+            else f"{name}: no common steps"
+        )
     print(f"wrote {a.out}/relative_train_loss.png and TensorBoard logs under {a.out}/tb")
     return 0
 

@@ -1,10 +1,10 @@
 """Compile a run's steps for a TPU slice or GPU nodes from this machine, and say whether it fits, before the queue.
 
-  python -m resformer_jax.compile --config=configs/resformer_468m.py --target=v5p-64
-  python -m resformer_jax.compile --config=configs/resformer_468m.py --target=h100x8 --nodes=4
-  python -m resformer_jax.compile --config=configs/seq_len/sweep.py:svformer,65536 --target=h100x8 --steps=train
-  python -m resformer_jax.compile --config=... --target=v5e-256 --config.train.microbatch=64 --config.model.remat=dots
-  python -m resformer_jax.compile --config=configs/resformer_468m.py --target=h100x8 --tune [--tune_write=FILE]
+  resformer compile --config=configs/resformer_468m.py --target=v5p-64
+  resformer compile --config=configs/resformer_468m.py --target=h100x8 --nodes=4
+  resformer compile --config=configs/seq_len/sweep.py:svformer,65536 --target=h100x8 --steps=train
+  resformer compile --config=... --target=v5e-256 --config.train.microbatch=64 --config.model.remat=dots
+  resformer compile --config=configs/resformer_468m.py --target=h100x8 --tune [--tune_write=FILE]
 
 Targets: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), libtpu's GEN:AxB[xC], --slices=S for multislice;
 h100xN, h200xN, a100xN (N GPUs a node), --nodes=M. Any --config.a.b override works as in training.
@@ -21,6 +21,7 @@ policies, microbatches and (several devices) fsdp vs data that a user would try,
 10% of memory to spare, best bound first; --tune_write=FILE writes the best one's overrides there.
 Needs `pip install -e '.[aot]'`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,40 +32,56 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "Config file (ml_collections get_config()), as for training.",
-                                lock_config=True)
-flags.DEFINE_string("target", None, "Hardware: v5p-64, v5e-256, v4-8, v6e-8, v5e:2x4, h100x8, h200x8, a100x8, ...",
-                    required=True)
+config_flags.DEFINE_config_file(
+    "config", None, "Config file (ml_collections get_config()), as for training.", lock_config=True
+)
+flags.DEFINE_string(
+    "target", None, "Hardware: v5p-64, v5e-256, v4-8, v6e-8, v5e:2x4, h100x8, h200x8, a100x8, ...", required=True
+)
 flags.DEFINE_integer("nodes", 1, "GPU targets: nodes of the --target's GPUs.")
 flags.DEFINE_integer("slices", 1, "TPU targets: slices (multislice over DCN).")
 flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile: train, eval, decode.")
 flags.DEFINE_integer("decode_batch", 0, "Sequences decoded at once (default: one per batch shard of the mesh).")
 flags.DEFINE_integer("prompt_len", 0, "Prompt tokens prefilled by the decode check (default: config.data.seq_len).")
-flags.DEFINE_bool("tune", False, "Compile the train step for each remat policy, microbatch and mesh layout and list "
-                  "those that fit, by their roofline bound.")
+flags.DEFINE_bool(
+    "tune",
+    False,
+    "Compile the train step for each remat policy, microbatch and mesh layout and list "
+    "those that fit, by their roofline bound.",
+)
 flags.DEFINE_string("tune_write", None, "--tune: write the best setting's --config overrides to this file.")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     from resformer_jax.commands import common
+
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}; flags are --name=value", file=sys.stderr)
         sys.exit(2)
     from absl import logging as absl_logging
+
     absl_logging.set_verbosity(absl_logging.WARNING)  # not common.start(): the XLA flags are the target's (cli_main)
     with common.exit_on_user_error():
-        from resformer_jax.train.aot import compile_for_target
-        from resformer_jax.train.targets import parse_target
+        from resformer_jax.compile.aot import compile_for_target
+        from resformer_jax.compile.targets import parse_target
+
         if FLAGS.config is None:
             raise common.ConfigFlagError(
-                "--config is required: the run to compile, e.g. --config=configs/resformer_468m.py")
+                "--config is required: the run to compile, e.g. --config=configs/resformer_468m.py"
+            )
         target = parse_target(FLAGS.target, nodes=FLAGS.nodes, slices=FLAGS.slices)
-        log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+        log = lambda s: print(s, file=sys.stderr, flush=True)
         if FLAGS.tune:
             return run_tune(target, log)
-        report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), decode_batch=FLAGS.decode_batch,
-                                    prompt_len=FLAGS.prompt_len, log=log)
+        report = compile_for_target(
+            FLAGS.config,
+            target,
+            steps=tuple(FLAGS.steps),
+            decode_batch=FLAGS.decode_batch,
+            prompt_len=FLAGS.prompt_len,
+            log=log,
+        )
         for line in report.lines():
             print(line, file=sys.stderr)
         print(json.dumps(report.to_json()), flush=True)
@@ -74,7 +91,8 @@ def main(argv):
 
 
 def run_tune(target, log):
-    from resformer_jax.train.aot import tune
+    from resformer_jax.compile.aot import tune
+
     results = tune(FLAGS.config, target, log=log)
     fitting = [r for r in results if r.fits]
     print(f"{'setting':<90}{'GiB':>7}{'bound ms':>10}{'MFU ceiling':>13}", file=sys.stderr)
@@ -85,12 +103,18 @@ def run_tune(target, log):
         print(f"{r.flags():<90}{mem:>7}{bound:>10}{mfu:>13}", file=sys.stderr)
     print(json.dumps({"target": target.name, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
     if not fitting:
-        print("error: no setting fits the target with 10% of its memory to spare; shard over more devices "
-              "(--nodes) or lower config.data.seq_len", file=sys.stderr)
+        print(
+            "error: no setting fits the target with 10% of its memory to spare; shard over more devices "
+            "(--nodes) or lower config.data.seq_len",
+            file=sys.stderr,
+        )
         sys.exit(2)
     best = fitting[0]
-    print(f"best for {target.hardware}: {best.flags()} (bound {best.bound_s * 1e3:.1f} ms, MFU ceiling "
-          f"{best.mfu_ceiling:.3f}; a bound from the compiled program, not a timing)", file=sys.stderr)
+    print(
+        f"best for {target.hardware}: {best.flags()} (bound {best.bound_s * 1e3:.1f} ms, MFU ceiling "
+        f"{best.mfu_ceiling:.3f}; a bound from the compiled program, not a timing)",
+        file=sys.stderr,
+    )
     if FLAGS.tune_write:
         with open(FLAGS.tune_write, "w") as f:
             f.write(best.flags() + "\n")
@@ -100,7 +124,8 @@ def run_tune(target, log):
 def _target_platform(argv) -> str:
     """The platform of --target ('cuda', 'tpu'), read before absl parses flags (the XLA flags must be set before JAX
     starts); '' where it is missing or unknown (main reports that)."""
-    from resformer_jax.train.targets import TargetError, parse_target
+    from resformer_jax.compile.targets import TargetError, parse_target
+
     name = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), None)
     if name is None and "--target" in argv[:-1]:
         name = argv[argv.index("--target") + 1]
@@ -116,6 +141,7 @@ def cli_main():
     os.environ["JAX_PLATFORMS"] = "cpu"
     from resformer_jax import runtime
     from resformer_jax.commands import common
+
     runtime.configure_xla_for_target(_target_platform(sys.argv))
     common.check_config_flags(sys.argv)
     app.run(main)

@@ -1,11 +1,12 @@
 """Evaluate a checkpoint: per-domain validation loss (paper Table 5) and zero-shot accuracy (Table 1).
 
-  python -m resformer_jax.evaluate --workdir=RUN [--step N] --data=PREPARED_DIR
-  python -m resformer_jax.evaluate --workdir=RUN --tasks=hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa \
+  resformer evaluate --workdir=RUN [--step N] --data=PREPARED_DIR
+  resformer evaluate --workdir=RUN --tasks=hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa \
       --task_data=DIR [--limit N]
 
 Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
 """
+
 from __future__ import annotations
 
 from absl import app, flags
@@ -23,11 +24,14 @@ FLAGS = flags.FLAGS
 def validation_table(cfg, params, data: str | None, batch: int) -> dict:
     import jax
     import numpy as np
+
     from resformer_jax.data.pipeline import validation_sets
     from resformer_jax.train.step import loss_fn
+
     if data:
         cfg.data.path, cfg.data.source = data, "array_record"
     from resformer_jax.model import Transformer
+
     model = Transformer(cfg.model)
     f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.get("loss_chunk_len", 128)))
     sets = validation_sets(cfg, batch, 0, all_records=True)
@@ -38,6 +42,7 @@ def validation_table(cfg, params, data: str | None, batch: int) -> dict:
 
 def main(argv):
     from resformer_jax.commands import common as cli
+
     cli.start()
     with cli.exit_on_user_error():
         evaluate()
@@ -45,19 +50,24 @@ def main(argv):
 
 def evaluate():
     import sys
+
     from resformer_jax.commands.common import ConfigFlagError
     from resformer_jax.eval.zero_shot import check_tasks, zero_shot
     from resformer_jax.metrics import Writer
     from resformer_jax.rundir import RunDir
     from resformer_jax.storage import write_json
     from resformer_jax.train.setup import load_run
+
     if FLAGS.batch < 0 or FLAGS.limit < 0:
-        raise ConfigFlagError(f"--batch={FLAGS.batch} --limit={FLAGS.limit}: must be >= 0 (0: sized to memory; all items)")
+        raise ConfigFlagError(
+            f"--batch={FLAGS.batch} --limit={FLAGS.limit}: must be >= 0 (0: sized to memory; all items)"
+        )
     tasks = [t.strip() for t in (FLAGS.tasks or "").split(",") if t.strip()]
     if FLAGS.tasks is not None:
         check_tasks(tasks, FLAGS.task_data)  # names and files first: nothing is loaded for a typo
     if FLAGS.data:
         from resformer_jax.data.records import load_metadata
+
         load_metadata(FLAGS.data)
     run = RunDir(FLAGS.workdir)
     cfg, params, step = load_run(run.workdir, FLAGS.step)
@@ -65,8 +75,16 @@ def evaluate():
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = Writer(run.tensorboard)
     if tasks:
-        res = zero_shot(cfg, params, FLAGS.workdir, tasks, FLAGS.task_data, FLAGS.limit, FLAGS.batch,
-                        log=lambda s: print(s, file=sys.stderr, flush=True))
+        res = zero_shot(
+            cfg,
+            params,
+            FLAGS.workdir,
+            tasks,
+            FLAGS.task_data,
+            FLAGS.limit,
+            FLAGS.batch,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
         print(f"zero-shot accuracy at step {step} (Table 1 layout)")
         print(f"{'task':<15}{'acc':>8}{'acc_norm':>10}{'n':>6}")
         for t, r in res.items():

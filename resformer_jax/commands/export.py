@@ -1,6 +1,6 @@
 """Export a run to Hugging Face format.
 
-  python -m resformer_jax.export --workdir=RUN --out=DIR [--step=S] [--dtype=float32|bfloat16] [--overwrite]
+  resformer export --workdir=RUN --out=DIR [--step=S] [--dtype=float32|bfloat16] [--overwrite]
 
 Writes DIR/config.json, model.safetensors (sharded above 5 GiB, with model.safetensors.index.json),
 generation_config.json and the run's tokenizer (tokenizer.json, tokenizer_config.json). A vanilla run is a
@@ -8,6 +8,7 @@ standard LlamaForCausalLM; ResFormer and SVFormer runs (GQA and learned lambdas 
 tensors (SVFormer's layers >= 2 without v_proj) and modeling_resformer.py for trust_remote_code=True.
 Read back with resformer_jax.hf.load_hf_llama (analysis, initialisation).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,21 @@ flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 flags.DEFINE_string("out", None, "Output folder.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Tensor dtype in the files.")
-flags.DEFINE_bool("overwrite", False, "Replace an earlier export in --out (a run directory or a folder holding "
-                  "anything else is never written into).")
+flags.DEFINE_bool(
+    "overwrite",
+    False,
+    "Replace an earlier export in --out (a run directory or a folder holding anything else is never written into).",
+)
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     from resformer_jax.commands import common as cli
+
     cli.start()
     with cli.exit_on_user_error():
         from resformer_jax.hf.run_export import export_run
+
         r = export_run(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.dtype, FLAGS.overwrite)
     print(json.dumps(r))
     if not r["tokenizer"]:

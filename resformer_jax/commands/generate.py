@@ -1,10 +1,11 @@
 """Generate text from a checkpoint with a KV cache.
 
-  python -m resformer_jax.generate --workdir=RUN --prompt "def fib(n):" --max_new_tokens 64
-  python -m resformer_jax.generate --workdir=RUN --prompts_file prompts.txt --temperature 0.8 --top_p 0.95
+  resformer generate --workdir=RUN --prompt "def fib(n):" --max_new_tokens 64
+  resformer generate --workdir=RUN --prompts_file prompts.txt --temperature 0.8 --top_p 0.95
 
 Reports the KV-cache bytes it allocated and decode tokens/s.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,21 +49,25 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
         raise cli.ConfigFlagError(f"--prompt_ids={text!r}: expected comma-separated integers, e.g. 1,2,3") from None
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if not ids or bad:
-        raise cli.ConfigFlagError(f"--prompt_ids: {bad or 'no ids'}: token ids must be in [0, {vocab_size}) (the "
-                                  "model's vocabulary)")
+        raise cli.ConfigFlagError(
+            f"--prompt_ids: {bad or 'no ids'}: token ids must be in [0, {vocab_size}) (the model's vocabulary)"
+        )
     return ids
 
 
 def main(argv):
     cli.start()
     import numpy as np
+
     from resformer_jax.model.decode import generate
     from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
     from resformer_jax.train.setup import load_run
+
     with cli.exit_on_user_error():
         check_sampling_flags()
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
     from resformer_jax.rundir import RunDir
+
     tok_path = f"{FLAGS.workdir.rstrip('/')}/tokenizer.json"
     with cli.exit_on_user_error():
         tok = RunDir(FLAGS.workdir).tokenizer()
@@ -78,15 +83,20 @@ def main(argv):
             print("error: give --prompt, --prompts_file or --prompt_ids", file=sys.stderr)
             sys.exit(2)
         if tok is None:
-            print(f"error: {tok_path} not found (a run on synthetic data has no tokenizer); use --prompt_ids",
-                  file=sys.stderr)
+            print(
+                f"error: {tok_path} not found (a run on synthetic data has no tokenizer); use --prompt_ids",
+                file=sys.stderr,
+            )
             sys.exit(2)
         prompts = [tok.encode(t, add_special_tokens=False).ids or [0] for t in texts]
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
     if max_len > cfg.model.max_seq_len:
-        print(f"error: prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
-              "lower --max_new_tokens", file=sys.stderr)
+        print(
+            f"error: prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
+            "lower --max_new_tokens",
+            file=sys.stderr,
+        )
         sys.exit(2)
     # The cache and parameters are laid out like training's: parameters by the logical-axis rules,
     # the cache over the batch axes of a mesh of all devices.
@@ -98,6 +108,7 @@ def main(argv):
         mesh_cfg.data, mesh_cfg.fsdp = -1, 1
         mesh = make_mesh(mesh_cfg)
     from resformer_jax.model.transformer import param_shapes
+
     param_sh = logical_shardings(param_shapes(cfg.model, boxed=True), mesh, mesh_cfg)
     # Prompts of equal length decode together as one batch.
     groups: dict[int, list[int]] = {}
@@ -105,17 +116,36 @@ def main(argv):
         groups.setdefault(len(p), []).append(i)
     results = [None] * len(prompts)
     for _, idx in sorted(groups.items()):
-        out, stats = generate(cfg.model, params, np.array([prompts[i] for i in idx]),
-                              max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, max_len=max_len, eos_id=eot,
-                              mesh=mesh, param_shardings=param_sh)
+        out, stats = generate(
+            cfg.model,
+            params,
+            np.array([prompts[i] for i in idx]),
+            max_new_tokens=FLAGS.max_new_tokens,
+            temperature=FLAGS.temperature,
+            top_k=FLAGS.top_k,
+            top_p=FLAGS.top_p,
+            seed=FLAGS.seed,
+            max_len=max_len,
+            eos_id=eot,
+            mesh=mesh,
+            param_shardings=param_sh,
+        )
         for row, i in enumerate(idx):
-            new = [int(t) for t in np.asarray(out[row, len(prompts[i]):])]
+            new = [int(t) for t in np.asarray(out[row, len(prompts[i]) :])]
             if eot is not None and eot in new:
                 new = new[: new.index(eot)]
             results[i] = new
-        print(json.dumps({"step": step, "batch": len(idx), "kv_cache_bytes": stats["kv_cache_bytes"],
-                          "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 1)}), file=sys.stderr)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "batch": len(idx),
+                    "kv_cache_bytes": stats["kv_cache_bytes"],
+                    "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 1),
+                }
+            ),
+            file=sys.stderr,
+        )
     for p, new in zip(prompts, results):
         if tok is not None:
             print(tok.decode(p) + tok.decode(new))

@@ -1,6 +1,6 @@
 """lm-evaluation-harness's command line with this project's model registered as `resformer_jax`.
 
-  python -m resformer_jax.harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
+  resformer harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
       --tasks piqa_local,arc_easy_local,arc_challenge_local,hellaswag_local,winogrande_local,openbookqa_local \\
       --include_path configs/lm_eval_tasks
 
@@ -8,20 +8,28 @@ Every lm_eval flag works as with `lm_eval`. (lm-eval 0.4 discovers models only a
 stock `lm_eval` command cannot see a model that lives in another package; this command imports the adapter,
 resformer_jax/eval/lm_eval_model.py, and then runs lm-eval's own CLI.)
 """
+
 from __future__ import annotations
 
 
 def cli_main():
     from resformer_jax.commands import common as cli
+
     cli.start()
     import importlib.util
     import sys
+
     if importlib.util.find_spec("lm_eval") is None:
-        print("error: the harness needs lm-evaluation-harness, which is not installed; install it with "
-              "pip install -e '.[lm_eval]'", file=sys.stderr)
+        print(
+            "error: the harness needs lm-evaluation-harness, which is not installed; install it with "
+            "pip install -e '.[lm_eval]'",
+            file=sys.stderr,
+        )
         sys.exit(2)
-    import resformer_jax.eval.lm_eval_model  # noqa: F401 - registers the model "resformer_jax"
     from lm_eval.__main__ import cli_evaluate
+
+    import resformer_jax.eval.lm_eval_model  # noqa: F401 - registers the model "resformer_jax"
+
     with cli.exit_on_user_error():  # the adapter's errors (a missing run, no tokenizer) as one line
         cli_evaluate()
 

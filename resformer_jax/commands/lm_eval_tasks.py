@@ -1,7 +1,8 @@
 """Writes lm-eval task YAMLs for local copies of the zero-shot sets (give the folder to --include_path).
 
-  python -m resformer_jax.eval.lm_eval_tasks --task_data=DIR --out=configs/lm_eval_tasks
+resformer lm-eval-tasks --task_data=DIR --out=configs/lm_eval_tasks
 """
+
 from __future__ import annotations
 
 from absl import app, flags
@@ -16,6 +17,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     cli.start()
     from resformer_jax.eval.lm_eval_tasks import write_tasks
+
     with cli.exit_on_user_error():
         for path in write_tasks(FLAGS.task_data, FLAGS.out):
             print(path)

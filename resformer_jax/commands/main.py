@@ -1,9 +1,10 @@
 """Train (default), or print a model summary.
 
-  python -m resformer_jax.main                      # the offline demo
-  python -m resformer_jax.main --config=configs/resformer_82m.py --workdir=RUN
-  python -m resformer_jax.main --config=configs/resformer_468m.py --mode=summary
+python -m resformer_jax.main                      # the offline demo
+python -m resformer_jax.main --config=configs/resformer_82m.py --workdir=RUN
+python -m resformer_jax.main --config=configs/resformer_468m.py --mode=summary
 """
+
 from __future__ import annotations
 
 import json
@@ -34,17 +35,30 @@ def main(argv):
         from resformer_jax.config import validate
         from resformer_jax.perf import summary
         from resformer_jax.train.setup import resolve_dtype
+
         with common.exit_on_user_error():
             validate(cfg)
-        resolve_dtype(cfg, log=lambda m: print(m, file=sys.stderr))
+        cfg.model.dtype = resolve_dtype(cfg, log=lambda m: print(m, file=sys.stderr))  # the summary's own copy
         print(json.dumps(summary(cfg), default=list))
         return
     # training validates the config once, in the one builder (train/setup.build)
-    workdir = FLAGS.workdir or os.path.join("runs", os.path.splitext(os.path.basename(
-        FLAGS["config"].config_filename if hasattr(FLAGS["config"], "config_filename") else "demo"))[0])
+    workdir = FLAGS.workdir or os.path.join(
+        "runs",
+        os.path.splitext(
+            os.path.basename(FLAGS["config"].config_filename if hasattr(FLAGS["config"], "config_filename") else "demo")
+        )[0],
+    )
     from resformer_jax.commands.training import run
-    sys.exit(run(cfg, workdir, coordinator_address=FLAGS.coordinator_address,
-                 num_processes=FLAGS.num_processes, process_id=FLAGS.process_id))
+
+    sys.exit(
+        run(
+            cfg,
+            workdir,
+            coordinator_address=FLAGS.coordinator_address,
+            num_processes=FLAGS.num_processes,
+            process_id=FLAGS.process_id,
+        )
+    )
 
 
 def cli_main():

@@ -1,6 +1,6 @@
 """A grid of runs from one command: variants x seeds (x any config field).
 
-  python -m resformer_jax.sweep --config=configs/resformer_82m.py --workdir=runs/sweep82m \\
+  resformer sweep --config=configs/resformer_82m.py --workdir=runs/sweep82m \\
       --set model.value_residual=none,resformer,svformer --set train.seed=0,1,2 [--config.x=v ...]
   ... --slurm           writes runs/sweep82m/sweep.sbatch (a SLURM array job, launch/slurm_gpu.sbatch's conventions)
   ... --tpu_pod=NAME,ZONE,ACCELERATOR   writes runs/sweep82m/sweep_tpu.sh (launch/tpu_pod.sh per run)
@@ -11,8 +11,9 @@ its values). Without --slurm / --tpu_pod the runs train here one after another, 
 `python -m resformer_jax.main` process; rerunning the same command skips finished runs and resumes an
 interrupted one from its checkpoint. A sweep directory can only be rerun with the grid it was
 created with. Compare the result with
-`python -m resformer_jax.compare runs/sweep82m --group_by model.value_residual --baseline none`.
+`resformer compare runs/sweep82m --group_by model.value_residual --baseline none`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,17 +30,20 @@ from ml_collections import config_flags
 
 from resformer_jax import storage
 from resformer_jax.commands import common as cli
-from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
 from resformer_jax.errors import UserError
+from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
 
 config_flags.DEFINE_config_file("config", None, "Config file of every run (ml_collections get_config()).")
 flags.DEFINE_string("workdir", None, "Sweep directory: one run directory per combination, and sweep.json.")
-flags.DEFINE_multi_string("set", [], "FIELD=V1,V2,... (repeatable): a config field and the values to sweep; a "
-                          "tuple field's value joins its items with '+' (model.svformer_anchors=none,5,3+5+7).")
+flags.DEFINE_multi_string(
+    "set",
+    [],
+    "FIELD=V1,V2,... (repeatable): a config field and the values to sweep; a "
+    "tuple field's value joins its items with '+' (model.svformer_anchors=none,5,3+5+7).",
+)
 flags.DEFINE_bool("slurm", False, "Write a SLURM array job instead of running.")
 flags.DEFINE_string("tpu_pod", None, "NAME,ZONE,ACCELERATOR: write a TPU-pod script instead of running.")
 FLAGS = flags.FLAGS
-
 
 
 class SweepError(UserError, ValueError):
@@ -71,8 +75,9 @@ def _get(cfg, dotted: str):
     node = cfg
     for part in dotted.split("."):
         if part not in node:
-            raise SweepError(f"--set {dotted}: no such config field ({part!r} is not in "
-                             f"{sorted(node.keys())}); check the spelling")
+            raise SweepError(
+                f"--set {dotted}: no such config field ({part!r} is not in {sorted(node.keys())}); check the spelling"
+            )
         node = node[part]
     return node
 
@@ -140,9 +145,11 @@ def plan_runs(workdir: str, grid: dict) -> list[Run]:
         values = dict(zip(grid, combo))
         name = run_name(values)
         if name in by_name:
-            raise SweepError(f"the combinations {by_name[name]} and {values} map to the same run directory {name!r}; "
-                             "use values that differ after replacing characters other than letters, digits and "
-                             "_.+=- with '-'")
+            raise SweepError(
+                f"the combinations {by_name[name]} and {values} map to the same run directory {name!r}; "
+                "use values that differ after replacing characters other than letters, digits and "
+                "_.+=- with '-'"
+            )
         by_name[name] = values
         runs.append(Run(name, os.path.join(workdir, name), values))
     return runs
@@ -152,6 +159,7 @@ def check_runs(cfg, runs: list[Run]) -> None:
     """Every combination's config as its run will validate it, before anything is written or submitted (a value
     the config rejects is found here, not on the cluster)."""
     from resformer_jax.config import ConfigError, validate
+
     for r in runs:
         c = cfg.copy_and_resolve_references()
         for field, value in r.values.items():
@@ -177,15 +185,21 @@ def check_sweep_dir(workdir: str) -> None:
 
 
 def write_manifest(workdir: str, config_file: str, fixed: list[str], grid: dict, runs: list[Run]) -> dict:
-    manifest = {"config": config_file, "overrides": fixed, "grid": grid,
-                "runs": [{"name": r.name, "workdir": r.workdir, "values": r.values} for r in runs]}
+    manifest = {
+        "config": config_file,
+        "overrides": fixed,
+        "grid": grid,
+        "runs": [{"name": r.name, "workdir": r.workdir, "values": r.values} for r in runs],
+    }
     path = storage.run_path(workdir) / SWEEP_MANIFEST
     if path.is_file():
         old = json.loads(path.read_text())
         for key in ("config", "overrides", "grid"):
             if json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(manifest[key])):
-                raise SweepError(f"{workdir} holds a sweep with another {key} ({old.get(key)!r}, now "
-                                 f"{manifest[key]!r}); rerun with the same flags to resume it, or use a new --workdir")
+                raise SweepError(
+                    f"{workdir} holds a sweep with another {key} ({old.get(key)!r}, now "
+                    f"{manifest[key]!r}); rerun with the same flags to resume it, or use a new --workdir"
+                )
     path.parent.mkdir(parents=True, exist_ok=True)
     storage.write_json(path, manifest, indent=1)
     return manifest
@@ -197,8 +211,15 @@ def finished_step(run_dir: str) -> int:
 
 
 def command(config_file: str, fixed: list[str], run: Run) -> list[str]:
-    return [sys.executable, "-m", "resformer_jax.main", f"--config={config_file}", f"--workdir={run.workdir}",
-            *fixed, *run.overrides()]
+    return [
+        sys.executable,
+        "-m",
+        "resformer_jax.main",
+        f"--config={config_file}",
+        f"--workdir={run.workdir}",
+        *fixed,
+        *run.overrides(),
+    ]
 
 
 def run_locally(config_file: str, fixed: list[str], runs: list[Run], steps_of) -> int:
@@ -212,20 +233,28 @@ def run_locally(config_file: str, fixed: list[str], runs: list[Run], steps_of) -
         print(f"[{i + 1}/{len(runs)}] {r.name}: {how}", flush=True)
         rc = subprocess.call(command(config_file, fixed, r))
         if rc != 0:
-            print(f"error: run {r.name} exited with {rc}; fix the cause and rerun the same sweep command "
-                  "(finished runs are skipped, this one resumes)", file=sys.stderr)
+            print(
+                f"error: run {r.name} exited with {rc}; fix the cause and rerun the same sweep command "
+                "(finished runs are skipped, this one resumes)",
+                file=sys.stderr,
+            )
             return rc
         if finished_step(r.workdir) < steps:  # stopped early (SIGTERM, stop_at): do not start the next run
-            print(f"sweep stopped at {r.name} (step {finished_step(r.workdir)} of {steps}); rerun the same "
-                  "command to resume", flush=True)
+            print(
+                f"sweep stopped at {r.name} (step {finished_step(r.workdir)} of {steps}); rerun the same "
+                "command to resume",
+                flush=True,
+            )
             return 0
     print(f"sweep done: {len(runs)} runs", flush=True)
     return 0
 
 
 def slurm_script(config_file: str, fixed: list[str], runs: list[Run], repo: str) -> str:
-    lines = [f"  {shlex.quote(' '.join(shlex.quote(x) for x in [f'--workdir={r.workdir}', *fixed, *r.overrides()]))}"
-             for r in runs]
+    lines = [
+        f"  {shlex.quote(' '.join(shlex.quote(x) for x in [f'--workdir={r.workdir}', *fixed, *r.overrides()]))}"
+        for r in runs
+    ]
     return f"""#!/usr/bin/env bash
 # A sweep as a SLURM array job: one array task per run, each like launch/slurm_gpu.sbatch (one task per
 # node driving its GPUs; jax.distributed from SLURM's environment; SIGTERM 2 minutes before the limit
@@ -256,9 +285,10 @@ srun --kill-on-bad-exit=1 ${{PYTHON:-python}} -m resformer_jax.main --config={sh
 def tpu_script(config_file: str, fixed: list[str], runs: list[Run], pod: str, repo: str) -> str:
     name, zone, accel = pod.split(",")
     body = "\n".join(
-        "launch/tpu_pod.sh " + " ".join(shlex.quote(x) for x in [name, zone, accel, config_file, r.workdir, *fixed,
-                                                                  *r.overrides()])
-        for r in runs)
+        "launch/tpu_pod.sh "
+        + " ".join(shlex.quote(x) for x in [name, zone, accel, config_file, r.workdir, *fixed, *r.overrides()])
+        for r in runs
+    )
     return f"""#!/usr/bin/env bash
 # A sweep on one TPU pod slice: the runs one after another through launch/tpu_pod.sh (every worker runs
 # each). Rerunning resumes the unfinished run; finished ones stop at once. Use a gs:// sweep directory.
@@ -286,8 +316,11 @@ def main(argv):
         sys.exit(cli.report_user_error(e))
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     if FLAGS.slurm or FLAGS.tpu_pod:
-        script, text = (("sweep.sbatch", slurm_script(config_file, fixed, runs, repo)) if FLAGS.slurm else
-                        ("sweep_tpu.sh", tpu_script(config_file, fixed, runs, FLAGS.tpu_pod, repo)))
+        script, text = (
+            ("sweep.sbatch", slurm_script(config_file, fixed, runs, repo))
+            if FLAGS.slurm
+            else ("sweep_tpu.sh", tpu_script(config_file, fixed, runs, FLAGS.tpu_pod, repo))
+        )
         # A script runs from a local disk: beside a cloud sweep directory's name, in the current folder.
         path = os.path.join(FLAGS.workdir if not storage.is_remote(FLAGS.workdir) else ".", script)
         with open(path, "w") as f:
@@ -298,6 +331,7 @@ def main(argv):
 
     def steps_of(run: Run) -> int:
         return int(run.values.get("train.steps", FLAGS.config.train.steps))
+
     sys.exit(run_locally(config_file, fixed, runs, steps_of))
 
 

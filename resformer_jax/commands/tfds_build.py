@@ -1,7 +1,8 @@
 """Registers a prepared corpus as a TensorFlow Datasets builder (ArrayRecord, no TensorFlow needed).
 
-  python -m resformer_jax.data.tfds_source --data=DIR     # DIR written by data_prep.prepare
+resformer tfds-build --data=DIR     # DIR written by data_prep.prepare
 """
+
 from __future__ import annotations
 
 from absl import app, flags
@@ -16,6 +17,7 @@ def main(argv):
     cli.start()
     # Import by name: tfds resolves a builder's files through its module, which must not be __main__.
     from resformer_jax.data import tfds_source
+
     with cli.exit_on_user_error():
         print(tfds_source.build(FLAGS.data))
 

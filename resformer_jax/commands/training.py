@@ -1,5 +1,6 @@
 """Training as a command does it, without flags (commands/main.py parses them; tests and scripts call `run`):
 the run directory made at the edge, the trainer, and a user error turned into one line and an exit code."""
+
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ def run(cfg, workdir: str, **dist) -> int:
     from resformer_jax.errors import UserError
     from resformer_jax.rundir import RunDir
     from resformer_jax.train.loop import Trainer
+
     library_errors = common.divert_library_errors(workdir)
     try:
         rundir = RunDir(workdir)  # first: a missing gcsfs/s3fs names its extra before anything starts
@@ -30,27 +32,40 @@ def run(cfg, workdir: str, **dist) -> int:
             sys.stdout.flush()
             os._exit(code)
         return code
-    except Exception as e:  # noqa: BLE001 - only a peer's failure is handled here; anything else goes on up
+    except Exception as e:
         if not _peer_failed(e):
             raise
         # Another process of a multi-host run died: this one's collective failed first (JAX's coordination service
         # would abort it later with a 100-line trace). One line, and leave without the shutdown barrier.
         import jax
+
         steps = RunDir(workdir).finished_steps() if jax.process_index() == 0 else []
-        print(f"error: another process of this multi-host run failed (this is process {jax.process_index()}: "
-              f"{str(e).splitlines()[0][:200]}); stopping. Rerun the same command on every host to resume from "
-              + (f"step {steps[-1]}, " if steps else "") + "the newest checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"error: another process of this multi-host run failed (this is process {jax.process_index()}: "
+            f"{str(e).splitlines()[0][:200]}); stopping. Rerun the same command on every host to resume from "
+            + (f"step {steps[-1]}, " if steps else "")
+            + "the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(4)
 
 
-PEER_FAILURE_MARKS = ("Connection closed by peer", "heartbeat timeout", "stopped sending heartbeats",
-                      "coordination service", "NCCL error", "Connection reset by peer")
+PEER_FAILURE_MARKS = (
+    "Connection closed by peer",
+    "heartbeat timeout",
+    "stopped sending heartbeats",
+    "coordination service",
+    "NCCL error",
+    "Connection reset by peer",
+)
 
 
 def _peer_failed(e: BaseException) -> bool:
     """Whether `e` is a collective failing because another process of a multi-host run died."""
     import jax
+
     if jax.process_count() <= 1 or type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
         return False
     return any(m in str(e) for m in PEER_FAILURE_MARKS)

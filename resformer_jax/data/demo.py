@@ -5,6 +5,7 @@ a hash of their name (about 5% held out for validation), tokenized with a
 byte-level BPE trained on the training files, and written with the same
 preparation code users run on their own corpora.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -45,8 +46,10 @@ def demo_corpus(seq_len: int) -> str:
         for split in ("train", "validation"):
             os.makedirs(os.path.join(raw, split), exist_ok=True)
         sizes = {"train": 0, "validation": 0}
-        with open(os.path.join(raw, "train", "stdlib.jsonl"), "w") as tr, \
-                open(os.path.join(raw, "validation", "stdlib.jsonl"), "w") as va:
+        with (
+            open(os.path.join(raw, "train", "stdlib.jsonl"), "w") as tr,
+            open(os.path.join(raw, "validation", "stdlib.jsonl"), "w") as va,
+        ):
             for path in _stdlib_files():
                 try:
                     with open(path, encoding="utf-8") as f:
@@ -61,7 +64,11 @@ def demo_corpus(seq_len: int) -> str:
                 rec = {"text": text, "meta": {"redpajama_set_name": DOMAIN}}
                 (va if split == "validation" else tr).write(json.dumps(rec) + "\n")
         from data_prep.prepare import prepare
-        print(f"[demo] building the demo corpus from the Python standard library ({sizes['train']:,} bytes train, "
-              f"{sizes['validation']:,} validation) into {out}", flush=True)
+
+        print(
+            f"[demo] building the demo corpus from the Python standard library ({sizes['train']:,} bytes train, "
+            f"{sizes['validation']:,} validation) into {out}",
+            flush=True,
+        )
         prepare([raw], f"train:{VOCAB}", out, seq_len=seq_len, command="resformer_jax demo corpus", quiet=True)
     return out

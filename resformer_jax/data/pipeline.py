@@ -5,9 +5,11 @@ slot i is `mixture[s * global_batch + i]`, a pure function of (seed, s, i).
 A resumed or re-sharded run therefore reads exactly what an uninterrupted run
 would, and each process reads only its own slots [p * local, (p + 1) * local).
 """
+
 from __future__ import annotations
 
 import functools
+
 import grain
 import numpy as np
 
@@ -23,8 +25,10 @@ def domain_weights(meta: dict, split: str, mixture: dict | None) -> dict[str, fl
     if mixture:
         missing = [d for d, w in mixture.items() if w > 0 and d not in present]
         if missing:
-            raise DataError(f"config.data.mixture asks for {missing} but split {split!r} has shards only for "
-                            f"{sorted(present)}; fix the mixture or prepare those domains")
+            raise DataError(
+                f"config.data.mixture asks for {missing} but split {split!r} has shards only for "
+                f"{sorted(present)}; fix the mixture or prepare those domains"
+            )
         weights = {d: float(w) for d, w in mixture.items() if w > 0}
     else:
         weights = {d: PAPER_MIXTURE.get(d, 0.0) for d in present}
@@ -56,7 +60,7 @@ class Mixture:
         self.sizes, self.counts, self.seed, self.block = sizes, counts, seed, block
         self.assign = np.repeat(np.arange(len(sizes)), counts)
 
-    @functools.lru_cache(maxsize=64)
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - bounded; a mixture lives as long as its loader
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(domain of each position, its rank among that domain's items in the block)."""
         dom = self.assign[np.random.default_rng([self.seed, b]).permutation(self.block)]
@@ -72,8 +76,9 @@ class Mixture:
         d = int(dom[r])
         j = b * int(self.counts[d]) + int(rank[r])  # this domain's j-th item overall
         epoch, i = divmod(j, self.sizes[d])
-        rec = grain.experimental.index_shuffle(i, max_index=self.sizes[d] - 1,
-                                               seed=(self.seed * 1_000_003 + epoch * 7919 + d) % (2**31), rounds=4)
+        rec = grain.experimental.index_shuffle(
+            i, max_index=self.sizes[d] - 1, seed=(self.seed * 1_000_003 + epoch * 7919 + d) % (2**31), rounds=4
+        )
         return d, int(rec)
 
 
@@ -97,8 +102,10 @@ class BatchReader:
 
     def __init__(self, read_global, global_batch: int, process_index: int, process_count: int):
         if global_batch % process_count:
-            raise DataError(f"config.train.global_batch={global_batch} does not divide over {process_count} "
-                            "processes; choose a multiple of the process count")
+            raise DataError(
+                f"config.train.global_batch={global_batch} does not divide over {process_count} "
+                "processes; choose a multiple of the process count"
+            )
         self.read_global, self.gb = read_global, global_batch
         self.local = global_batch // process_count
         self.first = process_index * self.local
@@ -142,13 +149,13 @@ def train_iterator(cfg, process_index: int = 0, process_count: int = 1):
     read_global, _ = train_reader(cfg)
     reader = BatchReader(read_global, cfg.train.global_batch, process_index, process_count)
     ds = grain.MapDataset.range(0, 1 << 40).map(reader)
-    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.data.num_threads,
-                                              prefetch_buffer_size=cfg.data.prefetch))
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.data.num_threads, prefetch_buffer_size=cfg.data.prefetch))
     return iter(it)
 
 
-def validation_sets(cfg, batch: int, num_batches: int, process_index: int = 0, process_count: int = 1,
-                    all_records: bool = False) -> dict[str, list[np.ndarray]]:
+def validation_sets(
+    cfg, batch: int, num_batches: int, process_index: int = 0, process_count: int = 1, all_records: bool = False
+) -> dict[str, list[np.ndarray]]:
     """Per-domain validation batches (this process's slice), read in record order.
 
     With all_records=True every whole batch of the split is returned (the

@@ -4,6 +4,7 @@
 (which also resolves the demo corpus), `DomainSource` (one split and domain),
 and copies and checks the tokenizer with `Corpus`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ import os
 
 import grain
 import numpy as np
+
 from resformer_jax.errors import UserError
 
 
@@ -33,40 +35,54 @@ def load_metadata(path: str) -> dict:
             f"data path {path!r} is on object storage, which ArrayRecord cannot read (grain's ArrayRecordDataSource "
             "opens shards with the local file API). Copy the corpus to local disk (gcloud storage cp -r "
             f"{path} /data/corpus, or aws s3 cp --recursive) or mount the bucket (gcsfuse, mountpoint-s3) and set "
-            "config.data.path to the local folder")
+            "config.data.path to the local folder"
+        )
     if not os.path.isdir(path):
-        raise DataError(f"data path {path!r} does not exist; run `python -m data_prep.prepare --out {path} ...` "
-                        "or fix config.data.path")
+        raise DataError(
+            f"data path {path!r} does not exist; run `python -m data_prep.prepare --out {path} ...` "
+            "or fix config.data.path"
+        )
     meta_path = os.path.join(path, "metadata.json")
     if not os.path.isfile(meta_path):
-        raise DataError(f"{path!r} has no metadata.json (empty or not prepared); "
-                        f"run `python -m data_prep.prepare --out {path} ...`")
+        raise DataError(
+            f"{path!r} has no metadata.json (empty or not prepared); run `python -m data_prep.prepare --out {path} ...`"
+        )
     try:
         with open(meta_path) as f:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{meta_path} is not valid JSON ({e}); the folder is damaged: prepare it again with "
-                        "`python -m data_prep.prepare`") from None
+        raise DataError(
+            f"{meta_path} is not valid JSON ({e}); the folder is damaged: prepare it again with "
+            "`python -m data_prep.prepare`"
+        ) from None
     missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing or not isinstance(meta.get("tokenizer"), dict) or "sha256" not in meta["tokenizer"]:
-        raise DataError(f"{meta_path} is incomplete (missing {missing or ['tokenizer.sha256']}); prepare the folder "
-                        "again with `python -m data_prep.prepare`")
+        raise DataError(
+            f"{meta_path} is incomplete (missing {missing or ['tokenizer.sha256']}); prepare the folder "
+            "again with `python -m data_prep.prepare`"
+        )
     return meta
 
 
 def check_compatible(meta: dict, seq_len: int, vocab_size: int, tokenizer_hash: str = "", path: str = ""):
     """Stops before training when prepared data and model disagree."""
     if meta["seq_len"] != seq_len:
-        raise DataError(f"{path}: prepared with seq_len={meta['seq_len']} but config.data.seq_len={seq_len}; "
-                        f"set --config.data.seq_len={meta['seq_len']} or prepare again with --seq_len {seq_len}")
+        raise DataError(
+            f"{path}: prepared with seq_len={meta['seq_len']} but config.data.seq_len={seq_len}; "
+            f"set --config.data.seq_len={meta['seq_len']} or prepare again with --seq_len {seq_len}"
+        )
     if meta["tokenizer"]["vocab_size"] > vocab_size:
-        raise DataError(f"{path}: token ids go up to {meta['tokenizer']['vocab_size'] - 1}, not below "
-                        f"config.model.vocab_size={vocab_size}; set "
-                        f"--config.model.vocab_size={meta['tokenizer']['vocab_size']} or use a matching tokenizer")
+        raise DataError(
+            f"{path}: token ids go up to {meta['tokenizer']['vocab_size'] - 1}, not below "
+            f"config.model.vocab_size={vocab_size}; set "
+            f"--config.model.vocab_size={meta['tokenizer']['vocab_size']} or use a matching tokenizer"
+        )
     if tokenizer_hash and tokenizer_hash != meta["tokenizer"]["sha256"]:
-        raise DataError(f"{path}: tokenizer sha256 {meta['tokenizer']['sha256'][:12]}… differs from "
-                        f"{tokenizer_hash[:12]}… that this run started with; use the data prepared with the "
-                        "run's tokenizer, or start a new workdir")
+        raise DataError(
+            f"{path}: tokenizer sha256 {meta['tokenizer']['sha256'][:12]}… differs from "
+            f"{tokenizer_hash[:12]}… that this run started with; use the data prepared with the "
+            "run's tokenizer, or start a new workdir"
+        )
 
 
 class DomainSource(grain.sources.RandomAccessDataSource):
@@ -83,25 +99,33 @@ class DomainSource(grain.sources.RandomAccessDataSource):
         try:
             self._src = grain.sources.ArrayRecordDataSource(self.paths)
             self.n = len(self._src)
-        except Exception as e:  # noqa: BLE001 - array_record raises RuntimeError/ValueError for a damaged file
-            raise DataError(f"a shard of {split}/{domain} in {path} does not open ({type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); it is truncated or "
-                            "damaged: prepare the data again") from None
+        except Exception as e:
+            raise DataError(
+                f"a shard of {split}/{domain} in {path} does not open ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); it is truncated or "
+                "damaged: prepare the data again"
+            ) from None
         self.dtype = np.dtype(meta["dtype"])
         expected = st.get("sequences")
         if expected is not None and self.n != expected:
-            raise DataError(f"{split}/{domain} in {path} holds {self.n} records but metadata.json lists {expected}; "
-                            "a shard is truncated or was replaced: prepare the data again")
+            raise DataError(
+                f"{split}/{domain} in {path} holds {self.n} records but metadata.json lists {expected}; "
+                "a shard is truncated or was replaced: prepare the data again"
+            )
         record_bytes = meta["record_len"] * self.dtype.itemsize
         for i in (0, self.n - 1) if self.n else ():  # the first and last record read whole
             try:
                 rec = self._src[i]
-            except Exception as e:  # noqa: BLE001
-                raise DataError(f"record {i} of {split}/{domain} in {path} does not read ({type(e).__name__}); "
-                                "a shard is damaged: prepare the data again") from None
+            except Exception as e:
+                raise DataError(
+                    f"record {i} of {split}/{domain} in {path} does not read ({type(e).__name__}); "
+                    "a shard is damaged: prepare the data again"
+                ) from None
             if len(rec) != record_bytes:
-                raise DataError(f"record {i} of {split}/{domain} in {path} has {len(rec)} bytes, not {record_bytes}; "
-                                "a shard is damaged: prepare the data again")
+                raise DataError(
+                    f"record {i} of {split}/{domain} in {path} has {len(rec)} bytes, not {record_bytes}; "
+                    "a shard is damaged: prepare the data again"
+                )
 
     def __len__(self):
         return self.n
@@ -113,6 +137,7 @@ class DomainSource(grain.sources.RandomAccessDataSource):
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """A prepared corpus a run reads: its folder and metadata.json."""
+
     path: str
     meta: dict
 
@@ -123,6 +148,7 @@ class Corpus:
     def copy_tokenizer(self, dest):
         """Copies the corpus's tokenizer to `dest` (the run's tokenizer.json, for generate and evaluate)."""
         from etils import epath
+
         src = os.path.join(self.path, self.meta["tokenizer"]["file"])
         if os.path.isfile(src):
             dest = epath.Path(dest)
@@ -132,15 +158,18 @@ class Corpus:
     def check_tokenizer(self, run_sha256: str):
         """A resumed run must read data tokenized the way it started."""
         if run_sha256 and run_sha256 != self.tokenizer_sha256:
-            raise DataError(f"{self.path}: tokenizer sha256 {self.tokenizer_sha256[:12]}… differs from "
-                            f"{run_sha256[:12]}… that this run started with; use the data prepared with the run's "
-                            "tokenizer, or start a new workdir")
+            raise DataError(
+                f"{self.path}: tokenizer sha256 {self.tokenizer_sha256[:12]}… differs from "
+                f"{run_sha256[:12]}… that this run started with; use the data prepared with the run's "
+                "tokenizer, or start a new workdir"
+            )
 
 
 def corpus_path(data_cfg) -> str:
     """The folder of the configured corpus (the demo corpus is built on first use)."""
     if data_cfg.source == "demo":
         from resformer_jax.data.demo import demo_corpus
+
         return demo_corpus(data_cfg.seq_len)
     return data_cfg.path
 

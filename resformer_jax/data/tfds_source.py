@@ -1,10 +1,11 @@
 """Prepared corpora exposed as tensorflow-datasets datasets (array_record format, no TensorFlow).
 
-`python -m resformer_jax.data.tfds_source --data=PREPARED_DIR` builds one tfds
+`resformer tfds-build --data=PREPARED_DIR` builds one tfds
 dataset per domain (config name = domain) under PREPARED_DIR/tfds, with
 splits train and validation. Training then reads them through
 `tfds.data_source` when `config.data.source='tfds'`.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ def _builder_cls():
 
     class ResformerCorpus(tfds.core.GeneratorBasedBuilder):
         """Packed token sequences of one domain of a prepared corpus."""
+
         VERSION = tfds.core.Version("1.0.0")
 
         def __init__(self, *, corpus_path: str = "", meta: dict | None = None, domain: str = "", **kwargs):
@@ -34,15 +36,19 @@ def _builder_cls():
             L = self.meta["record_len"] if self.meta else None
             return self.dataset_info_from_configs(
                 features=tfds.features.FeaturesDict({"tokens": tfds.features.Tensor(shape=(L,), dtype=np.int32)}),
-                disable_shuffling=True)  # keep record order: the pipeline shuffles by seed
+                disable_shuffling=True,
+            )  # keep record order: the pipeline shuffles by seed
 
         def _split_generators(self, dl_manager):
-            return {split: self._generate_examples(split)
-                    for split in ("train", "validation")
-                    if self.meta["splits"].get(split, {}).get(self.domain, {}).get("sequences")}
+            return {
+                split: self._generate_examples(split)
+                for split in ("train", "validation")
+                if self.meta["splits"].get(split, {}).get(self.domain, {}).get("sequences")
+            }
 
         def _generate_examples(self, split):
             from resformer_jax.data.records import DomainSource
+
             src = DomainSource(self.corpus_path, self.meta, split, self.domain)
             for i in range(len(src)):
                 yield i, {"tokens": src[i]}
@@ -54,14 +60,21 @@ def _builder_cls():
 def build(corpus_path: str) -> str:
     """Writes the tfds datasets (array_record files) for every domain; returns their data_dir."""
     import tensorflow_datasets as tfds
+
     from resformer_jax.data.records import load_metadata
+
     meta = load_metadata(corpus_path)
     data_dir = os.path.join(corpus_path, "tfds")
     cls = _builder_cls()
     domains = sorted({d for sp in meta["splits"].values() for d in sp})
     for dom in domains:
-        b = cls(corpus_path=corpus_path, meta=meta, domain=dom, data_dir=data_dir,
-                config=tfds.core.BuilderConfig(name=_slug(dom)))
+        b = cls(
+            corpus_path=corpus_path,
+            meta=meta,
+            domain=dom,
+            data_dir=data_dir,
+            config=tfds.core.BuilderConfig(name=_slug(dom)),
+        )
         b.download_and_prepare(file_format="array_record")
     return data_dir
 
@@ -71,14 +84,19 @@ class TfdsDomainSource:
 
     def __init__(self, corpus_path: str, split: str, domain: str):
         import tensorflow_datasets as tfds
+
         from resformer_jax.data.records import DataError
+
         data_dir = os.path.join(corpus_path, "tfds")
         try:
-            self.src = tfds.data_source(f"{NAME}/{_slug(domain)}", split=split, data_dir=data_dir,
-                                        download=False, builder_kwargs={})
-        except Exception as e:  # noqa: BLE001
-            raise DataError(f"no tfds dataset for domain {domain!r} split {split!r} under {data_dir} ({type(e).__name__}); "
-                            f"build it with `python -m resformer_jax.data.tfds_source --data={corpus_path}`") from None
+            self.src = tfds.data_source(
+                f"{NAME}/{_slug(domain)}", split=split, data_dir=data_dir, download=False, builder_kwargs={}
+            )
+        except Exception as e:
+            raise DataError(
+                f"no tfds dataset for domain {domain!r} split {split!r} under {data_dir} ({type(e).__name__}); "
+                f"build it with `resformer tfds-build --data={corpus_path}`"
+            ) from None
 
     def __len__(self):
         return len(self.src)
@@ -89,8 +107,3 @@ class TfdsDomainSource:
 
 def tfds_domain_source(corpus_path: str, split: str, domain: str):
     return TfdsDomainSource(corpus_path, split, domain)
-
-
-if __name__ == "__main__":  # the old command path; the command is resformer_jax/commands/tfds_build.py
-    from resformer_jax.commands.tfds_build import __doc__, cli_main  # noqa: F401 - usage for --help
-    cli_main()

@@ -1,6 +1,6 @@
 """lm-evaluation-harness on this project's checkpoints: the model `resformer_jax` (pip install -e '.[lm_eval]').
 
-  python -m resformer_jax.harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
+  resformer harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
       --tasks piqa_local,arc_easy_local --include_path configs/lm_eval_tasks
   import resformer_jax.eval.lm_eval_model; lm_eval.simple_evaluate(model="resformer_jax", model_args="workdir=RUN", ...)
 
@@ -13,6 +13,7 @@ KV-cache decode (greedy; sampling with temperature/top_k/top_p when asked). Cont
 encoded separately, as the project's own evaluator does (resformer_jax.evaluate), so their per-item
 log-likelihoods agree.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,25 +29,37 @@ class HarnessError(UserError, ValueError):
 
 @register_model("resformer_jax")
 class ResformerLM(LM):
-    def __init__(self, workdir: str, step: int | str | None = None, batch_size: int | str = 16,
-                 max_length: int | str | None = None, **kwargs):
+    def __init__(
+        self,
+        workdir: str,
+        step: int | str | None = None,
+        batch_size: int | str = 16,
+        max_length: int | str | None = None,
+        **kwargs,
+    ):
         super().__init__()
         from resformer_jax.train.setup import load_run
+
         self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
         from resformer_jax.rundir import RunDir
+
         self.tok = RunDir(workdir).tokenizer()
         if self.tok is None:
-            raise HarnessError(f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
-                             "synthetic data have none)")
+            raise HarnessError(
+                f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
+                "synthetic data have none)"
+            )
         self.eot_id = self.tok.token_to_id("<|endoftext|>")
         self.batch = int(batch_size) if str(batch_size).isdigit() else 0  # "auto": sized to memory
         # The context a request may use: the model's max_seq_len by default, what the export's
         # max_position_embeddings tells the stock `lm_eval --model hf`, so both score the same items alike.
         self.max_length = int(max_length or self.cfg.model.max_seq_len)
         if not 1 < self.max_length <= self.cfg.model.max_seq_len:
-            raise HarnessError(f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the "
-                             "model's max_seq_len)")
+            raise HarnessError(
+                f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the model's max_seq_len)"
+            )
         from resformer_jax.eval.loglik import ContinuationScorer
+
         self.scorer = ContinuationScorer(self.cfg.model, self.params, self.max_length, self.batch)
 
     @classmethod
@@ -59,6 +72,7 @@ class ResformerLM(LM):
     @classmethod
     def create_from_arg_string(cls, arg_string, additional_config=None):
         from lm_eval.utils import simple_parse_args_string
+
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # ------------------------------------------------------------------ scoring
@@ -71,11 +85,14 @@ class ResformerLM(LM):
         if too_long:
             # The stock Hugging Face model refuses these too: a continuation cut to its last tokens would be
             # scored in part, and its number would not be the task's.
-            raise HarnessError(f"{len(too_long)} of {len(reqs)} requests have a continuation longer than the context "
-                             f"(max_length={self.max_length} tokens; the longest is "
-                             f"{max(len(reqs[i][1]) for i in too_long)}); they cannot be scored whole. Leave the "
-                             "task out, or use a model with a longer max_seq_len")
+            raise HarnessError(
+                f"{len(too_long)} of {len(reqs)} requests have a continuation longer than the context "
+                f"(max_length={self.max_length} tokens; the longest is "
+                f"{max(len(reqs[i][1]) for i in too_long)}); they cannot be scored whole. Leave the "
+                "task out, or use a model with a longer max_seq_len"
+            )
         from resformer_jax.eval.loglik import prepare
+
         return self.scorer([prepare(ctx, cont, self.max_length) for ctx, cont in reqs])
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -90,16 +107,22 @@ class ResformerLM(LM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
         out = []
         for req in requests:
             (text,) = req.args[:1]
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.encode(text), prefix_token=self.eot_id, max_seq_len=self.max_length, context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self.encode(text), prefix_token=self.eot_id, max_seq_len=self.max_length, context_len=1
+                )
+            ]
             out.append(sum(ll for ll, _ in self._score(windows)))
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         from resformer_jax.model.decode import generate
+
         out = []
         for req in requests:
             ctx, kw = req.args
@@ -108,18 +131,25 @@ class ResformerLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kw.get("max_gen_toks", 256))
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
-            prompt = (self.encode(ctx) or [self.eot_id])[-max(1, self.cfg.model.max_seq_len - max_new):]
+            prompt = (self.encode(ctx) or [self.eot_id])[-max(1, self.cfg.model.max_seq_len - max_new) :]
             max_new = min(max_new, self.cfg.model.max_seq_len - len(prompt))
-            toks, _ = generate(self.cfg.model, self.params, np.asarray([prompt]), max_new_tokens=max_new,
-                               temperature=temperature, top_k=int(kw.get("top_k", 0) or 0),
-                               top_p=float(kw.get("top_p", 1.0) or 1.0), eos_id=self.eot_id,
-                               max_len=len(prompt) + max_new)
-            new = [int(t) for t in np.asarray(toks[0, len(prompt):])]
+            toks, _ = generate(
+                self.cfg.model,
+                self.params,
+                np.asarray([prompt]),
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_k=int(kw.get("top_k", 0) or 0),
+                top_p=float(kw.get("top_p", 1.0) or 1.0),
+                eos_id=self.eot_id,
+                max_len=len(prompt) + max_new,
+            )
+            new = [int(t) for t in np.asarray(toks[0, len(prompt) :])]
             if self.eot_id in new:
-                new = new[:new.index(self.eot_id)]
+                new = new[: new.index(self.eot_id)]
             text = self.tok.decode(new)
             for stop in until:
                 if stop and stop in text:
-                    text = text[:text.index(stop)]
+                    text = text[: text.index(stop)]
             out.append(text)
         return out

@@ -8,11 +8,13 @@ lengths compile a handful of programs. The forward stops before the LM head; the
 are computed only at the continuation's positions ([B, K, vocab], K the batch's longest continuation,
 bucketed), and only [B, K] log-probabilities and greedy flags come back to the host.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +31,7 @@ def buckets(max_len: int, smallest: int = 32) -> list[int]:
 def prepare(context_ids: list[int], continuation_ids: list[int], max_len: int) -> tuple[list[int], int]:
     """(tokens to run, how many of the last ones are scored): context + continuation with the context cut from
     the left so that at most max_len tokens are fed (the last token is only a target)."""
-    ids = (list(context_ids) + list(continuation_ids))[-(max_len + 1):]
+    ids = (list(context_ids) + list(continuation_ids))[-(max_len + 1) :]
     return ids, min(len(continuation_ids), len(ids) - 1)
 
 
@@ -47,6 +49,7 @@ def rows_per_batch(m, T: int, K: int, budget_bytes: float, most: int) -> int:
 @dataclasses.dataclass
 class ScoreProgress:
     """Counts a long scoring call reports while it runs."""
+
     done: int
     total: int
     seconds: float
@@ -60,8 +63,10 @@ class ContinuationScorer:
     def __init__(self, model_cfg, params, max_len: int, batch: int = 0, memory_budget_gb: float = 1.0):
         import jax
         import jax.numpy as jnp
+
         from resformer_jax.model import Transformer
         from resformer_jax.model.transformer import lm_head_logits
+
         self.m, self.params, self.max_len = model_cfg, params, max_len
         self.batch, self.budget = batch, memory_budget_gb * 2**30
         self.buckets = buckets(max_len)
@@ -74,13 +79,15 @@ class ContinuationScorer:
             target_BxK = jnp.take_along_axis(logits_BxKxV, targets_BxK[..., None], axis=-1)[..., 0]
             logp_BxK = target_BxK - jax.nn.logsumexp(logits_BxKxV, axis=-1)
             return logp_BxK, logits_BxKxV.argmax(-1) == targets_BxK
+
         self._score = jax.jit(score)
 
     def rows(self, T: int, K: int) -> int:
         return self.batch or rows_per_batch(self.m, T, K, self.budget, most=64)
 
-    def __call__(self, requests: list[tuple[list[int], int]],
-                 progress: Callable[[ScoreProgress], Any] | None = None) -> list[tuple[float, bool]]:
+    def __call__(
+        self, requests: list[tuple[list[int], int]], progress: Callable[[ScoreProgress], Any] | None = None
+    ) -> list[tuple[float, bool]]:
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         longest_cont = max((n for _, n in requests), default=1)
@@ -88,14 +95,14 @@ class ContinuationScorer:
         while b < len(order):
             T = next(x for x in self.buckets if x >= len(requests[order[b]][0]) - 1)  # the batch's longest first
             B = self.rows(T, min(T, longest_cont))  # rows fixed per length bucket: one program per (T, K)
-            idx = order[b:b + B]
+            idx = order[b : b + B]
             K = next(x for x in buckets(T, 8) if x >= max(requests[i][1] for i in idx))
             toks, pos, tgt = (np.zeros((B, n), np.int32) for n in (T, K, K))
             for r, i in enumerate(idx):
                 ids, n = requests[i]
-                toks[r, :len(ids) - 1] = ids[:-1]
+                toks[r, : len(ids) - 1] = ids[:-1]
                 pos[r, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)  # position j predicts token j + 1
-                tgt[r, :n] = ids[len(ids) - n:]
+                tgt[r, :n] = ids[len(ids) - n :]
             logp, greedy = (np.asarray(x) for x in self._score(self.params, toks, pos, tgt))
             for r, i in enumerate(idx):
                 n = requests[i][1]

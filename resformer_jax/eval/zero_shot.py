@@ -11,6 +11,7 @@ without the joining space), the harness's length normalisation. Prompts follow t
   arc_*          "Question: {question}\nAnswer:" -> " " + choice text
   openbookqa     question_stem -> " " + choice text
 """
+
 from __future__ import annotations
 
 import glob
@@ -20,6 +21,7 @@ import re
 import time
 
 import numpy as np
+
 from resformer_jax.errors import UserError
 
 TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -47,23 +49,39 @@ def to_items(task: str, docs: list[dict]) -> list[dict]:
             items.append({"contexts": [query] * len(conts), "continuations": conts, "gold": int(d["label"])})
         elif task == "piqa":
             q = f"Question: {d['goal']}\nAnswer:"
-            items.append({"contexts": [q, q], "continuations": [" " + d["sol1"], " " + d["sol2"]],
-                          "gold": int(d["label"])})
+            items.append(
+                {"contexts": [q, q], "continuations": [" " + d["sol1"], " " + d["sol2"]], "gold": int(d["label"])}
+            )
         elif task == "winogrande":
             s = d["sentence"]
             i = s.index("_")
-            cont = " " + s[i + 1:].strip()
-            items.append({"contexts": [s[:i] + d["option1"], s[:i] + d["option2"]], "continuations": [cont, cont],
-                          "gold": int(d["answer"]) - 1})
+            cont = " " + s[i + 1 :].strip()
+            items.append(
+                {
+                    "contexts": [s[:i] + d["option1"], s[:i] + d["option2"]],
+                    "continuations": [cont, cont],
+                    "gold": int(d["answer"]) - 1,
+                }
+            )
         elif task in ("arc_easy", "arc_challenge"):
             q = f"Question: {d['question']}\nAnswer:"
             texts = list(d["choices"]["text"])
-            items.append({"contexts": [q] * len(texts), "continuations": [" " + t for t in texts],
-                          "gold": list(d["choices"]["label"]).index(d["answerKey"])})
+            items.append(
+                {
+                    "contexts": [q] * len(texts),
+                    "continuations": [" " + t for t in texts],
+                    "gold": list(d["choices"]["label"]).index(d["answerKey"]),
+                }
+            )
         elif task == "openbookqa":
             texts = list(d["choices"]["text"])
-            items.append({"contexts": [d["question_stem"]] * len(texts), "continuations": [" " + t for t in texts],
-                          "gold": list(d["choices"]["label"]).index(d["answerKey"].strip())})
+            items.append(
+                {
+                    "contexts": [d["question_stem"]] * len(texts),
+                    "continuations": [" " + t for t in texts],
+                    "gold": list(d["choices"]["label"]).index(d["answerKey"].strip()),
+                }
+            )
         else:
             raise TaskError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     return items
@@ -75,11 +93,14 @@ def _task_files(task_data: str, task: str) -> list[str]:
     cands = []
     for ext in ("jsonl", "parquet", "arrow"):
         cands += [os.path.join(task_data, f"{task}.{ext}")] + sorted(
-            glob.glob(os.path.join(task_data, task, "**", f"*.{ext}"), recursive=True))
+            glob.glob(os.path.join(task_data, task, "**", f"*.{ext}"), recursive=True)
+        )
     files = [f for f in cands if os.path.isfile(f)]
     if not files:
-        raise TaskError(f"no {task}.jsonl/.parquet/.arrow under {task_data}; save the Hugging Face validation split "
-                        "there (nothing is downloaded)")
+        raise TaskError(
+            f"no {task}.jsonl/.parquet/.arrow under {task_data}; save the Hugging Face validation split "
+            "there (nothing is downloaded)"
+        )
     return files
 
 
@@ -90,8 +111,10 @@ def read_task(task_data: str, task: str) -> list[dict]:
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()]
     import pyarrow as pa
+
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     with open(path, "rb") as f:  # datasets' .arrow files are IPC streams; accept the file format too
         try:
@@ -109,7 +132,7 @@ def score_items(items: list[dict], loglik_fn) -> dict:
     correct, correct_norm = 0, 0
     for it in items:
         n = len(it["continuations"])
-        s = np.array(ll[k:k + n])
+        s = np.array(ll[k : k + n])
         k += n
         # acc_norm divides by the choice's length in characters without the " " that joins it to the context,
         # as lm-evaluation-harness does (len(doc_to_choice(doc)[i]))
@@ -132,10 +155,13 @@ def make_loglik_fn(scorer, encode):
             too_long += len(x_ids) > scorer.max_len
             reqs.append(prepare(c_ids, x_ids, scorer.max_len))
         if too_long:
-            raise TaskError(f"{too_long} of {len(pairs)} choices have a continuation longer than the context "
-                            f"({scorer.max_len} tokens); they cannot be scored whole: leave the task out or use a "
-                            "model with a longer max_seq_len")
+            raise TaskError(
+                f"{too_long} of {len(pairs)} choices have a continuation longer than the context "
+                f"({scorer.max_len} tokens); they cannot be scored whole: leave the task out or use a "
+                "model with a longer max_seq_len"
+            )
         return [ll for ll, _ in scorer(reqs, progress)]
+
     return loglik
 
 
@@ -155,10 +181,13 @@ def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print)
     through `log`. `batch`: choices per forward pass (0: sized to memory)."""
     from resformer_jax.eval.loglik import ContinuationScorer
     from resformer_jax.rundir import RunDir
+
     tok = RunDir(workdir).tokenizer()
     if tok is None:
-        raise TaskError(f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer (a run "
-                        "on synthetic data has none)")
+        raise TaskError(
+            f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer (a run "
+            "on synthetic data has none)"
+        )
     # the context the export declares (max_position_embeddings), so `lm_eval --model hf` scores the same items
     scorer = ContinuationScorer(cfg.model, params, cfg.model.max_seq_len, batch)
     fn = make_loglik_fn(scorer, lambda s: tok.encode(s, add_special_tokens=False).ids)
@@ -170,12 +199,15 @@ def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print)
         items = to_items(task, docs)
         t0, last = time.perf_counter(), [time.perf_counter()]
 
-        def progress(p, task=task):
+        def progress(p, task=task, last=last):
             if time.perf_counter() - last[0] >= 15 and p.done < p.total:
                 last[0] = time.perf_counter()
                 log(f"{task}: {p.done}/{p.total} choices scored, {p.done / p.seconds:.1f} choices/s")
+
         out[task] = score_items(items, lambda pairs: fn(pairs, progress))
         took = time.perf_counter() - t0
-        log(f"{task}: {len(items)} items in {took:.1f} s ({len(items) / max(took, 1e-9):.1f} items/s), "
-            f"acc {out[task]['acc']:.4f}")
+        log(
+            f"{task}: {len(items)} items in {took:.1f} s ({len(items) / max(took, 1e-9):.1f} items/s), "
+            f"acc {out[task]['acc']:.4f}"
+        )
     return out

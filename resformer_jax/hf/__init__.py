@@ -13,6 +13,7 @@ The mapping, per layer (HF stores a Linear's weight as [out, in]):
 HF Llama applies RoPE in the rotate-half convention (its q/k weights are stored permuted for it), which is
 this project's convention too, so q and k need no permutation.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ import ml_collections
 import numpy as np
 
 from resformer_jax.config import ConfigError, base_config
+from resformer_jax.model.config import ModelConfig
 
 
 class HFError(ConfigError):
@@ -32,6 +34,7 @@ class HFError(ConfigError):
 def read_safetensors(folder: str) -> dict[str, np.ndarray]:
     """Every tensor of model.safetensors or of the shards listed in model.safetensors.index.json."""
     from safetensors.numpy import load_file
+
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -44,7 +47,7 @@ def read_safetensors(folder: str) -> dict[str, np.ndarray]:
     for name in files:
         try:
             out.update(load_file(os.path.join(folder, name)))
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        except Exception as e:
             raise HFError(f"{folder}/{name} does not read as safetensors ({type(e).__name__}: {e})") from None
     return out
 
@@ -95,8 +98,10 @@ def read_rope(hf: dict, m) -> None:
     if kind == "default":
         return
     if kind not in ("linear", "llama3"):
-        raise HFError(f"RoPE type {kind!r} ({scaling}) is not implemented (plain, linear and llama3 are); the import "
-                      "stops rather than compute other positions than the model was trained with")
+        raise HFError(
+            f"RoPE type {kind!r} ({scaling}) is not implemented (plain, linear and llama3 are); the import "
+            "stops rather than compute other positions than the model was trained with"
+        )
     m.rope_type, m.rope_factor = kind, float(scaling["factor"])
     if kind == "llama3":
         m.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -120,8 +125,10 @@ def refuse_unsupported(hf: dict, m) -> None:
     if hf.get("qk_norm") or hf.get("use_qk_norm"):
         bad.append("q/k norms")
     if bad:
-        raise HFError(f"config.json asks for {', '.join(bad)}, which this project does not implement; the import "
-                      "stops rather than compute something else than the checkpoint's model")
+        raise HFError(
+            f"config.json asks for {', '.join(bad)}, which this project does not implement; the import "
+            "stops rather than compute something else than the checkpoint's model"
+        )
     window = hf.get("sliding_window")
     if window and hf.get("use_sliding_window", True) is not False and int(window) < m.max_seq_len:
         m.max_seq_len = int(window)
@@ -149,8 +156,11 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
 
     V, F = m.vocab_size, m.ffn_dim
     embed = get("model.embed_tokens.weight", (V, E))
-    params = {"embed": {"embedding": embed}, "final_norm": {"scale": get("model.norm.weight", (E,))},
-              "lm_head": {"kernel": (get("lm_head.weight", (V, E)) if "lm_head.weight" in t else embed).T.copy()}}
+    params = {
+        "embed": {"embedding": embed},
+        "final_norm": {"scale": get("model.norm.weight", (E,))},
+        "lm_head": {"kernel": (get("lm_head.weight", (V, E)) if "lm_head.weight" in t else embed).T.copy()},
+    }
     for key in ("lambda_logits", "lambda_scale"):
         if f"model.{key}" in t:
             params[key] = np.asarray(t[f"model.{key}"], np.float32)
@@ -164,13 +174,16 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
                 "key": {"kernel": get(p + "self_attn.k_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)},
                 "out": {"kernel": get(p + "self_attn.o_proj.weight", (E, H * D)).T.reshape(H, D, E)},
             },
-            "mlp": {"gate": {"kernel": get(p + "mlp.gate_proj.weight", (F, E)).T},
-                    "up": {"kernel": get(p + "mlp.up_proj.weight", (F, E)).T},
-                    "down": {"kernel": get(p + "mlp.down_proj.weight", (E, F)).T}},
+            "mlp": {
+                "gate": {"kernel": get(p + "mlp.gate_proj.weight", (F, E)).T},
+                "up": {"kernel": get(p + "mlp.up_proj.weight", (F, E)).T},
+                "down": {"kernel": get(p + "mlp.down_proj.weight", (E, F)).T},
+            },
         }
         if i == 0 or m.value_residual != "svformer":  # Eq. 10: SVFormer's layers >= 2 have no W_V
             params[f"layer_{i + 1}"]["attn"]["value"] = {
-                "kernel": get(p + "self_attn.v_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)}
+                "kernel": get(p + "self_attn.v_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)
+            }
         for name in ("lambda1", "lambda2"):
             if p + f"self_attn.{name}" in t:
                 params[f"layer_{i + 1}"][name] = np.asarray(t[p + f"self_attn.{name}"], np.float32)
@@ -180,9 +193,16 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
 # ----------------------------------------------------------------------------- export
 
 
-EXPORTABLE = {"value_residual": ("none", "resformer", "svformer"), "value_source": ("first",), "residual_on": ("v",),
-              "mapping": ("attention",), "cla_share_every": (1,), "svformer_share": ("v",), "denseformer": (False,),
-              "arch": ("llama",)}
+EXPORTABLE = {
+    "value_residual": ("none", "resformer", "svformer"),
+    "value_source": ("first",),
+    "residual_on": ("v",),
+    "mapping": ("attention",),
+    "cla_share_every": (1,),
+    "svformer_share": ("v",),
+    "denseformer": (False,),
+    "arch": ("llama",),
+}
 SHARD_BYTES = 5 * 2**30
 
 
@@ -202,13 +222,16 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
     v_proj; learnable lambdas become `self_attn.lambda1/lambda2` scalars (and `model.lambda_logits`,
     `model.lambda_scale` for learnable_plus)."""
     for field, allowed in EXPORTABLE.items():
-        value = m.get(field, "llama") if field == "arch" else m[field]
+        value = getattr(ModelConfig.of(m), field)
         if value not in allowed:
             raise HFError(f"config.model.{field}={value!r} has no Hugging Face export; exportable: {allowed}")
     p = unrolled(jax.tree.map(lambda x: np.asarray(x, np.float32), params), m.num_layers)
     E = m.d_model
-    t = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["final_norm"]["scale"],
-         "lm_head.weight": p["lm_head"]["kernel"].T if "lm_head" in p else p["embed"]["embedding"]}  # tied: the table
+    t = {
+        "model.embed_tokens.weight": p["embed"]["embedding"],
+        "model.norm.weight": p["final_norm"]["scale"],
+        "lm_head.weight": p["lm_head"]["kernel"].T if "lm_head" in p else p["embed"]["embedding"],
+    }  # tied: the table
     for key in ("lambda_logits", "lambda_scale"):
         if key in p:
             t[f"model.{key}"] = np.asarray(p[key], np.float32)
@@ -233,27 +256,48 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
 def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
     """config.json: a LlamaConfig; a value-residual model adds its fields and the auto_map of modeling_resformer.py."""
     from resformer_jax.model.lambdas import fixed_lambdas
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-           "hidden_size": m.d_model, "intermediate_size": m.ffn_dim, "num_attention_heads": m.num_heads,
-           "num_key_value_heads": m.num_kv_heads or m.num_heads, "num_hidden_layers": m.num_layers,
-           "head_dim": m.d_model // m.num_heads, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
-           "rope_theta": m.rope_theta, "max_position_embeddings": m.max_seq_len, "tie_word_embeddings": False,
-           "attention_bias": False, "mlp_bias": False, "initializer_range": m.init_std,
-           "torch_dtype": "float32", "use_cache": True}
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.ffn_dim,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads or m.num_heads,
+        "num_hidden_layers": m.num_layers,
+        "head_dim": m.d_model // m.num_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "max_position_embeddings": m.max_seq_len,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": m.init_std,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
     if tokenizer_meta:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
     from resformer_jax.config import ties_embeddings
+
     cfg["tie_word_embeddings"] = ties_embeddings(m)
-    rope_type = m.get("rope_type", "default")
+    rope_type = ModelConfig.of(m).rope_type
     if rope_type != "default":  # an imported Llama 3.1 (llama3) or linear-scaled model, written back as HF writes it
         cfg["rope_scaling"] = {"rope_type": rope_type, "factor": m.rope_factor}
         if rope_type == "llama3":
-            cfg["rope_scaling"].update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
-                                       original_max_position_embeddings=m.rope_original_max_position)
+            cfg["rope_scaling"].update(
+                low_freq_factor=m.rope_low_freq_factor,
+                high_freq_factor=m.rope_high_freq_factor,
+                original_max_position_embeddings=m.rope_original_max_position,
+            )
     plans = exported_plans(m)
     if rope_type != "default" and any(mix != "own" for mix in plans["layer_value_mix"]):
-        raise HFError(f"a value-residual model with rope_type={rope_type!r} has no Hugging Face export: "
-                      "modeling_resformer.py computes plain RoPE only")
+        raise HFError(
+            f"a value-residual model with rope_type={rope_type!r} has no Hugging Face export: "
+            "modeling_resformer.py computes plain RoPE only"
+        )
     if any(mix != "own" for mix in plans["layer_value_mix"]):
         cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
         cfg["use_cache"] = False  # modeling_resformer.py recomputes the prefix (no KV cache)
@@ -275,34 +319,53 @@ def exported_plans(m) -> dict:
     over. A plan this format cannot express (NeuTRENO, Q/K residuals, other mappings or value sources, shared
     Q/K, anchors, CLA) is refused by name: an export is exact or it stops."""
     from resformer_jax.model.attention import plan_layer
+
     owns, mixes = [], []
     for n in range(1, m.num_layers + 1):
         p = plan_layer(m, n)
-        unsupported = [name for name, bad in (
-            ("NeuTRENO (Eq. 8)", p.neutreno != 0.0), (f"residual_on={p.residual_on}", p.residual_on is not None),
-            (f"mapping={p.mapping}", p.mapping != "attention"),
-            (f"value_source={p.value_source}", p.value_source not in (None, "first")),
-            (f"query={p.query}", p.query != "own"), (f"key={p.key}", p.key != "own"),
-            (f"value={p.value}", p.value not in ("own", "none")), ("an SVFormer anchor", p.anchor),
-            (f"value mix {p.mix.__name__}", p.mix.__name__ not in _EXPORTED_MIXES)) if bad]
+        unsupported = [
+            name
+            for name, bad in (
+                ("NeuTRENO (Eq. 8)", p.neutreno != 0.0),
+                (f"residual_on={p.residual_on}", p.residual_on is not None),
+                (f"mapping={p.mapping}", p.mapping != "attention"),
+                (f"value_source={p.value_source}", p.value_source not in (None, "first")),
+                (f"query={p.query}", p.query != "own"),
+                (f"key={p.key}", p.key != "own"),
+                (f"value={p.value}", p.value not in ("own", "none")),
+                ("an SVFormer anchor", p.anchor),
+                (f"value mix {p.mix.__name__}", p.mix.__name__ not in _EXPORTED_MIXES),
+            )
+            if bad
+        ]
         if unsupported:
-            raise HFError(f"layer {n} uses {', '.join(unsupported)}, which the Hugging Face export cannot express; "
-                          "export runs of none, resformer or svformer (GQA and ResFormer's lambda modes included)")
+            raise HFError(
+                f"layer {n} uses {', '.join(unsupported)}, which the Hugging Face export cannot express; "
+                "export runs of none, resformer or svformer (GQA and ResFormer's lambda modes included)"
+            )
         owns.append(p.owns[2])
         mixes.append(_EXPORTED_MIXES[p.mix.__name__])
     return {"layer_owns_value": owns, "layer_value_mix": mixes}
 
 
-def export_params(m, params: dict, out: str, dtype: str = "float32", tokenizer_meta: dict | None = None,
-                  shard_bytes: int = SHARD_BYTES) -> dict:
+def export_params(
+    m,
+    params: dict,
+    out: str,
+    dtype: str = "float32",
+    tokenizer_meta: dict | None = None,
+    shard_bytes: int = SHARD_BYTES,
+) -> dict:
     """Writes config.json, generation_config.json and model.safetensors (sharded above `shard_bytes`, with
     model.safetensors.index.json) into `out`; a value-residual model also gets modeling_resformer.py."""
     from safetensors.numpy import save_file
+
     os.makedirs(out, exist_ok=True)
     np_dtype = {"float32": np.float32, "bfloat16": None, "float16": np.float16}[dtype]
     tensors = hf_tensors(m, params)
     if dtype == "bfloat16":
         import ml_dtypes
+
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
     else:
         tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
@@ -324,8 +387,11 @@ def export_params(m, params: dict, out: str, dtype: str = "float32", tokenizer_m
             save_file(part, os.path.join(out, fname), metadata=meta)
             weight_map.update({n: fname for n in part})
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map},
-                      f, indent=1)
+            json.dump(
+                {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map},
+                f,
+                indent=1,
+            )
     cfg = hf_config(m, tokenizer_meta)
     cfg["torch_dtype"] = dtype
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -337,6 +403,8 @@ def export_params(m, params: dict, out: str, dtype: str = "float32", tokenizer_m
         json.dump(gen, f, indent=1)
     if m.value_residual != "none":
         import shutil
-        shutil.copyfile(os.path.join(os.path.dirname(__file__), "modeling_resformer.py"),
-                        os.path.join(out, "modeling_resformer.py"))
+
+        shutil.copyfile(
+            os.path.join(os.path.dirname(__file__), "modeling_resformer.py"), os.path.join(out, "modeling_resformer.py")
+        )
     return cfg

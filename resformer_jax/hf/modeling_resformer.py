@@ -8,6 +8,7 @@ produces V_1; layer n >= 2 attends with its own attention matrix over
 Values are in key/value-head layout (GQA) and never rotated; RoPE in the rotate-half convention.
 This file runs the full forward each call (no KV cache); generation recomputes the prefix.
 """
+
 import math
 
 import torch
@@ -117,15 +118,16 @@ class Model(nn.Module):
 
     def forward(self, input_ids):
         c = self.config
-        B, T = input_ids.shape
+        _B, T = input_ids.shape
         D = c.hidden_size // c.num_attention_heads
         theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
         ang = torch.arange(T, device=input_ids.device).float()[:, None] * inv[None]
         emb = torch.cat([ang, ang], dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        fixed = (torch.tensor(c.resformer_fixed_lambdas, dtype=torch.float32) if "lambda_mix" in c.layer_value_mix
-                 else None)
+        fixed = (
+            torch.tensor(c.resformer_fixed_lambdas, dtype=torch.float32) if "lambda_mix" in c.layer_value_mix else None
+        )
         if hasattr(self, "lambda_logits"):
             fixed = fixed.clone()
             fixed[:, 0] = self.lambda_scale * torch.softmax(self.lambda_logits, dim=0)

@@ -1,4 +1,5 @@
-"""A run's checkpoint written as a Hugging Face model folder (what `python -m resformer_jax.export` does)."""
+"""A run's checkpoint written as a Hugging Face model folder (what `resformer export` does)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ def is_export(path) -> bool:
     """Whether a folder holds a Hugging Face export (config.json with a model_type, and safetensors weights)."""
     path = epath.Path(path)
     cfg = path / "config.json"
-    if not cfg.is_file() or not ((path / "model.safetensors").is_file()
-                                 or (path / "model.safetensors.index.json").is_file()):
+    if not cfg.is_file() or not (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    ):
         return False
     try:
         return "model_type" in json.loads(cfg.read_text())
@@ -38,8 +40,10 @@ def check_target(run: RunDir, out: str, overwrite: bool) -> bool:
     Returns whether an earlier export is being replaced."""
     target = RunDir(out)
     if target.is_run() or (target.path.exists() and os.fspath(target.path) == os.fspath(run.path)):
-        raise ExportError(f"--out={out} is a run directory; an export never writes into one (it would replace the "
-                          "run's config.json): give a new folder, e.g. --out=exports/NAME")
+        raise ExportError(
+            f"--out={out} is a run directory; an export never writes into one (it would replace the "
+            "run's config.json): give a new folder, e.g. --out=exports/NAME"
+        )
     if not target.path.exists():
         return False
     if not target.path.is_dir():
@@ -101,6 +105,7 @@ def _apply_umask(folder: str) -> None:
 def _write(run: RunDir, cfg, params, local: str, dtype: str) -> dict:
     """The export's files in a local folder."""
     import jax
+
     tok = run.tokenizer()
     meta = None
     if tok is not None:
@@ -109,8 +114,17 @@ def _write(run: RunDir, cfg, params, local: str, dtype: str) -> dict:
         storage.copy_file(run.tokenizer_json, os.path.join(local, "tokenizer.json"))
         special = "<|endoftext|>" if eot is not None else None
         with open(os.path.join(local, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_seq_len,
-                       "bos_token": special, "eos_token": special, "unk_token": special,
-                       "clean_up_tokenization_spaces": False}, f, indent=1)
+            json.dump(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "model_max_length": cfg.model.max_seq_len,
+                    "bos_token": special,
+                    "eos_token": special,
+                    "unk_token": special,
+                    "clean_up_tokenization_spaces": False,
+                },
+                f,
+                indent=1,
+            )
     hf_cfg = export_params(cfg.model, jax.device_get(params), local, dtype, meta)
     return {"architectures": hf_cfg["architectures"], "tokenizer": meta is not None}

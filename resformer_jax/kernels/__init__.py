@@ -3,6 +3,7 @@
 `attention(q, k, v, causal=True, impl="auto")` with q [B, T, H, D] and k, v
 [B, S, H_kv, D]; GQA is handled without materialising repeated K/V.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from resformer_jax.kernels.names import IMPLS
 from resformer_jax.errors import UserError
+from resformer_jax.kernels.names import IMPLS
 
 
 class KernelUnavailable(UserError, RuntimeError):
@@ -22,23 +23,23 @@ class KernelUnavailable(UserError, RuntimeError):
 
 def _scoped(fn):
     """Names the attention's ops (forward and backward) for the step profile (step_profile.py)."""
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         with jax.named_scope("attention_kernel"):
             return fn(*args, **kwargs)
+
     return wrapped
 
 
 @_scoped
-def reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, mask_BxTxS=None,
-                        return_probs=False):
+def reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, mask_BxTxS=None, return_probs=False):
     """Plain einsum + fp32 softmax. Can return the attention matrix A [B, H, T, S]."""
     B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     G = H // K
     q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, G, D).astype(jnp.float32)
-    logits_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD,
-                                  k_BxSxKxD.astype(jnp.float32)) / math.sqrt(D)
+    logits_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD.astype(jnp.float32)) / math.sqrt(D)
     if mask_BxTxS is None and causal:
         # Query t sits at position S - T + t (aligned at the end, as in decode).
         mask_BxTxS = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None]
@@ -62,8 +63,7 @@ CUSTOM_CALL_IMPLS = ("pallas", "splash")
 
 
 @_scoped
-def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh=None,
-              batch_axes=("data", "fsdp")):
+def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh=None, batch_axes=("data", "fsdp")):
     """Causal multi-head attention; dispatches to the chosen implementation.
 
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
@@ -79,29 +79,36 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
         spec = jax.sharding.PartitionSpec(batch_axes)
         per_shard = functools.partial(attention, causal=causal, impl=impl)
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                             check_vma=False)(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
+            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD
+        )
     if impl == "reference":
         return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     if impl == "chunked":
         from resformer_jax.kernels.chunked_attention import chunked_attention
+
         # a loop over (batch, head) pairs on CPU, unless the batch is sharded over a mesh (chunked_attention.py)
-        return chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal,
-                                 pairs=0 if mesh is not None and mesh.size > 1 else None)
+        return chunked_attention(
+            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, pairs=0 if mesh is not None and mesh.size > 1 else None
+        )
     if impl == "xla":
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla")
     if impl == "cudnn":
         if jax.default_backend() != "gpu":
-            # also when compiling for a GPU from a CPU (train/aot.py): cuDNN's attention asks the local CUDA
+            # also when compiling for a GPU from a CPU (compile/aot.py): cuDNN's attention asks the local CUDA
             # runtime for the cuDNN version while tracing, so it cannot even be lowered without a GPU
-            raise KernelUnavailable("attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
-                                    f"{jax.default_backend()!r}. Use attention_impl='xla' or 'auto'.")
+            raise KernelUnavailable(
+                "attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
+                f"{jax.default_backend()!r}. Use attention_impl='xla' or 'auto'."
+            )
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "cudnn")
     if impl == "pallas":
         from resformer_jax.kernels import pallas_attention
+
         return pallas_attention.flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     if impl == "splash":
         from resformer_jax.kernels import tpu_attention
+
         return tpu_attention.splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
 
@@ -116,8 +123,9 @@ def auto_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
     return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
 
 
-def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = None, repeats: int = 3,
-               clock=time.perf_counter):
+def probe_auto(
+    q_shape, kv_heads, dtype, log_fn=print, backend: str | None = None, repeats: int = 3, clock=time.perf_counter
+):
     """The impl `auto` resolves to at the real shapes: every candidate that compiles and runs forward+backward.
 
     On an accelerator (GPU: pallas, cudnn, xla; TPU: splash, xla) each one that runs is timed (the best of
@@ -141,7 +149,7 @@ def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = Non
 
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
             jax.block_until_ready(step(q, kv, kv))  # compiles
-        except Exception as e:  # noqa: BLE001 - every failure is a reason to reject
+        except Exception as e:
             rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         if not timed:
@@ -157,7 +165,10 @@ def probe_auto(q_shape, kv_heads, dtype, log_fn=print, backend: str | None = Non
         raise KernelUnavailable(f"no attention impl runs here: {rejected}")
     choice = min(seconds, key=seconds.get)
     times = "".join(f"; {k} {v * 1e3:.2f} ms" for k, v in seconds.items()) if timed else ""
-    msg = (f"attention_impl=auto chose {choice!r}" + (f" (fastest forward+backward at {q_shape}{times})" if timed
-                                                       else "") + "".join(f"; rejected {k}: {v}" for k, v in rejected.items()))
+    msg = (
+        f"attention_impl=auto chose {choice!r}"
+        + (f" (fastest forward+backward at {q_shape}{times})" if timed else "")
+        + "".join(f"; rejected {k}: {v}" for k, v in rejected.items())
+    )
     log_fn(msg)
     return choice, rejected

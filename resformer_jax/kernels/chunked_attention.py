@@ -24,6 +24,7 @@ logits, not by FLOPs (jax.nn.dot_product_attention's xla path materialises and
 masks all of it). The measurements (`bench attention`) are in README's
 Attention kernels and Performance sections.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,16 +93,22 @@ def _spans(T, S, C, causal):
     """(start, stop, keys, offset) per query block: block [start, stop) sees keys [0, keys);
     offset is where query 0 sits among the keys (None: no causal mask)."""
     offset = S - T
-    return tuple((a, min(a + C, T), min(a + C, T) + offset, offset) if causal else (a, min(a + C, T), S, None)
-                 for a in range(0, T, C))
+    return tuple(
+        (a, min(a + C, T), min(a + C, T) + offset, offset) if causal else (a, min(a + C, T), S, None)
+        for a in range(0, T, C)
+    )
 
 
 def _block_logits(q_BxKxGxTxD, k_BxKxSxD, start, stop, keys, causal_offset):
     """The block's scaled logits [B, K, G, C, keys] in fp32, the causal mask applied as an additive [C, keys]
     bias (0 or -1e30): a bias this small is read inside the fusion, where a select against a -1e30 broadcast
     of the block's full shape was hoisted out of the layer loop and materialised (XLA:CPU)."""
-    logits = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxD[:, :, :, start:stop], k_BxKxSxD[:, :, :keys],
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+        "bkgtd,bksd->bkgts",
+        q_BxKxGxTxD[:, :, :, start:stop],
+        k_BxKxSxD[:, :, :keys],
+        preferred_element_type=jnp.float32,
+    )
     if causal_offset is None:
         return logits
     visible_CxS = jnp.arange(keys)[None, :] <= (jnp.arange(start, stop) + causal_offset)[:, None]
@@ -116,10 +123,12 @@ def _forward(q, k, v, spans):
         row_max = logits.max(axis=-1, keepdims=True)
         e = jnp.exp(logits - row_max)
         denom = e.sum(axis=-1, keepdims=True)
-        outs.append(jnp.einsum("bkgts,bksd->bkgtd", e.astype(v.dtype), v[:, :, :keys],
-                               preferred_element_type=jnp.float32) / denom)
+        outs.append(
+            jnp.einsum("bkgts,bksd->bkgtd", e.astype(v.dtype), v[:, :, :keys], preferred_element_type=jnp.float32)
+            / denom
+        )
         lses.append(row_max + jnp.log(denom))
-    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)  # noqa: E731
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)
     return cat(outs), cat(lses)
 
 
@@ -155,7 +164,9 @@ def _backward(q, k, v, out, lse, g, spans):
         dp = jnp.einsum("bkgtd,bksd->bkgts", g_i, v[:, :, :keys], preferred_element_type=f32)
         ds = (p * (dp - delta[:, :, :, start:stop])).astype(op)
         dqs.append(jnp.einsum("bkgts,bksd->bkgtd", ds, k[:, :, :keys], preferred_element_type=f32))
-        dk = dk.at[:, :, :keys].add(jnp.einsum("bkgts,bkgtd->bksd", ds, q[:, :, :, start:stop], preferred_element_type=f32))
+        dk = dk.at[:, :, :keys].add(
+            jnp.einsum("bkgts,bkgtd->bksd", ds, q[:, :, :, start:stop], preferred_element_type=f32)
+        )
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
     return dq.astype(op), dk.astype(op), dv.astype(op)
 

@@ -2,6 +2,7 @@
 bf16 matmuls accumulated in fp32 with canonical operand layouts, and the SwiGLU MLP with its own VJP. The model
 calls them through model/layers.dense and swiglu; accelerators take the plain forms there. What each form
 gains on CPU is measured in README's Performance section."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -17,7 +18,8 @@ def transposed(x_AxB):
     matmuls read either layout)."""
     a, b = x_AxB.shape
     return jax.lax.platform_dependent(
-        x_AxB, cpu=lambda x: jnp.transpose(x.reshape(a, b, 1), (1, 0, 2)).reshape(b, a), default=lambda x: x.T)
+        x_AxB, cpu=lambda x: jnp.transpose(x.reshape(a, b, 1), (1, 0, 2)).reshape(b, a), default=lambda x: x.T
+    )
 
 
 @jax.custom_vjp
@@ -94,11 +96,10 @@ def _swiglu_mlp_bwd(dtype, res, dy_NxE):
     x_ExN = transposed(x_NxE)
     dwg_ExF = jnp.dot(x_ExN, dgate_NxF, preferred_element_type=f32)
     dwu_ExF = jnp.dot(x_ExN, dup_NxF, preferred_element_type=f32)
-    dx_NxE = (jnp.dot(dgate_NxF, w_t(wg), preferred_element_type=f32)
-              + jnp.dot(dup_NxF, w_t(wu), preferred_element_type=f32))
+    dx_NxE = jnp.dot(dgate_NxF, w_t(wg), preferred_element_type=f32) + jnp.dot(
+        dup_NxF, w_t(wu), preferred_element_type=f32
+    )
     return dx_NxE.astype(x_NxE.dtype), dwg_ExF, dwu_ExF, dwd_FxE
 
 
 swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
-
-

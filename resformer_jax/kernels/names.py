@@ -1,4 +1,5 @@
 """The attention implementations by name: the one list the config validates against."""
+
 import contextlib
 import contextvars
 
@@ -6,7 +7,7 @@ import contextvars
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
 
-# The platform a program is being compiled for when it is not this machine's backend (train/aot.py compiles for
+# The platform a program is being compiled for when it is not this machine's backend (compile/aot.py compiles for
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what
 # will run; a context variable, so it holds only inside `compiling_for` and only in that thread.
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_platform", default=None)
@@ -29,6 +30,7 @@ def target_device_kind() -> str:
     """The device the program being traced will run on, in words: the compile target's inside `compiling_for`,
     else this machine's first device's ('' where unknown)."""
     import jax
+
     kind = _TARGET_KIND.get()
     if kind is not None or _TARGET_PLATFORM.get() is not None:
         return kind or ""
@@ -42,6 +44,7 @@ def target_backend() -> str:
     """The backend the program being traced will run on: the compile target inside `compiling_for`, else JAX's
     default backend ('gpu' for CUDA, as jax.default_backend() names it)."""
     import jax
+
     target = _TARGET_PLATFORM.get()
     return jax.default_backend() if target is None else backend_of(target)
 

@@ -26,15 +26,16 @@ ones plus the probability tile converted for the second dot, kept under
 `SMEM_BUDGET_BYTES` (A100's 163 KiB per block; H100/H200 allow 227 KiB).
 These are estimates of Triton's staging, not its allocator's exact numbers:
 block sizes and warps still need tuning on a real GPU
-(`python -m resformer_jax.bench accelerator`).
+(`resformer bench accelerator`).
 
 The kernel is chosen per platform at lowering time (`lax.platform_dependent`):
 the Triton kernel where the program is lowered for CUDA, the same kernels in
 Pallas interpret mode elsewhere (a one-time warning says so, except while
 compiling for CUDA from a CPU: kernels/names.compiling_for), which is how they
 are tested on CPU; tests/test_compile.py compiles the Triton path for H100 from
-a CPU machine (train/aot.py).
+a CPU machine (compile/aot.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,15 +56,23 @@ MASK = -1e30
 
 @functools.cache
 def _warn_interpreted(backend: str):
-    log.warning("attention_impl='pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
-                "(correct but slow; for tests)", backend)
+    log.warning(
+        "attention_impl='pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
+        "(correct but slow; for tests)",
+        backend,
+    )
 
 
 NUM_STAGES = 2  # Triton software pipelining of the streamed tiles
 SMEM_BUDGET_BYTES = 163 * 1024  # A100's opt-in shared memory per block: the budget where the GPU is not known
 # Opt-in shared memory per block by GPU (CUDA's per-architecture limits): Hopper 227 KiB, Ampere A100 163 KiB.
-SMEM_BY_GPU = (("H100", 227 * 1024), ("H200", 227 * 1024), ("H800", 227 * 1024), ("A100", 163 * 1024),
-               ("A800", 163 * 1024))
+SMEM_BY_GPU = (
+    ("H100", 227 * 1024),
+    ("H200", 227 * 1024),
+    ("H800", 227 * 1024),
+    ("A100", 163 * 1024),
+    ("A800", 163 * 1024),
+)
 
 
 def smem_budget(device_kind: str) -> int:
@@ -83,8 +92,9 @@ def smem_bytes(bq: int, bk: int, D: int, itemsize: int, num_stages: int = NUM_ST
     return itemsize * max(fwd, dkdv, dq)
 
 
-def choose_blocks(T: int, S: int, D: int, itemsize: int, block_q: int = 128, block_k: int = 128,
-                  budget: int = SMEM_BUDGET_BYTES) -> tuple[int, int]:
+def choose_blocks(
+    T: int, S: int, D: int, itemsize: int, block_q: int = 128, block_k: int = 128, budget: int = SMEM_BUDGET_BYTES
+) -> tuple[int, int]:
     """Power-of-two (block_q, block_k) >= 16 within the caps, halving the larger until they fit `budget` bytes of
     shared memory (smem_budget of the GPU the kernel is compiled for)."""
     bq, bk = _block(T, block_q), _block(S, block_k)
@@ -141,18 +151,21 @@ def num_warps(bq: int, bk: int) -> int:
 
 def _pallas(kernel, *, num_warps_: int, **kw):
     """A pallas_call lowered as a Triton kernel for CUDA and run interpreted on any other platform."""
+
     def compiled(*args):
-        return pl.pallas_call(kernel, compiler_params=plgpu.CompilerParams(num_warps=num_warps_, num_stages=NUM_STAGES),
-                              **kw)(*args)
+        return pl.pallas_call(
+            kernel, compiler_params=plgpu.CompilerParams(num_warps=num_warps_, num_stages=NUM_STAGES), **kw
+        )(*args)
 
     def interpreted(*args):
         return pl.pallas_call(kernel, interpret=True, **kw)(*args)
 
     def call(*args):
-        backend = target_backend()  # the compile target inside names.compiling_for (train/aot.py)
+        backend = target_backend()  # the compile target inside names.compiling_for (compile/aot.py)
         if backend != "gpu":
             _warn_interpreted(backend)  # once per process
         return lax.platform_dependent(*args, cuda=compiled, default=interpreted)
+
     return call
 
 
@@ -226,13 +239,18 @@ def _forward(q, k, v, causal, bq, bk):
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S)
     o, lse = _pallas(
-        kernel, num_warps_=num_warps(bq, bk),
+        kernel,
+        num_warps_=num_warps(bq, bk),
         grid=(Tp // bq, B, H),
-        in_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-                  pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-                  pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))],
-        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        in_specs=[
+            pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+            pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+            pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+        ],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         name="flash_attention_fwd",
     )(qp, kp, vp)
@@ -242,8 +260,9 @@ def _forward(q, k, v, causal, bq, bk):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk,
-                 kv_len, q_blocks):
+def _dkdv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk, kv_len, q_blocks
+):
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
@@ -371,12 +390,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128):
     """Causal (or full) attention with q [B, T, H, D], k/v [B, S, K, D]; blocks capped at block_q/block_k
     and shrunk to the shared-memory budget (choose_blocks)."""
-    B, T, H, D = q_BxTxHxD.shape
+    _B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
         raise ValueError(f"{K} kv heads do not divide {H} query heads")
     if causal and T != S:
         raise ValueError(f"causal flash attention needs equal query and key lengths, got T={T}, S={S}")
-    bq, bk = choose_blocks(T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k,
-                           budget=smem_budget(target_device_kind()))
+    bq, bk = choose_blocks(
+        T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k, budget=smem_budget(target_device_kind())
+    )
     return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)

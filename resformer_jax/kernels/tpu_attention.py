@@ -9,8 +9,9 @@ by the causal mask, padded query rows are dropped.
 
 Like the GPU kernel, it is chosen per platform at lowering time: the Mosaic TPU kernel where the
 program is lowered for TPU, the same kernel in Pallas interpret mode elsewhere (how it is tested on
-CPU; tests/test_compile.py compiles the real one for a TPU topology with libtpu, train/aot.py).
+CPU; tests/test_compile.py compiles the real one for a TPU topology with libtpu, compile/aot.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,11 @@ TILE = 128
 
 @functools.cache
 def _warn_interpreted(backend: str):
-    log.warning("attention_impl='splash' on backend %r: running the TPU kernel in Pallas interpret mode "
-                "(correct but slow; for tests)", backend)
+    log.warning(
+        "attention_impl='splash' on backend %r: running the TPU kernel in Pallas interpret mode "
+        "(correct but slow; for tests)",
+        backend,
+    )
 
 
 def _block(n: int) -> int:
@@ -50,6 +54,7 @@ def kernel_flops(name: str, q_shape, k_shape, causal: bool = True) -> float:
     leading dims batch and kv heads, G query heads a kv head), with this file's blocks and splash's causal block
     skipping."""
     from resformer_jax.kernels.pallas_attention import visited_blocks
+
     N, (G, T, D) = math.prod(q_shape[:-3]), q_shape[-3:]
     S = k_shape[-2]
     bq, bk = _block(T), _block(S)
@@ -60,11 +65,20 @@ def _kernel(T: int, S: int, G: int, causal: bool, interpret: bool):
     # Built per trace, not cached: the kernel holds its mask tables as arrays, which must not leak
     # from one trace into another.
     bq, bk = _block(T), _block(S)
-    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
-                              block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    sizes = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
     one = splash_mask.CausalMask((T, S)) if causal else splash_mask.FullMask((T, S))
-    return splash.make_splash_mqa(splash_mask.MultiHeadMask([one] * G), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+    return splash.make_splash_mqa(
+        splash_mask.MultiHeadMask([one] * G), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
 
 
 def _pad(x, axis, to):
@@ -94,7 +108,7 @@ def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True):
     def run(interpret):
         return lambda q, k, v: jax.vmap(jax.vmap(_kernel(Tp, Sp, G, causal, interpret)))(q, k, v)
 
-    backend = target_backend()  # the compile target inside names.compiling_for (train/aot.py)
+    backend = target_backend()  # the compile target inside names.compiling_for (compile/aot.py)
     if backend != "tpu":
         _warn_interpreted(backend)
     o_BxKxGxTxD = lax.platform_dependent(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, tpu=run(False), default=run(True))

@@ -19,10 +19,12 @@ are never rotated. In decode mode each layer keeps only what its equation
 needs: K for every layer that owns keys, V only where the layer owns values
 (SVFormer: once).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -30,33 +32,38 @@ import jax.numpy as jnp
 from flax import struct
 
 from resformer_jax import kernels
-from resformer_jax.config import (arch, head_dim, mixes_values, neutreno_lambda, num_kv_heads, output_init_std,
-                                  shares_first_value, uses_neutreno, uses_rope)
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
-
 
 # ----------------------------------------------------------------------------- the plan
 
 
-def rope_inv_freq(m):
+def rope_inv_freq(m: ModelConfig):
     """RoPE's inverse frequencies for the model (None: plain RoPE, computed in the kernel as always)."""
-    g = (lambda k, d: m.get(k, d)) if hasattr(m, "get") else (lambda k, d: getattr(m, k, d))
-    if g("rope_type", "default") == "default":
+    m = ModelConfig.of(m)
+    if m.rope_type == "default":
         return None
-    return rope_frequencies(m.d_model // m.num_heads, m.rope_theta, g("rope_type", "default"), g("rope_factor", 1.0),
-                            g("rope_low_freq_factor", 1.0), g("rope_high_freq_factor", 4.0),
-                            g("rope_original_max_position", 8192))
+    return rope_frequencies(
+        m.head_dim,
+        m.rope_theta,
+        m.rope_type,
+        m.rope_factor,
+        m.rope_low_freq_factor,
+        m.rope_high_freq_factor,
+        m.rope_original_max_position,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     """What one layer computes, resolved once from the config."""
+
     first: bool  # layer 1: standard attention; its Q, K, V reach every later layer
     query: str  # "own" | "first" (SVFormer sharing Q_1, Fig. 13)
     key: str  # "own" | "first" (SVFormer sharing K_1, Fig. 13) | "group" (CLA: the group's first layer)
     value: str  # "own" | "none" (SVFormer: no W_V at all, Eq. 10) | "group" (CLA)
     value_source: str | None  # the earlier value the residual uses (Fig. 8): first | previous | mean_of_previous
-    mix: Callable[["ValueMix"], jax.Array]  # the value A_n is applied to: eq1_own_value | eq7_resformer_value |
+    mix: Callable[[ValueMix], jax.Array]  # the value A_n is applied to: eq1_own_value | eq7_resformer_value |
     #                                         eq5_mean_value | eq10_svformer_value
     residual_on: str | None  # "q" | "k": Eq. 7's mix on queries or keys instead of values (Fig. 6)
     mapping: str  # how the earlier value reaches U_n: attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
@@ -70,32 +77,51 @@ class LayerPlan:
 
 
 def _first_layer_plan() -> LayerPlan:
-    return LayerPlan(first=True, query="own", key="own", value="own", value_source=None, mix=eq1_own_value,
-                     residual_on=None, mapping="attention", neutreno=0.0, anchor=False)
+    return LayerPlan(
+        first=True,
+        query="own",
+        key="own",
+        value="own",
+        value_source=None,
+        mix=eq1_own_value,
+        residual_on=None,
+        mapping="attention",
+        neutreno=0.0,
+        anchor=False,
+    )
 
 
-def plan_layer(m, layer: int | None) -> LayerPlan:
+def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
     """The plan of 1-based layer `layer`; None is a generic layer >= 2 (inside the scan, where
     no layer has a structure of its own: configs with CLA or anchors run unrolled)."""
     if layer == 1:
         return _first_layer_plan()
-    at = lambda pred: layer is not None and pred(layer)  # noqa: E731
+    m = ModelConfig.of(m)
+    at = lambda pred: layer is not None and pred(layer)
     cla_reuse = m.cla_share_every > 1 and at(lambda n: (n - 1) % m.cla_share_every != 0)
-    anchor = shares_first_value(m) and at(lambda n: n in tuple(m.svformer_anchors))
-    shares = m.svformer_share if shares_first_value(m) and not anchor else None  # what layer n takes from layer 1
+    anchor = m.shares_first_value and at(lambda n: n in tuple(m.svformer_anchors))
+    shares = m.svformer_share if m.shares_first_value and not anchor else None  # what layer n takes from layer 1
     key = "group" if cla_reuse and m.cla_share in ("kv", "k") else "first" if shares == "k" else "own"
     value = "group" if cla_reuse and m.cla_share in ("kv", "v") else "none" if shares == "v" else "own"
-    resformer = mixes_values(m)
+    resformer = m.mixes_values
     if m.mapping != "attention" or m.residual_on != "v" or not (resformer or shares == "v"):
         mix = eq1_own_value
     elif resformer:
         mix = eq5_mean_value if m.value_source == "mean_of_previous" else eq7_resformer_value
     else:
         mix = eq10_svformer_value
-    return LayerPlan(first=False, query="first" if shares == "q" else "own", key=key, value=value,
-                     value_source=m.value_source, mix=mix,
-                     residual_on=m.residual_on if resformer and m.residual_on != "v" else None,
-                     mapping=m.mapping, neutreno=neutreno_lambda(m) if uses_neutreno(m) else 0.0, anchor=anchor)
+    return LayerPlan(
+        first=False,
+        query="first" if shares == "q" else "own",
+        key=key,
+        value=value,
+        value_source=m.value_source,
+        mix=mix,
+        residual_on=m.residual_on if resformer and m.residual_on != "v" else None,
+        mapping=m.mapping,
+        neutreno=m.neutreno if m.uses_neutreno else 0.0,
+        anchor=anchor,
+    )
 
 
 # ----------------------------------------------------------------------------- what flows between layers
@@ -103,6 +129,7 @@ def plan_layer(m, layer: int | None) -> LayerPlan:
 
 class LayerTensors(NamedTuple):
     """A layer's projections, the value its attention used, and (decode) the full-length K/V it attended."""
+
     q: jax.Array  # [B, T, H, D], before RoPE
     k: jax.Array  # [B, T, K, D], before RoPE
     v: jax.Array | None  # [B, T, K, D] V_n; None where the layer has no W_V (SVFormer)
@@ -114,6 +141,7 @@ class LayerTensors(NamedTuple):
 @struct.dataclass
 class Context:
     """Inputs every layer >= 2 reads and nobody changes: positions, layer 1's tensors, the decode index."""
+
     positions: jax.Array  # [B, T]
     first: LayerTensors | None = None
     index: jax.Array | None = None  # decode: where this call's tokens go in the cache
@@ -124,6 +152,7 @@ class Context:
 @struct.dataclass
 class Carry:
     """What the stack threads from layer to layer; fields an ablation does not use stay None."""
+
     h: jax.Array  # [B, T, E] hidden state
     v_prev: jax.Array | None = None  # value_source=previous: V_{n-1}
     v_sum: jax.Array | None = None  # value_source=mean_of_previous / mapping=identity: sum of earlier V (fp32)
@@ -132,8 +161,9 @@ class Carry:
     shared: LayerTensors | None = None  # SVFormer anchors: the layer whose V is the shared value
 
 
-def first_carry(m, h_BxTxE, first: LayerTensors) -> Carry:
+def first_carry(m: ModelConfig, h_BxTxE, first: LayerTensors) -> Carry:
     """The carry after layer 1: it holds only what the configured equations read later."""
+    m = ModelConfig.of(m)
     c = Carry(h=h_BxTxE)
     if m.value_source == "previous":
         c = c.replace(v_prev=first.v)
@@ -175,6 +205,7 @@ def eq7_resformer_mix(earlier, own, l1, l2, dtype):
 
 class ValueMix(NamedTuple):
     """What a value mix may combine: the layer's own V_n, the earlier value, the shared value."""
+
     own: jax.Array | None  # V_n; None where the layer has no W_V
     earlier: jax.Array | None  # the earlier value (value_source): V_1, V_{n-1} or the mean of V_1..V_{n-1}
     shared: jax.Array  # SVFormer's shared value: V_1, or the latest anchor's V (Fig. 14)
@@ -236,15 +267,19 @@ def eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, k1r_BxTxKxD, v1_BxTxKxD):
     T = qr_BxTxHxD.shape[1]
     causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
     mask_1xTx2T = jnp.concatenate([causal_TxT, causal_TxT], axis=1)[None]
-    return kernels.reference_attention(qr_BxTxHxD, jnp.concatenate([kr_BxTxKxD, k1r_BxTxKxD], axis=1),
-                                       jnp.concatenate([v_BxTxKxD, v1_BxTxKxD], axis=1), mask_BxTxS=mask_1xTx2T)
+    return kernels.reference_attention(
+        qr_BxTxHxD,
+        jnp.concatenate([kr_BxTxKxD, k1r_BxTxKxD], axis=1),
+        jnp.concatenate([v_BxTxKxD, v1_BxTxKxD], axis=1),
+        mask_BxTxS=mask_1xTx2T,
+    )
 
 
 # ----------------------------------------------------------------------------- the module
 
 
 class Attention(nn.Module):
-    cfg: Any  # model ConfigDict (attention_impl already resolved from `auto` by the setup)
+    cfg: ModelConfig  # attention_impl already resolved from `auto` by the setup
     plan: LayerPlan
     decode: bool = False
     capture: bool = False  # sow attention probabilities and values for analysis
@@ -254,20 +289,33 @@ class Attention(nn.Module):
         """Returns (out_BxTxE, this layer's tensors). lam_2: (l1, l2) for this layer (model/lambdas.py)."""
         m, p = self.cfg, self.plan
         dtype = jnp.dtype(m.dtype)
-        H, K, D = m.num_heads, num_kv_heads(m), head_dim(m)
+        H, K, D = m.num_heads, m.kv_heads, m.head_dim
         first = ctx.first
         l1, l2 = lam_2[0], lam_2[1]
-        bias = arch(m) == "gpt2"
-        dense = lambda shape, name: DenseGeneral(  # noqa: E731
-            shape, ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"), in_dims=1, std=m.init_std,
-            dtype=dtype, use_bias=bias, matmuls=m.get("matmuls", "auto"), name=name)
+        bias = m.arch == "gpt2"
+        dense = lambda shape, name: DenseGeneral(
+            shape,
+            ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"),
+            in_dims=1,
+            std=m.init_std,
+            dtype=dtype,
+            use_bias=bias,
+            matmuls=m.matmuls,
+            name=name,
+        )
 
         # Projections: a layer computes only those it owns.
         q_BxTxHxD = first.q if p.query == "first" else dense((H, D), "query")(x_BxTxE)
-        k_BxTxKxD = {"group": lambda: carry.group.k, "first": lambda: first.k,
-                     "own": lambda: dense((K, D), "key")(x_BxTxE)}[p.key]()
-        v_BxTxKxD = {"group": lambda: carry.group.v, "none": lambda: None,
-                     "own": lambda: dense((K, D), "value")(x_BxTxE)}[p.value]()
+        k_BxTxKxD = {
+            "group": lambda: carry.group.k,
+            "first": lambda: first.k,
+            "own": lambda: dense((K, D), "key")(x_BxTxE),
+        }[p.key]()
+        v_BxTxKxD = {
+            "group": lambda: carry.group.v,
+            "none": lambda: None,
+            "own": lambda: dense((K, D), "value")(x_BxTxE),
+        }[p.value]()
 
         v_src = None if p.first else earlier_value(p, carry, first, dtype)
         if p.residual_on == "q":
@@ -281,7 +329,7 @@ class Attention(nn.Module):
 
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead
         inv_freq = rope_inv_freq(m)
-        rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if uses_rope(m) else (lambda x: x)  # noqa: E731
+        rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if m.uses_rope else (lambda x: x)
         qr_BxTxHxD = rotate(q_BxTxHxD)
         kr_BxTxKxD = rotate(k_BxTxKxD)
 
@@ -293,23 +341,26 @@ class Attention(nn.Module):
             mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= ctx.positions[:, :, None]
             if p.mapping == "cross_layer" and not p.first:  # Eq. 2 over the caches of layer n and layer 1
                 u_BxTxHxD, probs = kernels.reference_attention(
-                    qr_BxTxHxD, jnp.concatenate([k_all, first.k_all], axis=1),
+                    qr_BxTxHxD,
+                    jnp.concatenate([k_all, first.k_all], axis=1),
                     jnp.concatenate([v_all, first.v_all], axis=1),
-                    mask_BxTxS=jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1), return_probs=True)
+                    mask_BxTxS=jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1),
+                    return_probs=True,
+                )
             else:
-                u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS,
-                                                               return_probs=True)
+                u_BxTxHxD, probs = kernels.reference_attention(
+                    qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS, return_probs=True
+                )
         else:
             k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
             if p.mapping == "cross_layer" and not p.first:
-                u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD,
-                                            rotate(first.k), first.v)
+                u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, rotate(first.k), first.v)
             elif self.capture:
-                u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD,
-                                                               return_probs=True)
+                u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, return_probs=True)
             else:  # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs)
-                u_BxTxHxD = kernels.attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True,
-                                              impl=m.attention_impl, mesh=ctx.mesh)
+                u_BxTxHxD = kernels.attention(
+                    qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True, impl=m.attention_impl, mesh=ctx.mesh
+                )
         if self.capture and probs is not None:
             self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
             self.sow("intermediates", "values", v_att_BxTxKxD)  # the value A_n is applied to
@@ -323,15 +374,22 @@ class Attention(nn.Module):
         if p.neutreno:
             u_BxTxHxD = eq8_neutreno(u_BxTxHxD, first.v, v_att_BxTxKxD, p.neutreno)
 
-        out_BxTxE = DenseGeneral((x_BxTxE.shape[-1],), ("q_heads", "head_dim", "embed"), in_dims=2,
-                                 std=output_init_std(m), dtype=dtype, use_bias=bias, matmuls=m.get("matmuls", "auto"),
-                                 name="out")(u_BxTxHxD.astype(dtype))
+        out_BxTxE = DenseGeneral(
+            (x_BxTxE.shape[-1],),
+            ("q_heads", "head_dim", "embed"),
+            in_dims=2,
+            std=m.output_init_std,
+            dtype=dtype,
+            use_bias=bias,
+            matmuls=m.matmuls,
+            name="out",
+        )(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
 
     def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):
         """Preallocated [B, max_len, K, D] caches updated in place at ctx.index."""
         m, p = self.cfg, self.plan
-        shape = (k_cur.shape[0], ctx.max_len, num_kv_heads(m), head_dim(m))
+        shape = (k_cur.shape[0], ctx.max_len, m.kv_heads, m.head_dim)
         dtype = jnp.dtype(m.dtype)
 
         def own(name, cur):
@@ -340,8 +398,12 @@ class Attention(nn.Module):
                 c.value = jax.lax.dynamic_update_slice(c.value, cur.astype(dtype), (0, ctx.index, 0, 0))
             return c.value
 
-        k_all = {"own": lambda: own("k", k_cur), "group": lambda: carry.group.k_all,
-                 "first": lambda: ctx.first.k_all}[p.key]()
-        v_all = {"own": lambda: own("v", v_cur), "group": lambda: carry.group.v_all,
-                 "none": lambda: (carry.shared or ctx.first).v_all}[p.value]()
+        k_all = {"own": lambda: own("k", k_cur), "group": lambda: carry.group.k_all, "first": lambda: ctx.first.k_all}[
+            p.key
+        ]()
+        v_all = {
+            "own": lambda: own("v", v_cur),
+            "group": lambda: carry.group.v_all,
+            "none": lambda: (carry.shared or ctx.first).v_all,
+        }[p.value]()
         return k_all, v_all

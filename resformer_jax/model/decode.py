@@ -6,6 +6,7 @@ layer caches is what its equation needs: K for every layer that owns keys, V
 for every layer that owns values (SVFormer: layer 1 only), so the bytes
 reported by `kv_cache_bytes` are read off the arrays themselves.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import Transformer
 
 
@@ -32,8 +34,13 @@ def cache_shapes(m, batch: int, max_len: int):
 def kv_bytes(cache) -> int:
     """Bytes held by K/V arrays of a cache (the scalar write index excluded)."""
     leaves = jax.tree_util.tree_leaves_with_path(cache)
-    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for p, x in leaves
-                   if getattr(p[-1], "key", None) in ("k", "v")))
+    return int(
+        sum(
+            np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+            for p, x in leaves
+            if getattr(p[-1], "key", None) in ("k", "v")
+        )
+    )
 
 
 def kv_cache_bytes_per_token(m) -> int:
@@ -65,7 +72,7 @@ def prefill(params, prompt_BxP, cache, *, m_frozen, max_len, chunk: int = PREFIL
     """The prompt through the model in chunks of `chunk` tokens; (the last chunk's logits, the cache)."""
     P = prompt_BxP.shape[1]
     for start in range(0, P, chunk):
-        logits, cache = _step(params, prompt_BxP[:, start:start + chunk], cache, m_frozen=m_frozen, max_len=max_len)
+        logits, cache = _step(params, prompt_BxP[:, start : start + chunk], cache, m_frozen=m_frozen, max_len=max_len)
     return logits, cache
 
 
@@ -87,39 +94,15 @@ def sample_logits(logits_BxV, rng, temperature: float, top_k: int, top_p: float)
     return jax.random.categorical(rng, logits, axis=-1)
 
 
-class FrozenModelConfig:
-    """A hashable view of a model ConfigDict, so it can be a static jit argument."""
-
-    def __init__(self, m):
-        self._d = m.to_dict() if hasattr(m, "to_dict") else dict(m)
-        self._key = repr(sorted((k, repr(v)) for k, v in self._d.items()))
-
-    def __getattr__(self, name):
-        try:
-            return self._d[name]
-        except KeyError as e:
-            raise AttributeError(name) from e
-
-    def __getitem__(self, name):
-        return self._d[name]
-
-    def get(self, name, default=None):
-        return self._d.get(name, default)
-
-    def __hash__(self):
-        return hash(self._key)
-
-    def __eq__(self, other):
-        return isinstance(other, FrozenModelConfig) and self._key == other._key
-
-
 def cache_shardings(cache, mesh, batch: int, kv_axes=None):
     """Cache arrays [.., B, max_len, K, D] sharded like the batch ((data, fsdp)) and the kv heads.
 
     Scanned layers' caches carry a leading layer axis. A batch that does not divide over the
     mesh is replicated instead.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     n = mesh.shape["data"] * mesh.shape["fsdp"]
     b_axes = ("data", "fsdp") if batch % n == 0 else None
 
@@ -127,12 +110,25 @@ def cache_shardings(cache, mesh, batch: int, kv_axes=None):
         if x.ndim < 4:
             return NamedSharding(mesh, P())
         return NamedSharding(mesh, P(*([None] * (x.ndim - 4)), b_axes, None, kv_axes, None))
+
     return jax.tree.map(spec, cache)
 
 
-def generate(m, params, prompt_BxP, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, max_len: int | None = None, eos_id: int | None = None,
-             mesh=None, param_shardings=None):
+def generate(
+    m,
+    params,
+    prompt_BxP,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_len: int | None = None,
+    eos_id: int | None = None,
+    mesh=None,
+    param_shardings=None,
+):
     """Prefills the prompts (equal length) and decodes token by token.
 
     With a mesh, parameters take `param_shardings` (the training layout) and the cache is
@@ -144,7 +140,7 @@ def generate(m, params, prompt_BxP, *, max_new_tokens: int, temperature: float =
     max_len = max_len or (P + max_new_tokens)
     if P + max_new_tokens > max_len:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_len={max_len}")
-    mf = FrozenModelConfig(m)
+    mf = ModelConfig.of(m)  # hashable: a static jit argument
     cache = init_cache(mf, params, B, max_len)
     if mesh is not None:
         cache = jax.device_put(cache, cache_shardings(cache, mesh, B))
@@ -172,5 +168,8 @@ def generate(m, params, prompt_BxP, *, max_new_tokens: int, temperature: float =
     jax.block_until_ready(tokens)
     dt = time.perf_counter() - t0
     n_new = tokens.shape[1] - P
-    return tokens, {"kv_cache_bytes": cache_bytes, "decode_tokens_per_s": B * n_new / max(dt, 1e-9),
-                    "new_tokens": n_new}
+    return tokens, {
+        "kv_cache_bytes": cache_bytes,
+        "decode_tokens_per_s": B * n_new / max(dt, 1e-9),
+        "new_tokens": n_new,
+    }

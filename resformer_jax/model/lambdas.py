@@ -9,6 +9,7 @@ The stack resolves a [N-1, 2] array (stack_lambdas); each block may replace its
 row with its own parameters (block_lambdas). `read_lambdas` reads the values back
 from a parameter tree for TensorBoard. Parameter names are part of checkpoints.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -16,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resformer_jax.config import learns_lambdas, mixes_values
+from resformer_jax.model.config import ModelConfig
 
 
-def fixed_lambdas(m) -> np.ndarray:
+def fixed_lambdas(m: ModelConfig) -> np.ndarray:
     """(l1, l2) for layers 2..N as a [N-1, 2] array for the non-learnable settings
     (and the init of the learnable ones)."""
     n = m.num_layers - 1
@@ -34,21 +35,22 @@ def _scalar(module: nn.Module, name: str, value: float):
     return module.param(name, nn.with_logical_partitioning(nn.initializers.constant(value), ()), (), jnp.float32)
 
 
-def stack_lambdas(module: nn.Module, m):
+def stack_lambdas(module: nn.Module, m: ModelConfig):
     """[N-1, 2] (l1, l2) per layer >= 2; `learnable_plus` creates its stack-level parameters on `module`."""
     lams_Nx2 = jnp.asarray(fixed_lambdas(m))
-    if mixes_values(m) and m.resformer_lambdas == "learnable_plus":
+    if m.mixes_values and m.resformer_lambdas == "learnable_plus":
         n = m.num_layers - 1
-        logits_N = module.param("lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)),
-                                (n,), jnp.float32)
+        logits_N = module.param(
+            "lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)), (n,), jnp.float32
+        )
         scale = _scalar(module, "lambda_scale", float(m.num_layers))
         lams_Nx2 = lams_Nx2.at[:, 0].set(scale * jax.nn.softmax(logits_N))
     return lams_Nx2
 
 
-def block_lambdas(module: nn.Module, m, layer: int | None, lam_2):
+def block_lambdas(module: nn.Module, m: ModelConfig, layer: int | None, lam_2):
     """This layer's (l1, l2): the stack's row, or the block's own parameters (created on `module`)."""
-    if not mixes_values(m) or layer == 1:
+    if not m.mixes_values or layer == 1:
         return lam_2
     if m.resformer_lambdas == "learnable":
         lam_2 = jnp.stack([_scalar(module, "lambda1", m.lambda_init[0]), _scalar(module, "lambda2", m.lambda_init[1])])
@@ -60,7 +62,7 @@ def block_lambdas(module: nn.Module, m, layer: int | None, lam_2):
 
 def read_lambdas(params, m) -> dict[int, dict[str, float]]:
     """{layer: {"lambda1": v, "lambda2": v}} of the learned weights in a parameter tree (empty if none)."""
-    if not learns_lambdas(m):
+    if not ModelConfig.of(m).learns_lambdas:
         return {}
     layers: dict[int, dict[str, float]] = {}
     names = ("lambda1", "lambda2")

@@ -3,6 +3,7 @@
 Every parameter carries logical axis names (embed, vocab, mlp, q_heads,
 kv_heads, head_dim, layers) so parallel/ can map them onto a mesh.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -37,8 +38,10 @@ def _matmul_fwd(x_NxI, w_IxO, out_dtype):
 def _matmul_bwd(out_dtype, res, g_NxO):
     x_NxI, w_c = res
     g = g_NxO.astype(x_NxI.dtype)
-    return (jnp.dot(g, w_c.T, preferred_element_type=x_NxI.dtype),
-            jnp.dot(x_NxI.T, g, preferred_element_type=jnp.float32))
+    return (
+        jnp.dot(g, w_c.T, preferred_element_type=x_NxI.dtype),
+        jnp.dot(x_NxI.T, g, preferred_element_type=jnp.float32),
+    )
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -83,8 +86,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxE):
-        scale_E = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                             (x_BxTxE.shape[-1],), jnp.float32)
+        scale_E = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x_BxTxE.shape[-1],), jnp.float32
+        )
         x = x_BxTxE.astype(jnp.float32)  # normalise in fp32 for stability
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (x * scale_E).astype(self.dtype)
@@ -92,6 +96,7 @@ class RMSNorm(nn.Module):
 
 class DenseGeneral(nn.Module):
     """x @ W with W of shape in_shape + out_shape, fp32 param, compute dtype."""
+
     out_shape: tuple
     axes: tuple  # logical names of W's dims
     in_dims: int = 1
@@ -103,16 +108,19 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        in_shape = x.shape[-self.in_dims:]
+        in_shape = x.shape[-self.in_dims :]
         w = self.param("kernel", normal_init(self.std, *self.axes), in_shape + tuple(self.out_shape), jnp.float32)
         b = None
         if self.use_bias:
-            b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                                self.axes[len(self.axes) - len(self.out_shape):]),
-                           tuple(self.out_shape), jnp.float32)
+            b = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axes[len(self.axes) - len(self.out_shape) :]),
+                tuple(self.out_shape),
+                jnp.float32,
+            )
         # One 2-D matmul [tokens, in] @ [in, out] (XLA:CPU differentiates 3-D/4-D dot_generals through extra
         # transposes); reshapes merge the batch axis as the major one, so its sharding carries over.
-        lead = x.shape[:x.ndim - self.in_dims]
+        lead = x.shape[: x.ndim - self.in_dims]
         n_in, n_out = int(np.prod(in_shape)), int(np.prod(self.out_shape))
         y = dense(x.reshape(-1, n_in), w.reshape(n_in, n_out), self.dtype, self.out_dtype, self.matmuls)
         y = y.reshape(lead + tuple(self.out_shape))
@@ -122,6 +130,7 @@ class DenseGeneral(nn.Module):
 class Kernel(nn.Module):
     """A bare weight, fp32, with logical axis names: `Kernel(shape, axes, name="gate")()` is the parameter
     gate/kernel, as DenseGeneral(name="gate") would hold it, for code that multiplies it itself."""
+
     shape: tuple
     axes: tuple
     std: float = 0.02
@@ -133,6 +142,7 @@ class Kernel(nn.Module):
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) over 2-D [tokens, features] matmuls (`swiglu`)."""
+
     ffn_dim: int
     std: float = 0.02
     dtype: Dtype = jnp.float32
@@ -151,6 +161,7 @@ class SwiGLU(nn.Module):
 
 class LayerNorm(nn.Module):
     """GPT-2's LayerNorm: (x - mean) / sqrt(var + eps) * scale + bias, in fp32."""
+
     eps: float = 1e-5
     dtype: Dtype = jnp.float32
 
@@ -167,6 +178,7 @@ class LayerNorm(nn.Module):
 
 class GeluMLP(nn.Module):
     """GPT-2's MLP: proj(gelu_tanh(fc(x))), with biases."""
+
     ffn_dim: int
     std: float = 0.02
     dtype: Dtype = jnp.float32
@@ -175,11 +187,25 @@ class GeluMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxE):
-        h_BxTxF = DenseGeneral((self.ffn_dim,), ("embed", "mlp"), std=self.std, dtype=self.dtype, use_bias=True,
-                               matmuls=self.matmuls, name="up")(x_BxTxE)
+        h_BxTxF = DenseGeneral(
+            (self.ffn_dim,),
+            ("embed", "mlp"),
+            std=self.std,
+            dtype=self.dtype,
+            use_bias=True,
+            matmuls=self.matmuls,
+            name="up",
+        )(x_BxTxE)
         h_BxTxF = jax.nn.gelu(h_BxTxF, approximate=True)
-        return DenseGeneral((x_BxTxE.shape[-1],), ("mlp", "embed"), std=self.std if self.out_std is None else
-                            self.out_std, dtype=self.dtype, use_bias=True, matmuls=self.matmuls, name="down")(h_BxTxF)
+        return DenseGeneral(
+            (x_BxTxE.shape[-1],),
+            ("mlp", "embed"),
+            std=self.std if self.out_std is None else self.out_std,
+            dtype=self.dtype,
+            use_bias=True,
+            matmuls=self.matmuls,
+            name="down",
+        )(h_BxTxF)
 
 
 class Embed(nn.Module):
@@ -190,14 +216,21 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxT):
-        table_VxE = self.param("embedding", normal_init(self.std, "vocab", "embed"),
-                               (self.vocab_size, self.d_model), jnp.float32)
+        table_VxE = self.param(
+            "embedding", normal_init(self.std, "vocab", "embed"), (self.vocab_size, self.d_model), jnp.float32
+        )
         return jnp.take(table_VxE, tokens_BxT, axis=0).astype(self.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float = 10000.0, rope_type: str = "default", factor: float = 1.0,
-                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                     original_max_position: int = 8192) -> np.ndarray:
+def rope_frequencies(
+    head_dim: int,
+    theta: float = 10000.0,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> np.ndarray:
     """RoPE's inverse frequencies [head_dim / 2] (float64): theta^(-2i/d), then, as Hugging Face's rope_utils:
     `linear` divides them by `factor` (positions interpolated); `llama3` (Llama 3.1) divides the low frequencies
     (wavelength above original_max_position / low_freq_factor) by `factor`, keeps the high ones (wavelength below
@@ -230,6 +263,6 @@ def rope(x_BxTxHxD, positions_BxT, theta: float = 10000.0, inv_freq=None):
     sin = jnp.sin(angles_BxTxD2)[:, :, None, :]
     cos = jnp.cos(angles_BxTxD2)[:, :, None, :]
     x = x_BxTxHxD.astype(jnp.float32)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxHxD.dtype)

@@ -9,10 +9,12 @@ V_1 reaches every scanned layer as a broadcast input (`Context.first`), never
 through the carry, so the scan's carry is only the hidden state (plus what an
 ablation needs, `Carry`).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,26 +22,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
-from resformer_jax.config import arch, output_init_std, ties_embeddings
 from resformer_jax.model.layers import DenseGeneral, Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal_init
 
 
-def norm(m, dtype, name: str) -> nn.Module:
+def norm(m: ModelConfig, dtype, name: str) -> nn.Module:
     """Pre-norm: RMSNorm (Llama) or LayerNorm (GPT-2)."""
-    return (LayerNorm if arch(m) == "gpt2" else RMSNorm)(m.norm_eps, dtype, name=name)
+    return (LayerNorm if m.arch == "gpt2" else RMSNorm)(m.norm_eps, dtype, name=name)
 
 
-def mlp(m, dtype) -> nn.Module:
+def mlp(m: ModelConfig, dtype) -> nn.Module:
     """SwiGLU (Llama) or GELU (GPT-2)."""
-    return (GeluMLP if arch(m) == "gpt2" else SwiGLU)(m.ffn_dim, m.init_std, dtype, out_std=output_init_std(m),
-                                                       matmuls=m.get("matmuls", "auto"), name="mlp")
+    return (GeluMLP if m.arch == "gpt2" else SwiGLU)(
+        m.ffn_dim, m.init_std, dtype, out_std=m.output_init_std, matmuls=m.matmuls, name="mlp"
+    )
 
 
-def dropout(module: nn.Module, m, x):
+def dropout(module: nn.Module, m: ModelConfig, x):
     """GPT-2's embedding and residual dropout (model.dropout); active only when the caller passes a dropout rng
     (training), never in evaluation, decoding or analysis."""
-    rate = float(m.get("dropout", 0.0))
+    rate = float(m.dropout)
     if rate <= 0 or not module.has_rng("dropout"):
         return x
     return nn.Dropout(rate, deterministic=False)(x)
@@ -47,7 +50,7 @@ def dropout(module: nn.Module, m, x):
 
 def output_embedding(params, m):
     """W_out [E, V]: the LM head, or the transposed input embedding when tied (GPT-2)."""
-    if ties_embeddings(m):
+    if ModelConfig.of(m).tie_embeddings:
         return nn.unbox(params["embed"]["embedding"]).T
     return nn.unbox(params["lm_head"]["kernel"])
 
@@ -55,25 +58,36 @@ def output_embedding(params, m):
 def lm_head_logits(m, params, h_BxKxE):
     """fp32 logits [B, K, vocab] of final hidden states (`return_hidden=True`'s output, or some positions of
     it), computed as the model's own LM head computes them."""
+    m = ModelConfig.of(m)
     dtype = jnp.dtype(m.dtype)
-    if ties_embeddings(m):
+    if m.tie_embeddings:
         table_VxE = nn.unbox(params["embed"]["embedding"])
         return jnp.dot(h_BxKxE, table_VxE.T.astype(dtype), preferred_element_type=jnp.float32)
-    head = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype, out_dtype=jnp.float32,
-                        matmuls=m.get("matmuls", "auto"))
+    head = DenseGeneral(
+        (m.vocab_size,),
+        ("embed", "vocab"),
+        std=m.init_std,
+        dtype=dtype,
+        out_dtype=jnp.float32,
+        matmuls=m.matmuls,
+    )
     return head.apply({"params": params["lm_head"]}, h_BxKxE)
 
 
 log = logging.getLogger(__name__)
 
+
 def remat_policy(name: str):
     """The named rematerialisation policies (config.model.remat): what the backward may keep."""
-    return {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # matmul outputs kept
-            "full": jax.checkpoint_policies.nothing_saveable}[name]  # everything recomputed
+    return {
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # matmul outputs kept
+        "full": jax.checkpoint_policies.nothing_saveable,
+    }[name]  # everything recomputed
 
 
 def needs_unrolled(m) -> str | None:
     """Why a config cannot use the scanned stack (layers differ in structure), or None."""
+    m = ModelConfig.of(m)
     if m.denseformer:
         return "denseformer mixes all earlier block outputs"
     if m.cla_share_every > 1:
@@ -85,7 +99,8 @@ def needs_unrolled(m) -> str | None:
 
 class DecoderBlock(nn.Module):
     """Pre-norm block: h + Attn(RMSNorm(h)), then h + SwiGLU(RMSNorm(h))."""
-    cfg: Any
+
+    cfg: ModelConfig
     layer: int | None  # 1-based; None in the scan (a generic layer >= 2)
     decode: bool = False
     capture: bool = False
@@ -112,7 +127,8 @@ class DecoderBlock(nn.Module):
 
 class ScannedBlock(nn.Module):
     """DecoderBlock in scan form: (carry, per-layer lambdas) -> (carry, None)."""
-    cfg: Any
+
+    cfg: ModelConfig
     decode: bool = False
     capture: bool = False
     planner: Callable = plan_layer
@@ -125,12 +141,17 @@ class ScannedBlock(nn.Module):
 
 class Transformer(nn.Module):
     """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
-    cfg: Any  # model ConfigDict
+
+    cfg: ModelConfig  # a model ConfigDict or dict is made typed here, once
     decode: bool = False
     capture: bool = False
     max_len: int = 0  # decode cache length
     planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan; tests pass a toy variant's
     mesh: Any = None  # the device mesh: attention kernels that XLA cannot partition run per batch shard
+
+    def __post_init__(self):
+        object.__setattr__(self, "cfg", ModelConfig.of(self.cfg))
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False):
@@ -151,9 +172,10 @@ class Transformer(nn.Module):
         ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
-        if arch(m) == "gpt2":  # learned absolute positions
-            pos_PxE = self.param("pos_embed", normal_init(m.init_std, None, "embed"), (m.max_seq_len, m.d_model),
-                                 jnp.float32)
+        if m.arch == "gpt2":  # learned absolute positions
+            pos_PxE = self.param(
+                "pos_embed", normal_init(m.init_std, None, "embed"), (m.max_seq_len, m.d_model), jnp.float32
+            )
             h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
         h_BxTxE = dropout(self, m, h_BxTxE)
         if self.capture:
@@ -165,7 +187,9 @@ class Transformer(nn.Module):
             block_cls = nn.remat(DecoderBlock, policy=remat_policy(m.remat), static_argnums=())
 
         # Layer 1: a standard layer that produces V_1 (and Q_1, K_1) for every later layer.
-        carry, first = block_cls(m, 1, self.decode, self.capture, self.planner, name="layer_1")(Carry(h=h_BxTxE), ctx, lams_Nx2[0])
+        carry, first = block_cls(m, 1, self.decode, self.capture, self.planner, name="layer_1")(
+            Carry(h=h_BxTxE), ctx, lams_Nx2[0]
+        )
         ctx = ctx.replace(first=first)
         carry = first_carry(m, carry.h, first)
 
@@ -173,7 +197,8 @@ class Transformer(nn.Module):
         if m.scan_layers and why_unrolled is None:
             scan = nn.scan(
                 nn.remat(ScannedBlock, policy=remat_policy(m.remat), prevent_cse=False)
-                if m.remat != "none" and not self.decode else ScannedBlock,
+                if m.remat != "none" and not self.decode
+                else ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, 0),
@@ -189,7 +214,8 @@ class Transformer(nn.Module):
                 carry = carry.replace(h=DenseFormerAverage(2, name="dwa_1")(outputs))
             for n in range(2, m.num_layers + 1):
                 carry, _ = block_cls(m, n, self.decode, self.capture, self.planner, name=f"layer_{n}")(
-                    carry, ctx, lams_Nx2[n - 2])
+                    carry, ctx, lams_Nx2[n - 2]
+                )
                 if m.denseformer:
                     outputs.append(carry.h)
                     carry = carry.replace(h=DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs))
@@ -200,24 +226,31 @@ class Transformer(nn.Module):
             self.sow("intermediates", "final_norm_output", h_BxTxE)
         if return_hidden:
             return h_BxTxE
-        if ties_embeddings(m):  # the head is the input embedding: no parameter of its own to create
+        if m.tie_embeddings:  # the head is the input embedding: no parameter of its own to create
             return lm_head_logits(m, self.variables["params"], h_BxTxE)
-        logits_BxTxV = DenseGeneral((m.vocab_size,), ("embed", "vocab"), std=m.init_std, dtype=dtype,
-                                    out_dtype=jnp.float32, matmuls=m.get("matmuls", "auto"), name="lm_head")(h_BxTxE)
+        logits_BxTxV = DenseGeneral(
+            (m.vocab_size,),
+            ("embed", "vocab"),
+            std=m.init_std,
+            dtype=dtype,
+            out_dtype=jnp.float32,
+            matmuls=m.matmuls,
+            name="lm_head",
+        )(h_BxTxE)
         return logits_BxTxV
 
 
 class DenseFormerAverage(nn.Module):
     """Depth-weighted average over [H_0, ..., H_i], init one-hot on H_i (Pagliardini et al. 2024).
     Ignoring the output projections and MLPs, the paper writes it as Eq. 9: U_n = sum_i alpha_i A_i V_i."""
+
     n: int
 
     @nn.compact
     def __call__(self, outputs):
         init = np.zeros(self.n, np.float32)
         init[-1] = 1.0
-        alpha = self.param("alpha", nn.with_logical_partitioning(lambda *_: jnp.asarray(init), ("layers",)),
-                           (self.n,))
+        alpha = self.param("alpha", nn.with_logical_partitioning(lambda *_: jnp.asarray(init), ("layers",)), (self.n,))
         return sum(alpha[i].astype(o.dtype) * o for i, o in enumerate(outputs))
 
 
@@ -232,9 +265,11 @@ def param_shapes(m, boxed: bool = False):
 def param_counts(m) -> dict:
     shapes = param_shapes(m)
     total = int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
-    embed = int(np.prod(shapes["embed"]["embedding"].shape)
-                + (np.prod(shapes["lm_head"]["kernel"].shape) if "lm_head" in shapes else 0)
-                + (np.prod(shapes["pos_embed"].shape) if "pos_embed" in shapes else 0))
+    embed = int(
+        np.prod(shapes["embed"]["embedding"].shape)
+        + (np.prod(shapes["lm_head"]["kernel"].shape) if "lm_head" in shapes else 0)
+        + (np.prod(shapes["pos_embed"].shape) if "pos_embed" in shapes else 0)
+    )
     return {"params_total": total, "params_non_embedding": total - embed}
 
 
@@ -252,7 +287,7 @@ def flops_per_token(m, seq_len: int) -> float:
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
         if getattr(path[-1], "key", None) == "kernel":
             matmul += int(np.prod(x.shape))
-    if ties_embeddings(m):
+    if m.tie_embeddings:
         matmul += m.vocab_size * m.d_model  # the LM head is the input embedding, transposed
     H, D = m.num_heads, m.d_model // m.num_heads
     attn_layers = m.num_layers + (m.num_layers - 1 if m.mapping == "cross_layer" else 0)

@@ -1,4 +1,5 @@
 """Mesh construction, logical-axis rules, and multi-host initialisation."""
+
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,9 @@ import os
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from resformer_jax.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -17,18 +20,26 @@ class MeshError(UserError, ValueError):
     """A mesh or sharding that cannot work; the message names the field and the fix."""
 
 
-def maybe_initialize_distributed(coordinator_address=None, num_processes=None, process_id=None,
-                                 heartbeat_timeout_s: int = 100, initialization_timeout_s: int = 300):
+def maybe_initialize_distributed(
+    coordinator_address=None,
+    num_processes=None,
+    process_id=None,
+    heartbeat_timeout_s: int = 100,
+    initialization_timeout_s: int = 300,
+):
     """jax.distributed.initialize(): from flags, or auto-detected on TPU pods and under SLURM, with the
     coordination service's timeouts (config.distributed: how long a dead peer goes unnoticed, how long start-up
     waits for every process)."""
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
-    timeouts = {"heartbeat_timeout_seconds": int(heartbeat_timeout_s),
-                "initialization_timeout": int(initialization_timeout_s)}
+    timeouts = {
+        "heartbeat_timeout_seconds": int(heartbeat_timeout_s),
+        "initialization_timeout": int(initialization_timeout_s),
+    }
     if coordinator_address:
-        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id, **timeouts)
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id, **timeouts
+        )
     elif "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         jax.distributed.initialize(**timeouts)  # JAX reads SLURM's environment
     elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
@@ -55,8 +66,10 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
             raise MeshError(f"config.mesh.data={data} does not divide the {n} devices; choose a divisor of {n}")
         fsdp = n // data
     if data * fsdp != n:
-        raise MeshError(f"mesh data={data} x fsdp={fsdp} = {data * fsdp} but {n} devices are present; "
-                        "set one of config.mesh.data / config.mesh.fsdp to -1")
+        raise MeshError(
+            f"mesh data={data} x fsdp={fsdp} = {data * fsdp} but {n} devices are present; "
+            "set one of config.mesh.data / config.mesh.fsdp to -1"
+        )
     return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
 
 
@@ -83,21 +96,31 @@ def check_divisibility(cfg, mesh: Mesh):
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     gb, mb = cfg.train.global_batch, cfg.train.microbatch or cfg.train.global_batch
     if gb % n_batch:
-        raise MeshError(f"config.train.global_batch={gb} does not divide over {n_batch} devices (data x fsdp); "
-                        f"use a multiple of {n_batch}")
+        raise MeshError(
+            f"config.train.global_batch={gb} does not divide over {n_batch} devices (data x fsdp); "
+            f"use a multiple of {n_batch}"
+        )
     if mb % n_batch:
-        raise MeshError(f"config.train.microbatch={mb} does not divide over {n_batch} devices (data x fsdp); "
-                        f"use a multiple of {n_batch}")
+        raise MeshError(
+            f"config.train.microbatch={mb} does not divide over {n_batch} devices (data x fsdp); "
+            f"use a multiple of {n_batch}"
+        )
     r = dict(rules(cfg.mesh))
     m = cfg.model
-    for logical, size, field in (("embed", m.d_model, "model.d_model"), ("vocab", m.vocab_size, "model.vocab_size"),
-                                 ("q_heads", m.num_heads, "model.num_heads"), ("mlp", m.ffn_dim, "model.ffn_dim"),
-                                 ("kv_heads", m.num_kv_heads or m.num_heads, "model.num_kv_heads")):
+    for logical, size, field in (
+        ("embed", m.d_model, "model.d_model"),
+        ("vocab", m.vocab_size, "model.vocab_size"),
+        ("q_heads", m.num_heads, "model.num_heads"),
+        ("mlp", m.ffn_dim, "model.ffn_dim"),
+        ("kv_heads", m.num_kv_heads or m.num_heads, "model.num_kv_heads"),
+    ):
         axes = r.get(logical)
         if axes is None:
             continue
         axes = axes if isinstance(axes, tuple) else (axes,)
         k = int(np.prod([mesh.shape[a] for a in axes]))
         if size % k:
-            raise MeshError(f"config.{field}={size} does not divide over mesh axes {axes} of size {k} "
-                            f"(rule {logical!r} -> {axes}); change the size or the rule in config.mesh.rules")
+            raise MeshError(
+                f"config.{field}={size} does not divide over mesh axes {axes} of size {k} "
+                f"(rule {logical!r} -> {axes}); change the size or the rule in config.mesh.rules"
+            )

@@ -1,6 +1,7 @@
 """The training loop: the one state builder (train/setup.py) plus what only training needs: data,
 checkpoints, logs, evaluation and the loop itself. The command (commands/main.py) makes the RunDir and
 turns errors into one line."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,8 @@ from jax.experimental import multihost_utils
 
 from resformer_jax import metrics, perf
 from resformer_jax.checkpoint import CheckpointError, config_diff, params_layout
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, with_defaults
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, run_record, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
-from resformer_jax.config import validate
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import UserError
 from resformer_jax.model.lambdas import read_lambdas
@@ -29,6 +29,7 @@ from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, 
 class NonFiniteError(UserError, RuntimeError):
     """The loss or a gradient became non-finite; the message names the step and the fix. Exit code 3: the run
     itself diverged (its input may be fine)."""
+
     exit_code = 3
 
 
@@ -40,13 +41,19 @@ def _get(d: dict, dotted: str):
 
 class Trainer:
     def __init__(self, cfg, run: RunDir | str, coordinator_address=None, num_processes=None, process_id=None):
-        maybe_initialize_distributed(coordinator_address, num_processes, process_id,
-                                     cfg.distributed.heartbeat_timeout_s, cfg.distributed.initialization_timeout_s)
+        maybe_initialize_distributed(
+            coordinator_address,
+            num_processes,
+            process_id,
+            cfg.distributed.heartbeat_timeout_s,
+            cfg.distributed.initialization_timeout_s,
+        )
         self.run = run if isinstance(run, RunDir) else RunDir(run)
         self.workdir = self.run.workdir
         self.is_main = jax.process_index() == 0
         self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
         self.say = self.progress.message
+        self.asked = cfg  # what the user asked, never changed; self.cfg becomes the run's resolved copy at build
         self.cfg = cfg
         self.preempt = False
 
@@ -87,8 +94,9 @@ class Trainer:
     def _data(self):
         cfg = self.cfg
         self.iter = train_iterator(cfg, jax.process_index(), jax.process_count())
-        self.eval_sets = validation_sets(cfg, self.setup.eval_batch_shape[0], cfg.train.eval_batches,
-                                         jax.process_index(), jax.process_count())
+        self.eval_sets = validation_sets(
+            cfg, self.setup.eval_batch_shape[0], cfg.train.eval_batches, jax.process_index(), jax.process_count()
+        )
 
     def _state(self):
         self.ckpt = self.run.checkpointer(self.cfg.checkpoint)
@@ -104,7 +112,8 @@ class Trainer:
                 raise CheckpointError(
                     f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
                     "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
-                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)")
+                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
+                )
             self.state = self.setup.init_state()
             self.start_step = 0
             self.say(f"starting a new run in {self.workdir}")
@@ -123,9 +132,11 @@ class Trainer:
                 f"the run in {self.workdir} was started with another model ("
                 + ", ".join(f"config.{f} is {b!r}, the run's {a!r}" for f, (a, b) in model.items())
                 + "); a resumed run cannot change the model. Use "
-                + " ".join(f"--config.{f}={a!r}" for f, (a, _) in model.items()) + " or a new --workdir")
+                + " ".join(f"--config.{f}={a!r}" for f, (a, _) in model.items())
+                + " or a new --workdir"
+            )
         if self.corpus is not None:
-            self.corpus.check_tokenizer(_get(old, "data.tokenizer_hash"))
+            self.corpus.check_tokenizer(_get(with_defaults(old), "data.tokenizer_hash"))
         for field, (a, b) in ({} if quiet else diff).items():
             if field != "data.tokenizer_hash":
                 self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
@@ -141,15 +152,18 @@ class Trainer:
             return
         only_saved, only_new = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
         reshaped = sorted(p for p in set(saved) & set(want) if saved[p] != want[p])
-        parts = ([f"only in the checkpoint: {only_saved[:3]}"] if only_saved else []) + \
-                ([f"only in this config: {only_new[:3]}"] if only_new else []) + \
-                [f"{p}: {saved[p]} saved, {want[p]} now" for p in reshaped[:3]]
+        parts = (
+            ([f"only in the checkpoint: {only_saved[:3]}"] if only_saved else [])
+            + ([f"only in this config: {only_new[:3]}"] if only_new else [])
+            + [f"{p}: {saved[p]} saved, {want[p]} now" for p in reshaped[:3]]
+        )
         fields = list(config_diff(old.get("model", {}), self.cfg.model.to_dict()))
         raise CheckpointError(
             f"the checkpoint at step {step} in {self.workdir} holds other parameters than this config builds "
-            f"({'; '.join(parts)}); " + (f"changed model fields: {', '.join('config.model.' + f for f in fields)}; "
-                                           if fields else "") +
-            "use the run's original config or a new --workdir (nothing was moved)")
+            f"({'; '.join(parts)}); "
+            + (f"changed model fields: {', '.join('config.model.' + f for f in fields)}; " if fields else "")
+            + "use the run's original config or a new --workdir (nothing was moved)"
+        )
 
     def _warn(self, msg):
         print(msg, file=sys.stderr, flush=True)
@@ -166,6 +180,7 @@ class Trainer:
     def _install_signals(self):
         def handler(signum, frame):
             self.preempt = True
+
         self._old_handlers = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
         if jax.process_count() == 1:  # multi-host: JAX's preemption notifier handles SIGTERM
             self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
@@ -185,9 +200,12 @@ class Trainer:
         first_bad = int(jax.device_get(self.state.first_nonfinite_step))
         if first_bad >= 0 and not self.cfg.train.skip_nonfinite_steps:
             raise self._nonfinite(first_bad)
-        progress = {"step": step, "tokens": step * self.global_shape[0] * self.cfg.data.seq_len,
-                    "elapsed_s": self.elapsed + time.perf_counter() - self.t_start}
-        self.ckpt.save(step, self.state, self.iter, self.cfg.to_dict(), progress, force=force)
+        progress = {
+            "step": step,
+            "tokens": step * self.global_shape[0] * self.cfg.data.seq_len,
+            "elapsed_s": self.elapsed + time.perf_counter() - self.t_start,
+        }
+        self.ckpt.save(step, self.state, self.iter, run_record(self.asked.to_dict(), self.cfg), progress, force=force)
 
     def _nonfinite(self, step: int):
         last = [s for s in self.ckpt.all_steps() if s <= step]
@@ -195,7 +213,8 @@ class Trainer:
         return NonFiniteError(
             f"the loss or gradient became non-finite at step {step}; training stopped and {kept}. Lower "
             "config.train.peak_lr or raise warmup_steps, or set --config.train.skip_nonfinite_steps=True to skip "
-            "such steps")
+            "such steps"
+        )
 
     def _evaluate(self, step: int) -> dict:
         out = {}
@@ -210,8 +229,11 @@ class Trainer:
         return jax.make_array_from_process_local_data(self.batch_sh, local, shape)
 
     def _lambdas(self) -> dict:
-        return {f"lambdas/layer_{n:02d}/{name}": v
-                for n, d in read_lambdas(self.state.params, self.cfg.model).items() for name, v in d.items()}
+        return {
+            f"lambdas/layer_{n:02d}/{name}": v
+            for n, d in read_lambdas(self.state.params, self.cfg.model).items()
+            for name, v in d.items()
+        }
 
     def train(self) -> int:
         self._install_signals()  # first: a SIGTERM during start-up also ends in a clean save-and-exit
@@ -264,6 +286,7 @@ class Trainer:
         self._check_fits_here()
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
         self.setup = build(cfg, log=self.say)
+        self.cfg = cfg = self.setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
         self.mesh, self.state_sh = self.setup.mesh, self.setup.state_sh
         # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
         # batches are cut or anything is written in the workdir.
@@ -277,19 +300,23 @@ class Trainer:
         if self.is_main:
             self.run.path.mkdir(parents=True, exist_ok=True)
             # The run's resolved config, readable without the checkpoint library (compare groups runs by it).
-            self.run.write_config(cfg.to_json_best_effort(indent=1))
+            self.run.write_config(json.dumps(run_record(self.asked.to_dict(), cfg), indent=1, default=list))
         self.writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl)
         if self.setup.attention.probed:
-            self.writer.text("attention_impl", f"auto chose **{self.setup.attention.impl}**; rejected: "
-                             f"{json.dumps(self.setup.attention.rejected)}")
+            self.writer.text(
+                "attention_impl",
+                f"auto chose **{self.setup.attention.impl}**; rejected: {json.dumps(self.setup.attention.rejected)}",
+            )
         self.flops = perf.model_flops(cfg.model, cfg.data.seq_len)
         self.peak, peak_src = perf.device_peak_flops(cfg.model.dtype)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.schedule = lr_schedule(cfg.train)
         self.writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
-        self.say(f"model: {self.flops.params_total:,} params ({self.flops.params_non_embedding:,} non-embedding), "
-                 f"{cfg.model.value_residual}; {self.flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "
-                 f"devices, mesh {dict(self.mesh.shape)}; peak {self.peak / 1e12:.3f} TFLOP/s ({peak_src})")
+        self.say(
+            f"model: {self.flops.params_total:,} params ({self.flops.params_non_embedding:,} non-embedding), "
+            f"{cfg.model.value_residual}; {self.flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "
+            f"devices, mesh {dict(self.mesh.shape)}; peak {self.peak / 1e12:.3f} TFLOP/s ({peak_src})"
+        )
         self.say(f"logs: tensorboard --logdir {self.run.path}")
         self.elapsed = getattr(self, "restored_progress", {}).get("elapsed_s", 0.0)
         self.t_start = self.t_last = time.perf_counter()
@@ -306,13 +333,20 @@ class Trainer:
         cfg = self.cfg
         end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
         if self.start_step >= end:
-            which = (f"config.train.stop_at={cfg.train.stop_at}" if cfg.train.stop_at and end < cfg.train.steps
-                     else f"config.train.steps={cfg.train.steps}")
-            self.say(f"nothing to do: the run in {self.workdir} is at step {self.start_step}, and {which}; raise "
-                     "--config.train.steps to train further")
+            which = (
+                f"config.train.stop_at={cfg.train.stop_at}"
+                if cfg.train.stop_at and end < cfg.train.steps
+                else f"config.train.steps={cfg.train.steps}"
+            )
+            self.say(
+                f"nothing to do: the run in {self.workdir} is at step {self.start_step}, and {which}; raise "
+                "--config.train.steps to train further"
+            )
         if self.preempt and self.start_step < end:
-            self.say("stopped during start-up (SIGTERM/SIGINT) before any step; nothing new to save. "
-                     "Rerun the same command to continue")
+            self.say(
+                "stopped during start-up (SIGTERM/SIGINT) before any step; nothing new to save. "
+                "Rerun the same command to continue"
+            )
             end = self.start_step
         return end
 
@@ -330,29 +364,43 @@ class Trainer:
         finite = [x for x in losses if np.isfinite(x)]
         loss = float(np.mean(finite)) if finite else float("nan")
         tps = self.tokens_per_step / step_time
-        vals = {"train/loss": loss, "train/learning_rate": float(self.schedule(step - 1)),
-                "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
-                "perf/tokens_per_s": tps, "perf/step_time_s": step_time,
-                **{f"perf/{k}": v for k, v in perf.mfu(self.flops, tps, self.peak).items()},
-                "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count))}
+        vals = {
+            "train/loss": loss,
+            "train/learning_rate": float(self.schedule(step - 1)),
+            "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
+            "perf/tokens_per_s": tps,
+            "perf/step_time_s": step_time,
+            **{f"perf/{k}": v for k, v in perf.mfu(self.flops, tps, self.peak).items()},
+            "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count)),
+        }
         vals.update(self._lambdas())
         self.writer.scalars(step, vals)
-        self.progress.update(step, loss, tps, step_time,
-                             f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
-                             if np.isfinite(self.peak) else "")
+        self.progress.update(
+            step,
+            loss,
+            tps,
+            step_time,
+            f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
+            if np.isfinite(self.peak)
+            else "",
+        )
 
     def _log_evaluation(self, step: int):
         self.last_eval = self._evaluate(step)
         self.writer.scalars(step, self.last_eval)
-        self.say(f"step {step:>7}  validation loss {self.last_eval['eval/loss']:.4f}  " + "  ".join(
-            f"{k.split('/')[1]} {v:.3f}" for k, v in self.last_eval.items() if k.count("/") == 2))
+        self.say(
+            f"step {step:>7}  validation loss {self.last_eval['eval/loss']:.4f}  "
+            + "  ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in self.last_eval.items() if k.count("/") == 2)
+        )
 
     def _finish(self, step: int):
         self.ckpt.close()
         self.writer.flush()
         self.writer.close()
         if self.is_main and self.first_eval and self.last_eval and step == self.cfg.train.steps:
-            self.say(f"done: validation loss {self.first_eval['eval/loss']:.4f} -> {self.last_eval['eval/loss']:.4f}. "
-                     f"TensorBoard: tensorboard --logdir {self.run.path}")
+            self.say(
+                f"done: validation loss {self.first_eval['eval/loss']:.4f} -> {self.last_eval['eval/loss']:.4f}. "
+                f"TensorBoard: tensorboard --logdir {self.run.path}"
+            )
         elif self.is_main and step == self.cfg.train.steps:
             self.say(f"done. TensorBoard: tensorboard --logdir {self.run.path}")

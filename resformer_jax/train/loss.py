@@ -9,6 +9,7 @@ never stored and each block is read while it is still in cache. It is exact:
 same loss and gradients as `cross_entropy` on the full logits (tested to
 1e-5); only the summation order differs.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -87,8 +88,9 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len):
         valid_BxC = t_BxC >= 0
         # d(mean CE)/d logits = (softmax - onehot) / count, zero at padded positions.
         vocab_V = jnp.arange(logits_BxCxV.shape[-1])
-        dlogits_BxCxV = (jnp.exp(logits_BxCxV - logz_BxC[..., None])
-                         - (vocab_V == t_BxC[..., None])) * (valid_BxC[..., None] * inv_count)
+        dlogits_BxCxV = (jnp.exp(logits_BxCxV - logz_BxC[..., None]) - (vocab_V == t_BxC[..., None])) * (
+            valid_BxC[..., None] * inv_count
+        )
         dlogits_BxCxV = dlogits_BxCxV.astype(h_BxCxE.dtype)
         Bc, C, E = h_BxCxE.shape
         dlogits_NxV = dlogits_BxCxV.reshape(Bc * C, -1)

@@ -7,6 +7,7 @@ The trainer, the benchmark, generation, evaluation and analysis all come here:
                      jitted train and eval steps (compiled on demand, with the memory precheck)
   load_run(dir)   -> a checkpoint's config and parameters, for inference and analysis
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,24 +15,27 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from resformer_jax import kernels, perf, runtime
 from resformer_jax.checkpoint import CheckpointError, failure_reason
-from resformer_jax.kernels.names import backend_of
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
+from resformer_jax.errors import UserError
+from resformer_jax.kernels.names import backend_of
 from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.parallel.mesh import batch_sharding, check_divisibility, logical_shardings, make_mesh, replicated
 from resformer_jax.rundir import RunDir
 from resformer_jax.train.optimizer import make_optimizer
 from resformer_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
-from resformer_jax.errors import UserError
 
 
 class MemoryPrecheckError(UserError, RuntimeError):
@@ -41,6 +45,7 @@ class MemoryPrecheckError(UserError, RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class AttentionChoice:
     """The concrete attention impl a run uses, and why (what `auto` rejected)."""
+
     impl: str
     rejected: dict
     probed: bool  # True when `auto` was resolved by probing
@@ -51,13 +56,19 @@ def sequences_per_device(cfg, devices: int) -> int:
     return max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, devices))
 
 
-def resolve_attention(cfg, *, override: str | None = None, batch: int | None = None,
-                      log: Callable[[str], Any] = print, platform: str | None = None) -> AttentionChoice:
+def resolve_attention(
+    cfg,
+    *,
+    override: str | None = None,
+    batch: int | None = None,
+    log: Callable[[str], Any] = print,
+    platform: str | None = None,
+) -> AttentionChoice:
     """`auto` -> the impl kernels.probe_auto picks at the run's shapes (per-device batch, seq_len, heads): on an
-    accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`, as bench and analyze pass) is
-    kept as it is: if it cannot run, the first call raises, it never falls back.
+    accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`, as bench
+    and analyze pass) is kept as it is: if it cannot run, the first call raises, it never falls back.
 
-    `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (train/aot.py); `auto`
+    `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (compile/aot.py); `auto`
     is then that platform's own kernel (splash on TPU, this project's Pallas/Triton kernel on GPU), chosen
     without probing. On the hardware itself the probe times every candidate and keeps the fastest, which
     nothing here can know; whether the platform kernel compiles is what aot checks."""
@@ -66,21 +77,24 @@ def resolve_attention(cfg, *, override: str | None = None, batch: int | None = N
         return AttentionChoice(impl, {}, False)
     if platform is not None:
         candidates, rejected = kernels.auto_candidates(backend_of(platform))
-        log(f"attention_impl=auto is {candidates[0]!r} on {platform} here (compiled, not probed: on the hardware "
-            f"auto times {', '.join(candidates)} and keeps the fastest)")
+        log(
+            f"attention_impl=auto is {candidates[0]!r} on {platform} here (compiled, not probed: on the hardware "
+            f"auto times {', '.join(candidates)} and keeps the fastest)"
+        )
         return AttentionChoice(candidates[0], rejected, False)
     m = cfg.model
     if batch is None:
         batch = sequences_per_device(cfg, len(jax.devices()))
-    choice, rejected = kernels.probe_auto((batch, cfg.data.seq_len, m.num_heads, head_dim(m)), num_kv_heads(m),
-                                          jnp.dtype(m.dtype), log)
+    choice, rejected = kernels.probe_auto(
+        (batch, cfg.data.seq_len, m.num_heads, head_dim(m)), num_kv_heads(m), jnp.dtype(m.dtype), log
+    )
     return AttentionChoice(choice, rejected, True)
 
 
 def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None = None) -> str:
-    """`model.dtype=auto` -> a concrete compute dtype, written into cfg (once, before anything reads it):
-    bfloat16 on accelerators (also a compile target's `platform`); on CPU whichever multiplies the model's
-    shapes faster here (measured, printed). A named dtype is kept."""
+    """`model.dtype=auto` -> a concrete compute dtype (returned; `cfg` is not changed): bfloat16 on accelerators
+    (also a compile target's `platform`); on CPU whichever multiplies the model's shapes faster here (measured,
+    printed). A named dtype is kept."""
     if cfg.model.dtype != "auto":
         return cfg.model.dtype
     platform = platform or jax.devices()[0].platform
@@ -89,7 +103,6 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
     else:
         choice, why = perf.faster_cpu_dtype(cfg.model, sequences_per_device(cfg, jax.device_count()) * cfg.data.seq_len)
     log(f"model.dtype=auto chose {choice}: {why}")
-    cfg.model.dtype = choice
     return choice
 
 
@@ -103,14 +116,13 @@ def step_compiler_options(cfg, mesh, log: Callable[[str], Any] = print, platform
     return options
 
 
-def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -> ml_collections.ConfigDict:
-    """The model config the modules are built from: the run's, with the attention impl resolved and, for
+def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -> ModelConfig:
+    """The typed model config the modules are built from: the run's, with the attention impl resolved and, for
     `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere).
     (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
-    m = ml_collections.ConfigDict(cfg.model.to_dict())
-    m.attention_impl = attention.impl
-    if m.get("matmuls", "auto") == "auto":
-        m.matmuls = "cpu" if (platform or jax.devices()[0].platform) == "cpu" else "plain"
+    m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
+    if m.matmuls == "auto":
+        m = m.replace(matmuls="cpu" if (platform or jax.devices()[0].platform) == "cpu" else "plain")
     return m
 
 
@@ -121,8 +133,8 @@ def state_template(model, tx, seq_len: int):
 
 @dataclasses.dataclass
 class TrainSetup:
-    cfg: Any  # the run's config
-    model_cfg: Any  # cfg.model with attention resolved
+    cfg: Any  # the run's config as it runs: a copy of what was asked with model.dtype resolved
+    model_cfg: ModelConfig  # cfg.model typed, with the attention impl and the matmul forms resolved
     attention: AttentionChoice
     mesh: jax.sharding.Mesh
     model: Transformer
@@ -147,7 +159,7 @@ class TrainSetup:
     def init_state(self, seed: int | None = None) -> TrainState:
         """A fresh state laid out on the mesh (parameters and optimizer state sharded)."""
         seed = self.cfg.train.seed if seed is None else seed
-        init = lambda r: nn.unbox(init_state(self.model, self.tx, r, self.cfg.data.seq_len))  # noqa: E731
+        init = lambda r: nn.unbox(init_state(self.model, self.tx, r, self.cfg.data.seq_len))
         return jax.jit(init, out_shardings=self.state_sh)(jax.random.PRNGKey(seed))
 
     def compile(self):
@@ -158,14 +170,23 @@ class TrainSetup:
         return compiled, time.perf_counter() - t0, perf.step_memory(compiled)
 
 
-def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Callable[[str], Any] = print,
-          devices=None, platform: str | None = None) -> TrainSetup:
+def build(
+    cfg,
+    *,
+    mesh=None,
+    attention: AttentionChoice | None = None,
+    log: Callable[[str], Any] = print,
+    devices=None,
+    platform: str | None = None,
+) -> TrainSetup:
     """Everything a command needs to train, benchmark or run the model described by `cfg`.
 
-    `devices` and `platform`: build for other hardware than this machine's (train/aot.py passes a TPU slice's or
+    `devices` and `platform`: build for other hardware than this machine's (compile/aot.py passes a TPU slice's or
     a GPU node's compile-only devices); everything else is what a run on that hardware builds."""
     validate(cfg)
-    resolve_dtype(cfg, log=log, platform=platform)
+    dtype = resolve_dtype(cfg, log=log, platform=platform)
+    cfg = ml_collections.ConfigDict(cfg.to_dict())  # what the user asked stays as it was
+    cfg.model.dtype = dtype
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh, devices)
     check_divisibility(cfg, mesh)
     if attention is None:
@@ -182,31 +203,44 @@ def build(cfg, *, mesh=None, attention: AttentionChoice | None = None, log: Call
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
     rep = replicated(mesh)
     options = step_compiler_options(cfg, mesh, log=log, platform=platform)
-    train_step = jax.jit(make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len, dropout_seed=t.seed),
-                         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep), donate_argnums=(0,),
-                         compiler_options=options or None)
-    eval_step = jax.jit(make_eval_step(model, t.loss_chunk_len), in_shardings=(state_sh.params, batch_sh),
-                        out_shardings=rep, compiler_options=options or None)
-    return TrainSetup(cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step,
-                      options)
+    train_step = jax.jit(
+        make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len, dropout_seed=t.seed),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, rep),
+        donate_argnums=(0,),
+        compiler_options=options or None,
+    )
+    eval_step = jax.jit(
+        make_eval_step(model, t.loss_chunk_len),
+        in_shardings=(state_sh.params, batch_sh),
+        out_shardings=rep,
+        compiler_options=options or None,
+    )
+    return TrainSetup(
+        cfg, model_cfg, attention, mesh, model, tx, state_sh, abstract, batch_sh, train_step, eval_step, options
+    )
 
 
 def memory_knobs(cfg, devices: int) -> str:
     """What lowers a train step's memory per device on `devices` devices, leaving out knobs already at their
-    limit; the trainer's precheck and the compile command (train/aot.py) say it."""
+    limit; the trainer's precheck and the compile command (compile/aot.py) say it."""
     knobs = []
     per_device = sequences_per_device(cfg, devices)
     if per_device > 1:
-        knobs.append(f"lower config.train.microbatch (sequences per accumulation step: {per_device} a device now) "
-                     "or config.train.global_batch")
+        knobs.append(
+            f"lower config.train.microbatch (sequences per accumulation step: {per_device} a device now) "
+            "or config.train.global_batch"
+        )
     if cfg.model.remat != "full":
         knobs.append("use --config.model.remat=full")
     fsdp = perf.fsdp_devices(cfg, devices)
     if fsdp < devices:
         knobs.append(f"shard the state over more devices with config.mesh.fsdp (now {fsdp} of {devices})")
     if not knobs:
-        return (f"it does not fit even with one sequence a device, remat=full and the state sharded over all "
-                f"{devices} devices: use more devices, or a shorter config.data.seq_len or a smaller model")
+        return (
+            f"it does not fit even with one sequence a device, remat=full and the state sharded over all "
+            f"{devices} devices: use more devices, or a shorter config.data.seq_len or a smaller model"
+        )
     return ", ".join(knobs[:-1]) + (" or " if len(knobs) > 1 else "") + knobs[-1]
 
 
@@ -221,8 +255,10 @@ def device_memory_limit(mesh_cfg) -> tuple[float | None, str]:
     if device.platform == "cpu":
         # XLA:CPU reports no limit: the host's RAM shared by its CPU devices (an allocation beyond it fails
         # deep inside the runtime, after the step has started)
-        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count()),
-                "this host's memory per CPU device")
+        return (
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, jax.local_device_count()),
+            "this host's memory per CPU device",
+        )
     return None, ""
 
 
@@ -238,11 +274,15 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     est = perf.estimate_train_memory(cfg, devices)
     if not limit or est["total"] <= limit:
         return None
-    gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
     t = cfg.train
     target = re.match(r"\s*(\d+)\s*x\s*(H100|H200|A100)", cfg.mesh.target or "", re.I)
-    check = (f"check it for that hardware with python -m resformer_jax.compile --config=(the same file) "
-             f"--target={target.group(2).lower()}x{target.group(1)}" if target else "")
+    check = (
+        f"check it for that hardware with resformer compile --config=(the same file) "
+        f"--target={target.group(2).lower()}x{target.group(1)}"
+        if target
+        else ""
+    )
     fits = None
     fsdp_now = perf.fsdp_devices(cfg, devices)
     for remat, fsdp in dict.fromkeys(((cfg.model.remat, fsdp_now), ("full", fsdp_now), ("full", devices))):
@@ -250,31 +290,48 @@ def too_big_for_here(cfg, devices: int) -> str | None:
         while per_device >= 1 and fits is None:
             trial = ml_collections.ConfigDict(cfg.to_dict())
             trial.model.remat, trial.train.microbatch, trial.mesh.fsdp = remat, per_device * devices, fsdp
-            if t.global_batch % trial.train.microbatch == 0 and \
-                    perf.estimate_train_memory(trial, devices)["total"] <= limit:
-                fits = (f"--config.train.microbatch={trial.train.microbatch}"
-                        + (f" --config.model.remat={remat}" if remat != cfg.model.remat else "")
-                        + (f" --config.mesh.fsdp={fsdp} --config.mesh.data=1" if fsdp != fsdp_now else ""))
+            if (
+                t.global_batch % trial.train.microbatch == 0
+                and perf.estimate_train_memory(trial, devices)["total"] <= limit
+            ):
+                fits = (
+                    f"--config.train.microbatch={trial.train.microbatch}"
+                    + (f" --config.model.remat={remat}" if remat != cfg.model.remat else "")
+                    + (f" --config.mesh.fsdp={fsdp} --config.mesh.data=1" if fsdp != fsdp_now else "")
+                )
             per_device //= 2
-    here = (f"to run it here, {fits} fits by the estimate (or lower config.train.global_batch)" if fits else
-            memory_knobs(cfg, devices) + f" (parameters and optimizer state alone: {gib(est['state'])} a device)")
+    here = (
+        f"to run it here, {fits} fits by the estimate (or lower config.train.global_batch)"
+        if fits
+        else memory_knobs(cfg, devices) + f" (parameters and optimizer state alone: {gib(est['state'])} a device)"
+    )
     sized = (f"this config is sized for {cfg.mesh.target}" + (f": {check}" if check else "")) if cfg.mesh.target else ""
-    return (f"the train step needs about {gib(est['total'])} per device by the analytic estimate (state "
-            f"{gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, "
-            f"{est['per_device_micro_batch']} sequences of {cfg.data.seq_len} tokens a device at once) but {source} "
-            f"is {gib(limit)}; "
-            + "; ".join(x for x in (sized, here) if x))
+    return (
+        f"the train step needs about {gib(est['total'])} per device by the analytic estimate (state "
+        f"{gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, "
+        f"{est['per_device_micro_batch']} sequences of {cfg.data.seq_len} tokens a device at once) but {source} "
+        f"is {gib(limit)}; " + "; ".join(x for x in (sized, here) if x)
+    )
 
 
 def memory_line(mem: perf.StepMemory, limit: float | None) -> str:
-    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
-    return (f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, aliased "
-            f"{gib(mem.aliased)}, temporaries {gib(mem.temporaries)}, total {gib(mem.total)}"
-            + (f" of {gib(limit)}" if limit else ""))
+    gib = lambda b: f"{b / 2**30:.3f} GiB"
+    return (
+        f"per-device memory: arguments {gib(mem.arguments)}, outputs {gib(mem.outputs)}, aliased "
+        f"{gib(mem.aliased)}, temporaries {gib(mem.temporaries)}, total {gib(mem.total)}"
+        + (f" of {gib(limit)}" if limit else "")
+    )
 
 
-def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | None = None, source: str = "",
-                    what: str = "the train step", knobs: str = "") -> tuple[str, float | None]:
+def memory_precheck(
+    mem: perf.StepMemory | None,
+    mesh_cfg,
+    *,
+    limit: float | None = None,
+    source: str = "",
+    what: str = "the train step",
+    knobs: str = "",
+) -> tuple[str, float | None]:
     """(a line describing the step's memory per device, the limit); raises where it cannot fit, naming `knobs`
     (memory_knobs' advice).
     `limit`/`source`: another device's memory (a compile target's); default: this machine's first device."""
@@ -286,7 +343,8 @@ def memory_precheck(mem: perf.StepMemory | None, mesh_cfg, *, limit: float | Non
         raise MemoryPrecheckError(
             f"{what} needs {mem.total / 2**30:.3f} GiB per device but {source} is {limit / 2**30:.3f} GiB "
             f"(arguments {mem.arguments / 2**30:.3f} GiB, temporaries {mem.temporaries / 2**30:.3f} GiB)"
-            + (f"; {knobs}" if knobs else ""))
+            + (f"; {knobs}" if knobs else "")
+        )
     return memory_line(mem, limit), limit
 
 
@@ -296,9 +354,14 @@ class LoadedRun(NamedTuple):
     step: int
 
 
-def load_run(workdir: str, step: int | None = None, *, attention_impl: str | None = None,
-             log: Callable[[str], Any] = lambda s: None,
-             warn: Callable[[str], Any] = lambda s: print(s, file=sys.stderr, flush=True)) -> LoadedRun:
+def load_run(
+    workdir: str,
+    step: int | None = None,
+    *,
+    attention_impl: str | None = None,
+    log: Callable[[str], Any] = lambda s: None,
+    warn: Callable[[str], Any] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> LoadedRun:
     """A run's checkpoint (newest that restores, or `step`) on the default device, for inference and analysis.
     `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here.
 
@@ -307,44 +370,55 @@ def load_run(workdir: str, step: int | None = None, *, attention_impl: str | Non
     run = RunDir(workdir)
     if not run.checkpoints.is_dir():
         what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
-        raise CheckpointError(f"run directory {workdir} {what}; check --workdir (train first with "
-                              f"python -m resformer_jax.main --workdir={workdir})")
+        raise CheckpointError(
+            f"run directory {workdir} {what}; check --workdir (train first with "
+            f"python -m resformer_jax.main --workdir={workdir})"
+        )
     ck = run.checkpointer(read_only=True)
     try:
         steps = ck.all_steps()
         if not steps:
-            raise CheckpointError(f"no checkpoint in {ck.dir}; train first "
-                                  f"(python -m resformer_jax.main --workdir={workdir})")
+            raise CheckpointError(
+                f"no checkpoint in {ck.dir}; train first (python -m resformer_jax.main --workdir={workdir})"
+            )
         if step is not None and step not in steps:
             raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
         failures = []
-        for candidate in ([step] if step is not None else list(reversed(steps))):
+        for candidate in [step] if step is not None else list(reversed(steps)):
             try:
                 cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(candidate)))
                 model = Transformer(cfg.model)
                 dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
                 boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len)
-                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
-                                        nn.unbox(boxed))
+                abstract = jax.tree.map(
+                    lambda x, dev=dev: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed)
+                )
                 state, _, _ = ck.restore(candidate, abstract)
-            except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable here
+            except Exception as e:
                 failures.append((candidate, failure_reason(e)[:300]))
                 continue
             if failures:
-                warn(f"WARNING: checkpoint at step {failures[0][0]} ({ck.dir}/{failures[0][0]}) does not restore "
-                     f"({failures[0][1]}); using step {candidate}, the newest that restores (pass --step={candidate}"
-                     " to choose it; nothing in the run was moved)")
+                warn(
+                    f"WARNING: checkpoint at step {failures[0][0]} ({ck.dir}/{failures[0][0]}) does not restore "
+                    f"({failures[0][1]}); using step {candidate}, the newest that restores (pass --step={candidate}"
+                    " to choose it; nothing in the run was moved)"
+                )
             step = candidate
             break
         else:
             if len(failures) == 1 and len(steps) > 1:
                 others = [s for s in steps if s != failures[0][0]]
-                raise CheckpointError(f"the checkpoint at step {failures[0][0]} in {ck.dir} does not restore "
-                                      f"({failures[0][1]}); pass another --step (available: {others})")
-            raise CheckpointError(f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
-                                  "restore the run directory from a copy")
+                raise CheckpointError(
+                    f"the checkpoint at step {failures[0][0]} in {ck.dir} does not restore "
+                    f"({failures[0][1]}); pass another --step (available: {others})"
+                )
+            raise CheckpointError(
+                f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
+                "restore the run directory from a copy"
+            )
     finally:
         ck.mngr.close()
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
-    cfg.model = model_config(cfg, choice)
+    # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
+    cfg.model = ml_collections.ConfigDict(model_config(cfg, choice).to_dict())
     return LoadedRun(cfg, state.params, step)

@@ -1,4 +1,5 @@
 """Train state, loss, and the jitted train/eval steps with microbatch accumulation."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +10,7 @@ import optax
 from flax import struct
 
 from resformer_jax.model.transformer import output_embedding
-from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy  # noqa: F401 (re-exported)
+from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
 
 DEFAULT_CHUNK_LEN = 128
 
@@ -29,9 +30,13 @@ def init_state(model, tx, rng, seq_len: int):
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(rng, tokens)["params"]
     opt_state = tx.init(params)  # boxed: moments inherit the parameters' logical axes (FSDP-sharded)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      nonfinite_count=jnp.zeros((), jnp.int32),
-                      first_nonfinite_step=jnp.full((), -1, jnp.int32))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        nonfinite_count=jnp.zeros((), jnp.int32),
+        first_nonfinite_step=jnp.full((), -1, jnp.int32),
+    )
 
 
 def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN, dropout_rng=None):
@@ -53,13 +58,19 @@ def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN, dro
         return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
 
 
-def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_chunk_len: int = DEFAULT_CHUNK_LEN,
-                    dropout_seed: int = 0):
+def make_train_step(
+    model,
+    tx,
+    num_microbatches: int,
+    batch_sharding=None,
+    loss_chunk_len: int = DEFAULT_CHUNK_LEN,
+    dropout_seed: int = 0,
+):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
     model.dropout > 0 the dropout key is a function of (seed, step, microbatch), so a resumed run drops the same
     units as an uninterrupted one."""
     grad_fn = jax.value_and_grad(lambda p, model, t, r: loss_fn(p, model, t, loss_chunk_len, r))
-    uses_dropout = float(model.cfg.get("dropout", 0.0)) > 0
+    uses_dropout = model.cfg.dropout > 0
 
     def dropout_key(step, micro):
         if not uses_dropout:
@@ -91,14 +102,15 @@ def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_
             new_params = optax.apply_updates(state.params, updates)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             # A non-finite step never touches the state: the last good state stays intact.
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             new_state = state.replace(
                 step=state.step + 1,
                 params=keep(new_params, state.params),
                 opt_state=keep(new_opt, state.opt_state),
                 nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
-                first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~ok, state.step,
-                                               state.first_nonfinite_step),
+                first_nonfinite_step=jnp.where(
+                    (state.first_nonfinite_step < 0) & ~ok, state.step, state.first_nonfinite_step
+                ),
             )
         metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.int32)}
         return new_state, metrics
@@ -109,4 +121,5 @@ def make_train_step(model, tx, num_microbatches: int, batch_sharding=None, loss_
 def make_eval_step(model, loss_chunk_len: int = DEFAULT_CHUNK_LEN):
     def eval_step(params, tokens_BxTp1):
         return loss_fn(params, model, tokens_BxTp1, loss_chunk_len)
+
     return eval_step

@@ -1,13 +1,20 @@
 """Zero-shot scoring speed and memory (eval/loglik.py) at a config's shape, with random parameters: how long the
 full validation sets would take here, from the sample tasks' items cycled to `items`."""
+
 from __future__ import annotations
 
 import resource
 import time
 
 # Items in each task's full validation split (test split for ARC and OpenBookQA), as lm-evaluation-harness scores it.
-FULL_SPLIT_ITEMS = {"hellaswag": 10042, "piqa": 1838, "winogrande": 1267, "arc_easy": 2376, "arc_challenge": 1172,
-                    "openbookqa": 500}
+FULL_SPLIT_ITEMS = {
+    "hellaswag": 10042,
+    "piqa": 1838,
+    "winogrande": 1267,
+    "arc_easy": 2376,
+    "arc_challenge": 1172,
+    "openbookqa": 500,
+}
 
 
 def bench_zero_shot(cfg, task_data: str, tasks: list[str], items: int, tokenizer_json: str, batch: int) -> list[dict]:
@@ -15,9 +22,11 @@ def bench_zero_shot(cfg, task_data: str, tasks: list[str], items: int, tokenizer
     import jax
     import jax.numpy as jnp
     from tokenizers import Tokenizer
+
     from resformer_jax.eval.loglik import ContinuationScorer
     from resformer_jax.eval.zero_shot import check_tasks, make_loglik_fn, read_task, score_items, to_items
     from resformer_jax.model import Transformer
+
     check_tasks(tasks, task_data)
     tok = Tokenizer.from_file(tokenizer_json)
     m = cfg.model
@@ -36,10 +45,20 @@ def bench_zero_shot(cfg, task_data: str, tasks: list[str], items: int, tokenizer
         steady = time.perf_counter() - t0
         rate = len(its) / steady
         full = FULL_SPLIT_ITEMS.get(task)
-        out.append({"task": task, "items": len(its), "choices": sum(len(i["continuations"]) for i in its),
-                    "d_model": m.d_model, "num_layers": m.num_layers, "dtype": m.dtype,
-                    "max_seq_len": m.max_seq_len, "first_pass_s": round(first, 2), "items_per_s": round(rate, 2),
-                    "full_split_items": full,
-                    "full_split_projected_s": round(full / rate + (first - steady), 1) if full else None,
-                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+        out.append(
+            {
+                "task": task,
+                "items": len(its),
+                "choices": sum(len(i["continuations"]) for i in its),
+                "d_model": m.d_model,
+                "num_layers": m.num_layers,
+                "dtype": m.dtype,
+                "max_seq_len": m.max_seq_len,
+                "first_pass_s": round(first, 2),
+                "items_per_s": round(rate, 2),
+                "full_split_items": full,
+                "full_split_projected_s": round(full / rate + (first - steady), 1) if full else None,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+        )
     return out

@@ -13,6 +13,7 @@ its operands read plus its results written (a slice reads only its slice, an in-
 update), elementwise FLOPs ignored. Collectives are counted apart (bytes, and their time on the chip's links) and
 not added to the bound: XLA overlaps them with compute.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,16 +21,63 @@ import json
 import math
 import re
 
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "tf32": 4}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "tf32": 4,
+}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
-FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
-        "opt-barrier", "add-dependency", "iota", "copy-done", "all-gather-done", "all-reduce-done",
-        "collective-permute-done", "async-done", "async-update", "send-done", "recv-done", "get-dimension-size"}
-COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
-               "all-gather-start", "collective-permute-start", "ragged-all-to-all", "collective-broadcast"}
+FREE = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "iota",
+    "copy-done",
+    "all-gather-done",
+    "all-reduce-done",
+    "collective-permute-done",
+    "async-done",
+    "async-update",
+    "send-done",
+    "recv-done",
+    "get-dimension-size",
+}
+COLLECTIVES = {
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "all-reduce-start",
+    "all-gather-start",
+    "collective-permute-start",
+    "ragged-all-to-all",
+    "collective-broadcast",
+}
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 
 
@@ -78,7 +126,7 @@ class Instr:
             if depth == 0:
                 break
         try:
-            return json.loads(self.attrs[start:end + 1])
+            return json.loads(self.attrs[start : end + 1])
         except ValueError:
             return {}
 
@@ -115,8 +163,8 @@ def parse_instr(line: str) -> Instr | None:
     if not op:
         return None
     end = _balanced(rest, op.end() - 1)
-    operands = re.findall(r"%([\w.\-$]+)", rest[op.end():end - 1])
-    return Instr(name, shape, op.group(1), operands, rest[end:].lstrip(", "), rest[op.end():end - 1])
+    operands = re.findall(r"%([\w.\-$]+)", rest[op.end() : end - 1])
+    return Instr(name, shape, op.group(1), operands, rest[end:].lstrip(", "), rest[op.end() : end - 1])
 
 
 def _depth(text: str, depth: int = 0) -> int:
@@ -176,6 +224,7 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """One device's datasheet numbers: dense bf16 FLOP/s, HBM bytes/s, interconnect bytes/s each way."""
+
     kind: str
     peak_flops: float
     hbm_bytes_per_s: float
@@ -184,26 +233,46 @@ class Chip:
 
 
 CHIPS = {
-    "NVIDIA H100 SXM 80GB": Chip("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 450e9,
-                                 "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 900 GB/s"),
-    "NVIDIA H200 SXM 141GB": Chip("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 450e9,
-                                  "NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s"),
-    "NVIDIA A100 SXM 80GB": Chip("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 300e9,
-                                 "NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense BF16, 2,039 GB/s, NVLink 600 GB/s"),
-    "TPU v4": Chip("TPU v4", 275e12, 1.228e12, 300e9, "Cloud TPU v4 docs: 275 TFLOP/s BF16, 1,228 GB/s HBM, "
-                   "ICI 2,400 Gbps"),
-    "TPU v5p": Chip("TPU v5p", 459e12, 2.765e12, 600e9, "Cloud TPU v5p docs: 459 TFLOP/s BF16, 2,765 GB/s HBM, "
-                    "ICI 4,800 Gbps"),
-    "TPU v5e": Chip("TPU v5e", 197e12, 0.819e12, 200e9, "Cloud TPU v5e docs: 197 TFLOP/s BF16, 819 GB/s HBM, "
-                    "ICI 1,600 Gbps"),
-    "TPU v6e": Chip("TPU v6e", 918e12, 1.64e12, 448e9, "Cloud TPU v6e docs: 918 TFLOP/s BF16, 1,640 GB/s HBM, "
-                    "ICI 3,584 Gbps"),
+    "NVIDIA H100 SXM 80GB": Chip(
+        "NVIDIA H100 SXM 80GB",
+        989e12,
+        3.35e12,
+        450e9,
+        "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 900 GB/s",
+    ),
+    "NVIDIA H200 SXM 141GB": Chip(
+        "NVIDIA H200 SXM 141GB",
+        989e12,
+        4.8e12,
+        450e9,
+        "NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s",
+    ),
+    "NVIDIA A100 SXM 80GB": Chip(
+        "NVIDIA A100 SXM 80GB",
+        312e12,
+        2.039e12,
+        300e9,
+        "NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense BF16, 2,039 GB/s, NVLink 600 GB/s",
+    ),
+    "TPU v4": Chip(
+        "TPU v4", 275e12, 1.228e12, 300e9, "Cloud TPU v4 docs: 275 TFLOP/s BF16, 1,228 GB/s HBM, ICI 2,400 Gbps"
+    ),
+    "TPU v5p": Chip(
+        "TPU v5p", 459e12, 2.765e12, 600e9, "Cloud TPU v5p docs: 459 TFLOP/s BF16, 2,765 GB/s HBM, ICI 4,800 Gbps"
+    ),
+    "TPU v5e": Chip(
+        "TPU v5e", 197e12, 0.819e12, 200e9, "Cloud TPU v5e docs: 197 TFLOP/s BF16, 819 GB/s HBM, ICI 1,600 Gbps"
+    ),
+    "TPU v6e": Chip(
+        "TPU v6e", 918e12, 1.64e12, 448e9, "Cloud TPU v6e docs: 918 TFLOP/s BF16, 1,640 GB/s HBM, ICI 3,584 Gbps"
+    ),
 }
 
 
 @dataclasses.dataclass
 class OpCost:
     """One op of the program, summed over its executions."""
+
     name: str
     kind: str  # gemm | kernel | fusion | collective | other
     scope: str  # the model scope it came from (its op_name)
@@ -248,10 +317,16 @@ class Roofline:
         out = {}
         for kind in ("gemm", "kernel", "fusion", "other", "collective"):
             ops = [o for o in self.ops if o.kind == kind]
-            out[kind] = {"executions": sum(o.executions for o in ops), "flops": sum(o.flops for o in ops),
-                         "bytes": sum(o.bytes for o in ops),
-                         "bound_s": (sum(o.bytes for o in ops) / self.chip.link_bytes_per_s if kind == "collective"
-                                     else sum(o.bound_s(self.chip) for o in ops))}
+            out[kind] = {
+                "executions": sum(o.executions for o in ops),
+                "flops": sum(o.flops for o in ops),
+                "bytes": sum(o.bytes for o in ops),
+                "bound_s": (
+                    sum(o.bytes for o in ops) / self.chip.link_bytes_per_s
+                    if kind == "collective"
+                    else sum(o.bound_s(self.chip) for o in ops)
+                ),
+            }
         return out
 
     def top(self, n: int = 10) -> list[OpCost]:
@@ -262,19 +337,37 @@ class Roofline:
         c = self.chip
         return {
             "label": "a bound from the compiled program (each op at the chip's datasheet peak or bandwidth), not a "
-                     "timing",
-            "chip": {"kind": c.kind, "peak_flops": c.peak_flops, "hbm_bytes_per_s": c.hbm_bytes_per_s,
-                     "link_bytes_per_s": c.link_bytes_per_s, "source": c.source},
-            "flops_per_device": self.flops, "hbm_bytes_per_device": self.hbm_bytes,
+            "timing",
+            "chip": {
+                "kind": c.kind,
+                "peak_flops": c.peak_flops,
+                "hbm_bytes_per_s": c.hbm_bytes_per_s,
+                "link_bytes_per_s": c.link_bytes_per_s,
+                "source": c.source,
+            },
+            "flops_per_device": self.flops,
+            "hbm_bytes_per_device": self.hbm_bytes,
             "collective_bytes_per_device": self.collective_bytes,
-            "per_op_bound_s": self.per_op_bound_s, "program_bound_s": self.program_bound_s,
+            "per_op_bound_s": self.per_op_bound_s,
+            "program_bound_s": self.program_bound_s,
             "model_flops_per_device": model_flops_per_device,
             "mfu_ceiling_model": model_flops_per_device / (self.per_op_bound_s * c.peak_flops),
             "mfu_ceiling_6n": model_6n_flops_per_device / (self.per_op_bound_s * c.peak_flops),
             "mfu_ceiling_model_program_bound": model_flops_per_device / (self.program_bound_s * c.peak_flops),
-            "by_kind": self.by_kind(), "unknown_trip_counts": self.unknown_trip_counts,
-            "top_ops": [{"name": o.name, "kind": o.kind, "scope": o.scope, "executions": o.executions,
-                         "flops": o.flops, "bytes": o.bytes, "bound_s": o.bound_s(c)} for o in self.top()],
+            "by_kind": self.by_kind(),
+            "unknown_trip_counts": self.unknown_trip_counts,
+            "top_ops": [
+                {
+                    "name": o.name,
+                    "kind": o.kind,
+                    "scope": o.scope,
+                    "executions": o.executions,
+                    "flops": o.flops,
+                    "bytes": o.bytes,
+                    "bound_s": o.bound_s(c),
+                }
+                for o in self.top()
+            ],
         }
 
 
@@ -300,8 +393,12 @@ def _taps(I: int, W: int, O: int, lo: int, stride: int = 1, lhs_dil: int = 1, rh
     if stride == 1 and lhs_dil == 1 and rhs_dil == 1:
         return sum(max(0, min(O, I + lo - w) - max(0, lo - w)) for w in range(W))
     span = (I - 1) * lhs_dil + 1
-    return sum(1 for w in range(W) for o in range(O)
-               if 0 <= o * stride + w * rhs_dil - lo < span and (o * stride + w * rhs_dil - lo) % lhs_dil == 0)
+    return sum(
+        1
+        for w in range(W)
+        for o in range(O)
+        if 0 <= o * stride + w * rhs_dil - lo < span and (o * stride + w * rhs_dil - lo) % lhs_dil == 0
+    )
 
 
 def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
@@ -328,8 +425,15 @@ def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
     strides, lhs_dil, rhs_dil = per_dim("stride", n, 1), per_dim("lhs_dilate", n, 1), per_dim("rhs_dilate", n, 1)
     taps = 1
     for k, d in enumerate(spatial):
-        taps *= _taps(l_dims[l_lab.index(d)], r_dims[r_lab.index(d)], o_dims[o_lab.index(d)], pads[k][0],
-                      strides[k], lhs_dil[k], rhs_dil[k])
+        taps *= _taps(
+            l_dims[l_lab.index(d)],
+            r_dims[r_lab.index(d)],
+            o_dims[o_lab.index(d)],
+            pads[k][0],
+            strides[k],
+            lhs_dil[k],
+            rhs_dil[k],
+        )
     outer = math.prod(o_dims[i] for i, ch in enumerate(o_lab) if not ch.isdigit())  # batch x output features
     return 2.0 * outer * r_dims[r_lab.index("i")] * taps
 
@@ -339,13 +443,18 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> f
     pallas_call name in op_name (q [B, T, H, D], k [B, S, K, D]), splash on TPU by the custom call's name
     (q [N, G, T, D], k [N, S, D]); 0 for a kernel it does not know."""
     from resformer_jax.kernels import pallas_attention, tpu_attention
-    known = ([(n, pallas_attention, ins.op_name) for n, _ in pallas_attention.KERNEL_MATMULS]
-             + [(n, tpu_attention, ins.name) for n, _ in tpu_attention.KERNEL_MATMULS])
+
+    known = [(n, pallas_attention, ins.op_name) for n, _ in pallas_attention.KERNEL_MATMULS] + [
+        (n, tpu_attention, ins.name) for n, _ in tpu_attention.KERNEL_MATMULS
+    ]
     for name, module, where in known:
         if name not in where:
             continue
-        q, k = (arrays(shapes.get(o, "")) for o in ins.operands[:2]) if module is pallas_attention else \
-            (arrays(shapes.get(o, "")) for o in ins.operands[2:4])
+        q, k = (
+            (arrays(shapes.get(o, "")) for o in ins.operands[:2])
+            if module is pallas_attention
+            else (arrays(shapes.get(o, "")) for o in ins.operands[2:4])
+        )
         if not q or not k:
             return 0.0
         if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
@@ -479,8 +588,9 @@ class _Walker:
                 for c in ins.attr_computations("to_apply") or ins.attr_computations("calls"):
                     self.walk(c, n)
             elif op == "conditional":
-                branches = (ins.attr_computations("branch_computations")
-                            or ins.attr_computations("true_computation") + ins.attr_computations("false_computation"))
+                branches = ins.attr_computations("branch_computations") or ins.attr_computations(
+                    "true_computation"
+                ) + ins.attr_computations("false_computation")
                 if branches:
                     self.walk(max(branches, key=self.cost_of), n)
             elif op in COLLECTIVES or op in ("send", "recv"):
@@ -501,7 +611,8 @@ class _Walker:
             elif op == "custom-call":
                 target = ins.custom_call_target
                 nbytes = self._operand_bytes(ins) + sum(
-                    dtype_bytes(d) * math.prod(s) for d, s in arrays(ins.shape) if d != "s8")  # s8: a workspace
+                    dtype_bytes(d) * math.prod(s) for d, s in arrays(ins.shape) if d != "s8"
+                )  # s8: a workspace
                 if target in GEMM_TARGETS:
                     self._add(ins, "gemm", n, dot_flops(ins, self.shapes), nbytes)
                 elif target in ("__gpu$xla.gpu.triton", "tpu_custom_call") or "cudnn" in target:
@@ -509,9 +620,13 @@ class _Walker:
                 else:
                     self._add(ins, "other", n, 0.0, nbytes)
             elif op == "dot":
-                self._add(ins, "gemm", n, dot_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape))
+                self._add(
+                    ins, "gemm", n, dot_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape)
+                )
             elif op == "convolution":
-                self._add(ins, "gemm", n, conv_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape))
+                self._add(
+                    ins, "gemm", n, conv_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape)
+                )
             elif op == "dynamic-update-slice":
                 upd = shape_bytes(self.shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
                 self._add(ins, "other", n, 0.0, 2 * upd)

@@ -1,6 +1,6 @@
 """Every step a run compiles, compiled for hardware this machine does not have (ahead of time).
 
-  report = compile_for_target(cfg, parse_target("v5p-64"))      # or "h100x8", nodes=4; see train/targets.py
+  report = compile_for_target(cfg, parse_target("v5p-64"))      # or "h100x8", nodes=4; see compile/targets.py
 
 The run is built exactly as on that hardware, by the one builder (train/setup.build): the target's devices as
 the mesh, the platform's attention kernel (splash on TPU, the Pallas/Triton kernel on GPU), bf16 for
@@ -16,6 +16,7 @@ TPU targets and the CUDA plugin with ptxas for GPU targets: `pip install -e '.[a
 here are not autotuned (no device to time candidates on): their memory and kernels are the real program's,
 their speed is not.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,18 +25,20 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from resformer_jax import perf
+from resformer_jax.compile.ptxas import ARCH, kernel_resources
+from resformer_jax.compile.targets import Target
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
-from resformer_jax.train.ptxas import ARCH, kernel_resources
-from resformer_jax.train.targets import Target
 
 STEPS = ("train", "eval", "decode")
 
@@ -45,9 +48,11 @@ KERNEL_NAMES = {
     "tpu_custom_call": "Mosaic TPU (Pallas)",
 }
 # What lowers generation's memory (its steps attend over the whole cache with XLA's attention).
-DECODE_KNOBS = ("generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
-                "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
-                "model.max_seq_len, or --steps=train,eval to check training alone")
+DECODE_KNOBS = (
+    "generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
+    "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
+    "model.max_seq_len, or --steps=train,eval to check training alone"
+)
 ELF_MAGIC = b"\x7fELF"  # GPU machine code (cubin) embedded in a serialized executable
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
@@ -69,8 +74,8 @@ class CompiledStep:
     machine_code: str  # what the executable carries (GPU ELF images, TPU program bytes)
     fits: bool
     problem: str = ""  # the one-line message where it does not fit
-    roofline: dict | None = None  # train/roofline.py's report of the compiled program (None: chip unknown)
-    kernel_resources: list | None = None  # GPU: each Triton kernel's registers and spills (train/ptxas.py)
+    roofline: dict | None = None  # compile/roofline.py's report of the compiled program (None: chip unknown)
+    kernel_resources: list | None = None  # GPU: each Triton kernel's registers and spills (compile/ptxas.py)
 
     @property
     def kernels(self) -> list[str]:
@@ -78,11 +83,18 @@ class CompiledStep:
 
     def to_json(self) -> dict:
         mem = dataclasses.asdict(self.memory) | {"total": self.memory.total} if self.memory else None
-        return {"step": self.name, "compile_seconds": round(self.seconds, 2), "memory_per_device": mem,
-                "fits": self.fits, "kernels": self.kernels, "custom_calls": self.custom_calls,
-                "machine_code": self.machine_code, **({"problem": self.problem} if self.problem else {}),
-                **({"roofline": self.roofline} if self.roofline else {}),
-                **({"kernel_resources": self.kernel_resources} if self.kernel_resources is not None else {})}
+        return {
+            "step": self.name,
+            "compile_seconds": round(self.seconds, 2),
+            "memory_per_device": mem,
+            "fits": self.fits,
+            "kernels": self.kernels,
+            "custom_calls": self.custom_calls,
+            "machine_code": self.machine_code,
+            **({"problem": self.problem} if self.problem else {}),
+            **({"roofline": self.roofline} if self.roofline else {}),
+            **({"kernel_resources": self.kernel_resources} if self.kernel_resources is not None else {}),
+        }
 
 
 @dataclasses.dataclass
@@ -108,28 +120,46 @@ class CompileReport:
         t = self.target
         train = next((s for s in self.steps if s.name == "train"), None)
         est = self.estimate.get("total")
-        return {"target": t.name, "hardware": t.hardware, "platform": t.platform, "devices": t.num_devices,
-                "device_memory_bytes": t.hbm_bytes, "device_memory_source": t.hbm_source,
-                "attention_impl": self.attention_impl, "dtype": self.dtype, "mesh": self.mesh,
-                "microbatch": self.microbatch, "remat": self.remat, "fits": self.fits,
-                "steps": [s.to_json() for s in self.steps],
-                "summary_estimate_bytes": est,
-                "summary_estimate_vs_compiled": (round(est / train.memory.total, 3)
-                                                 if est and train and train.memory and train.memory.total else None)}
+        return {
+            "target": t.name,
+            "hardware": t.hardware,
+            "platform": t.platform,
+            "devices": t.num_devices,
+            "device_memory_bytes": t.hbm_bytes,
+            "device_memory_source": t.hbm_source,
+            "attention_impl": self.attention_impl,
+            "dtype": self.dtype,
+            "mesh": self.mesh,
+            "microbatch": self.microbatch,
+            "remat": self.remat,
+            "fits": self.fits,
+            "steps": [s.to_json() for s in self.steps],
+            "summary_estimate_bytes": est,
+            "summary_estimate_vs_compiled": (
+                round(est / train.memory.total, 3) if est and train and train.memory and train.memory.total else None
+            ),
+        }
 
     def lines(self) -> list[str]:
-        t, gib = self.target, (lambda b: f"{b / 2**30:.2f} GiB")  # noqa: E731
-        out = [f"{t.hardware}: {t.num_devices} devices, {gib(t.hbm_bytes)} each ({t.hbm_source}); mesh "
-               f"{self.mesh}, attention {self.attention_impl}, {self.dtype}, remat={self.remat}, microbatch "
-               f"{self.microbatch}"]
+        t, gib = self.target, (lambda b: f"{b / 2**30:.2f} GiB")
+        out = [
+            f"{t.hardware}: {t.num_devices} devices, {gib(t.hbm_bytes)} each ({t.hbm_source}); mesh "
+            f"{self.mesh}, attention {self.attention_impl}, {self.dtype}, remat={self.remat}, microbatch "
+            f"{self.microbatch}"
+        ]
         for s in self.steps:
             where = "fits" if s.fits else "DOES NOT FIT"
             mem = memory_line(s.memory, t.hbm_bytes) if s.memory else "memory not reported"
-            out.append(f"  {s.name:<15} {where:<12} {mem}; compiled in {s.seconds:.1f} s; kernels: "
-                       f"{', '.join(s.kernels) or 'none (XLA ops only)'}; {s.machine_code}")
+            out.append(
+                f"  {s.name:<15} {where:<12} {mem}; compiled in {s.seconds:.1f} s; kernels: "
+                f"{', '.join(s.kernels) or 'none (XLA ops only)'}; {s.machine_code}"
+            )
             for k in s.kernel_resources or []:
-                spill = (f"SPILLS {k['spill_store_bytes']} bytes stored / {k['spill_load_bytes']} loaded per thread"
-                         if k["spill_store_bytes"] or k["spill_load_bytes"] else "no spills")
+                spill = (
+                    f"SPILLS {k['spill_store_bytes']} bytes stored / {k['spill_load_bytes']} loaded per thread"
+                    if k["spill_store_bytes"] or k["spill_load_bytes"]
+                    else "no spills"
+                )
                 out.append(f"    kernel {k['kernel']}: {k['registers']} registers, {spill} (ptxas -v)")
             out.extend("    " + ln for ln in roofline_lines(s.roofline))
         if self.estimate.get("total"):
@@ -144,32 +174,44 @@ def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
     if not r:
         return []
     c = r["chip"]
-    mfu = (f"MFU ceiling {r['mfu_ceiling_model']:.3f} (model FLOPs) / {r['mfu_ceiling_6n']:.3f} (6N)"
-           if r.get("mfu_ceiling_model") is not None else "no MFU (not a training step)")
-    out = [f"roofline ({r['label']}): {r['flops_per_device'] / 1e12:.1f} TFLOP, {r['hbm_bytes_per_device'] / 1e9:.0f} GB "
-           f"HBM, {r['collective_bytes_per_device'] / 1e9:.2f} GB collectives per device; per-op bound "
-           f"{r['per_op_bound_s'] * 1e3:.1f} ms -> {mfu}; whole-program bound {r['program_bound_s'] * 1e3:.1f} ms; "
-           f"{c['kind']} at {c['peak_flops'] / 1e12:.0f} TFLOP/s, {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['source']})"]
+    mfu = (
+        f"MFU ceiling {r['mfu_ceiling_model']:.3f} (model FLOPs) / {r['mfu_ceiling_6n']:.3f} (6N)"
+        if r.get("mfu_ceiling_model") is not None
+        else "no MFU (not a training step)"
+    )
+    out = [
+        f"roofline ({r['label']}): {r['flops_per_device'] / 1e12:.1f} TFLOP, {r['hbm_bytes_per_device'] / 1e9:.0f} GB "
+        f"HBM, {r['collective_bytes_per_device'] / 1e9:.2f} GB collectives per device; per-op bound "
+        f"{r['per_op_bound_s'] * 1e3:.1f} ms -> {mfu}; whole-program bound {r['program_bound_s'] * 1e3:.1f} ms; "
+        f"{c['kind']} at {c['peak_flops'] / 1e12:.0f} TFLOP/s, {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['source']})"
+    ]
     if r.get("xla_cost_analysis"):
         x = r["xla_cost_analysis"]
-        out.append(f"the compiler's own cost_analysis(): {x['flops'] / 1e12:.1f} TFLOP ({x['flops_ratio']:.2f}x), "
-                   f"{x['bytes'] / 1e9:.0f} GB accessed ({x['bytes_ratio']:.2f}x)")
+        out.append(
+            f"the compiler's own cost_analysis(): {x['flops'] / 1e12:.1f} TFLOP ({x['flops_ratio']:.2f}x), "
+            f"{x['bytes'] / 1e9:.0f} GB accessed ({x['bytes_ratio']:.2f}x)"
+        )
     out.append(f"{'part':<11}{'executions':>11}{'TFLOP':>9}{'GB':>9}{'bound ms':>10}")
     for kind, k in r["by_kind"].items():
-        out.append(f"{kind:<11}{k['executions']:>11}{k['flops'] / 1e12:>9.1f}{k['bytes'] / 1e9:>9.1f}"
-                   f"{k['bound_s'] * 1e3:>10.1f}" + ("  (on the links; overlapped, not in the bound)"
-                                                     if kind == "collective" else ""))
+        out.append(
+            f"{kind:<11}{k['executions']:>11}{k['flops'] / 1e12:>9.1f}{k['bytes'] / 1e9:>9.1f}"
+            f"{k['bound_s'] * 1e3:>10.1f}"
+            + ("  (on the links; overlapped, not in the bound)" if kind == "collective" else "")
+        )
     out.append(f"the {top} costliest ops under the bound:")
     for o in r["top_ops"][:top]:
-        out.append(f"  {o['bound_s'] * 1e3:7.2f} ms  {o['kind']:<7} x{o['executions']:<4} {o['name'][:32]:<32} "
-                   f"{o['scope'][-80:]}")
+        out.append(
+            f"  {o['bound_s'] * 1e3:7.2f} ms  {o['kind']:<7} x{o['executions']:<4} {o['name'][:32]:<32} "
+            f"{o['scope'][-80:]}"
+        )
     return out
 
 
 def step_roofline(compiled, hlo: str, target: Target, model_flops: tuple[float, float] | None) -> dict | None:
     """The compiled step's roofline report on the target's chip, with the model's FLOPs per device (both
     conventions) for the MFU ceilings; where the compiler's cost_analysis() answers (libtpu), how the two agree."""
-    from resformer_jax.train.roofline import chip_for, roofline
+    from resformer_jax.compile.roofline import chip_for, roofline
+
     chip = chip_for(target.kind)
     if chip is None:
         return None
@@ -182,31 +224,39 @@ def step_roofline(compiled, hlo: str, target: Target, model_flops: tuple[float, 
     try:
         xla = compiled.cost_analysis()
         xla = xla[0] if isinstance(xla, (list, tuple)) else xla
-    except Exception:  # noqa: BLE001 - compile-only GPU executables answer nothing
+    except Exception:
         xla = None
     if xla and xla.get("flops"):
-        rep["xla_cost_analysis"] = {"flops": float(xla["flops"]), "bytes": float(xla.get("bytes accessed", 0.0)),
-                                    "flops_ratio": float(xla["flops"]) / max(r.flops, 1.0),
-                                    "bytes_ratio": float(xla.get("bytes accessed", 0.0)) / max(r.hbm_bytes, 1.0)}
+        rep["xla_cost_analysis"] = {
+            "flops": float(xla["flops"]),
+            "bytes": float(xla.get("bytes accessed", 0.0)),
+            "flops_ratio": float(xla["flops"]) / max(r.flops, 1.0),
+            "bytes_ratio": float(xla.get("bytes accessed", 0.0)) / max(r.hbm_bytes, 1.0),
+        }
     return rep
 
 
 def check_packages(platform: str):
     """AotUnavailable naming the extra where the target's compiler is not installed."""
     import importlib.util
+
     need = {"tpu": ("libtpu", "jax[tpu]"), "cuda": ("jax_cuda12_plugin", "jax[cuda12-local] and ptxas")}[platform]
     if importlib.util.find_spec(need[0]) is None:
-        raise AotUnavailable(f"compiling for {platform} needs {need[1]}, which is not installed here; "
-                             "pip install -e '.[aot]' (about 2 GB)")
+        raise AotUnavailable(
+            f"compiling for {platform} needs {need[1]}, which is not installed here; "
+            "pip install -e '.[aot]' (about 2 GB)"
+        )
     if platform == "cuda" and (jax.config.jax_platforms or "").strip().lower() != "cpu":
-        raise AotUnavailable("compiling for cuda needs JAX_PLATFORMS=cpu set before JAX starts (python -m "
-                             "resformer_jax.compile sets it); otherwise the CUDA plugin looks for a local GPU")
+        raise AotUnavailable(
+            "compiling for cuda needs JAX_PLATFORMS=cpu set before JAX starts (python -m "
+            "resformer_jax.compile sets it); otherwise the CUDA plugin looks for a local GPU"
+        )
 
 
 def _machine_code(compiled, platform: str) -> str:
     try:
         blob = compiled.runtime_executable().serialize()
-    except Exception as e:  # noqa: BLE001 - a report field
+    except Exception as e:
         return f"executable not serialisable here ({type(e).__name__})"
     if platform == "cuda":
         images = blob.count(ELF_MAGIC)
@@ -221,23 +271,34 @@ def _refusal(e: Exception, what: str, target: Target, knobs: str) -> Exception:
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
     if "Shared memory size limit exceeded" in text:
         m = re.search(r"Shared memory size limit exceeded[^\n]*", text)
-        return CompileError(f"{what} does not compile for {target.hardware}: a Triton kernel needs more shared "
-                            f"memory than the GPU has ({m.group(0)}); the attention kernel's blocks are too large "
-                            "(kernels/pallas_attention.choose_blocks shrinks them to its budget; a hand-set "
-                            "block_q/block_k or head_dim above 256 bypasses it)")
+        return CompileError(
+            f"{what} does not compile for {target.hardware}: a Triton kernel needs more shared "
+            f"memory than the GPU has ({m.group(0)}); the attention kernel's blocks are too large "
+            "(kernels/pallas_attention.choose_blocks shrinks them to its budget; a hand-set "
+            "block_q/block_k or head_dim above 256 bypasses it)"
+        )
     if "RESOURCE_EXHAUSTED" in text and ("HBM" in text or "hbm" in text or "memory" in text.lower()):
         m = re.search(r"[^\n]*(?:exceeds available|Ran out of memory)[^\n]*", text)
         said = (m.group(0).strip() if m else first)[:400]
-        return MemoryPrecheckError(
-            f"{what} does not fit {target.hardware}: the compiler says: {said}; {knobs}")
+        return MemoryPrecheckError(f"{what} does not fit {target.hardware}: the compiler says: {said}; {knobs}")
     if "VMEM" in text or "vmem" in text:
-        return CompileError(f"{what} does not compile for {target.hardware}: a Mosaic kernel exceeds the TPU's "
-                            f"on-chip memory (VMEM): {first[:400]}")
+        return CompileError(
+            f"{what} does not compile for {target.hardware}: a Mosaic kernel exceeds the TPU's "
+            f"on-chip memory (VMEM): {first[:400]}"
+        )
     return CompileError(f"{what} does not compile for {target.hardware}: {type(e).__name__}: {first[:400]}")
 
 
-def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: dict | None = None,
-                 log: Callable[[str], Any] = print, model_flops: tuple[float, float] | None = None) -> CompiledStep:
+def compile_step(
+    name: str,
+    jitted,
+    args: tuple,
+    target: Target,
+    cfg,
+    kwargs: dict | None = None,
+    log: Callable[[str], Any] = print,
+    model_flops: tuple[float, float] | None = None,
+) -> CompiledStep:
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
     # JAX's persistent compilation cache cannot hold these: a compile-only client cannot load an entry back
@@ -253,7 +314,7 @@ def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: di
         if dump:
             shutil.rmtree(dump, ignore_errors=True)
         raise
-    except Exception as e:  # noqa: BLE001 - the compiler's refusal, as one line
+    except Exception as e:
         if dump:
             shutil.rmtree(dump, ignore_errors=True)
         knobs = DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices)
@@ -268,26 +329,43 @@ def compile_step(name: str, jitted, args: tuple, target: Target, cfg, kwargs: di
     mem = perf.step_memory(compiled)
     hlo = compiled.as_text()
     calls = dict(collections.Counter(_CUSTOM_CALL.findall(hlo)))
-    step = CompiledStep(name, seconds, mem, calls, _machine_code(compiled, target.platform), True,
-                        roofline=step_roofline(compiled, hlo, target, model_flops))
+    step = CompiledStep(
+        name,
+        seconds,
+        mem,
+        calls,
+        _machine_code(compiled, target.platform),
+        True,
+        roofline=step_roofline(compiled, hlo, target, model_flops),
+    )
     if dump:
         try:
-            step.kernel_resources = [dataclasses.asdict(k) for k in kernel_resources(
-                dump, set(re.findall(r"/([\w$]+)/pallas_call", hlo)), ARCH.get(target.kind, "sm_90a"))]
+            step.kernel_resources = [
+                dataclasses.asdict(k)
+                for k in kernel_resources(
+                    dump, set(re.findall(r"/([\w$]+)/pallas_call", hlo)), ARCH.get(target.kind, "sm_90a")
+                )
+            ]
         finally:
             shutil.rmtree(dump, ignore_errors=True)
     try:
-        memory_precheck(mem, cfg.mesh, limit=target.hbm_bytes, what=f"the {name} step",
-                        source=f"{target.kind}'s usable memory ({target.hbm_source})",
-                        knobs=DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices))
+        memory_precheck(
+            mem,
+            cfg.mesh,
+            limit=target.hbm_bytes,
+            what=f"the {name} step",
+            source=f"{target.kind}'s usable memory ({target.hbm_source})",
+            knobs=DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices),
+        )
     except MemoryPrecheckError as e:
         step.fits, step.problem = False, str(e)
     log(f"{name}: compiled in {seconds:.1f} s")
     return step
 
 
-def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 0, prompt_len: int = 0,
-                       log: Callable[[str], Any] = print) -> CompileReport:
+def compile_for_target(
+    cfg, target: Target, *, steps=STEPS, decode_batch: int = 0, prompt_len: int = 0, log: Callable[[str], Any] = print
+) -> CompileReport:
     """Builds the run for `target` as train/setup.build does on that hardware and compiles `steps` there."""
     check_packages(target.platform)
     unknown = set(steps) - set(STEPS)
@@ -300,19 +378,43 @@ def compile_for_target(cfg, target: Target, *, steps=STEPS, decode_batch: int = 
     out = []
     if "train" in steps:
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(compile_step("train", setup.train_step, (setup.abstract_state, batch), target, cfg, log=log,
-                                model_flops=step_model_flops(cfg, setup.global_batch_shape[0], target.num_devices)))
+        out.append(
+            compile_step(
+                "train",
+                setup.train_step,
+                (setup.abstract_state, batch),
+                target,
+                cfg,
+                log=log,
+                model_flops=step_model_flops(cfg, setup.global_batch_shape[0], target.num_devices),
+            )
+        )
     if "eval" in steps:
         batch = jax.ShapeDtypeStruct(setup.eval_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(compile_step("eval", setup.eval_step, (setup.abstract_state.params, batch), target, cfg,
-                                log=log, model_flops=step_model_flops(cfg, setup.eval_batch_shape[0],
-                                                                      target.num_devices, forward_only=True)))
+        out.append(
+            compile_step(
+                "eval",
+                setup.eval_step,
+                (setup.abstract_state.params, batch),
+                target,
+                cfg,
+                log=log,
+                model_flops=step_model_flops(cfg, setup.eval_batch_shape[0], target.num_devices, forward_only=True),
+            )
+        )
     if "decode" in steps:
         out.extend(_compile_decode(setup, target, decode_batch, prompt_len, log))
     devices = cfg.mesh.num_devices or target.num_devices
-    return CompileReport(target, setup.attention.impl, cfg.model.dtype, dict(setup.mesh.shape),
-                         cfg.train.microbatch or cfg.train.global_batch, cfg.model.remat, out,
-                         perf.estimate_train_memory(cfg, devices) if "train" in steps else {})
+    return CompileReport(
+        target,
+        setup.attention.impl,
+        setup.cfg.model.dtype,
+        dict(setup.mesh.shape),
+        cfg.train.microbatch or cfg.train.global_batch,
+        cfg.model.remat,
+        out,
+        perf.estimate_train_memory(cfg, devices) if "train" in steps else {},
+    )
 
 
 def step_model_flops(cfg, sequences: int, devices: int, forward_only: bool = False) -> tuple[float, float]:
@@ -328,22 +430,34 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     """generate's two programs (commands/generate.py): the prompt's prefill (one chunk of it, the program
     generate runs for a prompt of `prompt_len` tokens, default data.seq_len) and one new token, parameters in the
     training layout, the KV cache sharded over the batch, spanning model.max_seq_len."""
-    from resformer_jax.model.decode import PREFILL_CHUNK, FrozenModelConfig, _step, cache_shapes, cache_shardings
+    from resformer_jax.model.config import ModelConfig
+    from resformer_jax.model.decode import PREFILL_CHUNK, _step, cache_shapes, cache_shardings
+
     mesh, m = setup.mesh, setup.model_cfg
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = batch or shards
     max_len = m.max_seq_len
     prompt = min(prompt_len or setup.cfg.data.seq_len, max_len, PREFILL_CHUNK)
     cache = cache_shapes(m, batch=batch, max_len=max_len)
-    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
-                         cache_shardings(cache, mesh, batch))
+    cache = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, cache_shardings(cache, mesh, batch)
+    )
     rows = NamedSharding(mesh, P(("data", "fsdp"), None) if batch % shards == 0 else P())
-    mf = FrozenModelConfig(m)
+    mf = ModelConfig.of(m)
     out = []
     for name, T in (("decode_prefill", prompt), ("decode_token", 1)):
         tokens = jax.ShapeDtypeStruct((batch, T), jnp.int32, sharding=rows)
-        out.append(compile_step(name, _step, (setup.abstract_state.params, tokens, cache), target, setup.cfg,
-                                kwargs={"m_frozen": mf, "max_len": max_len}, log=log))
+        out.append(
+            compile_step(
+                name,
+                _step,
+                (setup.abstract_state.params, tokens, cache),
+                target,
+                setup.cfg,
+                kwargs={"m_frozen": mf, "max_len": max_len},
+                log=log,
+            )
+        )
     return out
 
 
@@ -374,12 +488,20 @@ def tune_candidates(cfg, devices: int) -> list[dict]:
         micro.append(per_device * devices)
         per_device //= 2
     meshes = [{"mesh.data": -1, "mesh.fsdp": 1}] + ([{"mesh.data": 1, "mesh.fsdp": -1}] if devices > 1 else [])
-    return [{"model.remat": r, "train.microbatch": mb, **mesh} for mesh in meshes for r in ("full", "dots", "none")
-            for mb in micro]
+    return [
+        {"model.remat": r, "train.microbatch": mb, **mesh}
+        for mesh in meshes
+        for r in ("full", "dots", "none")
+        for mb in micro
+    ]
 
 
-def tune(cfg, target: Target, log: Callable[[str], Any] = print, candidates: list[dict] | None = None,
-         ) -> list[TuneResult]:
+def tune(
+    cfg,
+    target: Target,
+    log: Callable[[str], Any] = print,
+    candidates: list[dict] | None = None,
+) -> list[TuneResult]:
     """Compiles the train step for each candidate setting; per remat policy and mesh, microbatches are tried from
     the largest down until one fits, then one smaller (the step gets no faster below the largest that fits, and
     compiles cost time). Results that fit with headroom come first, by bound."""
@@ -403,12 +525,24 @@ def tune(cfg, target: Target, log: Callable[[str], Any] = print, candidates: lis
         mem = step.memory.total if step.memory else None
         fits = step.fits and mem is not None and mem <= (1 - TUNE_HEADROOM) * target.hbm_bytes
         r = step.roofline or {}
-        res = TuneResult(cand, mem, fits, r.get("per_op_bound_s"), r.get("mfu_ceiling_model"),
-                         "" if fits else (step.problem or f"over {1 - TUNE_HEADROOM:.0%} of the chip's memory"))
+        res = TuneResult(
+            cand,
+            mem,
+            fits,
+            r.get("per_op_bound_s"),
+            r.get("mfu_ceiling_model"),
+            "" if fits else (step.problem or f"over {1 - TUNE_HEADROOM:.0%} of the chip's memory"),
+        )
         results.append(res)
-        log(f"tune: {res.flags()}: " + (f"{mem / 2**30:.1f} GiB, " if mem else "") +
-            (f"bound {res.bound_s * 1e3:.1f} ms, MFU ceiling {res.mfu_ceiling:.3f}" if res.bound_s and res.fits
-             else f"does not fit ({res.problem[:120]})"))
+        log(
+            f"tune: {res.flags()}: "
+            + (f"{mem / 2**30:.1f} GiB, " if mem else "")
+            + (
+                f"bound {res.bound_s * 1e3:.1f} ms, MFU ceiling {res.mfu_ceiling:.3f}"
+                if res.bound_s and res.fits
+                else f"does not fit ({res.problem[:120]})"
+            )
+        )
         if fits:
             tried_fit[group] = tried_fit.get(group, 0) + 1
     return sorted(results, key=lambda r: (not r.fits, r.bound_s if r.bound_s is not None else float("inf")))

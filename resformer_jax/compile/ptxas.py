@@ -2,6 +2,7 @@
 it): the compile command dumps the program's PTX (XLA's xla_dump_to, per compile) and asks `ptxas -v` what each
 Pallas kernel uses on the target GPU, so a kernel that spills registers to local memory shows before any GPU time
 is spent."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,15 @@ def parse_ptxas(text: str) -> list[KernelResources]:
             continue
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
         stack = re.search(r"(\d+) bytes stack frame", block)
-        out.append(KernelResources(name.group(1), int(regs.group(1)), int(spill.group(1)) if spill else 0,
-                                   int(spill.group(2)) if spill else 0, int(stack.group(1)) if stack else 0))
+        out.append(
+            KernelResources(
+                name.group(1),
+                int(regs.group(1)),
+                int(spill.group(1)) if spill else 0,
+                int(spill.group(2)) if spill else 0,
+                int(stack.group(1)) if stack else 0,
+            )
+        )
     return out
 
 
@@ -65,7 +73,8 @@ def kernel_resources(dump_dir: str, kernels: set[str], arch: str, ptxas: str | N
             entries = set(re.findall(r"\.entry\s+([\w$]+)", f.read()))
         if not entries & kernels:
             continue
-        r = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull], capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run(
+            [ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull], capture_output=True, text=True, timeout=300
+        )
         out += [k for k in parse_ptxas(r.stdout + r.stderr) if k.kernel in kernels]
     return out

@@ -1,4 +1,4 @@
-"""The first thing to run on new hardware: `python -m resformer_jax.bench accelerator`.
+"""The first thing to run on new hardware: `resformer bench accelerator`.
 
 One JSON report (stdout, and --out FILE) and a short table (stderr), in under 10 minutes on one GPU:
 
@@ -14,6 +14,7 @@ Rows that need another kind of accelerator are marked not applicable. On a CPU t
 at reduced shapes (a tiny model, short sequences), so it is exercised by the tests and cannot rot;
 its speed numbers there say nothing about an accelerator.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax import kernels, perf
-from resformer_jax.benchmarks.attention import time_attention
-from resformer_jax.benchmarks.decode import bench_decode
-from resformer_jax.benchmarks.train import TrainBench
+from resformer_jax.bench.attention import time_attention
+from resformer_jax.bench.decode import bench_decode
+from resformer_jax.bench.train import TrainBench
 from resformer_jax.config import paper_config, tiny_config
 from resformer_jax.train.setup import AttentionChoice
 
@@ -47,6 +48,7 @@ def applicable(impl: str, backend: str) -> tuple[bool, str]:
 def _jax_pallas_gpu(q, k, v):
     """JAX's own GPU Pallas flash attention ([B, T, H, D] layout, no GQA: K/V repeated)."""
     from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
+
     G = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
     return jax_gpu_attention.mha(q, k, v, segment_ids=None, causal=True, sm_scale=1.0 / np.sqrt(q.shape[-1]))
@@ -74,6 +76,7 @@ def correctness(impl: str, shape, dtype) -> dict:
     def fwd_bwd(f, q, k, v, do):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do.astype(o.dtype))
+
     want = jax.jit(lambda *a: fwd_bwd(kernels.reference_attention, *a))(q32, k32, v32, do32)
     cast = [x.astype(dtype) for x in (q32, k32, v32, do32)]
     got = jax.jit(lambda *a: fwd_bwd(attention_fn(impl), *a))(*cast)
@@ -86,18 +89,25 @@ def speed(impl: str, shape, dtype, peak: float, repeats: int = 5) -> dict:
 
 
 def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
-    """One impl's train step, built as training builds it (benchmarks/train.py's TrainBench)."""
+    """One impl's train step, built as training builds it (bench/train.py's TrainBench)."""
     bench = TrainBench(cfg, AttentionChoice(impl, {}, False), log=lambda s: None)
     bench.warm_up(1)
     for _ in range(steps):
         bench.timed_step()
     r = bench.report(peak, "")
     measured = r["peak_memory_bytes"] if r["peak_memory_source"].startswith("device") else None
-    return {"impl": impl, "compile_s": round(r["compile_s"], 2), "step_s": round(r["median_step_s"], 4),
-            "tokens_per_s": r["tokens_per_s"], "mfu_6n": round(r["mfu_6n"], 4), "mfu_model": round(r["mfu_model"], 4),
-            "loss": r["loss"], "xla_memory_estimate_bytes": r["xla_memory_bytes_per_device"],
-            "measured_peak_bytes": measured,
-            "measured_peak_source": "device peak_bytes_in_use" if measured is not None else "not reported on CPU"}
+    return {
+        "impl": impl,
+        "compile_s": round(r["compile_s"], 2),
+        "step_s": round(r["median_step_s"], 4),
+        "tokens_per_s": r["tokens_per_s"],
+        "mfu_6n": round(r["mfu_6n"], 4),
+        "mfu_model": round(r["mfu_model"], 4),
+        "loss": r["loss"],
+        "xla_memory_estimate_bytes": r["xla_memory_bytes_per_device"],
+        "measured_peak_bytes": measured,
+        "measured_peak_source": "device peak_bytes_in_use" if measured is not None else "not reported on CPU",
+    }
 
 
 def decode(cfg, variant: str, context: int, new_tokens: int) -> dict:
@@ -108,14 +118,15 @@ def decode(cfg, variant: str, context: int, new_tokens: int) -> dict:
 
 def device_target_config() -> str | None:
     """This GPU's own XLA target config (GpuTargetConfigProto text), the format of the specs
-    `python -m resformer_jax.compile` ships in resformer_jax/train/gpu_specs/: the first real run of this check
+    `resformer compile` ships in resformer_jax/compile/gpu_specs/: the first real run of this check
     records the device's numbers so the shipped spec can be compared with them. None off GPU."""
     if jax.default_backend() != "gpu":
         return None
     try:
         from jax._src.lib import xla_client
+
         return str(xla_client.get_topology_for_devices(jax.devices()).target_config)
-    except Exception as e:  # noqa: BLE001 - a report field, never a reason to stop the check
+    except Exception as e:
         return f"unavailable: {type(e).__name__}: {e}"
 
 
@@ -123,9 +134,16 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
     peak, peak_src = perf.device_peak_flops()
-    report = {"device_kind": jax.devices()[0].device_kind, "backend": backend, "devices": jax.device_count(),
-              "jax": jax.__version__, "peak_flops": peak, "peak_source": peak_src,
-              "reduced_shapes": on_cpu, "target_config": device_target_config()}
+    report = {
+        "device_kind": jax.devices()[0].device_kind,
+        "backend": backend,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "peak_flops": peak,
+        "peak_source": peak_src,
+        "reduced_shapes": on_cpu,
+        "target_config": device_target_config(),
+    }
     # The 468M attention shape per device (paper Table 4: 16 heads, head_dim 64, T = 2,048), reduced on CPU.
     speed_shape = (1, 256, 4, 4, 64) if on_cpu else (4, 2048, 16, 16, 64)
     check_shape = (1, 128, 4, 2, 64)  # correctness: GQA, small enough to run interpreted
@@ -144,7 +162,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict
                 row["status"] = "ok"
             else:
                 row["status"] = f"correctness checked interpreted; speed not applicable: {why}"
-        except Exception as e:  # noqa: BLE001 - the report says what failed, and the check goes on
+        except Exception as e:
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         rows.append(row)
         log(f"attention {impl:>15}: {row['status']}")
@@ -165,11 +183,15 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict
             continue
         try:
             train.append(train_step(cfg.copy_and_resolve_references(), row["impl"], train_steps, peak))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             train.append({"impl": row["impl"], "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
         log(f"train step {row['impl']:>8}: {train[-1]}")
-    report["train"] = {"config": "tiny (CPU)" if on_cpu else "resformer_468m, remat=full, 8 sequences per device",
-                       "batch": cfg.train.global_batch, "seq_len": cfg.data.seq_len, "steps": train}
+    report["train"] = {
+        "config": "tiny (CPU)" if on_cpu else "resformer_468m, remat=full, 8 sequences per device",
+        "batch": cfg.train.global_batch,
+        "seq_len": cfg.data.seq_len,
+        "steps": train,
+    }
 
     dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
     context, new = (64, 8) if on_cpu else (2048, 32)
@@ -178,28 +200,36 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['device_kind']} ({report['backend']}, {report['devices']} devices), peak "
-             f"{report['peak_flops'] / 1e12:.1f} TFLOP/s ({report['peak_source']})"
-             + ("  [reduced shapes: CPU]" if report["reduced_shapes"] else "")]
+    lines = [
+        f"{report['device_kind']} ({report['backend']}, {report['devices']} devices), peak "
+        f"{report['peak_flops'] / 1e12:.1f} TFLOP/s ({report['peak_source']})"
+        + ("  [reduced shapes: CPU]" if report["reduced_shapes"] else "")
+    ]
     lines.append(f"{'impl':>15} {'err fp32':>9} {'err bf16':>9} {'fwd ms':>8} {'fwd+bwd ms':>11}  status")
     for r in report["attention"]["rows"]:
         e32 = max(r["max_rel_error"]["float32"].values()) if "max_rel_error" in r else float("nan")
         e16 = max(r["max_rel_error"]["bfloat16"].values()) if "max_rel_error" in r else float("nan")
         sp = r.get("speed_bf16", {})
-        lines.append(f"{r['impl']:>15} {e32:9.1e} {e16:9.1e} {sp.get('fwd', {}).get('ms', float('nan')):8.2f} "
-                     f"{sp.get('fwd_bwd', {}).get('ms', float('nan')):11.2f}  {r['status'][:60]}")
+        lines.append(
+            f"{r['impl']:>15} {e32:9.1e} {e16:9.1e} {sp.get('fwd', {}).get('ms', float('nan')):8.2f} "
+            f"{sp.get('fwd_bwd', {}).get('ms', float('nan')):11.2f}  {r['status'][:60]}"
+        )
     lines.append(f"auto chose {report['auto']['choice']!r}")
     for s in report["train"]["steps"]:
         if "step_s" in s:
-            lines.append(f"train {s['impl']:>8}: {s['step_s']:.3f} s/step, {s['tokens_per_s']:,.0f} tok/s, MFU "
-                         f"{s['mfu_model']:.3f} (model) {s['mfu_6n']:.3f} (6N), XLA estimate "
-                         f"{(s['xla_memory_estimate_bytes'] or 0) / 2**30:.2f} GiB, measured peak "
-                         + (f"{s['measured_peak_bytes'] / 2**30:.2f} GiB" if s["measured_peak_bytes"] else "n/a"))
+            lines.append(
+                f"train {s['impl']:>8}: {s['step_s']:.3f} s/step, {s['tokens_per_s']:,.0f} tok/s, MFU "
+                f"{s['mfu_model']:.3f} (model) {s['mfu_6n']:.3f} (6N), XLA estimate "
+                f"{(s['xla_memory_estimate_bytes'] or 0) / 2**30:.2f} GiB, measured peak "
+                + (f"{s['measured_peak_bytes'] / 2**30:.2f} GiB" if s["measured_peak_bytes"] else "n/a")
+            )
         else:
             lines.append(f"train {s['impl']:>8}: {s['status']}")
     for d in report["decode"]:
-        lines.append(f"decode {d['variant']:>8}: {d['decode_tokens_per_s']:,.1f} tok/s, KV cache "
-                     f"{d['kv_cache_bytes'] / 2**20:.1f} MiB at context {d['context']}")
+        lines.append(
+            f"decode {d['variant']:>8}: {d['decode_tokens_per_s']:,.1f} tok/s, KV cache "
+            f"{d['kv_cache_bytes'] / 2**20:.1f} MiB at context {d['context']}"
+        )
     return "\n".join(lines)
 
 
@@ -209,5 +239,6 @@ def main(out: str | None = None) -> dict:
     print(table(report), file=sys.stderr)
     if out:  # local or gs:// / s3://
         from resformer_jax.storage import run_path, write_text_atomic
+
         write_text_atomic(run_path(out), json.dumps(report, indent=1, default=float))
     return report

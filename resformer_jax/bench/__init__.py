@@ -1,4 +1,4 @@
-"""The benchmarks, one module each, over one timing helper (timing.py); `python -m resformer_jax.bench NAME`
+"""The benchmarks, one module each, over one timing helper (timing.py); `resformer bench NAME`
 runs them (commands/bench.py, whose table maps each subcommand to its module here).
 
   train        train.py        the compiled train step as training builds it: step time, tokens/s, MFU, memory,

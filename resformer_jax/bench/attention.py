@@ -1,11 +1,12 @@
 """Attention impls timed forward and forward+backward at given shapes."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from resformer_jax import kernels, perf
-from resformer_jax.benchmarks.timing import median_seconds, random_qkv
+from resformer_jax.bench.timing import median_seconds, random_qkv
 
 
 def time_attention(f, shape, dtype, peak: float, repeats: int = 5, seed: int = 0) -> dict:
@@ -29,10 +30,18 @@ def bench_attention(shapes, impls, dtype) -> list[dict]:
         shape = tuple(int(x) for x in spec.split(","))
         for impl in impls:
             try:
-                times = time_attention(lambda q, k, v, impl=impl: kernels.attention(q, k, v, impl=impl), shape,
-                                       dtype, peak)
-                res.append({"impl": impl, "shape": list(shape), "dtype": str(dtype.__name__ if hasattr(
-                    dtype, "__name__") else dtype), **times, "peak_source": src})
-            except Exception as e:  # noqa: BLE001 - a benchmark reports what cannot run
+                times = time_attention(
+                    lambda q, k, v, impl=impl: kernels.attention(q, k, v, impl=impl), shape, dtype, peak
+                )
+                res.append(
+                    {
+                        "impl": impl,
+                        "shape": list(shape),
+                        "dtype": str(dtype.__name__ if hasattr(dtype, "__name__") else dtype),
+                        **times,
+                        "peak_source": src,
+                    }
+                )
+            except Exception as e:
                 res.append({"impl": impl, "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]})
     return res

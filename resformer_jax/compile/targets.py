@@ -1,4 +1,4 @@
-"""The hardware a run can be compiled for from this machine (train/aot.py): TPU slices and NVIDIA GPU nodes.
+"""The hardware a run can be compiled for from this machine (compile/aot.py): TPU slices and NVIDIA GPU nodes.
 
   parse_target("v5p-64")            -> 32 v5p chips (v4/v5p names count TensorCores, two per chip, as Cloud TPU
                                        names them); "v5e-256", "v6e-8": chips; "v5e:2x4": libtpu's own form
@@ -11,6 +11,7 @@ v4/v5p as megacore (one JAX device per chip). HBM per chip: Cloud TPU's system-a
 compiler enforces its own exact limit as it compiles (a program over it does not compile), the number here is
 what the report compares against.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,14 +47,25 @@ TPU_CHIPS = {
 }
 TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v5": "v5p"}
 # chips -> slice shape (Cloud TPU's topologies for each count)
-SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-             256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16)}
+SHAPES_3D = {
+    4: (2, 2, 1),
+    8: (2, 2, 2),
+    16: (2, 2, 4),
+    32: (2, 4, 4),
+    64: (4, 4, 4),
+    128: (4, 4, 8),
+    256: (4, 8, 8),
+    512: (8, 8, 8),
+    1024: (8, 8, 16),
+    2048: (8, 16, 16),
+    4096: (16, 16, 16),
+}
 SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuModel:
-    spec_file: str  # in resformer_jax/train/gpu_specs/
+    spec_file: str  # in resformer_jax/compile/gpu_specs/
     kind: str
 
 
@@ -66,9 +78,11 @@ GPU_MODELS = {
 # (XLA_PYTHON_CLIENT_PREALLOCATE=false still caps at the card's memory).
 JAX_GPU_MEM_FRACTION = 0.75
 
-KNOWN = ("TPU: v4-N, v5p-N (N TensorCores, two per chip: v5p-8 is 4 chips), v5e-N, v6e-N (N chips), or libtpu's "
-         "GEN:AxB[xC] (e.g. v5e:2x4); --slices for multislice. GPU: h100xN, h200xN, a100xN (N GPUs a node, "
-         "at most 8); --nodes for several nodes")
+KNOWN = (
+    "TPU: v4-N, v5p-N (N TensorCores, two per chip: v5p-8 is 4 chips), v5e-N, v6e-N (N chips), or libtpu's "
+    "GEN:AxB[xC] (e.g. v5e:2x4); --slices for multislice. GPU: h100xN, h200xN, a100xN (N GPUs a node, "
+    "at most 8); --nodes for several nodes"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,28 +115,35 @@ class Target:
 
     def target_config(self) -> str:
         """The GPU target config text (gpu_specs/)."""
-        return importlib.resources.files("resformer_jax.train").joinpath("gpu_specs", self.spec_file).read_text()
+        return importlib.resources.files("resformer_jax.compile").joinpath("gpu_specs", self.spec_file).read_text()
 
     def devices(self) -> list:
         """Compile-only devices of this hardware, in the order a real run's jax.devices() lists them."""
         from jax.experimental import topologies
+
         if self.platform == "tpu":
             # libtpu asks the (absent) GCE metadata server what it runs on unless told it is not a TPU VM.
             os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
             # compile-only: no chip is opened, so two compiles at once (two commands, two test workers) may each
             # load libtpu, which otherwise refuses the second through its multi-process lockfile
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-            topo = topologies.get_topology_desc(platform="tpu", topology_name=self.topology_name,
-                                                chip_config_name=self.chip_config,
-                                                chips_per_host_bounds=self.chips_per_host_bounds,
-                                                num_slices=self.num_slices, wrap=self.wrap)
+            topo = topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=self.topology_name,
+                chip_config_name=self.chip_config,
+                chips_per_host_bounds=self.chips_per_host_bounds,
+                num_slices=self.num_slices,
+                wrap=self.wrap,
+            )
         else:
-            topo = topologies.get_topology_desc(platform="cuda", target_config=self.target_config(),
-                                                topology=f"1x{self.nodes}x{self.gpus_per_node}")
+            topo = topologies.get_topology_desc(
+                platform="cuda", target_config=self.target_config(), topology=f"1x{self.nodes}x{self.gpus_per_node}"
+            )
         devices = list(topo.devices)
         if len(devices) != self.num_devices:
-            raise TargetError(f"target {self.name}: the topology has {len(devices)} devices, expected "
-                              f"{self.num_devices}")
+            raise TargetError(
+                f"target {self.name}: the topology has {len(devices)} devices, expected {self.num_devices}"
+            )
         return devices
 
 
@@ -143,14 +164,25 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
         model, per_node = GPU_MODELS[gpu.group(1)], int(gpu.group(2))
         if not 1 <= per_node <= 8:
             raise TargetError(f"{name}: {per_node} GPUs a node; an NVLink node has 1 to 8 (use --nodes for more)")
-        t = Target(name, "cuda", model.kind, per_node * nodes, 0, "", spec_file=model.spec_file, nodes=nodes,
-                   gpus_per_node=per_node)
+        t = Target(
+            name,
+            "cuda",
+            model.kind,
+            per_node * nodes,
+            0,
+            "",
+            spec_file=model.spec_file,
+            nodes=nodes,
+            gpus_per_node=per_node,
+        )
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEM_FRACTION))
         card = _gpu_memory(t.target_config())
         return dataclasses.replace(
-            t, hbm_bytes=int(card * fraction),
+            t,
+            hbm_bytes=int(card * fraction),
             hbm_source=f"{fraction:.0%} of its {card / GIB:.2f} GiB, JAX's GPU allocator default; "
-                       "XLA_PYTHON_CLIENT_MEM_FRACTION changes it")
+            "XLA_PYTHON_CLIENT_MEM_FRACTION changes it",
+        )
     if nodes != 1:
         raise TargetError(f"--nodes is for GPU targets ({name} is not one); a TPU slice's size is in its name")
     libtpu = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+){1,2})", raw)
@@ -170,19 +202,30 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
                 raise TargetError(f"{name}: {gen} names count TensorCores, two per chip; use an even number")
             table = SHAPES_3D if chip.dims == 3 else SHAPES_2D
             if chips not in table:
-                raise TargetError(f"{name}: no {gen} slice has {chips} chips; known sizes: "
-                                  + ", ".join(f"{gen}-{c * 2 if chip.cores_in_name else c}" for c in table))
+                raise TargetError(
+                    f"{name}: no {gen} slice has {chips} chips; known sizes: "
+                    + ", ".join(f"{gen}-{c * 2 if chip.cores_in_name else c}" for c in table)
+                )
             dims = table[chips]
         if len(dims) != chip.dims:
-            raise TargetError(f"{name}: {gen} slices are {chip.dims}-D (e.g. {gen}:"
-                              f"{'x'.join(['2'] * chip.dims)})")
+            raise TargetError(f"{name}: {gen} slices are {chip.dims}-D (e.g. {gen}:{'x'.join(['2'] * chip.dims)})")
         count = 1
         for d in dims:
             count *= d
         bounds = (1, 1, 1) if count == 1 else (2, 2, 1)
         # A 3-D slice whose sides are all multiples of 4 is a torus (wraparound links) in Cloud TPU.
         wrap = tuple(chip.dims == 3 and all(d % 4 == 0 for d in dims) for _ in range(3))
-        return Target(name, "tpu", chip.kind, count * slices, chip.hbm_bytes,
-                      f"{chip.kind}'s HBM per chip", topology_name=f"{chip.topology_prefix}:{'x'.join(map(str, dims))}",
-                      chip_config=chip.chip_config, chips_per_host_bounds=bounds, wrap=wrap, num_slices=slices)
+        return Target(
+            name,
+            "tpu",
+            chip.kind,
+            count * slices,
+            chip.hbm_bytes,
+            f"{chip.kind}'s HBM per chip",
+            topology_name=f"{chip.topology_prefix}:{'x'.join(map(str, dims))}",
+            chip_config=chip.chip_config,
+            chips_per_host_bounds=bounds,
+            wrap=wrap,
+            num_slices=slices,
+        )
     raise TargetError(f"unknown target {name!r}; known: {KNOWN}")

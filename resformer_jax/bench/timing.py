@@ -1,4 +1,5 @@
 """What every benchmark times with: the median of repeated calls after a warm-up, and random inputs."""
+
 from __future__ import annotations
 
 import statistics
@@ -25,8 +26,11 @@ def random_qkv(shape, dtype, seed: int = 0):
     """q [B, T, H, D], k and v [B, T, K, D] for an attention shape (B, T, H, K, D), standard normal."""
     B, T, H, K, D = shape
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return (jax.random.normal(ks[0], (B, T, H, D), dtype), jax.random.normal(ks[1], (B, T, K, D), dtype),
-            jax.random.normal(ks[2], (B, T, K, D), dtype))
+    return (
+        jax.random.normal(ks[0], (B, T, H, D), dtype),
+        jax.random.normal(ks[1], (B, T, K, D), dtype),
+        jax.random.normal(ks[2], (B, T, K, D), dtype),
+    )
 
 
 def random_tokens(shape, vocab_size: int, sharding=None, seed: int = 0):

@@ -31,6 +31,7 @@ Ops nest (a while loop holds its body's ops): each op counts only its own time, 
 different threads may overlap; the groups are scaled by (time any op ran) / (sum of op times), so they add up
 to the busy time, and host_overhead is the rest of the wall time: the groups sum to the profiled step's time.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -45,7 +46,9 @@ _SCOPES = (("optimizer", "optimizer"), ("lm_head_xent", "lm_head_xent"), ("atten
 _CONTROL = ("while", "conditional", "call")
 _MATMUL_OPS = ("dot", "convolution")
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 
 
@@ -71,8 +74,9 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
             op_name = re.search(r'op_name="([^"]*)"', rest)
             calls = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest)
             target = re.search(r'custom_call_target="([^"]*)"', rest)
-            insts[m.group("name")] = Instruction(m.group("op"), op_name.group(1) if op_name else "", tuple(calls),
-                                                 target.group(1) if target else "")
+            insts[m.group("name")] = Instruction(
+                m.group("op"), op_name.group(1) if op_name else "", tuple(calls), target.group(1) if target else ""
+            )
             computation_of[m.group("name")] = current
             for c in calls:
                 caller_of.setdefault(c, m.group("name"))
@@ -90,6 +94,7 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
         if inst.op_name or caller is None or depth > 64:
             return inst.op_name
         return scope(caller, depth + 1)
+
     return {n: i if i.op_name else dataclasses.replace(i, op_name=scope(n)) for n, i in insts.items()}, comps
 
 
@@ -108,8 +113,9 @@ def is_matmul(inst: Instruction | None, comps: dict[str, set[str]]) -> bool:
         return False
     if inst.opcode == "custom-call" and re.search(r"gemm|matmul", inst.target, re.I):
         return True
-    return inst.opcode in _MATMUL_OPS or any(comps.get(c, set()) & set(_MATMUL_OPS) for c in inst.calls
-                                             if inst.opcode in ("fusion", "custom-call"))
+    return inst.opcode in _MATMUL_OPS or any(
+        comps.get(c, set()) & set(_MATMUL_OPS) for c in inst.calls if inst.opcode in ("fusion", "custom-call")
+    )
 
 
 def _is_op(name: str) -> bool:
@@ -128,8 +134,11 @@ def _op_lines(profile):
     return [ln for ln in host if ln.name.startswith("tf_XLA")] or [ln for ln in host if ln.name != "python"]
 
 
-_TASK_START, _TASK_STOP, _TASK_RECORD = ("ThreadpoolListener::StartRegion", "ThreadpoolListener::StopRegion",
-                                          "ThreadpoolListener::Record")
+_TASK_START, _TASK_STOP, _TASK_RECORD = (
+    "ThreadpoolListener::StartRegion",
+    "ThreadpoolListener::StopRegion",
+    "ThreadpoolListener::Record",
+)
 
 
 def _stat(event, key):
@@ -183,8 +192,13 @@ def _thread_pool_tasks(lines, ops_by_line) -> list[list[tuple[int, int, str]]]:
                 records[_stat(e, "_p")] = (li, e.start_ns)
         # leaf tasks only: no op event starts inside
         starts = op_index[li].starts
-        regions.append([(s, t, c) for s, t, c in mine if c is not None
-                        and bisect.bisect_left(starts, s) == bisect.bisect_left(starts, t)])
+        regions.append(
+            [
+                (s, t, c)
+                for s, t, c in mine
+                if c is not None and bisect.bisect_left(starts, s) == bisect.bisect_left(starts, t)
+            ]
+        )
     task_index = [_Innermost(rs) for rs in regions]
     memo: dict = {}
 
@@ -212,15 +226,24 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
     by_op: dict[str, float] = {}
     intervals, unknown = [], 0
     lines = _op_lines(profile)
-    is_work = lambda n: _is_op(n) and (n not in insts or insts[n].opcode not in _CONTROL)  # noqa: E731
-    ops_by_line = [[(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
-                    if e.duration_ns > 0 and is_work(e.name)] for line in lines]
+    is_work = lambda n: _is_op(n) and (n not in insts or insts[n].opcode not in _CONTROL)
+    ops_by_line = [
+        [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events if e.duration_ns > 0 and is_work(e.name)]
+        for line in lines
+    ]
     tasks_by_line = _thread_pool_tasks(lines, ops_by_line)
     for line, tasks in zip(lines, tasks_by_line):
-        events = sorted([(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
-                         if e.duration_ns > 0 and _is_op(e.name)] + tasks,
-                        key=lambda x: (x[0], -x[1]))
+        events = sorted(
+            [
+                (e.start_ns, e.start_ns + e.duration_ns, e.name)
+                for e in line.events
+                if e.duration_ns > 0 and _is_op(e.name)
+            ]
+            + tasks,
+            key=lambda x: (x[0], -x[1]),
+        )
         stack: list[list] = []  # [end, name, child time]
+
         def close(item):
             end, name, start, child = item
             own = (end - start) - child
@@ -232,6 +255,7 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
             self_ns[classify(inst, comps)] += max(own, 0.0)
             matmul_ns += max(own, 0.0) if is_matmul(inst, comps) else 0.0
             by_op[name] = by_op.get(name, 0.0) + max(own, 0.0)
+
         for start, end, name in events:
             while stack and stack[-1][0] <= start:
                 close(stack.pop())
@@ -260,17 +284,25 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
     scale = busy / ops_total if ops_total else 0.0
     out = {g: self_ns[g] * scale / 1e9 for g in GROUPS if g != "host_overhead"}
     out["host_overhead"] = (wall_ns - busy) / 1e9
-    return {"seconds": {g: round(out[g], 9) for g in GROUPS},
-            "fraction": {g: round(out[g] / wall_s, 4) for g in GROUPS},
-            "profiled_step_s": round(wall_s, 9),
-            # the part of the groups that matmuls took, scaled like them: what the step would take if nothing else ran
-            "matmul_s": round(matmul_ns * scale / 1e9, 9),
-            "op_time_over_busy_time": round(ops_total / busy, 3) if busy else None,
-            "ops_not_in_hlo": unknown,
-            # the ten ops that took longest (own time, before the overlap scaling), with where they came from
-            "top_ops": [{"op": n, "group": classify(insts.get(n), comps), "seconds": round(t / 1e9, 9),
-                         "source": insts[n].op_name if n in insts else ""}
-                        for n, t in sorted(by_op.items(), key=lambda x: -x[1])[:top_ops]]}
+    return {
+        "seconds": {g: round(out[g], 9) for g in GROUPS},
+        "fraction": {g: round(out[g] / wall_s, 4) for g in GROUPS},
+        "profiled_step_s": round(wall_s, 9),
+        # the part of the groups that matmuls took, scaled like them: what the step would take if nothing else ran
+        "matmul_s": round(matmul_ns * scale / 1e9, 9),
+        "op_time_over_busy_time": round(ops_total / busy, 3) if busy else None,
+        "ops_not_in_hlo": unknown,
+        # the ten ops that took longest (own time, before the overlap scaling), with where they came from
+        "top_ops": [
+            {
+                "op": n,
+                "group": classify(insts.get(n), comps),
+                "seconds": round(t / 1e9, 9),
+                "source": insts[n].op_name if n in insts else "",
+            }
+            for n, t in sorted(by_op.items(), key=lambda x: -x[1])[:top_ops]
+        ],
+    }
 
 
 @dataclasses.dataclass
@@ -284,6 +316,7 @@ class ProfiledStep:
 def profile_step(step_fn, state, tokens, hlo_text: str, profile_dir: str) -> ProfiledStep:
     """Runs one step under the profiler, writes the trace to profile_dir and returns the grouped breakdown."""
     import jax
+
     os.makedirs(profile_dir, exist_ok=True)
     # No Python tracer: it records every Python call of the dispatch, which cost 10-20% of a small step; XLA's
     # own op events come from the host tracer.

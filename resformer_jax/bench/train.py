@@ -1,6 +1,7 @@
 """The train step as training builds it (train/setup.py), timed: variants and dtypes interleaved step by step,
 MFU against the peak (on CPU the matmul throughput sampled next to each step), memory, and the step's time
 by group from a real profile (step_profile.py)."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import statistics
 import sys
 import time
 
-from resformer_jax.benchmarks.timing import random_tokens
+from resformer_jax.bench.timing import random_tokens
 
 
 def _rss_bytes() -> int:
@@ -22,26 +23,38 @@ class TrainBench:
 
     def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr)):
         import jax
+
         from resformer_jax.train.setup import build
+
         self.cfg = cfg
         self.setup = build(cfg, attention=attention, log=log)
         self.compiled, compile_s, mem = self.setup.compile()
         self.mem = mem
         self.shape = self.setup.global_batch_shape
-        self.out = {"variant": cfg.model.value_residual, "scan_layers": cfg.model.scan_layers,
-                    "remat": cfg.model.remat, "attention_impl": self.setup.model_cfg.attention_impl,
-                    "num_layers": cfg.model.num_layers, "batch": cfg.train.global_batch,
-                    "seq_len": cfg.data.seq_len, "dtype": cfg.model.dtype, "devices": jax.device_count(),
-                    "device_kind": jax.devices()[0].device_kind, "compile_s": round(compile_s, 3),
-                    "xla_memory_bytes_per_device": mem.total if mem is not None else None,
-                    "xla_temp_bytes_per_device": mem.temporaries if mem is not None else None}
+        self.out = {
+            "variant": cfg.model.value_residual,
+            "scan_layers": cfg.model.scan_layers,
+            "remat": cfg.model.remat,
+            "attention_impl": self.setup.model_cfg.attention_impl,
+            "num_layers": cfg.model.num_layers,
+            "batch": cfg.train.global_batch,
+            "seq_len": cfg.data.seq_len,
+            "dtype": cfg.model.dtype,
+            "devices": jax.device_count(),
+            "device_kind": jax.devices()[0].device_kind,
+            "compile_s": round(compile_s, 3),
+            "xla_memory_bytes_per_device": mem.total if mem is not None else None,
+            "xla_temp_bytes_per_device": mem.temporaries if mem is not None else None,
+        }
         self.times, self.state, self.profiles, self.hlo = [], None, [], None
         self.round_peaks = []  # CPU: the matmul peak sampled just before each timed step
-        self._tokens = lambda: random_tokens(self.shape, cfg.model.vocab_size, self.setup.batch_sh)  # noqa: E731
+        self._tokens = lambda: random_tokens(self.shape, cfg.model.vocab_size, self.setup.batch_sh)
 
     def warm_up(self, steps=2):
         import jax
+
         from resformer_jax.train.setup import memory_knobs, memory_precheck
+
         # a clear error before a step that cannot fit, as training does
         memory_precheck(self.mem, self.cfg.mesh, knobs=memory_knobs(self.cfg, self.setup.mesh.devices.size))
         self.state = self.setup.init_state(seed=0)
@@ -52,6 +65,7 @@ class TrainBench:
 
     def timed_step(self):
         import jax
+
         t = time.perf_counter()
         self.state, self.metrics = self.compiled(self.state, self.tokens)
         jax.block_until_ready(self.metrics)
@@ -59,13 +73,15 @@ class TrainBench:
 
     def profiled_step(self, profile_dir: str):
         """One step under the profiler (step_profile.py); its trace stays in profile_dir."""
-        from resformer_jax.benchmarks.step_profile import profile_step
+        from resformer_jax.bench.step_profile import profile_step
+
         self.hlo = self.hlo or self.compiled.as_text()
         p = profile_step(self.compiled, self.state, self.tokens, self.hlo, profile_dir)
         self.state, self.metrics = p.state, p.metrics
         # Paired with this round's timed step: the ratio cancels the host's drift between rounds.
-        self.profiles.append({**p.breakdown, "trace_dir": p.trace_dir,
-                              "ratio": p.breakdown["profiled_step_s"] / self.times[-1]})
+        self.profiles.append(
+            {**p.breakdown, "trace_dir": p.trace_dir, "ratio": p.breakdown["profiled_step_s"] / self.times[-1]}
+        )
 
     def breakdown(self) -> dict | None:
         """The profiled step of median wall time (None when none was profiled)."""
@@ -73,42 +89,65 @@ class TrainBench:
             return None
         runs = sorted(self.profiles, key=lambda b: b["profiled_step_s"])
         out = {k: v for k, v in runs[len(runs) // 2].items() if k != "ratio"}
-        return {**out, "profiled_steps": len(runs),
-                "profiled_over_timed_step": round(statistics.median(b["ratio"] for b in self.profiles), 4)}
+        return {
+            **out,
+            "profiled_steps": len(runs),
+            "profiled_over_timed_step": round(statistics.median(b["ratio"] for b in self.profiles), 4),
+        }
 
     def release(self):
         self.state = self.tokens = None
 
     def report(self, peak, peak_src, peak_median=None) -> dict:
         import jax
+
         from resformer_jax import perf
+
         cfg = self.cfg
         med = statistics.median(self.times)
         tps = cfg.train.global_batch * cfg.data.seq_len / med
         flops = perf.model_flops(cfg.model, cfg.data.seq_len)
         stats = jax.local_devices()[0].memory_stats() or {}
-        return {**self.out, "median_step_s": round(med, 4), "step_s": [round(x, 4) for x in self.times],
-                "tokens_per_s": round(tps, 1), "tokens_per_s_per_device": round(tps / jax.device_count(), 1),
-                **perf.mfu(flops, tps, peak),
-                **({"mfu_model_vs_median_peak": flops.per_token * tps / peak_median,
-                    "peak_flops_median": peak_median} if peak_median else {}),
-                # each step against the peak sampled just before it, the median over steps: a shared host's
-                # slow spells touch both sides of each ratio alike
-                **({"mfu_model_vs_paired_peak": statistics.median(
-                    flops.per_token * cfg.train.global_batch * cfg.data.seq_len / t / p
-                    for t, p in zip(self.times, self.round_peaks))} if self.round_peaks else {}),
-                "peak_flops": peak, "peak_source": peak_src, "flops_per_token": flops.per_token,
-                "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
-                "peak_memory_source": "device peak_bytes_in_use" if "peak_bytes_in_use" in stats
-                else "process RSS (all variants of this process)",
-                "loss": float(self.metrics["loss"]),
-                # the allocator settings the process ran with (runtime.host_memory_tunables: huge pages for XLA's
-                # buffers on CPU hosts); they move a CPU step by ~7%
-                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-                # the XLA options the step compiled with (runtime.cpu_step_compiler_options: Eigen matmuls on
-                # AVX2 CPUs without AVX-512)
-                "compiler_options": dict(self.setup.compiler_options),
-                **self._profile_report(flops.per_token * cfg.train.global_batch * cfg.data.seq_len / med, peak)}
+        return {
+            **self.out,
+            "median_step_s": round(med, 4),
+            "step_s": [round(x, 4) for x in self.times],
+            "tokens_per_s": round(tps, 1),
+            "tokens_per_s_per_device": round(tps / jax.device_count(), 1),
+            **perf.mfu(flops, tps, peak),
+            **(
+                {"mfu_model_vs_median_peak": flops.per_token * tps / peak_median, "peak_flops_median": peak_median}
+                if peak_median
+                else {}
+            ),
+            # each step against the peak sampled just before it, the median over steps: a shared host's
+            # slow spells touch both sides of each ratio alike
+            **(
+                {
+                    "mfu_model_vs_paired_peak": statistics.median(
+                        flops.per_token * cfg.train.global_batch * cfg.data.seq_len / t / p
+                        for t, p in zip(self.times, self.round_peaks)
+                    )
+                }
+                if self.round_peaks
+                else {}
+            ),
+            "peak_flops": peak,
+            "peak_source": peak_src,
+            "flops_per_token": flops.per_token,
+            "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
+            "peak_memory_source": "device peak_bytes_in_use"
+            if "peak_bytes_in_use" in stats
+            else "process RSS (all variants of this process)",
+            "loss": float(self.metrics["loss"]),
+            # the allocator settings the process ran with (runtime.host_memory_tunables: huge pages for XLA's
+            # buffers on CPU hosts); they move a CPU step by ~7%
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            # the XLA options the step compiled with (runtime.cpu_step_compiler_options: Eigen matmuls on
+            # AVX2 CPUs without AVX-512)
+            "compiler_options": dict(self.setup.compiler_options),
+            **self._profile_report(flops.per_token * cfg.train.global_batch * cfg.data.seq_len / med, peak),
+        }
 
     def _profile_report(self, flops_per_s: float, peak: float) -> dict:
         """The profiled step's breakdown, and what its matmuls' share of the step (step_profile.py: `matmul_s`)
@@ -121,12 +160,22 @@ class TrainBench:
         share = bd["matmul_s"] / bd["profiled_step_s"]
         if not share:
             return {"step_breakdown": bd}
-        return {"step_breakdown": bd, "matmul_flops_per_s_in_step": flops_per_s / share,
-                "mfu_model_matmuls_only": flops_per_s / share / peak}
+        return {
+            "step_breakdown": bd,
+            "matmul_flops_per_s_in_step": flops_per_s / share,
+            "mfu_model_matmuls_only": flops_per_s / share / peak,
+        }
 
 
-def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, attention=None,
-                profile_dir: str | None = None, profile_steps: int = 1) -> list[dict]:
+def bench_train(
+    cfgs,
+    steps: int,
+    compile_only: bool,
+    interleave: bool = True,
+    attention=None,
+    profile_dir: str | None = None,
+    profile_steps: int = 1,
+) -> list[dict]:
     """Compiles every variant, then times `steps` steps of each.
 
     interleave: the variants take turns step by step (round robin), so a slow
@@ -143,8 +192,11 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
     (a temporary folder, deleted, when None).
     """
     import tempfile
+
     import jax
+
     from resformer_jax import perf
+
     benches = [TrainBench(c, attention) for c in cfgs]
     if compile_only:
         return [b.out for b in benches]
@@ -178,9 +230,11 @@ def bench_train(cfgs, steps: int, compile_only: bool, interleave: bool = True, a
     for b in benches:
         dtype, ss = b.cfg.model.dtype, samples[b.cfg.model.dtype]
         if on_cpu:
-            src = (f"best of {len(ss)} {'bf16' if dtype == 'bfloat16' else 'fp32'} matmul throughput samples of "
-                   "this host's CPU, taken at start-up and "
-                   f"between the timed steps (they ranged {min(ss) / 1e9:.0f}-{max(ss) / 1e9:.0f} GFLOP/s)")
+            src = (
+                f"best of {len(ss)} {'bf16' if dtype == 'bfloat16' else 'fp32'} matmul throughput samples of "
+                "this host's CPU, taken at start-up and "
+                f"between the timed steps (they ranged {min(ss) / 1e9:.0f}-{max(ss) / 1e9:.0f} GFLOP/s)"
+            )
             out.append(b.report(max(ss), src, statistics.median(ss)))
         else:
             out.append(b.report(*perf.device_peak_flops(dtype)))

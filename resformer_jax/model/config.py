@@ -1,0 +1,147 @@
+"""The model's typed, frozen config: every field with its default (the one place defaults live, for new runs and
+for runs saved before a field existed), derived values as properties, hashable so jit can take it as static.
+
+Made once at the edge from the `model` section of the run's ConfigDict (`ModelConfig.of`); the ConfigDict stays
+what users write on the command line (`--config.model.d_model=...`), `config.base_config()` builds its `model`
+section from these defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# NeuTRENO's lambda when model.neutreno_lambda < 0 (the paper's defaults, Sec. 4.4): alone, and with ResFormer.
+NEUTRENO_DEFAULT = 0.4
+NEUTRENO_WITH_RESFORMER = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "llama"  # llama: RMSNorm, SwiGLU, RoPE | gpt2: LayerNorm, GELU MLP, learned positions, biases
+    vocab_size: int = 50277
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 0  # 0: same as num_heads (MHA); fewer for GQA/MQA
+    d_model: int = 512
+    ffn_dim: int = 1792
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    # RoPE scaling, for imported checkpoints (Llama 3.1: llama3, factor 8, low 1, high 4, original 8,192):
+    # default (plain RoPE) | linear | llama3, with Hugging Face's rope_scaling fields.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # Paper Table 4: "Tie Word Embedding: False", for every architecture (the authors' GPT-2 run is untied too);
+    # True reads the logits off the input embedding (GPT-2's original form).
+    tie_embeddings: bool = False
+    # GPT-2's init of the output projections (attention out, MLP down): std init_std / sqrt(2 * num_layers).
+    scaled_output_init: bool = False
+    # Dropout on the embeddings and on each residual branch's output (GPT-2's embd_pdrop and resid_pdrop; the
+    # attention probabilities are not dropped: the fused kernels have no such input). The paper's text: 0.
+    dropout: float = 0.0
+    value_residual: str = "none"  # none | resformer | svformer | neutreno | resformer+neutreno
+    resformer_lambdas: str = "fixed"  # fixed | learnable | learnable_plus | sparse
+    lambda_init: tuple[float, float] = (0.5, 0.5)  # (l1 on the earlier value, l2 on V_n), Eq. 7
+    sparse_layers: tuple[int, ...] = ()  # 1-based layers where l1 != 0 for `sparse`
+    sparse_lambda: float = 5.0
+    neutreno_lambda: float = -1.0  # < 0: the paper's default (0.4 alone, 0.2 with resformer)
+    # first | previous | mean_of_previous (Fig. 8; with the attention mapping: Eq. 5, (1/n) sum_{i<=n} V_i) |
+    # mean_of_previous_mixed (Eq. 7's mix of the mean of V_1..V_{n-1} with V_n)
+    value_source: str = "first"
+    residual_on: str = "v"  # v | q | k (Fig. 6)
+    mapping: str = "attention"  # attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
+    denseformer: bool = False
+    cla_share_every: int = 1  # 2 = CLA2: layers reuse the previous layer's K/V
+    cla_share: str = "kv"  # kv | k | v (Fig. 4)
+    svformer_anchors: tuple[int, ...] = ()  # 1-based layers that recompute the shared value (Fig. 14)
+    svformer_share: str = "v"  # v | q | k (Fig. 13)
+    dtype: str = "float32"  # compute dtype (auto: resolved by the setup); parameters are always float32
+    scan_layers: bool = True
+    remat: str = "none"  # none | dots | full
+    attention_impl: str = "auto"  # resolved by the setup into a concrete kernel before the model is built
+    matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (the setup, per platform)
+
+    @classmethod
+    def of(cls, m: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
+        """The typed config of a model ConfigDict or dict (a saved run's included): fields it lacks take their
+        defaults, except that a GPT-2 run saved before `tie_embeddings` existed was tied (its checkpoints hold
+        no lm_head). Fields this version does not know are left out."""
+        if isinstance(m, ModelConfig):
+            return m
+        d = cls.upgrade(dict(m.to_dict() if hasattr(m, "to_dict") else m))
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, value in d.items():
+            if name not in known:
+                continue
+            if isinstance(value, list):
+                value = tuple(value)
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    @staticmethod
+    def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
+        """A saved run's model dict with the meaning it had when saved: a GPT-2 run saved before
+        `tie_embeddings` existed was tied. (Fields it lacks otherwise take this class's defaults.)"""
+        if saved.get("arch") == "gpt2" and "tie_embeddings" not in saved:
+            return {**saved, "tie_embeddings": True}
+        return saved
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads where it is 0 (MHA)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def output_init_std(self) -> float:
+        """The init std of the output projections (attention out, MLP down): GPT-2's scaled form when asked."""
+        return self.init_std / (2 * self.num_layers) ** 0.5 if self.scaled_output_init else self.init_std
+
+    @property
+    def mixes_values(self) -> bool:
+        """ResFormer's mix (Eq. 7) of an earlier value into V_n, alone or with NeuTRENO."""
+        return self.value_residual in ("resformer", "resformer+neutreno")
+
+    @property
+    def uses_neutreno(self) -> bool:
+        """NeuTRENO's correction (Eq. 8) after the attention."""
+        return self.value_residual in ("neutreno", "resformer+neutreno")
+
+    @property
+    def shares_first_value(self) -> bool:
+        """SVFormer (Eq. 10): layers >= 2 take something (V, or Q/K in Fig. 13) from layer 1."""
+        return self.value_residual == "svformer"
+
+    @property
+    def learns_lambdas(self) -> bool:
+        """ResFormer with trainable mixing weights (logged per layer to TensorBoard)."""
+        return self.mixes_values and self.resformer_lambdas in ("learnable", "learnable_plus")
+
+    @property
+    def neutreno(self) -> float:
+        """Eq. 8's lambda as used: the field, or the paper's default where it is negative."""
+        if self.neutreno_lambda >= 0:
+            return float(self.neutreno_lambda)
+        return NEUTRENO_WITH_RESFORMER if self.value_residual == "resformer+neutreno" else NEUTRENO_DEFAULT
