@@ -132,7 +132,7 @@ class LayerTensors(NamedTuple):
 
     q: jax.Array  # [B, T, H, D], before RoPE
     k: jax.Array  # [B, T, K, D], before RoPE
-    v: jax.Array | None  # [B, T, K, D] V_n; None where the layer has no W_V (SVFormer)
+    v: Any  # [B, T, K, D] V_n; None where the layer has no W_V (SVFormer)
     v_att: jax.Array  # the value A_n was applied to
     k_all: jax.Array  # [B, S, K, D] rotated keys attended over
     v_all: jax.Array  # [B, S, K, D] values attended over
@@ -154,11 +154,12 @@ class Carry:
     """What the stack threads from layer to layer; fields an ablation does not use stay None."""
 
     h: jax.Array  # [B, T, E] hidden state
-    v_prev: jax.Array | None = None  # value_source=previous: V_{n-1}
-    v_sum: jax.Array | None = None  # value_source=mean_of_previous / mapping=identity: sum of earlier V (fp32)
-    n_prev: jax.Array | None = None  # how many values v_sum holds
-    group: LayerTensors | None = None  # CLA: the tensors of the group's first layer
-    shared: LayerTensors | None = None  # SVFormer anchors: the layer whose V is the shared value
+    # Each None unless the configured equations read it (typed Any: which are set is the plan's decision).
+    v_prev: Any = None  # value_source=previous: V_{n-1}
+    v_sum: Any = None  # value_source=mean_of_previous / mapping=identity: sum of earlier V (fp32)
+    n_prev: Any = None  # how many values v_sum holds
+    group: Any = None  # CLA: the LayerTensors of the group's first layer
+    shared: Any = None  # SVFormer anchors: the LayerTensors of the layer whose V is the shared value
 
 
 def first_carry(m: ModelConfig, h_BxTxE, first: LayerTensors) -> Carry:
@@ -166,25 +167,25 @@ def first_carry(m: ModelConfig, h_BxTxE, first: LayerTensors) -> Carry:
     m = ModelConfig.of(m)
     c = Carry(h=h_BxTxE)
     if m.value_source == "previous":
-        c = c.replace(v_prev=first.v)
+        c = dataclasses.replace(c, v_prev=first.v)
     if m.value_source.startswith("mean_of_previous") or m.mapping == "identity":
-        c = c.replace(v_sum=first.v.astype(jnp.float32), n_prev=jnp.ones((), jnp.float32))
+        c = dataclasses.replace(c, v_sum=first.v.astype(jnp.float32), n_prev=jnp.ones((), jnp.float32))
     if m.cla_share_every > 1:
-        c = c.replace(group=first)
+        c = dataclasses.replace(c, group=first)
     return c
 
 
 def next_carry(plan: LayerPlan, carry: Carry, h_BxTxE, t: LayerTensors) -> Carry:
     """The carry after a layer >= 2."""
-    c = carry.replace(h=h_BxTxE)
+    c = dataclasses.replace(carry, h=h_BxTxE)
     if carry.v_prev is not None and t.v is not None:
-        c = c.replace(v_prev=t.v)
+        c = dataclasses.replace(c, v_prev=t.v)
     if carry.v_sum is not None and t.v is not None:
-        c = c.replace(v_sum=carry.v_sum + t.v.astype(jnp.float32), n_prev=carry.n_prev + 1)
+        c = dataclasses.replace(c, v_sum=carry.v_sum + t.v.astype(jnp.float32), n_prev=carry.n_prev + 1)
     if carry.group is not None:  # CLA: the next layer of the group reuses these
-        c = c.replace(group=t)
+        c = dataclasses.replace(c, group=t)
     if plan.anchor:
-        c = c.replace(shared=t)
+        c = dataclasses.replace(c, shared=t)
     return c
 
 
@@ -206,14 +207,15 @@ def eq7_resformer_mix(earlier, own, l1, l2, dtype):
 class ValueMix(NamedTuple):
     """What a value mix may combine: the layer's own V_n, the earlier value, the shared value."""
 
-    own: jax.Array | None  # V_n; None where the layer has no W_V
-    earlier: jax.Array | None  # the earlier value (value_source): V_1, V_{n-1} or the mean of V_1..V_{n-1}
-    shared: jax.Array  # SVFormer's shared value: V_1, or the latest anchor's V (Fig. 14)
+    # Each None where the plan's mix does not read it.
+    own: Any  # V_n; None where the layer has no W_V
+    earlier: Any  # the earlier value (value_source): V_1, V_{n-1} or the mean of V_1..V_{n-1}
+    shared: Any  # SVFormer's shared value: V_1, or the latest anchor's V (Fig. 14)
     l1: jax.Array
     l2: jax.Array
     dtype: Any
-    earlier_sum: jax.Array | None = None  # sum of V_1..V_{n-1} (fp32), where the stack keeps it
-    earlier_count: jax.Array | None = None  # n - 1
+    earlier_sum: Any = None  # sum of V_1..V_{n-1} (fp32), where the stack keeps it
+    earlier_count: Any = None  # n - 1
 
 
 def eq1_own_value(x: ValueMix):
@@ -278,7 +280,38 @@ def eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, k1r_BxTxKxD, v1_BxTxKxD):
 # ----------------------------------------------------------------------------- the module
 
 
+def projection(m: ModelConfig, heads: int, name: str) -> DenseGeneral:
+    """W_Q (heads = H) or W_K / W_V (heads = K): [B, T, E] -> [B, T, heads, D]."""
+    return DenseGeneral(
+        (heads, m.head_dim),
+        ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"),
+        in_dims=1,
+        std=m.init_std,
+        dtype=jnp.dtype(m.dtype),
+        use_bias=m.arch == "gpt2",
+        matmuls=m.matmuls,
+        name=name,
+    )
+
+
+def output_projection(m: ModelConfig, d_model: int) -> DenseGeneral:
+    """W_O: [B, T, H, D] -> [B, T, E]."""
+    return DenseGeneral(
+        (d_model,),
+        ("q_heads", "head_dim", "embed"),
+        in_dims=2,
+        std=m.output_init_std,
+        dtype=jnp.dtype(m.dtype),
+        use_bias=m.arch == "gpt2",
+        matmuls=m.matmuls,
+        name="out",
+    )
+
+
 class Attention(nn.Module):
+    """One layer's attention: the paths for vanilla, ResFormer and SVFormer read as tests/reference.py does;
+    the ablations are fields of the layer's plan. Decoding and the analysis' capture have their own methods."""
+
     cfg: ModelConfig  # attention_impl already resolved from `auto` by the setup
     plan: LayerPlan
     decode: bool = False
@@ -289,108 +322,101 @@ class Attention(nn.Module):
         """Returns (out_BxTxE, this layer's tensors). lam_2: (l1, l2) for this layer (model/lambdas.py)."""
         m, p = self.cfg, self.plan
         dtype = jnp.dtype(m.dtype)
-        H, K, D = m.num_heads, m.kv_heads, m.head_dim
-        first = ctx.first
+        H, K = m.num_heads, m.kv_heads
+        first: Any = ctx.first  # layer 1's tensors (None in layer 1, whose plan reads nothing of them)
         l1, l2 = lam_2[0], lam_2[1]
-        bias = m.arch == "gpt2"
-        dense = lambda shape, name: DenseGeneral(
-            shape,
-            ("embed", "q_heads" if name == "query" else "kv_heads", "head_dim"),
-            in_dims=1,
-            std=m.init_std,
-            dtype=dtype,
-            use_bias=bias,
-            matmuls=m.matmuls,
-            name=name,
-        )
 
-        # Projections: a layer computes only those it owns.
-        q_BxTxHxD = first.q if p.query == "first" else dense((H, D), "query")(x_BxTxE)
-        k_BxTxKxD = {
-            "group": lambda: carry.group.k,
-            "first": lambda: first.k,
-            "own": lambda: dense((K, D), "key")(x_BxTxE),
-        }[p.key]()
-        v_BxTxKxD = {
-            "group": lambda: carry.group.v,
-            "none": lambda: None,
-            "own": lambda: dense((K, D), "value")(x_BxTxE),
-        }[p.value]()
+        # Q_n, K_n, V_n: a layer computes only the projections it owns (SVFormer n >= 2 has no W_V).
+        q_BxTxHxD = first.q if p.query == "first" else projection(m, H, "query")(x_BxTxE)
+        if p.key == "own":
+            k_BxTxKxD = projection(m, K, "key")(x_BxTxE)
+        else:
+            k_BxTxKxD = (carry.group if p.key == "group" else first).k
+        if p.value == "own":
+            v_BxTxKxD = projection(m, K, "value")(x_BxTxE)
+        else:
+            v_BxTxKxD = carry.group.v if p.value == "group" else None
 
-        v_src = None if p.first else earlier_value(p, carry, first, dtype)
+        # Fig. 6: Eq. 7's mix on queries or keys instead of values.
         if p.residual_on == "q":
             q_BxTxHxD = eq7_resformer_mix(first.q, q_BxTxHxD, l1, l2, dtype)
         elif p.residual_on == "k":
             k_BxTxKxD = eq7_resformer_mix(first.k, k_BxTxKxD, l1, l2, dtype)
 
-        # The value this layer's attention matrix is applied to.
+        # The value this layer's attention matrix is applied to: V_n (Eq. 1), l1 V_1 + l2 V_n (Eq. 7), V_1 (Eq. 10).
+        v_src = None if p.first else earlier_value(p, carry, first, dtype)
         shared = None if p.first else (carry.shared or first).v
         v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev))
 
-        # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead
+        # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead.
         inv_freq = rope_inv_freq(m)
         rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if m.uses_rope else (lambda x: x)
-        qr_BxTxHxD = rotate(q_BxTxHxD)
-        kr_BxTxKxD = rotate(k_BxTxKxD)
+        qr_BxTxHxD, kr_BxTxKxD = rotate(q_BxTxHxD), rotate(k_BxTxKxD)
 
-        probs = None
+        # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs); Eq. 2 attends over layer n's and layer 1's K/V.
+        k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
         if self.decode:
-            # Write this step's K and attended V into the layer's own cache and attend over the
-            # whole cache; a layer that owns no K or V reads the full-length one of the layer that does.
-            k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
-            mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= ctx.positions[:, :, None]
-            if p.mapping == "cross_layer" and not p.first:  # Eq. 2 over the caches of layer n and layer 1
-                u_BxTxHxD, probs = kernels.reference_attention(
-                    qr_BxTxHxD,
-                    jnp.concatenate([k_all, first.k_all], axis=1),
-                    jnp.concatenate([v_all, first.v_all], axis=1),
-                    mask_BxTxS=jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1),
-                    return_probs=True,
-                )
-            else:
-                u_BxTxHxD, probs = kernels.reference_attention(
-                    qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS, return_probs=True
-                )
+            u_BxTxHxD, k_all, v_all = self._attend_cached(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD, ctx, carry)
+        elif p.mapping == "cross_layer" and not p.first:
+            u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, rotate(first.k), first.v)
+        elif self.capture:
+            u_BxTxHxD = self._attend_captured(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
         else:
-            k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
-            if p.mapping == "cross_layer" and not p.first:
-                u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, rotate(first.k), first.v)
-            elif self.capture:
-                u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, return_probs=True)
-            else:  # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs)
-                u_BxTxHxD = kernels.attention(
-                    qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True, impl=m.attention_impl, mesh=ctx.mesh
-                )
-        if self.capture and probs is not None:
-            self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
-            self.sow("intermediates", "values", v_att_BxTxKxD)  # the value A_n is applied to
-            # the layer's own V_n (a layer without W_V, SVFormer n >= 2, has none: the value it attends over)
-            self.sow("intermediates", "values_own", v_BxTxKxD if v_BxTxKxD is not None else v_att_BxTxKxD)
-            self.sow("intermediates", "queries", qr_BxTxHxD)  # rotated, as attended with (Fig. 3's measure)
-            self.sow("intermediates", "keys", kr_BxTxKxD)
+            u_BxTxHxD = kernels.attention(
+                qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True, impl=m.attention_impl, mesh=ctx.mesh
+            )
 
+        # Corrections after the attention: Eq. 6's identity mapping, Eq. 8's NeuTRENO.
         if p.mapping == "identity" and not p.first:
             u_BxTxHxD = eq6_identity_mapping(u_BxTxHxD, v_src)
         if p.neutreno:
             u_BxTxHxD = eq8_neutreno(u_BxTxHxD, first.v, v_att_BxTxKxD, p.neutreno)
 
-        out_BxTxE = DenseGeneral(
-            (x_BxTxE.shape[-1],),
-            ("q_heads", "head_dim", "embed"),
-            in_dims=2,
-            std=m.output_init_std,
-            dtype=dtype,
-            use_bias=bias,
-            matmuls=m.matmuls,
-            name="out",
-        )(u_BxTxHxD.astype(dtype))
+        out_BxTxE = output_projection(m, x_BxTxE.shape[-1])(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
+
+    def _attend_cached(self, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD, ctx: Context, carry: Carry):
+        """Decoding: this call's K and attended V go into the layer's cache, and the queries attend over the
+        whole cache (a layer that owns no K or V reads the full-length one of the layer that does).
+        Returns (U_n, the cached K, the cached V)."""
+        first: Any = ctx.first
+        k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
+        mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= ctx.positions[:, :, None]
+        if self.plan.mapping == "cross_layer" and not self.plan.first:  # Eq. 2 over the caches of layers n and 1
+            k_all_ = jnp.concatenate([k_all, first.k_all], axis=1)
+            v_all_ = jnp.concatenate([v_all, first.v_all], axis=1)
+            mask_BxTxS_ = jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1)
+            u_BxTxHxD, probs = kernels.reference_attention(
+                qr_BxTxHxD, k_all_, v_all_, mask_BxTxS=mask_BxTxS_, return_probs=True
+            )
+        else:
+            u_BxTxHxD, probs = kernels.reference_attention(
+                qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS, return_probs=True
+            )
+        if self.capture:
+            self._sow_capture(probs, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
+        return u_BxTxHxD, k_all, v_all
+
+    def _attend_captured(self, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD):
+        """The analysis: the reference attention, which also returns A_n, recorded with the layer's tensors."""
+        u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, return_probs=True)
+        self._sow_capture(probs, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
+        return u_BxTxHxD
+
+    def _sow_capture(self, probs, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD):
+        self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
+        self.sow("intermediates", "values", v_att_BxTxKxD)  # the value A_n is applied to
+        # the layer's own V_n (a layer without W_V, SVFormer n >= 2, has none: the value it attends over)
+        self.sow("intermediates", "values_own", v_BxTxKxD if v_BxTxKxD is not None else v_att_BxTxKxD)
+        self.sow("intermediates", "queries", qr_BxTxHxD)  # rotated, as attended with (Fig. 3's measure)
+        self.sow("intermediates", "keys", kr_BxTxKxD)
 
     def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):
         """Preallocated [B, max_len, K, D] caches updated in place at ctx.index."""
         m, p = self.cfg, self.plan
         shape = (k_cur.shape[0], ctx.max_len, m.kv_heads, m.head_dim)
         dtype = jnp.dtype(m.dtype)
+        first: Any = ctx.first
 
         def own(name, cur):
             c = self.variable("cache", name, jnp.zeros, shape, dtype)
@@ -398,12 +424,12 @@ class Attention(nn.Module):
                 c.value = jax.lax.dynamic_update_slice(c.value, cur.astype(dtype), (0, ctx.index, 0, 0))
             return c.value
 
-        k_all = {"own": lambda: own("k", k_cur), "group": lambda: carry.group.k_all, "first": lambda: ctx.first.k_all}[
-            p.key
-        ]()
-        v_all = {
-            "own": lambda: own("v", v_cur),
-            "group": lambda: carry.group.v_all,
-            "none": lambda: (carry.shared or ctx.first).v_all,
-        }[p.value]()
+        if p.key == "own":
+            k_all = own("k", k_cur)
+        else:
+            k_all = (carry.group if p.key == "group" else first).k_all
+        if p.value == "own":
+            v_all = own("v", v_cur)
+        else:
+            v_all = (carry.group if p.value == "group" else (carry.shared or first)).v_all
         return k_all, v_all

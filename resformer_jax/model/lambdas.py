@@ -40,8 +40,10 @@ def stack_lambdas(module: nn.Module, m: ModelConfig):
     lams_Nx2 = jnp.asarray(fixed_lambdas(m))
     if m.mixes_values and m.resformer_lambdas == "learnable_plus":
         n = m.num_layers - 1
-        logits_N = module.param(
-            "lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)), (n,), jnp.float32
+        logits_N = nn.unbox(
+            module.param(
+                "lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)), (n,), jnp.float32
+            )
         )
         scale = _scalar(module, "lambda_scale", float(m.num_layers))
         lams_Nx2 = lams_Nx2.at[:, 0].set(scale * jax.nn.softmax(logits_N))

@@ -18,7 +18,7 @@ from resformer_jax.kernels import cpu_matmul
 Dtype = jnp.dtype
 
 
-def normal_init(std: float, *names: str):
+def normal_init(std: float, *names: str | None):
     return nn.with_logical_partitioning(nn.initializers.normal(std), names)
 
 

@@ -12,6 +12,7 @@ ablation needs, `Carry`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -121,7 +122,7 @@ class DecoderBlock(nn.Module):
         if self.capture:
             self.sow("intermediates", "hidden", h_BxTxE)
         if plan.first:
-            return carry.replace(h=h_BxTxE), tensors
+            return dataclasses.replace(carry, h=h_BxTxE), tensors
         return next_carry(plan, carry, h_BxTxE, tensors), tensors
 
 
@@ -190,7 +191,7 @@ class Transformer(nn.Module):
         carry, first = block_cls(m, 1, self.decode, self.capture, self.planner, name="layer_1")(
             Carry(h=h_BxTxE), ctx, lams_Nx2[0]
         )
-        ctx = ctx.replace(first=first)
+        ctx = dataclasses.replace(ctx, first=first)
         carry = first_carry(m, carry.h, first)
 
         why_unrolled = needs_unrolled(m)
@@ -211,14 +212,14 @@ class Transformer(nn.Module):
                 log.warning("scan_layers=True but %s; running the layers unrolled.", why_unrolled)
             outputs = [h_BxTxE, carry.h]  # DenseFormer: embedding output and every block output
             if m.denseformer:
-                carry = carry.replace(h=DenseFormerAverage(2, name="dwa_1")(outputs))
+                carry = dataclasses.replace(carry, h=DenseFormerAverage(2, name="dwa_1")(outputs))
             for n in range(2, m.num_layers + 1):
                 carry, _ = block_cls(m, n, self.decode, self.capture, self.planner, name=f"layer_{n}")(
                     carry, ctx, lams_Nx2[n - 2]
                 )
                 if m.denseformer:
                     outputs.append(carry.h)
-                    carry = carry.replace(h=DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs))
+                    carry = dataclasses.replace(carry, h=DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs))
         h_BxTxE = carry.h
 
         h_BxTxE = norm(m, dtype, "final_norm")(h_BxTxE)

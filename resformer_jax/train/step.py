@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -103,7 +104,8 @@ def make_train_step(
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             # A non-finite step never touches the state: the last good state stays intact.
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            new_state = state.replace(
+            new_state = dataclasses.replace(
+                state,
                 step=state.step + 1,
                 params=keep(new_params, state.params),
                 opt_state=keep(new_opt, state.opt_state),
