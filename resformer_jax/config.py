@@ -16,6 +16,7 @@ from resformer_jax.model.config import ModelConfig
 
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
 REMAT_POLICIES = ("none", "dots", "full")
+LOSS_CHUNK_LEN = 128  # LM head + cross entropy fused over this many positions at a time (train/loss.py); 0: full logits
 
 # Paper Table 4: layers, heads, d_model, ffn.
 PAPER_SIZES = {
@@ -75,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
     t.eval_every = 500
     t.eval_batches = 4
     t.skip_nonfinite_steps = False
-    t.loss_chunk_len = 128  # LM head + cross entropy fused over this many positions at a time; 0: full logits
+    t.loss_chunk_len = LOSS_CHUNK_LEN
     t.stop_at = 0  # >0: save and exit after this step (for time-limited jobs); the schedule still spans `steps`
 
     c.mesh = ml_collections.ConfigDict()

@@ -11,6 +11,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from resformer_jax.model.config import ModelConfig
 
 # Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
 PEAK_FLOPS = {
@@ -96,12 +99,37 @@ class ModelFlops:
 
     params_total: int
     params_non_embedding: int
-    per_token: float  # the model's own count: every matmul, causal attention at half (model/transformer.py)
+    per_token: float  # the model's own count: every matmul, causal attention at half (flops_per_token)
     per_token_6n: float  # the 6N convention, N the non-embedding parameters
 
 
+def flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token: 3x the forward (forward + backward), matmuls only.
+
+    Forward: 2 FLOPs per multiply-add of every weight matrix a token passes
+    through (all projections, the MLP and the LM head; the input embedding is
+    a lookup), plus attention's QK^T and AV, 2*2*T*H*D per token per layer,
+    counted at half for the causal mask. Eq. 2 (cross_layer) attends over
+    twice the keys in layers >= 2.
+    """
+    from resformer_jax.model.transformer import param_shapes
+
+    shapes = param_shapes(m)
+    m = ModelConfig.of(m)
+    matmul = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(shapes):
+        if getattr(path[-1], "key", None) == "kernel":
+            matmul += int(np.prod(x.shape))
+    if m.tie_embeddings:
+        matmul += m.vocab_size * m.d_model  # the LM head is the input embedding, transposed
+    H, D = m.num_heads, m.head_dim
+    attn_layers = m.num_layers + (m.num_layers - 1 if m.mapping == "cross_layer" else 0)
+    attn = attn_layers * 2 * 2 * seq_len * H * D * 0.5
+    return 3.0 * (2.0 * matmul + attn)
+
+
 def model_flops(m, seq_len: int) -> ModelFlops:
-    from resformer_jax.model.transformer import flops_per_token, param_counts
+    from resformer_jax.model.transformer import param_counts
 
     pc = param_counts(m)
     return ModelFlops(

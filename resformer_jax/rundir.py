@@ -13,7 +13,7 @@ these names.
     eval/  analysis/        evaluate's and analyze's outputs
     library_errors.log      what libraries logged from their own threads
 
-Local paths, gs:// and s3:// alike (storage.py holds what object storage lacks).
+Local paths, gs:// and s3:// alike (storage/ holds what object storage lacks).
 """
 
 from __future__ import annotations

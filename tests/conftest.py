@@ -53,3 +53,10 @@ def pytest_runtest_protocol(item, nextitem):
         if lock == fcntl.LOCK_SH:
             fcntl.flock(gate, fcntl.LOCK_UN)  # an exclusive test may queue at the gate now
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that compares timings is slow too: the fast tier (-m "not slow") leaves it out."""
+    for item in items:
+        if item.get_closest_marker("exclusive") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

@@ -94,7 +94,7 @@ def attend_masked(q, k, v, mask):
 
 
 def forward_general(p, tokens, m):
-    """Every ablation of issue 10, written from the paper's equations over unrolled params."""
+    """Every ablation, written from the paper's equations over unrolled params."""
     L = m.num_layers
     resformer = m.value_residual in ("resformer", "resformer+neutreno")
     h = p["embed"]["embedding"][tokens]

@@ -1,4 +1,4 @@
-"""Every baseline and ablation as a config, each pinned to its equation (issue 10)."""
+"""Every baseline and ablation as a config, each pinned to its equation."""
 
 import glob
 import importlib.util
@@ -93,6 +93,7 @@ def test_kv_cache_bytes_of_kv_sharing_configs():
     assert summary(load("gqa_half").get_config())["kv_cache_bytes_per_token"] / van == 1 / 2
 
 
+@pytest.mark.slow
 def test_every_ablation_trains_a_few_steps_on_its_tiny_override():
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 256)
     for name in NAMES:

@@ -1,4 +1,4 @@
-"""Corpus preparation as an Apache Beam pipeline (issue 22): the same output as the threaded path."""
+"""Corpus preparation as an Apache Beam pipeline: the same output as the threaded path."""
 
 import os
 import sys
@@ -8,6 +8,8 @@ import pytest
 
 from data_prep.prepare import PrepareError, prepare
 from resformer_jax.data.records import DomainSource, load_metadata
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 SEQ = 128
 MULTIPROCESS = "--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing"

@@ -1,4 +1,4 @@
-"""The FLOP count against XLA's, and the benchmark command (issue 11)."""
+"""The FLOP count against XLA's, and the benchmark command."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from resformer_jax.config import tiny_config, validate
 from resformer_jax.model import Transformer
-from resformer_jax.model.transformer import flops_per_token
+from resformer_jax.perf import flops_per_token
 from resformer_jax.train.step import loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +46,7 @@ def test_flop_count_matches_xla_cost_analysis():
     assert ours < xla
 
 
+@pytest.mark.slow
 def test_bench_train_prints_json_and_compare_ratios():
     env = dict(os.environ)
     r = subprocess.run(
@@ -176,6 +177,7 @@ def test_cpu_step_compiler_options_decision(tmp_path):
     assert cpu_features(str(tmp_path / "missing")) == frozenset()
 
 
+@pytest.mark.slow
 def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
     """The CPU-only path (train and eval steps compiled with YNNPACK's matmuls off, as on an AVX2 CPU without AVX-512):
     its HLO has no YNNPACK matmul where the general step has them, and one step from the same state and batch gives
@@ -222,6 +224,7 @@ print(os.getpid(), os.environ.get("GLIBC_TUNABLES", "-"), resource.getrusage(res
 """
 
 
+@pytest.mark.slow
 def test_commands_restart_once_with_huge_pages_for_large_blocks(tmp_path):
     """A command on this CPU host (run as `python -m resformer_jax.X`) restarts itself once with glibc's hugetlb
     tunable: same PID, its argv kept, and a 512 MiB block then costs hundreds of page faults, not 131,072 (the
@@ -305,6 +308,7 @@ def test_cpu_default_keeps_the_lm_head_reductions_off_ynnpack():
     assert dots > 0 and reductions == 0, f"with the project's defaults: {dots} YNN matmuls, {reductions} reductions"
 
 
+@pytest.mark.slow
 def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     """`bench accelerator` on CPU: reduced shapes, GPU/TPU-only rows marked, the Pallas kernels' correctness
     checked interpreted, one train step per runnable impl, decode for vanilla and SVFormer."""
@@ -358,6 +362,7 @@ def test_bench_data_reports_loader_throughput_against_the_step():
     assert abs(out["loader_over_step"] - out["loader_tokens_per_s_per_host"] / 1000) < 0.01  # both printed rounded
 
 
+@pytest.mark.slow
 def test_bench_decode_matrix_reports_bytes_and_bandwidth():
     r = subprocess.run(
         [
@@ -566,6 +571,7 @@ def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
     assert classify(insts["fusion.7"], comps) == "matmul_projections_mlp"
 
 
+@pytest.mark.slow
 @pytest.mark.exclusive  # times a step against its profiled twin
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the
@@ -621,6 +627,7 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(tmp_path / "resformer") for f in fs)
 
 
+@pytest.mark.slow
 def test_bench_train_compares_dtypes_interleaved():
     """--compare_dtypes runs fp32 and bf16 of one variant in one process, step by step, each against the matmul
     peak of its own dtype, and prints their ratio (the bf16-vs-fp32 speed-up without two runs' host drift)."""

@@ -1,4 +1,4 @@
-"""Exact resume, preemption, damaged checkpoints, resharding, and resume checks (issue 6)."""
+"""Exact resume, preemption, damaged checkpoints, resharding, and resume checks."""
 
 import os
 import signal
@@ -12,6 +12,8 @@ import pytest
 from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12

@@ -1,4 +1,4 @@
-"""Run directories on object storage (issue 23), against real emulators on the loopback address.
+"""Run directories on object storage, against real emulators on the loopback address.
 
 gs:// goes to gcp-storage-emulator (gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST, TensorStore's
 gcs driver follows TENSORSTORE_GCS_HTTP_URL); s3:// goes to moto's server (s3fs, boto3 and TensorStore's s3 driver
@@ -16,6 +16,8 @@ import time
 import pytest
 
 from resformer_jax.config import tiny_config
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
@@ -244,9 +246,10 @@ def test_metrics_log_on_object_storage_keeps_every_line_in_segments(cloud, monke
     from etils import epath
 
     from resformer_jax import storage
+    from resformer_jax.storage import linelog
 
     scheme, _ = cloud
-    monkeypatch.setattr(storage, "SEGMENT_LINES", 3)
+    monkeypatch.setattr(linelog, "SEGMENT_LINES", 3)
     path = f"{scheme}://{BUCKET}/log/metrics.jsonl"
     first = storage.LineLog(path)
     for i in range(7):

@@ -1,4 +1,4 @@
-"""Every command's bad input ends in one line (issue 33): exit code 2, exactly one `error:` line on stderr that names
+"""Every command's bad input ends in one line: exit code 2, exactly one `error:` line on stderr that names
 the input and the fix, no traceback, nothing written where it should not be (a run directory a command only reads
 stays byte-identical), and object storage without credentials or network answered in seconds."""
 
@@ -15,6 +15,8 @@ import pytest
 
 from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Every step compiled for real accelerators from this CPU machine (issue 31): not only lowered, compiled by the
+"""Every step compiled for real accelerators from this CPU machine: not only lowered, compiled by the
 target's own compiler, without the hardware.
 
 TPU: libtpu compiles for a topology of chips (`jax.experimental.topologies`): Mosaic compiles the splash kernel,
@@ -25,6 +25,8 @@ import pytest
 from resformer_jax import kernels
 from resformer_jax.config import tiny_config
 from resformer_jax.train.setup import build
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = [

@@ -1,4 +1,4 @@
-"""Corpus preparation and the grain pipeline (issue 4)."""
+"""Corpus preparation and the grain pipeline."""
 
 import json
 import os
@@ -253,7 +253,7 @@ def test_bad_data_stops_with_clear_messages(slimpajama, tmp_path):
         with pytest.raises(DataError, match=needle):
             train_reader(c)
     c.data.path = out
-    c.data.mixture = "RedPajamaArXiv=1.0"  # the command-line form (issue 17)
+    c.data.mixture = "RedPajamaArXiv=1.0"  # the command-line form
     with pytest.raises(DataError, match="no shards|asks for"):
         train_reader(c)
     with pytest.raises(DataError, match="not below config.model.vocab_size"):

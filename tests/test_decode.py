@@ -1,4 +1,4 @@
-"""KV-cache decoding and generation (issue 8)."""
+"""KV-cache decoding and generation."""
 
 import os
 import subprocess
@@ -104,6 +104,7 @@ def test_sampling_limits():
         assert int(sample_logits(logits, jax.random.PRNGKey(s), 1.0, 2, 1.0)[0]) in (1, 3)
 
 
+@pytest.mark.slow
 def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     from data_prep.prepare import prepare
     from resformer_jax.commands.training import run

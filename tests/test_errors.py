@@ -1,4 +1,4 @@
-"""Every user mistake of issue 17 ends in one line on stderr, a non-zero exit, no traceback, nothing damaged;
+"""Every user mistake ends in one line on stderr, a non-zero exit, no traceback, nothing damaged;
 truncated inputs are errors; an interrupted re-preparation leaves a consistent folder."""
 
 import json
@@ -88,6 +88,7 @@ def test_broken_config_files(tmp_path):
     assert_one_line(cmd("resformer_jax.main", f"--config={none}", "--mode=summary"), "no get_config()")
 
 
+@pytest.mark.slow
 def test_mixture_from_the_command_line(corpus, tmp_path):
     data = str(corpus / "out")
     base = [
@@ -250,6 +251,7 @@ def test_bench_attention_malformed_shapes():
     assert_one_line(cmd("resformer_jax.bench", "attention", "--shapes=4,2048,16"), "--shapes", "B,T,H,K,D")
 
 
+@pytest.mark.slow
 def test_a_step_that_cannot_fit_in_host_memory_stops_before_running(tmp_path):
     """A batch far beyond this host's RAM: XLA:CPU reports no memory limit, so without a check the step would
     start and die inside the runtime ("Out of memory allocating ..."). Training and the benchmark both stop
@@ -269,6 +271,7 @@ def test_read_only_workdir(tmp_path):
     assert_one_line(r, "/sys/kernel")
 
 
+@pytest.mark.slow
 def test_disk_full_while_saving(tmp_path):
     """The file-size limit stands in for a full disk: the checkpoint's array files cannot be written."""
 

@@ -1,4 +1,4 @@
-"""Evaluation and analysis: closed forms, readers, scoring, and the three commands end to end (issue 9)."""
+"""Evaluation and analysis: closed forms, readers, scoring, and the three commands end to end."""
 
 import json
 import os
@@ -109,6 +109,7 @@ def test_relative_curve_of_run_against_itself_is_zero():
     np.testing.assert_allclose(rel, -0.5)
 
 
+@pytest.mark.slow
 def test_three_commands_end_to_end(tmp_path, shared_data):
     from data_prep.prepare import prepare
     from resformer_jax.commands.training import run
@@ -165,7 +166,7 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert r.returncode == 0, r.stderr
     an = json.load(open(tmp_path / "an" / "analysis.json"))
     assert len(an) == 2 and len(an[0]["layers"]["entropy"]) == 3 and len(an[0]["layers"]["spectrum"][0]) == 64
-    # issue 18: training sequences by default, V_n's spectrum per example, Eq. 13 also on the embedding and
+    # the paper's protocol: training sequences by default, V_n's spectrum per example, Eq. 13 also on the embedding and
     # final-norm outputs
     assert an[0]["split"] == "train" and an[0]["spectrum_value"] == "each layer's own V_n"
     assert len(an[0]["layers"]["similarity_all_hidden_states"]) == 3 + 2

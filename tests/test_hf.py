@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints as this project's model (issue 18, Fig. 1 right / Fig. 15 right):
+"""Hugging Face Llama-family checkpoints as this project's model (Fig. 1 right / Fig. 15 right):
 import from local safetensors, equal to the HF forward, and the paper's analysis on them."""
 
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from resformer_jax.hf import HFError, load_hf_llama
+from resformer_jax.hf.llama_import import HFError, load_hf_llama
 from resformer_jax.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,7 +177,7 @@ def _model_and_params(fields, scan=True):
 
 @pytest.mark.parametrize("case", sorted(EXPORT_CASES))
 def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
-    from resformer_jax.hf import export_params, unrolled
+    from resformer_jax.hf.export import export_params, unrolled
 
     c, model, params = _model_and_params(EXPORT_CASES[case])
     out = str(tmp_path / "hf")
@@ -209,7 +209,7 @@ def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
 def test_vanilla_export_has_exactly_hf_llama_names_and_shapes(tmp_path):
     from safetensors.numpy import load_file
 
-    from resformer_jax.hf import export_params
+    from resformer_jax.hf.export import export_params
 
     c, _, params = _model_and_params({"value_residual": "none", "num_kv_heads": 2})
     export_params(c.model, jax.device_get(params), str(tmp_path), shard_bytes=200_000)  # small shards: an index
@@ -247,7 +247,7 @@ def test_exported_model_loads_in_transformers(tmp_path):
         "the numpy HF Llama forward above checks the same logits",
     )
     transformers = pytest.importorskip("transformers")
-    from resformer_jax.hf import export_params
+    from resformer_jax.hf.export import export_params
 
     for case in ("none", "svformer_gqa", "resformer_learnable"):
         c, model, params = _model_and_params(EXPORT_CASES[case])
@@ -260,6 +260,7 @@ def test_exported_model_loads_in_transformers(tmp_path):
         np.testing.assert_allclose(got, np.asarray(model.apply({"params": params}, tokens)), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_export_command_on_a_run(tmp_path):
     from resformer_jax.commands.training import run
     from resformer_jax.config import tiny_config
@@ -372,7 +373,7 @@ def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
     with tied embeddings exports the table as the head with tie_word_embeddings=true: both import back to the
     same logits."""
     from resformer_jax.config import tiny_config
-    from resformer_jax.hf import export_params
+    from resformer_jax.hf.export import export_params
 
     rs = dict(LLAMA31, original_max_position_embeddings=16)
     write_tiny_llama(str(tmp_path / "m"), extra={"rope_scaling": rs})

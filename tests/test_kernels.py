@@ -1,4 +1,4 @@
-"""Attention kernels: pallas (interpret mode on CPU), xla and cudnn against the reference (issue 7)."""
+"""Attention kernels: pallas (interpret mode on CPU), xla and cudnn against the reference."""
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +155,7 @@ def test_chunked_loops_over_pairs_only_on_cpu():
     assert not loops(lambda q: kernels.attention(q, kv, kv, impl="chunked", mesh=mesh))
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_the_same_with_pallas_and_xla(tmp_path):
     out = {}
     for impl in ("pallas", "xla"):

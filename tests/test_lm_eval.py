@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on this project's checkpoints (issue 19): the adapter agrees with resformer_jax.evaluate."""
+"""lm-evaluation-harness on this project's checkpoints: the adapter agrees with resformer_jax.evaluate."""
 
 import os
 import subprocess
@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[lm_eval]'; CI installs it)"

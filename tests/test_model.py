@@ -1,4 +1,4 @@
-"""The value-residual decoder against the paper's equations (issue 2)."""
+"""The value-residual decoder against the paper's equations."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""Meshes, FSDP sharding, multi-process runs and the memory precheck (issue 5)."""
+"""Meshes, FSDP sharding, multi-process runs and the memory precheck."""
 
 import os
 import subprocess
@@ -12,6 +12,8 @@ from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.parallel.mesh import MeshError, make_mesh
 from resformer_jax.train.loop import Trainer
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,10 +50,10 @@ def test_fsdp_mesh_matches_one_device_and_shards_params(tmp_path, one_device_los
     t = Trainer(cfg(data=2, fsdp=4), str(tmp_path))
     assert t.train() == 0
     np.testing.assert_allclose(losses(str(tmp_path)), one_device_losses, rtol=1e-5, atol=1e-5)
-    assert dict(t.mesh.shape) == {"data": 2, "fsdp": 4}
+    assert dict(t.session.setup.mesh.shape) == {"data": 2, "fsdp": 4}
     checked = 0
     for (path, leaf), sh in zip(
-        jax.tree_util.tree_leaves_with_path(t.state.params), jax.tree.leaves(t.state_sh.params)
+        jax.tree_util.tree_leaves_with_path(t.session.state.params), jax.tree.leaves(t.session.setup.state_sh.params)
     ):
         assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), path
         spec = tuple(sh.spec)
@@ -64,7 +66,7 @@ def test_fsdp_mesh_matches_one_device_and_shards_params(tmp_path, one_device_los
             raise AssertionError(f"weight {path} is not sharded over fsdp")
     assert checked >= 10
     # Optimizer moments are sharded like their parameters.
-    mu = t.state.opt_state[1][0].mu
+    mu = t.session.state.opt_state[1][0].mu
     k = mu["embed"]["embedding"]
     assert k.addressable_shards[0].data.shape[1] * 4 == k.shape[1]
 

@@ -1,4 +1,4 @@
-"""bf16 compute on CPU (issue 21): the fast paths equal the plain ones.
+"""bf16 compute on CPU: the fast paths equal the plain ones.
 
 The bf16 matmuls take fp32 accumulation and canonical layouts (model/layers.py `mixed_matmul`, `transposed`;
 train/loss.py); fp32 keeps its exact old code path (tests/test_structure.py pins its losses bitwise).

@@ -1,4 +1,4 @@
-"""Nothing silently lost or wrong (issue 17): checkpoint fingerprints, no restart from zero over a workdir
+"""Nothing silently lost or wrong: checkpoint fingerprints, no restart from zero over a workdir
 that held checkpoints, config changes told apart from damage, and the smaller resume cases."""
 
 import os
@@ -6,9 +6,13 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -183,6 +183,7 @@ def test_a_pallas_kernel_call_on_tpu_counts_its_causal_blocks():
     assert "xla_cost_analysis" in r  # libtpu answers cost_analysis(): both are in the report
 
 
+@pytest.mark.slow
 @needs_aot
 def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     """At the 468M shape (T 2,048, 16 heads of 64, bf16) the kernels on 128 x 128 tiles spill with 4 warps and
@@ -209,6 +210,7 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     assert "kernel flash_attention_dkdv: 255 registers, SPILLS" in lines
 
 
+@pytest.mark.slow
 @needs_aot
 def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(tmp_path):
     """`compile --tune` on the tiny config for 8 H100s: every remat policy, with the state replicated or sharded

@@ -1,4 +1,4 @@
-"""The structure holds (issue 15): losses bitwise as before the refactor, a variant is one plan and
+"""The structure holds: losses bitwise as before the refactor, a variant is one plan and
 one equation function, no hidden state in model/ or kernels/, folder boundaries respected."""
 
 import ast
@@ -10,6 +10,7 @@ import pathlib
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 from record_losses import cpu_description, tiny_run_losses
 
 from resformer_jax.config import tiny_config
@@ -21,7 +22,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax"
 # Per-step training losses of `tiny_config(variant)` with train.steps=12, log_every=1, in this suite's
 # environment (tests/conftest.py: 8 CPU devices, XLA CPU optimisation level 0, the project's XLA defaults),
 # as tests/record_losses.py produces them. First produced by the code before the per-layer-plan refactor
-# (commit 9aecd33); re-recorded once since (issue 21) for two changes that reorder sums on purpose (reductions
+# (commit 9aecd33); re-recorded once since for two changes that reorder sums on purpose (reductions
 # kept off YNNPACK on CPU; the SwiGLU MLP's own VJP): against the first record, steps 1-2 bitwise, the largest
 # change by step 12 1.4e-6 (3 ulp).
 RECORDED_ON = "AMD EPYC (avx2, fma), jax/jaxlib 0.10.2, 2 cores"
@@ -295,6 +296,7 @@ def test_entry_points_are_the_console_script_and_main_only():
     assert shown <= names, f"README or docs/ show commands the CLI does not have: {shown - names}"
 
 
+@pytest.mark.slow
 def test_every_command_answers_help():
     """Each command starts: --help prints the command's own usage (absl exits 1 after it), through the console
     script's dispatcher and through the `python -m` paths kept for main, bench and compile."""
@@ -332,7 +334,8 @@ def test_the_export_writes_the_plan_and_refuses_what_it_cannot_express():
     reads these fields, not the variant's name); a plan the format cannot express stops the export by name."""
     import pytest
 
-    from resformer_jax.hf import HFError, hf_config
+    from resformer_jax.hf.export import hf_config
+    from resformer_jax.hf.llama_import import HFError
 
     for variant, owns, mix in (
         ("none", [True] * 3, ["own"] * 3),

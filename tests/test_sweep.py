@@ -1,4 +1,4 @@
-"""Sweeps over variants and seeds, grouped comparisons with seed bands and a verdict (issue 20)."""
+"""Sweeps over variants and seeds, grouped comparisons with seed bands and a verdict."""
 
 import json
 import os
@@ -13,6 +13,8 @@ import pytest
 
 from resformer_jax.analysis import grouping
 from resformer_jax.analysis.measures import moving_average
+
+pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP = [
@@ -196,6 +198,27 @@ def test_sweep_writes_slurm_and_tpu_scripts_without_running(tmp_path):
     text = open(tmp_path / "sl" / "sweep.sbatch").read()
     assert "#SBATCH --array=0-3" in text and "--signal=TERM@120" in text and NAMES[3] in text
     assert not os.path.exists(tmp_path / "sl" / NAMES[0])
+    # Each array task is the shipped launcher on one run, with the launcher's own resources: run task 2 with a
+    # stand-in srun that records its command line.
+    launcher = open(os.path.join(ROOT, "launch", "slurm_gpu.sbatch")).read().splitlines()
+    own = ("#SBATCH --job-name", "#SBATCH --output")
+    assert all(ln in text for ln in launcher if ln.startswith("#SBATCH") and not ln.startswith(own))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    (fake / "srun").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_ARRAY_TASK_ID": "2",
+        "SRUN_ARGS": str(tmp_path / "srun_args"),
+        "PYTHON": "python-of-the-node",
+    }
+    done = subprocess.run(["bash", str(tmp_path / "sl" / "sweep.sbatch")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "srun_args").read_text().split("\n")
+    assert args[:4] == ["--kill-on-bad-exit=1", "python-of-the-node", "-m", "resformer_jax.main"], args
+    assert "--config=configs/tiny.py" in args and f"--workdir={tmp_path / 'sl' / NAMES[2]}" in args, args
     r = sweep(str(tmp_path / "tpu"), "--tpu_pod=rf,us-east5-a,v5p-64")
     assert r.returncode == 0, r.stderr
     text = open(tmp_path / "tpu" / "sweep_tpu.sh").read()

@@ -1,4 +1,4 @@
-"""Optimizer, schedule, accumulation, the loop and its TensorBoard logs (issue 3)."""
+"""Optimizer, schedule, accumulation, the loop and its TensorBoard logs."""
 
 import glob
 import os
@@ -111,6 +111,7 @@ def read_scalars(logdir):
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}, ea
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_on_real_text_and_logs_tensorboard(tmp_path, capsys):
     c = tiny_config("resformer")
     c.data.source = "demo"  # the Python standard library's source, prepared offline

@@ -54,6 +54,7 @@ def trained(tmp_path_factory):
     return wd, cfg, params, RunDir(wd).tokenizer()
 
 
+@pytest.mark.slow
 def test_scores_and_accuracies_equal_the_full_vocabulary_definition(trained, shared_data):
     _wd, cfg, params, tok = trained
     encode = lambda s: tok.encode(s, add_special_tokens=False).ids
@@ -86,6 +87,7 @@ def test_contexts_longer_than_the_model_are_cut_from_the_left_and_batches_sized_
     assert rows_per_batch(m, 2048, 64, 1 << 30, most=64) < rows_per_batch(m, 64, 8, 1 << 30, most=64) <= 64
 
 
+@pytest.mark.slow
 def test_evaluate_prints_progress_per_task(trained, shared_data, tmp_path):
     """The command: a line per task with items/s, the Table 1 layout, the same accuracies as the library call."""
     wd, cfg, params, _ = trained

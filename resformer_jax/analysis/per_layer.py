@@ -72,7 +72,7 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
     import numpy as np
     from tokenizers import Tokenizer
 
-    from resformer_jax.hf import HFError
+    from resformer_jax.hf.llama_import import HFError
 
     tok_path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tok_path):
@@ -141,9 +141,9 @@ def analyze_run(
     from resformer_jax.model import Transformer
     from resformer_jax.train.setup import load_run
 
-    if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf.py)
+    if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf/llama_import.py)
         from resformer_jax.config import base_config
-        from resformer_jax.hf import load_hf_llama
+        from resformer_jax.hf.llama_import import load_hf_llama
 
         cfg = base_config()
         cfg.model, params = load_hf_llama(hf_model)
@@ -155,7 +155,7 @@ def analyze_run(
         elif text_file:
             seqs = hf_sequences(hf_model, text_file, seq_len, num_sequences, text_unit)
         else:
-            from resformer_jax.hf import HFError
+            from resformer_jax.hf.llama_import import HFError
 
             raise HFError("--hf_model needs --text_file or --data to analyse")
     else:

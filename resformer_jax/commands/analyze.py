@@ -138,7 +138,7 @@ def main(argv):
             if FLAGS[name].value < least:
                 raise cli.ConfigFlagError(f"--{name}={FLAGS[name].value}: must be at least {least}")
         if not FLAGS.workdir and not FLAGS.hf_model:
-            from resformer_jax.hf import HFError
+            from resformer_jax.hf.llama_import import HFError
 
             raise HFError("give --workdir=RUN (or --hf_model=DIR) to analyse")
         from resformer_jax.analysis.per_layer import analyze_run

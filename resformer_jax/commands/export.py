@@ -6,7 +6,7 @@ Writes DIR/config.json, model.safetensors (sharded above 5 GiB, with model.safet
 generation_config.json and the run's tokenizer (tokenizer.json, tokenizer_config.json). A vanilla run is a
 standard LlamaForCausalLM; ResFormer and SVFormer runs (GQA and learned lambdas included) carry the same
 tensors (SVFormer's layers >= 2 without v_proj) and modeling_resformer.py for trust_remote_code=True.
-Read back with resformer_jax.hf.load_hf_llama (analysis, initialisation).
+Read back with resformer_jax.hf.llama_import.load_hf_llama (analysis, initialisation).
 """
 
 from __future__ import annotations

@@ -251,34 +251,29 @@ def run_locally(config_file: str, fixed: list[str], runs: list[Run], steps_of) -
 
 
 def slurm_script(config_file: str, fixed: list[str], runs: list[Run], repo: str) -> str:
-    lines = [
-        f"  {shlex.quote(' '.join(shlex.quote(x) for x in [f'--workdir={r.workdir}', *fixed, *r.overrides()]))}"
-        for r in runs
-    ]
+    """A SLURM array job whose every task is launch/slurm_gpu.sbatch on one run: the launcher's own resources
+    (its #SBATCH lines), environment, srun line and failure report, so the two never drift apart."""
+    launcher = os.path.join(repo, "launch", "slurm_gpu.sbatch")
+    with open(launcher) as f:
+        own = ("#SBATCH --job-name", "#SBATCH --output")
+        resources = [ln for ln in f.read().splitlines() if ln.startswith("#SBATCH") and not ln.startswith(own)]
+    lines = [f"  {shlex.quote(' '.join(shlex.quote(x) for x in [r.workdir, *fixed, *r.overrides()]))}" for r in runs]
+    nl = "\n"
     return f"""#!/usr/bin/env bash
-# A sweep as a SLURM array job: one array task per run, each like launch/slurm_gpu.sbatch (one task per
-# node driving its GPUs; jax.distributed from SLURM's environment; SIGTERM 2 minutes before the limit
-# saves a checkpoint). Resubmitting resumes unfinished runs; finished ones stop at once.
+# A sweep as a SLURM array job: each array task runs launch/slurm_gpu.sbatch on one run (its resources below are
+# that file's). Resubmitting resumes unfinished runs; finished ones stop at once.
 #   sbatch [--nodes=N] {{this file}}
 #SBATCH --job-name=resformer-sweep
 #SBATCH --array=0-{len(runs) - 1}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=32
-#SBATCH --exclusive
-#SBATCH --signal=TERM@120
+{nl.join(resources)}
 #SBATCH --output=slurm-%A_%a.out
 set -euo pipefail
 cd {shlex.quote(repo)}
 RUNS=(
-{chr(10).join(lines)}
+{nl.join(lines)}
 )
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${{XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}}
-export NCCL_NVLS_ENABLE=${{NCCL_NVLS_ENABLE:-1}}
-export TF_CPP_MIN_LOG_LEVEL=${{TF_CPP_MIN_LOG_LEVEL:-2}}
 eval "ARGS=(${{RUNS[$SLURM_ARRAY_TASK_ID]}})"
-srun --kill-on-bad-exit=1 ${{PYTHON:-python}} -m resformer_jax.main --config={shlex.quote(config_file)} \\
-  --config.mesh.data=-1 "${{ARGS[@]}}"
+exec bash launch/slurm_gpu.sbatch {shlex.quote(config_file)} "${{ARGS[@]}}"
 """
 
 

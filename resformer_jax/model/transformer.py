@@ -272,25 +272,3 @@ def param_counts(m) -> dict:
         + (np.prod(shapes["pos_embed"].shape) if "pos_embed" in shapes else 0)
     )
     return {"params_total": total, "params_non_embedding": total - embed}
-
-
-def flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token: 3x the forward (forward + backward), matmuls only.
-
-    Forward: 2 FLOPs per multiply-add of every weight matrix a token passes
-    through (all projections, the MLP and the LM head; the input embedding is
-    a lookup), plus attention's QK^T and AV, 2*2*T*H*D per token per layer,
-    counted at half for the causal mask. Eq. 2 (cross_layer) attends over
-    twice the keys in layers >= 2.
-    """
-    shapes = param_shapes(m)
-    matmul = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(shapes):
-        if getattr(path[-1], "key", None) == "kernel":
-            matmul += int(np.prod(x.shape))
-    if m.tie_embeddings:
-        matmul += m.vocab_size * m.d_model  # the LM head is the input embedding, transposed
-    H, D = m.num_heads, m.d_model // m.num_heads
-    attn_layers = m.num_layers + (m.num_layers - 1 if m.mapping == "cross_layer" else 0)
-    attn = attn_layers * 2 * 2 * seq_len * H * D * 0.5
-    return 3.0 * (2.0 * matmul + attn)

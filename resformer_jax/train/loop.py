@@ -4,10 +4,13 @@ turns errors into one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,7 +26,14 @@ from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
 from resformer_jax.train.optimizer import lr_schedule
-from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_precheck, too_big_for_here
+from resformer_jax.train.setup import (
+    MemoryPrecheckError,
+    TrainSetup,
+    build,
+    memory_knobs,
+    memory_precheck,
+    too_big_for_here,
+)
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -37,6 +47,35 @@ def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part, {}) if isinstance(d, dict) else {}
     return d
+
+
+@dataclasses.dataclass
+class Session:
+    """Everything a started run holds, made once by `Trainer._start` and passed to each step of the loop."""
+
+    cfg: Any  # the run as it runs: a copy of what was asked, model.dtype and data.tokenizer_hash resolved
+    setup: TrainSetup  # mesh, model, shardings, jitted steps (train/setup.build)
+    compiled: Any  # the compiled train step
+    corpus: Any  # the prepared corpus (data/records.Corpus), or None for synthetic data
+    data: Any  # the training batches' iterator (its position is checkpointed)
+    eval_sets: dict  # {domain: validation batches}
+    ckpt: Any  # the run's Checkpointer
+    state: Any  # the TrainState, updated every step
+    start_step: int
+    writer: metrics.Writer
+    flops: perf.ModelFlops
+    peak: float  # the devices' peak FLOP/s (MFU's denominator)
+    schedule: Callable[[int], Any]  # step -> learning rate
+    elapsed_before: float  # seconds trained before this invocation (the checkpoint's progress)
+    t_start: float = 0.0
+    t_last: float = 0.0
+    last_logged: int = 0
+    first_eval: dict | None = None
+    last_eval: dict | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.data.seq_len
 
 
 class Trainer:
@@ -53,19 +92,20 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
         self.say = self.progress.message
-        self.asked = cfg  # what the user asked, never changed; self.cfg becomes the run's resolved copy at build
-        self.cfg = cfg
+        self.asked = cfg  # what the user asked, never changed (the run's resolved copy is the session's cfg)
         self.preempt = False
+        self.session: Session | None = None  # set by _start
+        self._old_handlers: dict = {}
 
-    # ------------------------------------------------------------------ setup
-    def _check_data(self):
-        """The data path and its shape against the config (seq_len, vocabulary), before anything costly."""
-        cfg = self.cfg
-        self.corpus = open_corpus(cfg.data)
-        if self.corpus is not None:
-            check_compatible(self.corpus.meta, cfg.data.seq_len, cfg.model.vocab_size, "", self.corpus.path)
+    # ------------------------------------------------------------------ the checks before anything costly
+    def _check_data(self, cfg):
+        """The data path and its shape against the config (seq_len, vocabulary); the corpus, or None."""
+        corpus = open_corpus(cfg.data)
+        if corpus is not None:
+            check_compatible(corpus.meta, cfg.data.seq_len, cfg.model.vocab_size, "", corpus.path)
+        return corpus
 
-    def _check_workdir_model(self):
+    def _check_workdir_model(self, cfg, corpus):
         """The run directory's model against this config, every differing field in one line, before the probe and
         the compile (a resumed run cannot change the model)."""
         if not self.run.checkpoints.is_dir():
@@ -76,14 +116,14 @@ class Trainer:
         finally:
             ck.mngr.close()
         if newest is not None:
-            self._check_resumed_config(newest[1], quiet=True)
+            self._check_resumed_config(newest[1], cfg, corpus, quiet=True)
 
-    def _check_fits_here(self, error: UserError | None = None):
+    def _check_fits_here(self, cfg, error: UserError | None = None):
         """The analytic memory estimate at the run's shape against this machine's devices: a config sized for other
         hardware (the paper presets: 8x H100) stops here, saying what it is sized for and what would fit, before
         the attention probe or the compile (the compiled step's own precheck follows). `error`: an earlier check's
         problem (no data path), said in the same line."""
-        why = too_big_for_here(self.cfg, jax.device_count())
+        why = too_big_for_here(cfg, jax.device_count())
         if why and error is not None:
             raise type(error)(f"{error}; and {why}") from None
         if why:
@@ -91,40 +131,8 @@ class Trainer:
         if error is not None:
             raise error
 
-    def _data(self):
-        cfg = self.cfg
-        self.iter = train_iterator(cfg, jax.process_index(), jax.process_count())
-        self.eval_sets = validation_sets(
-            cfg, self.setup.eval_batch_shape[0], cfg.train.eval_batches, jax.process_index(), jax.process_count()
-        )
-
-    def _state(self):
-        self.ckpt = self.run.checkpointer(self.cfg.checkpoint)
-        # The run's parameter tree before touching its state: a shape change is the user's mistake, not a damaged
-        # checkpoint, and must not set good checkpoints aside (the config's fields were compared at start).
-        newest = self.ckpt.newest_config()
-        if newest is not None:
-            self._check_params_fit(*newest)
-        restored = self.ckpt.restore_latest(self.setup.abstract_state, self.iter, warn=self._warn)
-        if restored is None:
-            history = self.ckpt.history()
-            if history and not self.cfg.checkpoint.allow_fresh_start:
-                raise CheckpointError(
-                    f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
-                    "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
-                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
-                )
-            self.state = self.setup.init_state()
-            self.start_step = 0
-            self.say(f"starting a new run in {self.workdir}")
-        else:
-            step, self.state, old_cfg, self.restored_progress = restored
-            self._check_resumed_config(old_cfg)
-            self.start_step = step
-            self.say(f"resumed from step {step} ({self.ckpt.dir}/{step})")
-
-    def _check_resumed_config(self, old: dict, quiet: bool = False):
-        new = self.cfg.to_dict()
+    def _check_resumed_config(self, old: dict, cfg, corpus, quiet: bool = False):
+        new = cfg.to_dict()
         diff = config_diff(with_defaults(old), new)  # a field added since the run started is not a change
         model = {f: ab for f, ab in diff.items() if f.startswith("model.") and f not in RUNTIME_MODEL_FIELDS}
         if model:
@@ -135,19 +143,19 @@ class Trainer:
                 + " ".join(f"--config.{f}={a!r}" for f, (a, _) in model.items())
                 + " or a new --workdir"
             )
-        if self.corpus is not None:
-            self.corpus.check_tokenizer(_get(with_defaults(old), "data.tokenizer_hash"))
+        if corpus is not None:
+            corpus.check_tokenizer(_get(with_defaults(old), "data.tokenizer_hash"))
         for field, (a, b) in ({} if quiet else diff).items():
             if field != "data.tokenizer_hash":
                 self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
 
-    def _check_params_fit(self, step: int, old: dict):
+    def _check_params_fit(self, ckpt, setup: TrainSetup, cfg, step: int, old: dict):
         """The checkpoint's parameter tree against the one this config builds: a difference is a changed
         config, not damage, so nothing is moved (derived from the trees, not a list of fields)."""
-        saved = self.ckpt.saved_params_layout(step)
+        saved = ckpt.saved_params_layout(step)
         if saved is None:
             return
-        want = params_layout(self.setup.abstract_state.params)
+        want = params_layout(setup.abstract_state.params)
         if saved == want:
             return
         only_saved, only_new = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
@@ -157,7 +165,7 @@ class Trainer:
             + ([f"only in this config: {only_new[:3]}"] if only_new else [])
             + [f"{p}: {saved[p]} saved, {want[p]} now" for p in reshaped[:3]]
         )
-        fields = list(config_diff(old.get("model", {}), self.cfg.model.to_dict()))
+        fields = list(config_diff(old.get("model", {}), cfg.model.to_dict()))
         raise CheckpointError(
             f"the checkpoint at step {step} in {self.workdir} holds other parameters than this config builds "
             f"({'; '.join(parts)}); "
@@ -168,15 +176,148 @@ class Trainer:
     def _warn(self, msg):
         print(msg, file=sys.stderr, flush=True)
 
-    def _compile(self):
-        self.compiled, self.compile_s, mem = self.setup.compile()
-        line, _ = memory_precheck(mem, self.cfg.mesh, knobs=memory_knobs(self.cfg, self.setup.mesh.devices.size))
-        self.say(f"compiled train step in {self.compile_s:.1f}s; {line}")
-        self.global_shape = self.setup.global_batch_shape
-        self.batch_sh = self.setup.batch_sh
-        self.eval_fn = self.setup.eval_step
+    # ------------------------------------------------------------------ start
+    def _compile(self, setup: TrainSetup, cfg):
+        compiled, compile_s, mem = setup.compile()
+        line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
+        self.say(f"compiled train step in {compile_s:.1f}s; {line}")
+        return compiled
 
-    # ------------------------------------------------------------------ loop
+    def _restore(self, cfg, setup: TrainSetup, ckpt, data, corpus) -> tuple[Any, int, dict]:
+        """(state, its step, the restored progress): the newest checkpoint that restores, or a fresh state."""
+        # The run's parameter tree before touching its state: a shape change is the user's mistake, not a damaged
+        # checkpoint, and must not set good checkpoints aside (the config's fields were compared at start).
+        newest = ckpt.newest_config()
+        if newest is not None:
+            self._check_params_fit(ckpt, setup, cfg, *newest)
+        restored = ckpt.restore_latest(setup.abstract_state, data, warn=self._warn)
+        if restored is None:
+            history = ckpt.history()
+            if history and not cfg.checkpoint.allow_fresh_start:
+                raise CheckpointError(
+                    f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
+                    "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
+                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
+                )
+            self.say(f"starting a new run in {self.workdir}")
+            return setup.init_state(), 0, {}
+        step, state, old_cfg, progress = restored
+        self._check_resumed_config(old_cfg, cfg, corpus)
+        self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
+        return state, step, progress
+
+    def _start(self) -> Session:
+        """The checks, the one builder, the compiled step (and the memory precheck), data, the state (resumed or
+        new), the run's files, the first evaluation: the Session the loop runs on."""
+        cfg = self.asked
+        # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
+        # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
+        validate(cfg)
+        try:
+            corpus = self._check_data(cfg)
+        except DataError as e:
+            self._check_fits_here(cfg, error=e)  # a config that cannot fit here says so in the same line
+            raise
+        self._check_workdir_model(cfg, corpus)
+        self._check_fits_here(cfg)
+        # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
+        setup = build(cfg, log=self.say)
+        cfg = setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
+        # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
+        # batches are cut or anything is written in the workdir.
+        compiled = self._compile(setup, cfg)
+        data = train_iterator(cfg, jax.process_index(), jax.process_count())
+        eval_sets = validation_sets(
+            cfg, setup.eval_batch_shape[0], cfg.train.eval_batches, jax.process_index(), jax.process_count()
+        )
+        ckpt = self.run.checkpointer(cfg.checkpoint)
+        state, start_step, progress = self._restore(cfg, setup, ckpt, data, corpus)
+        if self.is_main and corpus is not None:
+            corpus.copy_tokenizer(self.run.tokenizer_json)
+        if corpus is not None:
+            cfg.data.tokenizer_hash = corpus.tokenizer_sha256
+        if self.is_main:
+            self.run.path.mkdir(parents=True, exist_ok=True)
+            # What was asked and what was resolved, readable without the checkpoint library (compare reads it).
+            self.run.write_config(json.dumps(run_record(self.asked.to_dict(), cfg), indent=1, default=list))
+        writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl)
+        if setup.attention.probed:
+            writer.text(
+                "attention_impl",
+                f"auto chose **{setup.attention.impl}**; rejected: {json.dumps(setup.attention.rejected)}",
+            )
+        flops = perf.model_flops(cfg.model, cfg.data.seq_len)
+        peak, peak_src = perf.device_peak_flops(cfg.model.dtype)
+        writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
+        self.say(
+            f"model: {flops.params_total:,} params ({flops.params_non_embedding:,} non-embedding), "
+            f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "
+            f"devices, mesh {dict(setup.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})"
+        )
+        self.say(f"logs: tensorboard --logdir {self.run.path}")
+        now = time.perf_counter()
+        s = Session(
+            cfg=cfg,
+            setup=setup,
+            compiled=compiled,
+            corpus=corpus,
+            data=data,
+            eval_sets=eval_sets,
+            ckpt=ckpt,
+            state=state,
+            start_step=start_step,
+            writer=writer,
+            flops=flops,
+            peak=peak,
+            schedule=lr_schedule(cfg.train),
+            elapsed_before=progress.get("elapsed_s", 0.0),
+            t_start=now,
+            t_last=now,
+            last_logged=start_step,
+        )
+        if start_step == 0 and eval_sets:
+            s.first_eval = s.last_eval = self._evaluate(s)
+            writer.scalars(0, s.first_eval)
+            self.say(f"step {0:>7}  validation loss {s.first_eval['eval/loss']:.4f}")
+        return s
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> int:
+        self._install_signals()  # first: a SIGTERM during start-up also ends in a clean save-and-exit
+        try:
+            return self._train()
+        finally:
+            self._restore_signals()
+
+    def _train(self) -> int:
+        self.session = s = self._start()
+        cfg = s.cfg
+        end = self._end_step(s)
+        step, exit_code = s.start_step, 0
+        pending = []  # step metrics, pulled to the host only at log intervals (after the next dispatch)
+        while step < end:
+            batch = self._global(s, next(s.data))
+            s.state, m = s.compiled(s.state, batch)
+            step += 1
+            pending.append(m)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                self._log(s, step, pending)
+                pending = []
+            if s.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                self._log_evaluation(s, step)
+            if self._should_stop(s, step):
+                self._save(s, step)
+                s.ckpt.wait()
+                self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
+                break
+            if step % cfg.checkpoint.every_steps == 0 and step < end:
+                self._save(s, step)
+        else:
+            if step > s.start_step and step not in s.ckpt.all_steps():
+                self._save(s, step)
+        self._finish(s, step)
+        return exit_code
+
     def _install_signals(self):
         def handler(signum, frame):
             self.preempt = True
@@ -186,29 +327,29 @@ class Trainer:
             self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
 
     def _restore_signals(self):
-        for sig, h in getattr(self, "_old_handlers", {}).items():
+        for sig, h in self._old_handlers.items():
             signal.signal(sig, h)
 
-    def _should_stop(self, step: int) -> bool:
+    def _should_stop(self, s: Session, step: int) -> bool:
         flag = self.preempt
         if jax.process_count() > 1:
             flag = bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
-            flag = flag or self.ckpt.reached_preemption(step)
+            flag = flag or s.ckpt.reached_preemption(step)
         return flag
 
-    def _save(self, step: int, force: bool = True):
-        first_bad = int(jax.device_get(self.state.first_nonfinite_step))
-        if first_bad >= 0 and not self.cfg.train.skip_nonfinite_steps:
-            raise self._nonfinite(first_bad)
+    def _save(self, s: Session, step: int, force: bool = True):
+        first_bad = int(jax.device_get(s.state.first_nonfinite_step))
+        if first_bad >= 0 and not s.cfg.train.skip_nonfinite_steps:
+            raise self._nonfinite(s, first_bad)
         progress = {
             "step": step,
-            "tokens": step * self.global_shape[0] * self.cfg.data.seq_len,
-            "elapsed_s": self.elapsed + time.perf_counter() - self.t_start,
+            "tokens": step * s.setup.global_batch_shape[0] * s.cfg.data.seq_len,
+            "elapsed_s": s.elapsed_before + time.perf_counter() - s.t_start,
         }
-        self.ckpt.save(step, self.state, self.iter, run_record(self.asked.to_dict(), self.cfg), progress, force=force)
+        s.ckpt.save(step, s.state, s.data, run_record(self.asked.to_dict(), s.cfg), progress, force=force)
 
-    def _nonfinite(self, step: int):
-        last = [s for s in self.ckpt.all_steps() if s <= step]
+    def _nonfinite(self, s: Session, step: int):
+        last = [k for k in s.ckpt.all_steps() if k <= step]
         kept = f"the last good checkpoint (step {last[-1]}) is intact" if last else "no checkpoint was written"
         return NonFiniteError(
             f"the loss or gradient became non-finite at step {step}; training stopped and {kept}. Lower "
@@ -216,191 +357,97 @@ class Trainer:
             "such steps"
         )
 
-    def _evaluate(self, step: int) -> dict:
+    def _evaluate(self, s: Session) -> dict:
         out = {}
-        for dom, batches in self.eval_sets.items():
-            losses = [self.eval_fn(self.state.params, self._global(b)) for b in batches]
+        for dom, batches in s.eval_sets.items():
+            losses = [s.setup.eval_step(s.state.params, self._global(s, b)) for b in batches]
             out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
         out["eval/loss"] = float(np.mean(list(out.values())))
         return out
 
-    def _global(self, local):
+    def _global(self, s: Session, local):
         shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-        return jax.make_array_from_process_local_data(self.batch_sh, local, shape)
+        return jax.make_array_from_process_local_data(s.setup.batch_sh, local, shape)
 
-    def _lambdas(self) -> dict:
+    def _lambdas(self, s: Session) -> dict:
         return {
             f"lambdas/layer_{n:02d}/{name}": v
-            for n, d in read_lambdas(self.state.params, self.cfg.model).items()
+            for n, d in read_lambdas(s.state.params, s.cfg.model).items()
             for name, v in d.items()
         }
 
-    def train(self) -> int:
-        self._install_signals()  # first: a SIGTERM during start-up also ends in a clean save-and-exit
-        try:
-            return self._train()
-        finally:
-            self._restore_signals()
-
-    def _train(self) -> int:
-        self._start()
-        end = self._end_step()
-        step, exit_code = self.start_step, 0
-        pending = []  # step metrics, pulled to the host only at log intervals (after the next dispatch)
-        while step < end:
-            batch = self._global(next(self.iter))
-            self.state, m = self.compiled(self.state, batch)
-            step += 1
-            pending.append(m)
-            if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
-                self._log(step, pending)
-                pending = []
-            if self.eval_sets and (step % self.cfg.train.eval_every == 0 or step == self.cfg.train.steps):
-                self._log_evaluation(step)
-            if self._should_stop(step):
-                self._save(step)
-                self.ckpt.wait()
-                self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
-                break
-            if step % self.cfg.checkpoint.every_steps == 0 and step < end:
-                self._save(step)
-        else:
-            if step > self.start_step and step not in self.ckpt.all_steps():
-                self._save(step)
-        self._finish(step)
-        return exit_code
-
-    # ------------------------------------------------------------------ the loop's named steps
-    def _start(self):
-        """The compiled step (and the memory precheck), data, the state (resumed or new), the run's files, the
-        first evaluation."""
-        cfg = self.cfg
-        # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
-        # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
-        validate(cfg)
-        try:
-            self._check_data()
-        except DataError as e:
-            self._check_fits_here(error=e)  # a config that cannot fit here says so in the same line
-        self._check_workdir_model()
-        self._check_fits_here()
-        # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
-        self.setup = build(cfg, log=self.say)
-        self.cfg = cfg = self.setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
-        self.mesh, self.state_sh = self.setup.mesh, self.setup.state_sh
-        # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
-        # batches are cut or anything is written in the workdir.
-        self._compile()
-        self._data()
-        self._state()
-        if self.is_main and self.corpus is not None:
-            self.corpus.copy_tokenizer(self.run.tokenizer_json)
-        if self.corpus is not None:
-            cfg.data.tokenizer_hash = self.corpus.tokenizer_sha256
-        if self.is_main:
-            self.run.path.mkdir(parents=True, exist_ok=True)
-            # The run's resolved config, readable without the checkpoint library (compare groups runs by it).
-            self.run.write_config(json.dumps(run_record(self.asked.to_dict(), cfg), indent=1, default=list))
-        self.writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl)
-        if self.setup.attention.probed:
-            self.writer.text(
-                "attention_impl",
-                f"auto chose **{self.setup.attention.impl}**; rejected: {json.dumps(self.setup.attention.rejected)}",
-            )
-        self.flops = perf.model_flops(cfg.model, cfg.data.seq_len)
-        self.peak, peak_src = perf.device_peak_flops(cfg.model.dtype)
-        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        self.schedule = lr_schedule(cfg.train)
-        self.writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
-        self.say(
-            f"model: {self.flops.params_total:,} params ({self.flops.params_non_embedding:,} non-embedding), "
-            f"{cfg.model.value_residual}; {self.flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "
-            f"devices, mesh {dict(self.mesh.shape)}; peak {self.peak / 1e12:.3f} TFLOP/s ({peak_src})"
-        )
-        self.say(f"logs: tensorboard --logdir {self.run.path}")
-        self.elapsed = getattr(self, "restored_progress", {}).get("elapsed_s", 0.0)
-        self.t_start = self.t_last = time.perf_counter()
-        self.last_logged = self.start_step
-        self.first_eval = self.last_eval = None
-        if self.start_step == 0 and self.eval_sets:
-            self.first_eval = self.last_eval = self._evaluate(0)
-            self.writer.scalars(0, self.first_eval)
-            self.say(f"step {0:>7}  validation loss {self.first_eval['eval/loss']:.4f}")
-
-    def _end_step(self) -> int:
+    def _end_step(self, s: Session) -> int:
         """Where this invocation stops: train.steps, or train.stop_at before it (0 steps when preempted during
         start-up or already there, saying so)."""
-        cfg = self.cfg
+        cfg = s.cfg
         end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
-        if self.start_step >= end:
+        if s.start_step >= end:
             which = (
                 f"config.train.stop_at={cfg.train.stop_at}"
                 if cfg.train.stop_at and end < cfg.train.steps
                 else f"config.train.steps={cfg.train.steps}"
             )
             self.say(
-                f"nothing to do: the run in {self.workdir} is at step {self.start_step}, and {which}; raise "
+                f"nothing to do: the run in {self.workdir} is at step {s.start_step}, and {which}; raise "
                 "--config.train.steps to train further"
             )
-        if self.preempt and self.start_step < end:
+        if self.preempt and s.start_step < end:
             self.say(
                 "stopped during start-up (SIGTERM/SIGINT) before any step; nothing new to save. "
                 "Rerun the same command to continue"
             )
-            end = self.start_step
+            end = s.start_step
         return end
 
-    def _log(self, step: int, pending: list):
+    def _log(self, s: Session, step: int, pending: list):
         """The steps since the last log, averaged: loss, learning rate, grad norm, throughput, MFU, lambdas."""
-        cfg = self.cfg
+        cfg = s.cfg
         host = jax.device_get(pending)
         now = time.perf_counter()
-        step_time = (now - self.t_last) / max(step - self.last_logged, 1)
-        self.t_last, self.last_logged = now, step
+        step_time = (now - s.t_last) / max(step - s.last_logged, 1)
+        s.t_last, s.last_logged = now, step
         losses = [h["loss"] for h in host]
         bad = sum(int(h["nonfinite"]) for h in host)
         if bad and not cfg.train.skip_nonfinite_steps:
-            raise self._nonfinite(int(jax.device_get(self.state.first_nonfinite_step)))
+            raise self._nonfinite(s, int(jax.device_get(s.state.first_nonfinite_step)))
         finite = [x for x in losses if np.isfinite(x)]
         loss = float(np.mean(finite)) if finite else float("nan")
-        tps = self.tokens_per_step / step_time
+        tps = s.tokens_per_step / step_time
         vals = {
             "train/loss": loss,
-            "train/learning_rate": float(self.schedule(step - 1)),
+            "train/learning_rate": float(s.schedule(step - 1)),
             "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
             "perf/tokens_per_s": tps,
             "perf/step_time_s": step_time,
-            **{f"perf/{k}": v for k, v in perf.mfu(self.flops, tps, self.peak).items()},
-            "train/nonfinite_steps": float(jax.device_get(self.state.nonfinite_count)),
+            **{f"perf/{k}": v for k, v in perf.mfu(s.flops, tps, s.peak).items()},
+            "train/nonfinite_steps": float(jax.device_get(s.state.nonfinite_count)),
         }
-        vals.update(self._lambdas())
-        self.writer.scalars(step, vals)
+        vals.update(self._lambdas(s))
+        s.writer.scalars(step, vals)
         self.progress.update(
             step,
             loss,
             tps,
             step_time,
-            f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
-            if np.isfinite(self.peak)
-            else "",
+            f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)" if np.isfinite(s.peak) else "",
         )
 
-    def _log_evaluation(self, step: int):
-        self.last_eval = self._evaluate(step)
-        self.writer.scalars(step, self.last_eval)
+    def _log_evaluation(self, s: Session, step: int):
+        s.last_eval = self._evaluate(s)
+        s.writer.scalars(step, s.last_eval)
         self.say(
-            f"step {step:>7}  validation loss {self.last_eval['eval/loss']:.4f}  "
-            + "  ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in self.last_eval.items() if k.count("/") == 2)
+            f"step {step:>7}  validation loss {s.last_eval['eval/loss']:.4f}  "
+            + "  ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in s.last_eval.items() if k.count("/") == 2)
         )
 
-    def _finish(self, step: int):
-        self.ckpt.close()
-        self.writer.flush()
-        self.writer.close()
-        if self.is_main and self.first_eval and self.last_eval and step == self.cfg.train.steps:
+    def _finish(self, s: Session, step: int):
+        s.ckpt.close()
+        s.writer.flush()
+        s.writer.close()
+        if self.is_main and s.first_eval and s.last_eval and step == s.cfg.train.steps:
             self.say(
-                f"done: validation loss {self.first_eval['eval/loss']:.4f} -> {self.last_eval['eval/loss']:.4f}. "
+                f"done: validation loss {s.first_eval['eval/loss']:.4f} -> {s.last_eval['eval/loss']:.4f}. "
                 f"TensorBoard: tensorboard --logdir {self.run.path}"
             )
-        elif self.is_main and step == self.cfg.train.steps:
+        elif self.is_main and step == s.cfg.train.steps:
             self.say(f"done. TensorBoard: tensorboard --logdir {self.run.path}")

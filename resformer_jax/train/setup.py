@@ -10,6 +10,7 @@ The trainer, the benchmark, generation, evaluation and analysis all come here:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -348,6 +349,27 @@ def memory_precheck(
     return memory_line(mem, limit), limit
 
 
+@contextlib.contextmanager
+def _library_reports_held():
+    """While a reader tries a checkpoint: Orbax's own error logs and its threads' tracebacks are held back (a
+    damaged checkpoint's failure is said in one line by load_run; a reader writes nothing into the run)."""
+    import logging
+    import threading
+
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
+    levels = [lg.level for lg in loggers]
+    hook = threading.excepthook
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    threading.excepthook = lambda args: None
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        threading.excepthook = hook
+
+
 class LoadedRun(NamedTuple):
     cfg: ml_collections.ConfigDict  # the run's config, attention_impl resolved for this machine
     params: Any
@@ -393,7 +415,8 @@ def load_run(
                 abstract = jax.tree.map(
                     lambda x, dev=dev: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed)
                 )
-                state, _, _ = ck.restore(candidate, abstract)
+                with _library_reports_held():
+                    state, _, _ = ck.restore(candidate, abstract)
             except Exception as e:
                 failures.append((candidate, failure_reason(e)[:300]))
                 continue

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from resformer_jax.config import LOSS_CHUNK_LEN
 from resformer_jax.model.transformer import output_embedding
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
-
-DEFAULT_CHUNK_LEN = 128
 
 
 @struct.dataclass
@@ -40,7 +39,7 @@ def init_state(model, tx, rng, seq_len: int):
     )
 
 
-def loss_fn(params, model, tokens_BxTp1, chunk_len: int = DEFAULT_CHUNK_LEN, dropout_rng=None):
+def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None):
     """Sequences hold seq_len + 1 tokens: inputs are [:-1], targets [1:].
 
     chunk_len > 0: the LM head and cross entropy run fused, chunk_len positions
@@ -64,7 +63,7 @@ def make_train_step(
     tx,
     num_microbatches: int,
     batch_sharding=None,
-    loss_chunk_len: int = DEFAULT_CHUNK_LEN,
+    loss_chunk_len: int = LOSS_CHUNK_LEN,
     dropout_seed: int = 0,
 ):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
@@ -120,7 +119,7 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model, loss_chunk_len: int = DEFAULT_CHUNK_LEN):
+def make_eval_step(model, loss_chunk_len: int = LOSS_CHUNK_LEN):
     def eval_step(params, tokens_BxTp1):
         return loss_fn(params, model, tokens_BxTp1, loss_chunk_len)
 
