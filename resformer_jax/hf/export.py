@@ -86,7 +86,7 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
         "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_kv_heads or m.num_heads,
         "num_hidden_layers": m.num_layers,
-        "head_dim": m.d_model // m.num_heads,
+        "head_dim": ModelConfig.of(m).head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,

@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 
 from resformer_jax.config import ConfigError, base_config
+from resformer_jax.model.config import ModelConfig
 
 
 class HFError(ConfigError):
@@ -77,7 +78,7 @@ def llama_model_config(hf: dict) -> ml_collections.ConfigDict:
             m.sparse_lambda = float(table[table[:, 0] != 0, 0][0]) if m.sparse_layers else 5.0
         else:
             m.lambda_init = (float(table[0, 0]), float(table[0, 1]))
-    if int(hf.get("head_dim") or m.d_model // m.num_heads) != m.d_model // m.num_heads:
+    if int(hf.get("head_dim") or ModelConfig.of(m).head_dim) != ModelConfig.of(m).head_dim:
         raise HFError("head_dim != hidden_size / num_attention_heads is not supported")
     return m
 
@@ -142,7 +143,7 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
     m = llama_model_config(hf)
     m.dtype = dtype
     t = read_safetensors(folder)
-    E, H, K, D = m.d_model, m.num_heads, m.num_kv_heads, m.d_model // m.num_heads
+    E, H, K, D = m.d_model, m.num_heads, m.num_kv_heads, ModelConfig.of(m).head_dim
 
     def get(name, shape):
         if name not in t:

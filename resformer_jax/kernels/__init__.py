@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from resformer_jax.errors import UserError
-from resformer_jax.kernels.names import IMPLS
+from resformer_jax.kernels.names import IMPLS, target_backend
 
 
 class KernelUnavailable(UserError, RuntimeError):
@@ -67,12 +67,13 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh
     """Causal multi-head attention; dispatches to the chosen implementation.
 
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
-    unresolved `auto` (a model built by hand, shape-only tracing) means `xla`, which runs on
-    every backend. With a `mesh` of several devices, the custom-call kernels run on each device's
-    shard of the batch (split over `batch_axes`; heads and sequence stay whole).
+    unresolved `auto` (a model built by hand, shape-only tracing) is `unprobed_auto`: the backend's first
+    candidate, what the setup also takes where it cannot probe (compiling for other hardware). With a `mesh` of
+    several devices, the custom-call kernels run on each device's shard of the batch (split over `batch_axes`;
+    heads and sequence stay whole).
     """
     if impl == "auto":
-        impl = "xla"
+        impl = unprobed_auto(target_backend())
     shards = math.prod(mesh.shape[a] for a in batch_axes) if mesh is not None else 1
     # A batch that does not divide (model.init traces batch 1) runs whole; train and eval batches
     # always divide (parallel/mesh.check_divisibility).
@@ -121,6 +122,12 @@ def auto_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
         return ["splash", "xla"], {"pallas": "backend 'tpu' is not a GPU", "cudnn": "backend 'tpu' is not a GPU"}
     why = f"backend {backend!r} is not an accelerator (the kernel runs only interpreted here)"
     return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
+
+
+def unprobed_auto(backend: str) -> str:
+    """What `auto` is where nothing is timed: the backend's first candidate (chunked on CPU, the Pallas kernel on
+    GPU, splash on TPU). The probe (`probe_auto`) keeps the fastest that runs instead."""
+    return auto_candidates(backend)[0][0]
 
 
 def probe_auto(

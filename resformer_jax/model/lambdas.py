@@ -37,17 +37,17 @@ def _scalar(module: nn.Module, name: str, value: float):
 
 def stack_lambdas(module: nn.Module, m: ModelConfig):
     """[N-1, 2] (l1, l2) per layer >= 2; `learnable_plus` creates its stack-level parameters on `module`."""
-    lams_Nx2 = jnp.asarray(fixed_lambdas(m))
+    lams_Lx2 = jnp.asarray(fixed_lambdas(m))
     if m.mixes_values and m.resformer_lambdas == "learnable_plus":
         n = m.num_layers - 1
-        logits_N = nn.unbox(
+        logits_L = nn.unbox(
             module.param(
                 "lambda_logits", nn.with_logical_partitioning(nn.initializers.zeros, ("layers",)), (n,), jnp.float32
             )
         )
         scale = _scalar(module, "lambda_scale", float(m.num_layers))
-        lams_Nx2 = lams_Nx2.at[:, 0].set(scale * jax.nn.softmax(logits_N))
-    return lams_Nx2
+        lams_Lx2 = lams_Lx2.at[:, 0].set(scale * jax.nn.softmax(logits_L))
+    return lams_Lx2
 
 
 def block_lambdas(module: nn.Module, m: ModelConfig, layer: int | None, lam_2):

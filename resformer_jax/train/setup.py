@@ -78,11 +78,12 @@ def resolve_attention(
         return AttentionChoice(impl, {}, False)
     if platform is not None:
         candidates, rejected = kernels.auto_candidates(backend_of(platform))
+        choice = kernels.unprobed_auto(backend_of(platform))
         log(
-            f"attention_impl=auto is {candidates[0]!r} on {platform} here (compiled, not probed: on the hardware "
+            f"attention_impl=auto is {choice!r} on {platform} here (compiled, not probed: on the hardware "
             f"auto times {', '.join(candidates)} and keeps the fastest)"
         )
-        return AttentionChoice(candidates[0], rejected, False)
+        return AttentionChoice(choice, rejected, False)
     m = cfg.model
     if batch is None:
         batch = sequences_per_device(cfg, len(jax.devices()))
