@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from resformer_jax.errors import UserError
+from resformer_jax.storage import read_lines
 
 
 class Writer:
@@ -59,7 +60,6 @@ def read_records(path, warn=None) -> list[dict]:
     """metrics.jsonl's records (local, or its segments on object storage). A half-written last line (a run training
     now, or killed mid-write) is left out, saying so through `warn`; a damaged line before it is an error naming
     the file and the line."""
-    from resformer_jax.storage import read_lines
 
     lines = read_lines(path)
     out = []

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.decode import kv_cache_bytes_per_token
+from resformer_jax.model.transformer import param_counts, param_shapes
 
 # Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
 PEAK_FLOPS = {
@@ -112,7 +114,6 @@ def flops_per_token(m, seq_len: int) -> float:
     counted at half for the causal mask. Eq. 2 (cross_layer) attends over
     twice the keys in layers >= 2.
     """
-    from resformer_jax.model.transformer import param_shapes
 
     shapes = param_shapes(m)
     m = ModelConfig.of(m)
@@ -129,7 +130,6 @@ def flops_per_token(m, seq_len: int) -> float:
 
 
 def model_flops(m, seq_len: int) -> ModelFlops:
-    from resformer_jax.model.transformer import param_counts
 
     pc = param_counts(m)
     return ModelFlops(
@@ -159,7 +159,6 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     above XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler needs more memory for the same
     program, and sequences of 8K tokens and more need about 20% more than estimated.
     """
-    import jax.numpy as jnp
 
     m, t = cfg.model, cfg.train
     fsdp = max(1, fsdp_devices(cfg, devices))
@@ -209,7 +208,6 @@ def step_memory(compiled) -> StepMemory | None:
 def summary(cfg) -> dict:
     """Parameter counts, training FLOPs per token, KV-cache bytes per token and the memory estimate per
     device, as `--mode=summary` prints them (allocates nothing)."""
-    from resformer_jax.model.decode import kv_cache_bytes_per_token
 
     f = model_flops(cfg.model, cfg.data.seq_len)
     out = {

@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 
 from etils import epath
+from tokenizers import Tokenizer
 
 from resformer_jax import storage
+from resformer_jax.checkpoint import Checkpointer, finished_checkpoint_steps
 
 SWEEP_MANIFEST = "sweep.json"  # a sweep directory's manifest (commands/sweep.py writes it; compare reads it)
 
@@ -117,14 +119,12 @@ class RunDir:
         """The run's tokenizer (tokenizer.json), or None when the run trained on synthetic data."""
         if not self.tokenizer_json.is_file():
             return None
-        from tokenizers import Tokenizer
 
         return Tokenizer.from_str(self.tokenizer_json.read_text())
 
     def checkpointer(self, ckpt_cfg=None, *, read_only: bool = False):
         """The run's Orbax checkpointer: the training one (from config.checkpoint), or a read-only one that keeps
         every step and creates nothing (for evaluation, export, analysis and compare)."""
-        from resformer_jax.checkpoint import Checkpointer
 
         if read_only:
             import ml_collections
@@ -135,6 +135,5 @@ class RunDir:
     def finished_steps(self) -> list[int]:
         """Steps of the checkpoints that finished writing, oldest first, without opening Orbax's manager (a
         folder still being written is not finished: Orbax renames or commits it last)."""
-        from resformer_jax.checkpoint import finished_checkpoint_steps
 
         return finished_checkpoint_steps(self.checkpoints)

@@ -8,7 +8,13 @@ import dataclasses
 import json
 import sys
 
-from resformer_jax.analysis.runs import find_runs, read_run, read_train_loss, relative_curves, run_name
+import ml_collections
+import numpy as np
+
+from resformer_jax.analysis import grouping
+from resformer_jax.analysis.runs import RunsError, find_runs, read_run, read_train_loss, relative_curves, run_name
+from resformer_jax.metrics import Writer
+from resformer_jax.perf import model_flops
 from resformer_jax.storage import run_path, save_figure
 
 
@@ -40,8 +46,6 @@ def cohorts(runs, group_by: str, vs: str | None, split_all: bool = False) -> dic
     """The runs split by `vs` (one comparison per value: Fig. 5 left / Fig. 11 left), after checking that they
     differ in nothing else but the grouping field and the seed: runs of different experiments are never merged.
     split_all (--scaling: a sweep over sizes): one comparison per combination of whatever fields differ."""
-    from resformer_jax.analysis import grouping
-    from resformer_jax.analysis.runs import RunsError
 
     exclude = (group_by, "train.seed") + ((vs,) if vs else ())
     differ = grouping.differing_fields(runs, exclude)
@@ -75,8 +79,6 @@ def _sort_key(v: str):
 
 
 def grouped(a: CompareOptions) -> int:
-    from resformer_jax.analysis import grouping
-    from resformer_jax.analysis.runs import RunsError
 
     runs = [read_run(r) for r in find_runs(a.runs)]
     clip_smooth(a, max((max(r.train, default=0) for r in runs), default=0))
@@ -95,8 +97,6 @@ def grouped(a: CompareOptions) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from resformer_jax.metrics import Writer
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, g in res.items():
@@ -185,8 +185,6 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
     then an exponential fit of that step against `vs`."""
     import matplotlib.pyplot as plt
 
-    from resformer_jax.analysis import grouping
-
     by_value: dict = {}
     for r in runs:
         by_value.setdefault(grouping.get_field(r.config, vs), []).append(r)
@@ -234,11 +232,6 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
     50 training steps; or the final validation loss) and validation loss against tokens, a power law per group,
     and the savings readout."""
     import matplotlib.pyplot as plt
-    import ml_collections
-    import numpy as np
-
-    from resformer_jax.analysis import grouping
-    from resformer_jax.perf import model_flops
 
     by_group: dict[str, dict[int, list]] = {}
 
@@ -324,8 +317,6 @@ def pairwise(a: CompareOptions) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from resformer_jax.metrics import Writer
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, (steps, rel) in curves.items():

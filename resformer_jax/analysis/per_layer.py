@@ -5,11 +5,19 @@ Sequences stream through in batches and every measure is a running mean, so memo
 
 from __future__ import annotations
 
+import json
 import os
 
+import jax
 import numpy as np
+from tokenizers import Tokenizer
 
+from resformer_jax.analysis import measures
+from resformer_jax.data.pipeline import train_reader, validation_sets
+from resformer_jax.hf.llama_import import HFError
+from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.train.setup import load_run
 
 
 class RunningMean:
@@ -29,7 +37,6 @@ class RunningMean:
 
 def layer_tensors(inter: dict, num_layers: int) -> dict:
     """{name: [L, ...]} stacked over layers from the capture model's intermediates."""
-    import numpy as np
 
     out = {}
     for name in ("attn_probs", "values", "values_own", "queries", "keys", "hidden"):
@@ -51,7 +58,6 @@ def layer_tensors(inter: dict, num_layers: int) -> dict:
 def analysis_sequences(cfg, split: str, num_sequences: int, batch: int):
     """The first `num_sequences` sequences of the training stream (the run's own mixture, in step order) or of
     the validation split (every domain, in record order)."""
-    from resformer_jax.data.pipeline import train_reader, validation_sets
 
     if split == "train":
         read, _ = train_reader(cfg)
@@ -67,12 +73,6 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
     model's BOS first (config.json's bos_token_id), truncated at the sequence length, as the authors' analysis
     scripts encode each sample (attention-sink measures depend on the first token); documents shorter than a
     sequence are left out. "stream": one token stream cut into consecutive windows (only the first has a BOS)."""
-    import json
-
-    import numpy as np
-    from tokenizers import Tokenizer
-
-    from resformer_jax.hf.llama_import import HFError
 
     tok_path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tok_path):
@@ -134,12 +134,6 @@ def analyze_run(
     seq_len=512,
     text_unit="line",
 ) -> dict:
-    import jax
-    import numpy as np
-
-    from resformer_jax.analysis import measures
-    from resformer_jax.model import Transformer
-    from resformer_jax.train.setup import load_run
 
     if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf/llama_import.py)
         from resformer_jax.config import base_config

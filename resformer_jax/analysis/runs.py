@@ -7,6 +7,9 @@ import json
 import os
 import sys
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from resformer_jax.analysis.grouping import RunCurves, smoothed
 from resformer_jax.config import as_run
 from resformer_jax.errors import UserError
 from resformer_jax.metrics import read_jsonl, read_records
@@ -42,7 +45,6 @@ def read_train_loss(run: str) -> dict[int, float]:
         raise RunsError(
             f"{run}: neither a non-empty metrics.jsonl nor tb/ found; is it a run directory that has logged a step?"
         )
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(tb)
     ea.Reload()
@@ -52,7 +54,6 @@ def read_train_loss(run: str) -> dict[int, float]:
 def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[str, tuple[list, list]]:
     """Each run's training loss minus the baseline's at the steps both logged, each smoothed over a trailing
     window of `smooth` training steps."""
-    from resformer_jax.analysis.grouping import smoothed
 
     b_s = smoothed(baseline, smooth)
     out = {}
@@ -66,7 +67,6 @@ def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[
 
 def read_run(run: str):
     """(config dict, train curve, eval curves) of a run directory."""
-    from resformer_jax.analysis.grouping import RunCurves
 
     rd = RunDir(run)
     path = rd.metrics_jsonl

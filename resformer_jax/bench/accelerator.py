@@ -23,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 
 from resformer_jax import kernels, perf
 from resformer_jax.bench.attention import time_attention
@@ -47,7 +48,6 @@ def applicable(impl: str, backend: str) -> tuple[bool, str]:
 
 def _jax_pallas_gpu(q, k, v):
     """JAX's own GPU Pallas flash attention ([B, T, H, D] layout, no GQA: K/V repeated)."""
-    from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 
     G = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import statistics
 import time
 
+import jax
+
 from resformer_jax.bench.train import TrainBench
+from resformer_jax.config import validate
+from resformer_jax.data.pipeline import train_iterator
 
 
 def bench_data(cfg, steps: int, step_tokens_per_s: float = 0.0) -> dict:
     """The training iterator (mixture, this host's slice, grain threads and prefetch) as training reads it:
     batches per second after a warm-up, against the tokens per second the train step consumes."""
-    import jax
-
-    from resformer_jax.config import validate
-    from resformer_jax.data.pipeline import train_iterator
 
     validate(cfg)
     it = train_iterator(cfg, jax.process_index(), jax.process_count())

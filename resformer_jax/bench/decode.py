@@ -5,15 +5,16 @@ from __future__ import annotations
 import statistics
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resformer_jax.model import Transformer
+from resformer_jax.model.decode import generate, kv_cache_bytes_per_token
+
 
 def bench_decode(cfg, context, new_tokens, batch) -> dict:
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from resformer_jax.model import Transformer
-    from resformer_jax.model.decode import generate
 
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, context + new_tokens)
     model = Transformer(cfg.model)
@@ -35,8 +36,6 @@ def bench_decode(cfg, context, new_tokens, batch) -> dict:
 
 def measure_copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s this device reads and writes in an elementwise pass (x + 1 over n_bytes of fp32), best of repeats."""
-    import jax
-    import jax.numpy as jnp
 
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
@@ -53,13 +52,6 @@ def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int) -
     """Decode tokens/s for every (batch, context) and variant, warm-up excluded, the variants taking turns; with
     the bytes a decode step reads (the weights once, every layer's cached K/V up to the mean context) and the
     fraction of the copy bandwidth that implies, so SVFormer's smaller cache shows as bytes and as time."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from resformer_jax.model import Transformer
-    from resformer_jax.model.decode import generate, kv_cache_bytes_per_token
 
     bandwidth = measure_copy_bandwidth()
     out = []

@@ -41,6 +41,8 @@ import os
 import re
 import time
 
+import jax
+
 GROUPS = ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer", "host_overhead")
 _SCOPES = (("optimizer", "optimizer"), ("lm_head_xent", "lm_head_xent"), ("attention_kernel", "attention"))
 _CONTROL = ("while", "conditional", "call")
@@ -315,7 +317,6 @@ class ProfiledStep:
 
 def profile_step(step_fn, state, tokens, hlo_text: str, profile_dir: str) -> ProfiledStep:
     """Runs one step under the profiler, writes the trace to profile_dir and returns the grouped breakdown."""
-    import jax
 
     os.makedirs(profile_dir, exist_ok=True)
     # No Python tracer: it records every Python call of the dispatch, which cost 10-20% of a small step; XLA's

@@ -8,9 +8,15 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 
+import jax
+
+from resformer_jax import perf
+from resformer_jax.bench.step_profile import profile_step
 from resformer_jax.bench.timing import random_tokens
+from resformer_jax.train.setup import build, memory_knobs, memory_precheck
 
 
 def _rss_bytes() -> int:
@@ -22,9 +28,6 @@ class TrainBench:
     and its timings."""
 
     def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr)):
-        import jax
-
-        from resformer_jax.train.setup import build
 
         self.cfg = cfg
         self.setup = build(cfg, attention=attention, log=log)
@@ -51,9 +54,6 @@ class TrainBench:
         self._tokens = lambda: random_tokens(self.shape, cfg.model.vocab_size, self.setup.batch_sh)
 
     def warm_up(self, steps=2):
-        import jax
-
-        from resformer_jax.train.setup import memory_knobs, memory_precheck
 
         # a clear error before a step that cannot fit, as training does
         memory_precheck(self.mem, self.cfg.mesh, knobs=memory_knobs(self.cfg, self.setup.mesh.devices.size))
@@ -64,7 +64,6 @@ class TrainBench:
         jax.block_until_ready(m)
 
     def timed_step(self):
-        import jax
 
         t = time.perf_counter()
         self.state, self.metrics = self.compiled(self.state, self.tokens)
@@ -73,7 +72,6 @@ class TrainBench:
 
     def profiled_step(self, profile_dir: str):
         """One step under the profiler (step_profile.py); its trace stays in profile_dir."""
-        from resformer_jax.bench.step_profile import profile_step
 
         self.hlo = self.hlo or self.compiled.as_text()
         p = profile_step(self.compiled, self.state, self.tokens, self.hlo, profile_dir)
@@ -99,9 +97,6 @@ class TrainBench:
         self.state = self.tokens = None
 
     def report(self, peak, peak_src, peak_median=None) -> dict:
-        import jax
-
-        from resformer_jax import perf
 
         cfg = self.cfg
         med = statistics.median(self.times)
@@ -191,11 +186,6 @@ def bench_train(
     `step_breakdown` (step_profile.py); traces go to profile_dir/<variant>[-<dtype> when several]/step<i>
     (a temporary folder, deleted, when None).
     """
-    import tempfile
-
-    import jax
-
-    from resformer_jax import perf
 
     benches = [TrainBench(c, attention) for c in cfgs]
     if compile_only:

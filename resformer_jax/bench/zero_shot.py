@@ -6,6 +6,15 @@ from __future__ import annotations
 import resource
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from tokenizers import Tokenizer
+
+from resformer_jax.eval.loglik import ContinuationScorer
+from resformer_jax.eval.zero_shot import check_tasks, make_loglik_fn, read_task, score_items, to_items
+from resformer_jax.model import Transformer
+
 # Items in each task's full validation split (test split for ARC and OpenBookQA), as lm-evaluation-harness scores it.
 FULL_SPLIT_ITEMS = {
     "hellaswag": 10042,
@@ -18,14 +27,6 @@ FULL_SPLIT_ITEMS = {
 
 
 def bench_zero_shot(cfg, task_data: str, tasks: list[str], items: int, tokenizer_json: str, batch: int) -> list[dict]:
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    from tokenizers import Tokenizer
-
-    from resformer_jax.eval.loglik import ContinuationScorer
-    from resformer_jax.eval.zero_shot import check_tasks, make_loglik_fn, read_task, score_items, to_items
-    from resformer_jax.model import Transformer
 
     check_tasks(tasks, task_data)
     tok = Tokenizer.from_file(tokenizer_json)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import re
 import shutil
 import tempfile
@@ -35,9 +36,12 @@ from jax.sharding import PartitionSpec as P
 
 from resformer_jax import perf
 from resformer_jax.compile.ptxas import ARCH, kernel_resources
+from resformer_jax.compile.roofline import chip_for, roofline
 from resformer_jax.compile.targets import Target
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
+from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.decode import PREFILL_CHUNK, _step, cache_shapes, cache_shardings
 from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
 
 STEPS = ("train", "eval", "decode")
@@ -210,7 +214,6 @@ def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
 def step_roofline(compiled, hlo: str, target: Target, model_flops: tuple[float, float] | None) -> dict | None:
     """The compiled step's roofline report on the target's chip, with the model's FLOPs per device (both
     conventions) for the MFU ceilings; where the compiler's cost_analysis() answers (libtpu), how the two agree."""
-    from resformer_jax.compile.roofline import chip_for, roofline
 
     chip = chip_for(target.kind)
     if chip is None:
@@ -238,7 +241,6 @@ def step_roofline(compiled, hlo: str, target: Target, model_flops: tuple[float, 
 
 def check_packages(platform: str):
     """AotUnavailable naming the extra where the target's compiler is not installed."""
-    import importlib.util
 
     need = {"tpu": ("libtpu", "jax[tpu]"), "cuda": ("jax_cuda12_plugin", "jax[cuda12-local] and ptxas")}[platform]
     if importlib.util.find_spec(need[0]) is None:
@@ -430,8 +432,6 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     """generate's two programs (commands/generate.py): the prompt's prefill (one chunk of it, the program
     generate runs for a prompt of `prompt_len` tokens, default data.seq_len) and one new token, parameters in the
     training layout, the KV cache sharded over the batch, spanning model.max_seq_len."""
-    from resformer_jax.model.config import ModelConfig
-    from resformer_jax.model.decode import PREFILL_CHUNK, _step, cache_shapes, cache_shardings
 
     mesh, m = setup.mesh, setup.model_cfg
     shards = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -19,6 +19,8 @@ import importlib.resources
 import os
 import re
 
+from jax.experimental import topologies
+
 from resformer_jax.errors import UserError
 
 GIB = 2**30
@@ -119,7 +121,6 @@ class Target:
 
     def devices(self) -> list:
         """Compile-only devices of this hardware, in the order a real run's jax.devices() lists them."""
-        from jax.experimental import topologies
 
         if self.platform == "tpu":
             # libtpu asks the (absent) GCE metadata server what it runs on unless told it is not a TPU VM.

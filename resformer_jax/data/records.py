@@ -13,6 +13,7 @@ import os
 
 import grain
 import numpy as np
+from etils import epath
 
 from resformer_jax.errors import UserError
 
@@ -147,7 +148,6 @@ class Corpus:
 
     def copy_tokenizer(self, dest):
         """Copies the corpus's tokenizer to `dest` (the run's tokenizer.json, for generate and evaluate)."""
-        from etils import epath
 
         src = os.path.join(self.path, self.meta["tokenizer"]["file"])
         if os.path.isfile(src):

@@ -13,6 +13,8 @@ import re
 
 import numpy as np
 
+from resformer_jax.data.records import DataError, DomainSource, load_metadata
+
 NAME = "resformer_corpus"
 
 
@@ -47,7 +49,6 @@ def _builder_cls():
             }
 
         def _generate_examples(self, split):
-            from resformer_jax.data.records import DomainSource
 
             src = DomainSource(self.corpus_path, self.meta, split, self.domain)
             for i in range(len(src)):
@@ -60,8 +61,6 @@ def _builder_cls():
 def build(corpus_path: str) -> str:
     """Writes the tfds datasets (array_record files) for every domain; returns their data_dir."""
     import tensorflow_datasets as tfds
-
-    from resformer_jax.data.records import load_metadata
 
     meta = load_metadata(corpus_path)
     data_dir = os.path.join(corpus_path, "tfds")
@@ -84,8 +83,6 @@ class TfdsDomainSource:
 
     def __init__(self, corpus_path: str, split: str, domain: str):
         import tensorflow_datasets as tfds
-
-        from resformer_jax.data.records import DataError
 
         data_dir = os.path.join(corpus_path, "tfds")
         try:

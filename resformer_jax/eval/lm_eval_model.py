@@ -21,6 +21,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from resformer_jax.errors import UserError
+from resformer_jax.eval.loglik import ContinuationScorer, prepare
+from resformer_jax.model.decode import generate
+from resformer_jax.rundir import RunDir
+from resformer_jax.train.setup import load_run
 
 
 class HarnessError(UserError, ValueError):
@@ -38,10 +42,8 @@ class ResformerLM(LM):
         **kwargs,
     ):
         super().__init__()
-        from resformer_jax.train.setup import load_run
 
         self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
-        from resformer_jax.rundir import RunDir
 
         self.tok = RunDir(workdir).tokenizer()
         if self.tok is None:
@@ -58,7 +60,6 @@ class ResformerLM(LM):
             raise HarnessError(
                 f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the model's max_seq_len)"
             )
-        from resformer_jax.eval.loglik import ContinuationScorer
 
         self.scorer = ContinuationScorer(self.cfg.model, self.params, self.max_length, self.batch)
 
@@ -91,7 +92,6 @@ class ResformerLM(LM):
                 f"{max(len(reqs[i][1]) for i in too_long)}); they cannot be scored whole. Leave the "
                 "task out, or use a model with a longer max_seq_len"
             )
-        from resformer_jax.eval.loglik import prepare
 
         return self.scorer([prepare(ctx, cont, self.max_length) for ctx, cont in reqs])
 
@@ -121,7 +121,6 @@ class ResformerLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        from resformer_jax.model.decode import generate
 
         out = []
         for req in requests:

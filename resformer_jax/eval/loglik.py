@@ -16,7 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from resformer_jax.model import Transformer
+from resformer_jax.model.transformer import lm_head_logits
 
 
 def buckets(max_len: int, smallest: int = 32) -> list[int]:
@@ -61,11 +66,6 @@ class ContinuationScorer:
     `batch`: rows per forward pass (0: sized to `memory_budget_gb` per bucket)."""
 
     def __init__(self, model_cfg, params, max_len: int, batch: int = 0, memory_budget_gb: float = 1.0):
-        import jax
-        import jax.numpy as jnp
-
-        from resformer_jax.model import Transformer
-        from resformer_jax.model.transformer import lm_head_logits
 
         self.m, self.params, self.max_len = model_cfg, params, max_len
         self.batch, self.budget = batch, memory_budget_gb * 2**30

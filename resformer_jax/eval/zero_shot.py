@@ -23,6 +23,8 @@ import time
 import numpy as np
 
 from resformer_jax.errors import UserError
+from resformer_jax.eval.loglik import ContinuationScorer, prepare
+from resformer_jax.rundir import RunDir
 
 TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 
@@ -146,7 +148,6 @@ def make_loglik_fn(scorer, encode):
     """loglik_fn([(context, continuation)]) -> [sum log p] over a ContinuationScorer (eval/loglik.py) and a
     tokenizer's encode. A continuation longer than the model's context is refused: scored in part, the number
     would not be the task's (the lm-eval adapter refuses them too)."""
-    from resformer_jax.eval.loglik import prepare
 
     def loglik(pairs, progress=None):
         reqs, too_long = [], 0
@@ -179,8 +180,6 @@ def check_tasks(tasks: list[str], task_data: str | None) -> None:
 def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print) -> dict:
     """{task: {acc, acc_norm, n}} of a run's parameters; a progress line per task (and every ~15 s of a long one)
     through `log`. `batch`: choices per forward pass (0: sized to memory)."""
-    from resformer_jax.eval.loglik import ContinuationScorer
-    from resformer_jax.rundir import RunDir
 
     tok = RunDir(workdir).tokenizer()
     if tok is None:

@@ -10,8 +10,12 @@ import os
 import jax
 import numpy as np
 
+from resformer_jax.config import ties_embeddings
 from resformer_jax.hf.llama_import import HFError
+from resformer_jax.model import attention as eq
+from resformer_jax.model.attention import plan_layer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.lambdas import fixed_lambdas
 
 EXPORTABLE = {
     "value_residual": ("none", "resformer", "svformer"),
@@ -75,7 +79,6 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
 
 def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
     """config.json: a LlamaConfig; a value-residual model adds its fields and the auto_map of modeling_resformer.py."""
-    from resformer_jax.model.lambdas import fixed_lambdas
 
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -100,7 +103,6 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
     }
     if tokenizer_meta:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
-    from resformer_jax.config import ties_embeddings
 
     cfg["tie_word_embeddings"] = ties_embeddings(m)
     rope_type = ModelConfig.of(m).rope_type
@@ -133,7 +135,6 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
 # config.json names it for modeling_resformer.py: V_n | V_1 | l1 V_1 + l2 V_n.
 def _exported_mix(mix) -> str | None:
     """config.json's name of a plan's value mix (its `mix` field, an equation function), or None."""
-    from resformer_jax.model import attention as eq
 
     names = ((eq.eq1_own_value, "own"), (eq.eq10_svformer_value, "first"), (eq.eq7_resformer_value, "lambda_mix"))
     return next((name for f, name in names if f is mix), None)
@@ -143,7 +144,6 @@ def exported_plans(m) -> dict:
     """The per-layer plan as config.json carries it: which layers own W_V and how each forms the value it attends
     over. A plan this format cannot express (NeuTRENO, Q/K residuals, other mappings or value sources, shared
     Q/K, anchors, CLA) is refused by name: an export is exact or it stops."""
-    from resformer_jax.model.attention import plan_layer
 
     owns, mixes = [], []
     for n in range(1, m.num_layers + 1):

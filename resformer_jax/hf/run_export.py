@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 
+import jax
 from etils import epath
 
 from resformer_jax import storage
@@ -104,7 +105,6 @@ def _apply_umask(folder: str) -> None:
 
 def _write(run: RunDir, cfg, params, local: str, dtype: str) -> dict:
     """The export's files in a local folder."""
-    import jax
 
     tok = run.tokenizer()
     meta = None

@@ -3,6 +3,8 @@
 import contextlib
 import contextvars
 
+import jax
+
 # auto: resolved once at setup by probing at the run's shapes (train/setup.py).
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
@@ -29,7 +31,6 @@ def compiling_for(platform: str, device_kind: str | None = None):
 def target_device_kind() -> str:
     """The device the program being traced will run on, in words: the compile target's inside `compiling_for`,
     else this machine's first device's ('' where unknown)."""
-    import jax
 
     kind = _TARGET_KIND.get()
     if kind is not None or _TARGET_PLATFORM.get() is not None:
@@ -43,7 +44,6 @@ def target_device_kind() -> str:
 def target_backend() -> str:
     """The backend the program being traced will run on: the compile target inside `compiling_for`, else JAX's
     default backend ('gpu' for CUDA, as jax.default_backend() names it)."""
-    import jax
 
     target = _TARGET_PLATFORM.get()
     return jax.default_backend() if target is None else backend_of(target)

@@ -25,6 +25,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from resformer_jax.kernels.names import target_backend
+from resformer_jax.kernels.pallas_attention import visited_blocks
 
 log = logging.getLogger(__name__)
 TILE = 128
@@ -53,7 +54,6 @@ def kernel_flops(name: str, q_shape, k_shape, causal: bool = True) -> float:
     """FLOPs of one call of splash kernel `name` on q [..., G, T, D] and k [..., S, D] (as this file calls it:
     leading dims batch and kv heads, G query heads a kv head), with this file's blocks and splash's causal block
     skipping."""
-    from resformer_jax.kernels.pallas_attention import visited_blocks
 
     N, (G, T, D) = math.prod(q_shape[:-3]), q_shape[-3:]
     S = k_shape[-2]

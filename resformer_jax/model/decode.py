@@ -15,6 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import Transformer
@@ -100,8 +102,6 @@ def cache_shardings(cache, mesh, batch: int, kv_axes=None):
     Scanned layers' caches carry a leading layer axis. A batch that does not divide over the
     mesh is replicated instead.
     """
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     n = mesh.shape["data"] * mesh.shape["fsdp"]
     b_axes = ("data", "fsdp") if batch % n == 0 else None

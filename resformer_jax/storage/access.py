@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+import urllib.request
+from urllib.parse import urlparse
 
 from resformer_jax.storage.paths import StorageError, scheme
 
@@ -113,7 +116,6 @@ def _gcp_credentials() -> bool:
 
 def _gce_metadata_server() -> bool:
     """Whether the GCE metadata server (which supplies a VM's credentials) answers, within 1 s."""
-    import urllib.request
 
     req = urllib.request.Request("http://169.254.169.254/computeMetadata/v1/", headers={"Metadata-Flavor": "Google"})
     try:
@@ -139,8 +141,6 @@ def _aws_credentials() -> bool:
 
 def _reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when a TCP connection to the URL's host opens within `timeout`; else why not, in words."""
-    import socket
-    from urllib.parse import urlparse
 
     u = urlparse(url if "://" in url else f"http://{url}")
     host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)

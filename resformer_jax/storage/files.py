@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 
 from etils import epath
 
@@ -72,7 +73,6 @@ def staged_dir(out):
         yield os.fspath(out)
         return
     check_supported(out)
-    import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         yield d

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 from etils import epath
 
@@ -47,7 +48,6 @@ def check_supported(path) -> None:
 
 
 def _importable(module: str) -> bool:
-    import sys
 
     if module in sys.modules:
         return sys.modules[module] is not None

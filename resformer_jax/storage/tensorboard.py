@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from etils import epath
 
 from resformer_jax.storage.paths import check_supported, scheme
@@ -12,7 +14,6 @@ class _ObjectRecordWriter:
     be appended to); nothing is uploaded again after close."""
 
     def __init__(self, path: str):
-        import io
 
         self.path, self.buffer, self.dirty, self.closed = epath.Path(path), io.BytesIO(), False, False
 

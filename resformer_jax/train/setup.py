@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -354,8 +356,6 @@ def memory_precheck(
 def _library_reports_held():
     """While a reader tries a checkpoint: Orbax's own error logs and its threads' tracebacks are held back (a
     damaged checkpoint's failure is said in one line by load_run; a reader writes nothing into the run)."""
-    import logging
-    import threading
 
     loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
     levels = [lg.level for lg in loggers]

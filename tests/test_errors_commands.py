@@ -478,20 +478,6 @@ def test_a_resumed_run_with_another_shape_names_every_differing_field_before_com
     assert _digest(wd) == before
 
 
-def test_memory_advice_leaves_out_knobs_already_at_their_limit():
-    from resformer_jax.train.setup import memory_knobs
-
-    c = tiny_config("resformer")
-    c.train.global_batch, c.train.microbatch, c.model.remat, c.mesh.fsdp = 8, 0, "none", 1
-    advice = memory_knobs(c, 2)
-    assert "microbatch" in advice and "remat=full" in advice and "config.mesh.fsdp" in advice
-    c.model.remat, c.train.microbatch, c.mesh.fsdp = "full", 2, -1
-    assert memory_knobs(c, 2).startswith("it does not fit even with one sequence a device"), memory_knobs(c, 2)
-    c.train.microbatch = 4
-    advice = memory_knobs(c, 2)
-    assert "microbatch" in advice and "remat" not in advice and "fsdp" not in advice, advice
-
-
 def test_an_export_gets_the_users_umask(two_checkpoints, tmp_path):
     out = tmp_path / "exported"
     r = subprocess.run(
@@ -556,16 +542,3 @@ def test_compare_cuts_a_smoothing_window_longer_than_the_runs_and_says_so(traine
     )
     assert r.returncode == 0, r.stderr
     assert "--smooth=100 is longer than the runs (4 steps logged); smoothing over 4 steps" in r.stderr, r.stderr
-
-
-def test_the_sized_for_check_takes_a_config_whose_dtype_is_auto():
-    """The demo's model.dtype=auto is resolved after the start-up checks: the memory estimate works without it."""
-    from resformer_jax.commands.common import load_config_file
-    from resformer_jax.train.setup import too_big_for_here
-
-    demo = load_config_file(str(ROOT / "configs" / "demo.py"))
-    assert demo.model.dtype == "auto"
-    assert too_big_for_here(demo, 1) is None
-    demo.mesh.device_memory_limit_gb = 1e-6
-    assert "per device by the analytic estimate" in too_big_for_here(demo, 1)
-    assert demo.model.dtype == "auto"  # the user's config is not changed

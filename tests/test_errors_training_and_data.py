@@ -1,5 +1,6 @@
-"""Every user mistake ends in one line on stderr, a non-zero exit, no traceback, nothing damaged;
-truncated inputs are errors; an interrupted re-preparation leaves a consistent folder."""
+"""A mistake in a config, a corpus, its preparation or a training run ends in one line on stderr, a non-zero
+exit, no traceback, nothing damaged; truncated inputs are errors; an interrupted re-preparation leaves a
+consistent folder."""
 
 import json
 import os
@@ -282,3 +283,31 @@ def test_disk_full_while_saving(tmp_path):
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR="")  # compiled programs are larger than the limit
     r = cmd(*TRAIN, f"--workdir={tmp_path / 'w'}", "--config.checkpoint.every_steps=2", preexec_fn=limit, env=env)
     assert_one_line(r, "could not write the checkpoint", "File too large")
+
+
+def test_memory_advice_leaves_out_knobs_already_at_their_limit():
+    from resformer_jax.config import tiny_config
+    from resformer_jax.train.setup import memory_knobs
+
+    c = tiny_config("resformer")
+    c.train.global_batch, c.train.microbatch, c.model.remat, c.mesh.fsdp = 8, 0, "none", 1
+    advice = memory_knobs(c, 2)
+    assert "microbatch" in advice and "remat=full" in advice and "config.mesh.fsdp" in advice
+    c.model.remat, c.train.microbatch, c.mesh.fsdp = "full", 2, -1
+    assert memory_knobs(c, 2).startswith("it does not fit even with one sequence a device"), memory_knobs(c, 2)
+    c.train.microbatch = 4
+    advice = memory_knobs(c, 2)
+    assert "microbatch" in advice and "remat" not in advice and "fsdp" not in advice, advice
+
+
+def test_the_sized_for_check_takes_a_config_whose_dtype_is_auto():
+    """The demo's model.dtype=auto is resolved after the start-up checks: the memory estimate works without it."""
+    from resformer_jax.commands.common import load_config_file
+    from resformer_jax.train.setup import too_big_for_here
+
+    demo = load_config_file(os.path.join(ROOT, "configs", "demo.py"))
+    assert demo.model.dtype == "auto"
+    assert too_big_for_here(demo, 1) is None
+    demo.mesh.device_memory_limit_gb = 1e-6
+    assert "per device by the analytic estimate" in too_big_for_here(demo, 1)
+    assert demo.model.dtype == "auto"  # the user's config is not changed
