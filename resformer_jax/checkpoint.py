@@ -251,6 +251,18 @@ class Checkpointer:
                 )
         return r["state"], dict(r["config"]), dict(r["progress"])
 
+    def restore_data(self, step: int, data_iter, warn=print) -> None:
+        """The data iterator at the position saved with `step`."""
+        try:
+            self.mngr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iter)))
+        except Exception as e:
+            # Data order is a function of the step, so the position is recoverable.
+            warn(
+                f"note: data iterator state of step {step} not restored ({type(e).__name__}); "
+                f"positioning the pipeline at step {step} from the step number"
+            )
+            data_iter.set_state({"next_index": int(step)})
+
     def restore_latest(self, abstract_state, data_iter=None, warn=print):
         """(step, state, config, progress) of the newest checkpoint that restores, or None if there is none."""
         steps = self.all_steps()
@@ -271,15 +283,7 @@ class Checkpointer:
                 self._quarantine(step)
                 continue
             if data_iter is not None:
-                try:
-                    self.mngr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iter)))
-                except Exception as e:
-                    # Data order is a function of the step, so the position is recoverable.
-                    warn(
-                        f"note: data iterator state of step {step} not restored ({type(e).__name__}); "
-                        f"positioning the pipeline at step {step} from the step number"
-                    )
-                    data_iter.set_state({"next_index": int(step)})
+                self.restore_data(step, data_iter, warn)
             return step, state, config, progress
         raise CheckpointError(
             f"none of the checkpoints in {self.dir} restores ({failures}); they were moved to "

@@ -16,6 +16,9 @@ from resformer_jax.model.config import ModelConfig
 
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
 REMAT_POLICIES = ("none", "dots", "full")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 LOSS_CHUNK_LEN = 128  # LM head + cross entropy fused over this many positions at a time (train/loss.py); 0: full logits
 
 # Paper Table 4: layers, heads, d_model, ffn.
@@ -78,6 +81,25 @@ def base_config() -> ml_collections.ConfigDict:
     t.skip_nonfinite_steps = False
     t.loss_chunk_len = LOSS_CHUNK_LEN
     t.stop_at = 0  # >0: save and exit after this step (for time-limited jobs); the schedule still spans `steps`
+    # adamw (the paper) | muon: Muon on the hidden weight matrices (each layer's own, orthogonalised by
+    # Newton-Schulz), AdamW with peak_lr on embeddings, LM head, norms, biases and the value-residual scalars.
+    t.optimizer = "adamw"
+    t.muon_lr = 0.02
+    t.muon_momentum = 0.95
+    # cosine (the paper: warmup_steps, then cosine to final_lr_ratio) | wsd (warmup, stable, decay: fractions of
+    # `steps` summing to 1, the decay in wsd_decay_shape) | constant (warmup_steps, then peak_lr)
+    t.schedule = "cosine"
+    t.wsd_fractions = (0.01, 0.79, 0.2)
+    t.wsd_decay_shape = "1-sqrt"  # linear | cosine | 1-sqrt
+    t.decay_start_step = 0  # >0: the WSD decay starts here (a cooldown forked with init_from sets it)
+    # RUN:STEP (or RUN, its newest step): start this new run from that run's checkpoint (parameters, optimizer
+    # state, the data's position) with the WSD decay starting there: a cooldown forked from a stable run.
+    t.init_from = ""
+    t.z_loss = 0.0  # PaLM's z-loss: z_loss * mean(log Z^2) of the logits' log-normaliser, added to the loss
+    # Loss-spike skipping: a step whose loss or gradient norm is more than spike_sigma standard deviations above
+    # the mean of the last spike_window applied steps is not applied (0: off; non-finite steps: skip_nonfinite).
+    t.spike_sigma = 0.0
+    t.spike_window = 100
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1
@@ -312,6 +334,12 @@ def parse_mixture(value) -> dict[str, float]:
     return out
 
 
+def parse_init_from(value: str) -> tuple[str, int | None]:
+    """train.init_from's RUN:STEP as (run, step); step None where the text after the last ':' is no step."""
+    run, _, step = value.rpartition(":")
+    return (run, int(step)) if run and step.isdigit() else (value, None)
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks every field that could make a run impossible; returns c."""
     m = c.model
@@ -439,6 +467,41 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             "train.warmup_steps",
             f"{t.warmup_steps} not in [0, train.steps={t.steps})",
             "use fewer warmup steps than total steps",
+        )
+    if t.optimizer not in OPTIMIZERS:
+        _fail("train.optimizer", f"unknown optimizer {t.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+    if t.optimizer == "muon" and not (t.muon_lr > 0 and 0 <= t.muon_momentum < 1):
+        _fail("train.muon_lr", f"muon_lr={t.muon_lr}, muon_momentum={t.muon_momentum}", "use lr > 0, 0 <= momentum < 1")
+    if t.schedule not in SCHEDULES:
+        _fail("train.schedule", f"unknown schedule {t.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+    fractions = tuple(float(x) for x in t.wsd_fractions)
+    if t.schedule == "wsd" and (len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6):
+        _fail(
+            "train.wsd_fractions",
+            f"{t.wsd_fractions} are not three non-negative fractions (warmup, stable, decay) summing to 1",
+            "e.g. --config.train.wsd_fractions='(0.01,0.79,0.2)'",
+        )
+    if t.wsd_decay_shape not in DECAY_SHAPES:
+        _fail("train.wsd_decay_shape", f"unknown shape {t.wsd_decay_shape!r}", f"use one of {', '.join(DECAY_SHAPES)}")
+    if t.decay_start_step < 0 or t.decay_start_step >= t.steps:
+        _fail(
+            "train.decay_start_step",
+            f"{t.decay_start_step} not in [0, train.steps={t.steps})",
+            "leave it 0 (the wsd fractions decide) or set a step before train.steps",
+        )
+    if t.init_from and parse_init_from(t.init_from)[1] is None:
+        _fail(
+            "train.init_from",
+            f"{t.init_from!r} names no step",
+            "give the run and the step to fork from: --config.train.init_from=RUN:STEP",
+        )
+    if t.z_loss < 0:
+        _fail("train.z_loss", f"must be >= 0, got {t.z_loss}", "use 0 (off) or e.g. 1e-4")
+    if t.spike_sigma < 0 or t.spike_window < 2:
+        _fail(
+            "train.spike_sigma",
+            f"spike_sigma={t.spike_sigma}, spike_window={t.spike_window}",
+            "use spike_sigma 0 (off) or e.g. 6, and a window of at least 2 steps",
         )
     parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):

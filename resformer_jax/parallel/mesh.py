@@ -8,6 +8,7 @@ import os
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,9 +79,20 @@ def rules(mesh_cfg):
 
 
 def logical_shardings(boxed_tree, mesh: Mesh, mesh_cfg):
-    """NamedShardings for a tree of nn.Partitioned (logically annotated) values."""
+    """NamedShardings for a tree of nn.Partitioned (logically annotated) values. optax's MaskedNode (the
+    parameters another optimizer group updates, e.g. under Muon) stays a MaskedNode: it holds no array."""
+    boxed_tree = jax.tree.map(  # a box around a MaskedNode (optax masks inside the boxes) is a MaskedNode
+        lambda x: x.value if isinstance(x, nn.Partitioned) and isinstance(x.value, optax.MaskedNode) else x,
+        boxed_tree,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+    )
     specs = nn.get_partition_spec(boxed_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules(mesh_cfg))
+    table = rules(mesh_cfg)
+    return jax.tree.map(
+        lambda s: s if isinstance(s, optax.MaskedNode) else nn.logical_to_mesh_sharding(s, mesh, table),
+        specs,
+        is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)),
+    )
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -18,14 +18,14 @@ from jax.experimental import multihost_utils
 
 from resformer_jax import metrics, perf
 from resformer_jax.checkpoint import CheckpointError, config_diff, params_layout
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, run_record, validate, with_defaults
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, parse_init_from, run_record, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import UserError
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
-from resformer_jax.train.optimizer import lr_schedule
+from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.setup import (
     MemoryPrecheckError,
     TrainSetup,
@@ -47,6 +47,18 @@ def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part, {}) if isinstance(d, dict) else {}
     return d
+
+
+def forked(cfg, run: RunDir):
+    """The config a run forked from another (train.init_from=RUN:STEP) runs: the WSD decay starting at STEP (a
+    cooldown), where no decay_start_step is set. A copy; what was asked is not changed."""
+    if not cfg.train.init_from or cfg.train.schedule != "wsd" or cfg.train.decay_start_step:
+        return cfg
+    import ml_collections
+
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.train.decay_start_step = parse_init_from(cfg.train.init_from)[1]
+    return out
 
 
 @dataclasses.dataclass
@@ -191,6 +203,8 @@ class Trainer:
         if newest is not None:
             self._check_params_fit(ckpt, setup, cfg, *newest)
         restored = ckpt.restore_latest(setup.abstract_state, data, warn=self._warn)
+        if restored is None and cfg.train.init_from and not ckpt.history():
+            return self._fork(cfg, setup, data, corpus)
         if restored is None:
             history = ckpt.history()
             if history and not cfg.checkpoint.allow_fresh_start:
@@ -204,6 +218,27 @@ class Trainer:
         step, state, old_cfg, progress = restored
         self._check_resumed_config(old_cfg, cfg, corpus)
         self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
+        return state, step, progress
+
+    def _fork(self, cfg, setup: TrainSetup, data, corpus) -> tuple[Any, int, dict]:
+        """A new run from another run's checkpoint (train.init_from=RUN:STEP): its parameters, optimizer state and
+        data position at STEP; the WSD decay starts there (set before the build, `forked`)."""
+        run, step = parse_init_from(cfg.train.init_from)
+        assert step is not None  # config.validate requires RUN:STEP
+        source = RunDir(run)
+        if not source.checkpoints.is_dir():
+            raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
+        src = source.checkpointer(read_only=True)
+        try:
+            steps = src.all_steps()
+            if step not in steps:
+                raise CheckpointError(f"train.init_from: no checkpoint at step {step} in {src.dir}; available: {steps}")
+            self._check_resumed_config(src.read_config(step), cfg, corpus, quiet=True)
+            state, _, progress = src.restore(step, setup.abstract_state)
+            src.restore_data(step, data, self._warn)
+        finally:
+            src.mngr.close()
+        self.say(f"forked from {run} at step {step}: its parameters, optimizer state and data position")
         return state, step, progress
 
     def _start(self) -> Session:
@@ -220,6 +255,7 @@ class Trainer:
             raise
         self._check_workdir_model(cfg, corpus)
         self._check_fits_here(cfg)
+        cfg = forked(cfg, self.run)
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
         setup = build(cfg, log=self.say)
         cfg = setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
@@ -254,6 +290,7 @@ class Trainer:
             f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "
             f"devices, mesh {dict(setup.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})"
         )
+        self.say(group_sizes(setup.abstract_state.params).describe(cfg.train))
         self.say(f"logs: tensorboard --logdir {self.run.path}")
         now = time.perf_counter()
         s = Session(
@@ -422,6 +459,17 @@ class Trainer:
             **{f"perf/{k}": v for k, v in perf.mfu(s.flops, tps, s.peak).items()},
             "train/nonfinite_steps": float(jax.device_get(s.state.nonfinite_count)),
         }
+        if "z_loss" in host[0]:
+            vals["train/z_loss"] = float(np.mean([h["z_loss"] for h in host]))
+        if s.state.spikes is not None:
+            vals["train/skipped_spikes"] = float(jax.device_get(s.state.spikes.skipped))
+            for i, h in enumerate(host):
+                if h["spike"]:
+                    self.say(
+                        f"step {step - len(host) + i + 1}: loss spike skipped (loss {h['loss']:.4f}, grad norm "
+                        f"{h['grad_norm']:.3f}, above {cfg.train.spike_sigma:g} standard deviations of the recent "
+                        "steps); the update was not applied"
+                    )
         vals.update(self._lambdas(s))
         s.writer.scalars(step, vals)
         self.progress.update(

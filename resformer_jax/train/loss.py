@@ -57,40 +57,63 @@ def _block_loss(h_BxCxE, w_ExV, t_BxC):
     return jnp.sum(jnp.where(t_BxC >= 0, logz_BxC - picked_BxC, 0.0)), logits_BxCxV, logz_BxC
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def cross_entropy_and_z(logits_BxTxV, targets_BxT):
+    """(mean next-token cross entropy, mean log Z^2) in fp32, Z the softmax's normaliser (PaLM's z-loss term)."""
+    logits = logits_BxTxV.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked), jnp.mean(logz**2)
+
+
 def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128):
     """mean_t CE(h_t W, target_t), computed `chunk_len` positions at a time."""
+    return chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, 0.0)[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128, z_loss: float = 0.0):
+    """(mean_t CE(h_t W, target_t) + z_loss * mean_t log Z_t^2, mean_t log Z_t^2), computed `chunk_len` positions at
+    a time. The second output is for logging: it carries no gradient of its own."""
     h_n, t_n = _blocks(h_BxTxE, targets_BxT, chunk_len)
 
-    def body(total, xs):
-        return total + _block_loss(xs[0], w_ExV, xs[1])[0], None
+    def body(carry, xs):
+        loss_sum, _, logz_BxC = _block_loss(xs[0], w_ExV, xs[1])
+        z_sum = jnp.sum(jnp.where(xs[1] >= 0, logz_BxC**2, 0.0)) if z_loss else 0.0
+        return (carry[0] + loss_sum, carry[1] + z_sum), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_n, t_n))
-    return total / targets_BxT.size
+    (total, z_total), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), (h_n, t_n))
+    z_mean = z_total / targets_BxT.size
+    loss = total / targets_BxT.size
+    return (loss + z_loss * z_mean if z_loss else loss), z_mean
 
 
-def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len):
+def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss):
     B, T, E = h_BxTxE.shape
     h_n, t_n = _blocks(h_BxTxE, targets_BxT, chunk_len)
     inv_count = 1.0 / targets_BxT.size
     w_c = w_ExV.astype(h_BxTxE.dtype)
-    # The backward's matmuls in canonical layout (model/layers.py `transposed`): needed for bf16's fast path; in
-    # fp32 only h^T is materialised (the folded transpose sends the weight gradient to Eigen, ~37% slower than
-    # XNNPACK at this shape), while w^T stays folded (XNNPACK takes it as is).
+    # The backward's matmuls in canonical layout (kernels/cpu_matmul.py `transposed`): needed for bf16's fast path;
+    # in fp32 only h^T is materialised (the folded transpose sends the weight gradient to Eigen), while w^T stays
+    # folded (XNNPACK takes it as is).
     fp32 = jnp.dtype(h_BxTxE.dtype) == jnp.float32
     w_VxE = w_c.T if fp32 else transposed(w_c)
 
     def body(carry, xs):
-        total, dw_ExV = carry
+        total, z_total, dw_ExV = carry
         h_BxCxE, t_BxC = xs
         loss_sum, logits_BxCxV, logz_BxC = _block_loss(h_BxCxE, w_c, t_BxC)
         total = total + loss_sum
         valid_BxC = t_BxC >= 0
         # d(mean CE)/d logits = (softmax - onehot) / count, zero at padded positions.
         vocab_V = jnp.arange(logits_BxCxV.shape[-1])
-        dlogits_BxCxV = (jnp.exp(logits_BxCxV - logz_BxC[..., None]) - (vocab_V == t_BxC[..., None])) * (
-            valid_BxC[..., None] * inv_count
-        )
+        probs_BxCxV = jnp.exp(logits_BxCxV - logz_BxC[..., None])
+        if z_loss:  # d(z mean log Z^2)/d logits = 2 z log Z softmax / count
+            z_total = z_total + jnp.sum(jnp.where(valid_BxC, logz_BxC**2, 0.0))
+            dlogits_BxCxV = (
+                probs_BxCxV * (1.0 + 2.0 * z_loss * logz_BxC[..., None]) - (vocab_V == t_BxC[..., None])
+            ) * (valid_BxC[..., None] * inv_count)
+        else:
+            dlogits_BxCxV = (probs_BxCxV - (vocab_V == t_BxC[..., None])) * (valid_BxC[..., None] * inv_count)
         dlogits_BxCxV = dlogits_BxCxV.astype(h_BxCxE.dtype)
         Bc, C, E = h_BxCxE.shape
         dlogits_NxV = dlogits_BxCxV.reshape(Bc * C, -1)
@@ -98,17 +121,19 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len):
         dh_BxCxE = jnp.dot(dlogits_NxV, w_VxE, preferred_element_type=jnp.float32).reshape(Bc, C, E)
         h_ExN = transposed(h_NxE)
         dw_ExV = dw_ExV + jnp.dot(h_ExN, dlogits_NxV, preferred_element_type=jnp.float32)
-        return (total, dw_ExV), dh_BxCxE.astype(h_BxTxE.dtype)
+        return (total, z_total, dw_ExV), dh_BxCxE.astype(h_BxTxE.dtype)
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(w_ExV.shape, jnp.float32))
-    (total, dw_ExV), dh_n = jax.lax.scan(body, init, (h_n, t_n))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros(w_ExV.shape, jnp.float32))
+    (total, z_total, dw_ExV), dh_n = jax.lax.scan(body, init, (h_n, t_n))
     dh_BxTxE = dh_n.swapaxes(0, 1).reshape(B, -1, E)[:, :T]
-    return total * inv_count, (dh_BxTxE, dw_ExV.astype(w_ExV.dtype))
+    z_mean, loss = z_total * inv_count, total * inv_count  # (the forms the loss had before the z term)
+    return (loss + z_loss * z_mean if z_loss else loss, z_mean), (dh_BxTxE, dw_ExV.astype(w_ExV.dtype))
 
 
-def _bwd(chunk_len, res, g):
+def _bwd(chunk_len, z_loss, res, g):
     dh_BxTxE, dw_ExV = res
-    return (g * dh_BxTxE).astype(dh_BxTxE.dtype), (g * dw_ExV).astype(dw_ExV.dtype), None
+    g_loss = g[0]  # the logged z term (second output) carries no gradient
+    return (g_loss * dh_BxTxE).astype(dh_BxTxE.dtype), (g_loss * dw_ExV).astype(dw_ExV.dtype), None
 
 
-chunked_cross_entropy.defvjp(_fwd, _bwd)
+chunked_lm_loss.defvjp(_fwd, _bwd)

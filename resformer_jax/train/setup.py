@@ -130,9 +130,14 @@ def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -
     return m
 
 
-def state_template(model, tx, seq_len: int):
+def spike_window(t) -> int:
+    """The loss-spike window the train state holds (0: spike skipping off, nothing in the state)."""
+    return int(t.spike_window) if t.get("spike_sigma", 0.0) > 0 else 0
+
+
+def state_template(model, tx, seq_len: int, spikes: int = 0):
     """The boxed (logically partitioned) train state as shapes, without allocating it."""
-    return jax.eval_shape(lambda r: init_state(model, tx, r, seq_len), jax.random.PRNGKey(0))
+    return jax.eval_shape(lambda r: init_state(model, tx, r, seq_len, spikes), jax.random.PRNGKey(0))
 
 
 @dataclasses.dataclass
@@ -163,7 +168,8 @@ class TrainSetup:
     def init_state(self, seed: int | None = None) -> TrainState:
         """A fresh state laid out on the mesh (parameters and optimizer state sharded)."""
         seed = self.cfg.train.seed if seed is None else seed
-        init = lambda r: nn.unbox(init_state(self.model, self.tx, r, self.cfg.data.seq_len))
+        spikes = spike_window(self.cfg.train)
+        init = lambda r: nn.unbox(init_state(self.model, self.tx, r, self.cfg.data.seq_len, spikes))
         return jax.jit(init, out_shardings=self.state_sh)(jax.random.PRNGKey(seed))
 
     def compile(self):
@@ -198,7 +204,7 @@ def build(
         attention = resolve_attention(cfg, log=log, platform=platform)
     model_cfg = model_config(cfg, attention, platform)
     model, tx = Transformer(model_cfg, mesh=mesh), make_optimizer(cfg.train)
-    boxed = state_template(model, tx, cfg.data.seq_len)
+    boxed = state_template(model, tx, cfg.data.seq_len, spike_window(cfg.train))
     state_sh = logical_shardings(boxed, mesh, cfg.mesh)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), state_sh)
     batch_sh = batch_sharding(mesh)
@@ -208,7 +214,16 @@ def build(
     rep = replicated(mesh)
     options = step_compiler_options(cfg, mesh, log=log, platform=platform)
     train_step = jax.jit(
-        make_train_step(model, tx, num_micro, micro_sh, t.loss_chunk_len, dropout_seed=t.seed),
+        make_train_step(
+            model,
+            tx,
+            num_micro,
+            micro_sh,
+            t.loss_chunk_len,
+            dropout_seed=t.seed,
+            z_loss=t.z_loss,
+            spike_sigma=t.spike_sigma,
+        ),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, rep),
         donate_argnums=(0,),
@@ -412,7 +427,7 @@ def load_run(
                 cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(candidate)))
                 model = Transformer(cfg.model)
                 dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len)
+                boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len, spike_window(cfg.train))
                 abstract = jax.tree.map(
                     lambda x, dev=dev: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed)
                 )

@@ -12,7 +12,7 @@ from flax import struct
 
 from resformer_jax.config import LOSS_CHUNK_LEN
 from resformer_jax.model.transformer import output_embedding
-from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
+from resformer_jax.train.loss import chunked_lm_loss, cross_entropy, cross_entropy_and_z
 
 
 @struct.dataclass
@@ -23,9 +23,49 @@ class TrainState:
     # Steps whose loss or gradient was non-finite (update skipped), and the first such step (-1: none).
     nonfinite_count: jax.Array
     first_nonfinite_step: jax.Array
+    spikes: Any = None  # SpikeWindow with train.spike_sigma > 0 (None adds nothing to the state or checkpoints)
 
 
-def init_state(model, tx, rng, seq_len: int):
+@struct.dataclass
+class SpikeWindow:
+    """The loss and gradient norm of the last `window` applied steps (a ring), and how many spikes were skipped."""
+
+    losses: jax.Array  # [window] fp32
+    grad_norms: jax.Array  # [window] fp32
+    filled: jax.Array  # applied steps recorded so far (the ring holds min(filled, window))
+    skipped: jax.Array  # steps not applied as spikes
+
+    @classmethod
+    def empty(cls, window: int) -> SpikeWindow:
+        zeros = jnp.zeros((window,), jnp.float32)
+        return cls(zeros, zeros, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def is_spike(self, loss, grad_norm, sigma: float, min_filled: int):
+        """Whether this step's loss or gradient norm is more than `sigma` standard deviations above the window's
+        mean (once at least `min_filled` steps are recorded)."""
+        window = self.losses.shape[0]
+        n = jnp.minimum(self.filled, window)
+        valid = jnp.arange(window) < n
+
+        def above(values, x):
+            mean = jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(n, 1)
+            var = jnp.sum(jnp.where(valid, (values - mean) ** 2, 0.0)) / jnp.maximum(n, 1)
+            return x > mean + sigma * jnp.sqrt(var)
+
+        return (n >= min_filled) & (above(self.losses, loss) | above(self.grad_norms, grad_norm))
+
+    def record(self, loss, grad_norm, applied, spike) -> SpikeWindow:
+        at = self.filled % self.losses.shape[0]
+        put = lambda ring, x: jnp.where(applied, ring.at[at].set(x.astype(jnp.float32)), ring)
+        return SpikeWindow(
+            put(self.losses, loss),
+            put(self.grad_norms, grad_norm),
+            self.filled + applied.astype(jnp.int32),
+            self.skipped + spike.astype(jnp.int32),
+        )
+
+
+def init_state(model, tx, rng, seq_len: int, spike_window: int = 0):
     """Boxed (logically partitioned) state; unbox with nn.unbox after reading the specs."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(rng, tokens)["params"]
@@ -36,11 +76,14 @@ def init_state(model, tx, rng, seq_len: int):
         opt_state=opt_state,
         nonfinite_count=jnp.zeros((), jnp.int32),
         first_nonfinite_step=jnp.full((), -1, jnp.int32),
+        spikes=SpikeWindow.empty(spike_window) if spike_window else None,
     )
 
 
-def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None):
-    """Sequences hold seq_len + 1 tokens: inputs are [:-1], targets [1:].
+def lm_loss(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None, z_loss: float = 0.0):
+    """(the loss to minimise, mean log Z^2 for logging): next-token cross entropy, plus z_loss times the mean
+    squared log-normaliser of the logits (PaLM's z-loss) where z_loss > 0. Sequences hold seq_len + 1 tokens:
+    inputs are [:-1], targets [1:].
 
     chunk_len > 0: the LM head and cross entropy run fused, chunk_len positions
     at a time (train/loss.py); 0: full logits, then cross entropy. dropout_rng: training with
@@ -51,11 +94,20 @@ def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropou
     if chunk_len <= 0:
         logits = model.apply({"params": params}, inputs_BxT, rngs=rngs)
         with jax.named_scope("lm_head_xent"):
-            return cross_entropy(logits, targets_BxT)
+            if not z_loss:
+                return cross_entropy(logits, targets_BxT), jnp.zeros((), jnp.float32)
+            ce, z_mean = cross_entropy_and_z(logits, targets_BxT)
+            return ce + z_loss * z_mean, jax.lax.stop_gradient(z_mean)
     h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True, rngs=rngs)
     with jax.named_scope("lm_head_xent"):  # named for the step profile (step_profile.py)
         w_ExV = output_embedding(params, model.cfg)
-        return chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len)
+        loss, z_mean = chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss)
+        return loss, jax.lax.stop_gradient(z_mean)
+
+
+def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None):
+    """The mean next-token cross entropy (what evaluation reports)."""
+    return lm_loss(params, model, tokens_BxTp1, chunk_len, dropout_rng)[0]
 
 
 def make_train_step(
@@ -65,11 +117,14 @@ def make_train_step(
     batch_sharding=None,
     loss_chunk_len: int = LOSS_CHUNK_LEN,
     dropout_seed: int = 0,
+    z_loss: float = 0.0,
+    spike_sigma: float = 0.0,
 ):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
     model.dropout > 0 the dropout key is a function of (seed, step, microbatch), so a resumed run drops the same
-    units as an uninterrupted one."""
-    grad_fn = jax.value_and_grad(lambda p, model, t, r: loss_fn(p, model, t, loss_chunk_len, r))
+    units as an uninterrupted one. A step is not applied when its loss or gradient is non-finite, or (spike_sigma
+    > 0, the state holding a SpikeWindow) when either is a spike against the recent applied steps."""
+    grad_fn = jax.value_and_grad(lambda p, model, t, r: lm_loss(p, model, t, loss_chunk_len, r, z_loss), has_aux=True)
     uses_dropout = model.cfg.dropout > 0
 
     def dropout_key(step, micro):
@@ -79,7 +134,7 @@ def make_train_step(
 
     def train_step(state: TrainState, tokens_BxTp1):
         if num_microbatches == 1:
-            loss, grads = grad_fn(state.params, model, tokens_BxTp1, dropout_key(state.step, 0))
+            (loss, z_mean), grads = grad_fn(state.params, model, tokens_BxTp1, dropout_key(state.step, 0))
         else:
             B = tokens_BxTp1.shape[0]
             M = B // num_microbatches
@@ -90,30 +145,41 @@ def make_train_step(
 
             def body(acc, xs):
                 mb, i = xs
-                loss, grads = grad_fn(state.params, model, mb, dropout_key(state.step, i))
-                return jax.tree.map(jnp.add, acc, (loss, grads)), None
+                (loss, z_mean), grads = grad_fn(state.params, model, mb, dropout_key(state.step, i))
+                return jax.tree.map(jnp.add, acc, (loss, z_mean, grads)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, (micro_AxMxT, jnp.arange(num_microbatches)))
-            loss, grads = jax.tree.map(lambda x: x / num_microbatches, (loss, grads))
+            zero = jnp.zeros((), jnp.float32)
+            zeros = (zero, zero, jax.tree.map(jnp.zeros_like, state.params))
+            (loss, z_mean, grads), _ = jax.lax.scan(body, zeros, (micro_AxMxT, jnp.arange(num_microbatches)))
+            loss, z_mean, grads = jax.tree.map(lambda x: x / num_microbatches, (loss, z_mean, grads))
         with jax.named_scope("optimizer"):  # named for the step profile (step_profile.py)
             grad_norm = optax.tree.norm(grads)
             updates, new_opt = tx.update(grads, state.opt_state, state.params)
             new_params = optax.apply_updates(state.params, updates)
-            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            # A non-finite step never touches the state: the last good state stays intact.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            spikes, spike = state.spikes, jnp.zeros((), bool)
+            if spikes is not None:
+                spike = finite & spikes.is_spike(loss, grad_norm, spike_sigma, min(spikes.losses.shape[0], 10))
+                spikes = spikes.record(loss, grad_norm, finite & ~spike, spike)
+            ok = finite & ~spike
+            # A step not applied never touches the parameters or the optimizer state.
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             new_state = dataclasses.replace(
                 state,
                 step=state.step + 1,
                 params=keep(new_params, state.params),
                 opt_state=keep(new_opt, state.opt_state),
-                nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+                nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
                 first_nonfinite_step=jnp.where(
-                    (state.first_nonfinite_step < 0) & ~ok, state.step, state.first_nonfinite_step
+                    (state.first_nonfinite_step < 0) & ~finite, state.step, state.first_nonfinite_step
                 ),
+                spikes=spikes,
             )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~ok).astype(jnp.int32)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+        if z_loss:
+            metrics["z_loss"] = z_mean
+        if spikes is not None:
+            metrics["spike"] = spike.astype(jnp.int32)
         return new_state, metrics
 
     return train_step

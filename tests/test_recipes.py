@@ -1,0 +1,279 @@
+"""Today's training recipes: Muon against a numpy transcription of its update, the WSD schedule against its formula
+and a cooldown forked from a checkpoint, z-loss against numpy, loss-spike skipping, and their bad values."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from resformer_jax.commands.training import run
+from resformer_jax.config import base_config, tiny_config
+from resformer_jax.metrics import read_jsonl
+from resformer_jax.train.loss import chunked_lm_loss, cross_entropy_and_z
+from resformer_jax.train.optimizer import lr_schedule, make_optimizer, muon_dimensions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NS = (3.4445, -4.7750, 2.0315)  # optax's default Newton-Schulz coefficients
+
+
+def train_section(**fields) -> ml_collections.ConfigDict:
+    t = base_config().train
+    for k, v in fields.items():
+        t[k] = v
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- Muon
+
+
+def newton_schulz(g: np.ndarray, steps: int = 5, eps: float = 1e-8) -> np.ndarray:
+    """Muon's orthogonalisation, written from the method: X = G / ||G||_F, transposed to be wide, then
+    X <- a X + (b A + c A^2) X with A = X X^T."""
+    x = g / (np.linalg.norm(g) + eps)
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T
+    a, b, c = NS
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x if wide else x.T
+
+
+def muon_update(g: np.ndarray, param: np.ndarray, in_axes: int, lr: float, beta: float, wd: float) -> np.ndarray:
+    """The first Muon update of a [*batch?, in..., out...] weight from zero momentum (Nesterov, bias-corrected as
+    optax does: mu_1 = (1 - beta) g; mu_hat = beta mu_1 / (1 - beta^2) + (1 - beta) g / (1 - beta)), per matrix,
+    scaled by sqrt(max(1, fan_out / fan_in)), plus decoupled weight decay, times -lr."""
+    mu = (1 - beta) * g
+    mu_hat = beta * mu / (1 - beta**2) + (1 - beta) * g / (1 - beta)
+    fan_in = int(np.prod(g.shape[:in_axes]))
+    m = mu_hat.reshape(fan_in, -1)
+    o = newton_schulz(m).reshape(g.shape) * np.sqrt(max(1.0, m.shape[1] / fan_in))
+    return -lr * (o + wd * param)
+
+
+def test_muon_update_equals_its_transcription_per_layer_of_a_scanned_stack():
+    rng = np.random.default_rng(0)
+    params = {
+        "layer_1": {"attn": {"query": {"kernel": rng.normal(size=(8, 2, 4))}}},  # [E, H, D]
+        "layers": {"block": {"mlp": {"down": {"kernel": rng.normal(size=(3, 16, 8))}}}},  # [L, F, E], per layer
+        "embed": {"embedding": rng.normal(size=(10, 8))},  # AdamW
+        "final_norm": {"scale": np.ones(8)},  # AdamW
+    }
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    t = train_section(optimizer="muon", schedule="constant", warmup_steps=0, grad_clip=1e9, weight_decay=0.1)
+    dims = muon_dimensions(params)
+    assert dims["embed"]["embedding"] is None and dims["final_norm"]["scale"] is None
+    tx = make_optimizer(t)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    q = np.asarray(grads["layer_1"]["attn"]["query"]["kernel"], np.float64)
+    want_q = muon_update(q, np.asarray(params["layer_1"]["attn"]["query"]["kernel"]), 1, t.muon_lr, 0.95, 0.1)
+    np.testing.assert_allclose(updates["layer_1"]["attn"]["query"]["kernel"], want_q, rtol=2e-4, atol=1e-6)
+    d = np.asarray(grads["layers"]["block"]["mlp"]["down"]["kernel"], np.float64)
+    p = np.asarray(params["layers"]["block"]["mlp"]["down"]["kernel"])
+    for layer in range(3):  # each layer of the stack orthogonalised on its own
+        want = muon_update(d[layer], p[layer], 1, t.muon_lr, 0.95, 0.1)
+        np.testing.assert_allclose(
+            updates["layers"]["block"]["mlp"]["down"]["kernel"][layer], want, rtol=2e-4, atol=1e-6
+        )
+    # AdamW's first step on the rest: -lr * (sign-like g / (|g| + eps) + wd * p) for the embedding
+    g, p = np.asarray(grads["embed"]["embedding"]), np.asarray(params["embed"]["embedding"])
+    want = -t.peak_lr * (g / (np.abs(g) + t.eps) + t.weight_decay * p)
+    np.testing.assert_allclose(updates["embed"]["embedding"], want, rtol=1e-4, atol=1e-7)
+    s = np.asarray(grads["final_norm"]["scale"])
+    np.testing.assert_allclose(updates["final_norm"]["scale"], -t.peak_lr * s / (np.abs(s) + t.eps), rtol=1e-4)
+
+
+def tiny(steps=8, **train):
+    c = tiny_config("resformer")
+    c.train.steps, c.train.log_every, c.train.eval_every = steps, 1, 1000
+    c.checkpoint.every_steps, c.mesh.num_devices = 100, 1
+    for k, v in train.items():
+        c.train[k] = v
+    return c
+
+
+def losses(wd):
+    return read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss")
+
+
+@pytest.mark.slow
+def test_a_muon_run_learns_says_its_groups_and_resumes_bitwise(tmp_path, capsys):
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert run(tiny(10, optimizer="muon"), straight) == 0
+    out = capsys.readouterr().out
+    assert "optimizer muon on " in out and "adamw on " in out, out
+    ref = losses(straight)
+    assert np.mean([ref[s] for s in (8, 9, 10)]) < np.mean([ref[s] for s in (1, 2, 3)]) - 0.15, ref
+    assert run(tiny(10, optimizer="muon", stop_at=5), resumed) == 0
+    assert run(tiny(10, optimizer="muon"), resumed) == 0
+    got = losses(resumed)
+    assert all(got[s] == ref[s] for s in range(6, 11)), (got, ref)
+
+
+@pytest.mark.slow
+def test_a_muon_run_killed_mid_flight_resumes_bitwise(tmp_path):
+    ref_wd, wd = str(tmp_path / "ref"), str(tmp_path / "killed")
+    flags = ["--config=configs/tiny.py", "--config.train.optimizer=muon", "--config.train.steps=12"]
+    flags += ["--config.train.log_every=1", "--config.checkpoint.every_steps=3", "--config.mesh.num_devices=1"]
+    flags += ["--config.train.eval_every=1000"]
+    main = [sys.executable, "-m", "resformer_jax.main", *flags]
+    assert subprocess.run([*main, f"--workdir={ref_wd}"], cwd=ROOT, capture_output=True).returncode == 0
+    p = subprocess.Popen([*main, f"--workdir={wd}"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    t0 = time.time()
+    for line in p.stdout:
+        if "step       8/" in line:
+            break
+        assert time.time() - t0 < 300
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert subprocess.run([*main, f"--workdir={wd}"], cwd=ROOT, capture_output=True).returncode == 0
+    ref, got = losses(ref_wd), losses(wd)
+    assert all(got[s] == ref[s] for s in range(7, 13)), (got, ref)
+
+
+# ---------------------------------------------------------------------------------------------- WSD
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_wsd_learning_rate_at_chosen_steps_is_its_formula(shape):
+    t = train_section(schedule="wsd", steps=1000, wsd_fractions=(0.1, 0.6, 0.3), wsd_decay_shape=shape)
+    t.peak_lr, t.init_lr, t.final_lr_ratio = 1e-3, 0.0, 0.1
+    sched = lr_schedule(t)
+    final = 1e-4
+    for step, want in ((0, 0.0), (50, 5e-4), (100, 1e-3), (400, 1e-3), (699, 1e-3)):
+        assert float(sched(step)) == pytest.approx(want, rel=1e-5, abs=1e-9), step
+    for step in (700, 775, 850, 925, 1000):
+        x = (step - 700) / 300
+        frac = {"linear": 1 - x, "cosine": 0.5 * (1 + np.cos(np.pi * x)), "1-sqrt": 1 - np.sqrt(x)}[shape]
+        assert float(sched(step)) == pytest.approx(final + (1e-3 - final) * frac, rel=1e-5), (shape, step)
+
+
+@pytest.mark.slow
+def test_a_cooldown_forked_from_a_checkpoint_equals_a_run_that_switched_schedule_there(tmp_path):
+    steps, k = 10, 5
+    wsd = {"schedule": "wsd", "wsd_fractions": (0.2, 0.6, 0.2)}
+    switched, stable, fork = (str(tmp_path / n) for n in ("switched", "stable", "fork"))
+    assert run(tiny(steps, decay_start_step=k, **wsd), switched) == 0
+    assert run(tiny(steps, decay_start_step=steps - 1, stop_at=k, **wsd), stable) == 0
+    assert run(tiny(steps, init_from=f"{stable}:{k}", **wsd), fork) == 0
+    a, s, f = losses(switched), losses(stable), losses(fork)
+    assert all(a[i] == s[i] for i in range(1, k + 1)), (a, s)
+    assert sorted(f) == list(range(k + 1, steps + 1)), f
+    assert all(f[i] == a[i] for i in f), (f, a)
+    record = json.load(open(os.path.join(fork, "config.json")))
+    assert record["train"]["init_from"] == f"{stable}:{k}"
+
+
+# ---------------------------------------------------------------------------------------------- z-loss
+
+
+def test_z_loss_value_and_gradient_against_numpy_and_autodiff():
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 17)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, 17, size=(2, 10)), jnp.int32)
+    z = 1e-2
+    logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+    logz = np.log(np.exp(logits).sum(-1))
+    ce = np.mean(logz - np.take_along_axis(logits, np.asarray(t)[..., None], -1)[..., 0])
+    loss, zm = chunked_lm_loss(h, w, t, 4, z)
+    np.testing.assert_allclose(zm, np.mean(logz**2), rtol=1e-5)
+    np.testing.assert_allclose(loss, ce + z * np.mean(logz**2), rtol=1e-5)
+
+    def full(h, w):
+        c, zz = cross_entropy_and_z(jnp.einsum("bte,ev->btv", h, w), t)
+        return c + z * zz
+
+    want = jax.grad(full, argnums=(0, 1))(h, w)
+    got = jax.grad(lambda h, w: chunked_lm_loss(h, w, t, 4, z)[0], argnums=(0, 1))(h, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_z_loss_is_logged_apart_from_the_cross_entropy(tmp_path):
+    wd = str(tmp_path)
+    assert run(tiny(4, z_loss=1e-4), wd) == 0
+    z = read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/z_loss")
+    assert sorted(z) == [1, 2, 3, 4] and all(v > 0 for v in z.values()), z
+
+
+# ---------------------------------------------------------------------------------------------- spikes
+
+
+@pytest.mark.slow
+def test_a_loss_spike_is_skipped_and_counted_and_no_spike_changes_nothing():
+    from resformer_jax.train.setup import build
+
+    def setup(sigma):
+        c = tiny(40, spike_sigma=sigma, spike_window=16)
+        c.train.global_batch, c.data.seq_len = 4, 32
+        return build(c, log=lambda m: None)
+
+    rng = np.random.default_rng(0)
+    fixed = jnp.asarray(np.tile(np.arange(33) % 7, (4, 1)), jnp.int32)  # a pattern the model learns quickly
+    noise = jnp.asarray(rng.integers(0, 256, size=(4, 33)), jnp.int32)  # far higher loss: the spike
+    on, off = setup(3.0), setup(0.0)
+    s_on, s_off = on.init_state(), off.init_state()
+    for _ in range(20):
+        s_on, m_on = on.train_step(s_on, fixed)
+        s_off, m_off = off.train_step(s_off, fixed)
+        assert int(m_on["spike"]) == 0
+        assert float(m_on["loss"]) == float(m_off["loss"])  # no spike: bitwise what the run without the feature does
+    equal = lambda a, b: all(jax.tree.leaves(jax.tree.map(np.array_equal, a, b)))
+    assert equal(jax.device_get(s_on.params), jax.device_get(s_off.params))
+    before = jax.device_get(s_on.params)  # (the step donates its input state)
+    s_on, m = on.train_step(s_on, noise)
+    assert int(m["spike"]) == 1 and int(s_on.spikes.skipped) == 1
+    assert equal(jax.device_get(s_on.params), before)
+    s_on, m = on.train_step(s_on, fixed)
+    assert int(m["spike"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize(
+    "flag,words",
+    [
+        ("--config.train.optimizer=lion", ["train.optimizer", "adamw, muon"]),
+        ("--config.train.schedule=wsd --config.train.wsd_fractions=(0.1,0.5,0.2)", ["summing to 1"]),
+        ("--config.train.wsd_decay_shape=exp", ["wsd_decay_shape", "1-sqrt"]),
+        ("--config.train.init_from=runs/x", ["init_from", "RUN:STEP"]),
+        ("--config.train.z_loss=-1", ["z_loss"]),
+        ("--config.train.spike_sigma=-2", ["spike_sigma"]),
+    ],
+)
+def test_bad_recipe_values_are_one_line(tmp_path, flag, words):
+    wd = tmp_path / "run"
+    cmd = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *flag.split()]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and err and err[-1].startswith("error:"), r.stderr
+    assert all(w in err[-1] for w in words), err[-1]
+    assert not wd.exists()
+
+
+@pytest.mark.slow
+def test_a_fork_from_another_shape_or_a_missing_step_is_one_line(tmp_path):
+    src = str(tmp_path / "src")
+    assert run(tiny(4), src) == 0
+    for extra, words in (
+        ([f"--config.train.init_from={src}:3"], ["no checkpoint at step 3", "available"]),
+        ([f"--config.train.init_from={src}:4", "--config.model.d_model=32"], ["another model", "d_model"]),
+    ):
+        wd = tmp_path / "fork"
+        cmd = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *extra]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert all(w in r.stderr for w in words), r.stderr
+        assert not (wd / "checkpoints").exists()
