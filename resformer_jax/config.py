@@ -8,6 +8,8 @@ names the field and the fix.
 
 from __future__ import annotations
 
+import importlib.util
+
 import ml_collections
 
 from resformer_jax.errors import UserError
@@ -100,6 +102,21 @@ def base_config() -> ml_collections.ConfigDict:
     # the mean of the last spike_window applied steps is not applied (0: off; non-finite steps: skip_nonfinite).
     t.spike_sigma = 0.0
     t.spike_window = 100
+    # Per-layer telemetry at each log: gradient, parameter and update norms per layer and kind (attention, MLP,
+    # norms, scalars; embeddings and LM head), to TensorBoard as telemetry/{what}/{kind}/layer_NN.
+    t.telemetry = False
+    # Weights & Biases (pip install -e '.[wandb]'): every scalar also to this project, from process 0; the run id is
+    # kept in the run directory, so a resumed run appends to the same W&B run. WANDB_MODE=offline needs no network.
+    t.wandb_project = ""
+
+    # In-loop evaluation beyond the validation loss (and its bits per byte, always reported with a tokenizer):
+    # every tasks_every steps, zero-shot accuracy on these tasks (`resformer evaluate`'s, from local files in
+    # task_data; task_limit > 0 scores the first items only), to TensorBoard as tasks/{task}/acc.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.tasks = ""  # comma-separated, e.g. piqa,arc_easy
+    c.eval.tasks_every = 0
+    c.eval.task_data = ""
+    c.eval.task_limit = 0
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1
@@ -502,6 +519,19 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             "train.spike_sigma",
             f"spike_sigma={t.spike_sigma}, spike_window={t.spike_window}",
             "use spike_sigma 0 (off) or e.g. 6, and a window of at least 2 steps",
+        )
+    if t.wandb_project and importlib.util.find_spec("wandb") is None:
+        _fail(
+            "train.wandb_project",
+            "Weights & Biases is not installed",
+            "pip install -e '.[wandb]', or leave train.wandb_project empty",
+        )
+    e = c.eval
+    if e.tasks and (e.tasks_every <= 0 or not e.task_data):
+        _fail(
+            "eval.tasks",
+            f"{e.tasks!r} given with tasks_every={e.tasks_every} and task_data={e.task_data!r}",
+            "set --config.eval.tasks_every=N and --config.eval.task_data=DIR (the tasks' local files)",
         )
     parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):

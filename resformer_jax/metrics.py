@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 
 import numpy as np
 
@@ -16,8 +17,8 @@ from resformer_jax.storage import read_lines
 class Writer:
     """Scalars and text to TensorBoard; a no-op on processes other than 0."""
 
-    def __init__(self, logdir: str, enabled: bool = True, jsonl=None):
-        self.w, self.jsonl = None, None
+    def __init__(self, logdir: str, enabled: bool = True, jsonl=None, wandb: WandbSink | None = None):
+        self.w, self.jsonl, self.wandb = None, None, wandb if enabled else None
         if enabled:
             from tensorboardX import SummaryWriter
 
@@ -36,6 +37,8 @@ class Writer:
                 self.w.add_scalar(k, float(v), step)
         if self.jsonl:
             self.jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in values.items()}}))
+        if self.wandb:
+            self.wandb.scalars(step, values)
 
     def text(self, tag: str, text: str, step: int = 0):
         if self.w:
@@ -50,6 +53,35 @@ class Writer:
             self.w.close()
         if self.jsonl:
             self.jsonl.close()
+        if self.wandb:
+            self.wandb.close()
+
+
+class WandbSink:
+    """Every scalar the Writer gets, also to Weights & Biases (process 0 only). The W&B run id is kept in the run
+    directory (`id_file`), so a resumed or requeued run appends to the same W&B run; WANDB_MODE=offline writes
+    the W&B files under `local_dir` without a network."""
+
+    def __init__(self, project: str, id_file, local_dir: str, config: dict, name: str):
+        import wandb
+
+        from resformer_jax.storage import write_text_atomic
+
+        if id_file.exists():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = uuid.uuid4().hex[:8]  # W&B's own form: 8 lowercase alphanumerics
+            write_text_atomic(id_file, run_id + "\n")
+        os.makedirs(local_dir, exist_ok=True)
+        self.run = wandb.init(
+            project=project, id=run_id, resume="allow", dir=local_dir, config=config, name=name, reinit="create_new"
+        )
+
+    def scalars(self, step: int, values: dict):
+        self.run.log({k: float(v) for k, v in values.items()}, step=int(step))
+
+    def close(self):
+        self.run.finish()
 
 
 class MetricsFileError(UserError):

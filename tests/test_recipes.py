@@ -277,3 +277,192 @@ def test_a_fork_from_another_shape_or_a_missing_step_is_one_line(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert all(w in r.stderr for w in words), r.stderr
         assert not (wd / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------- telemetry
+
+
+def test_layer_norms_are_the_norms_of_each_layers_leaves():
+    from resformer_jax.train.telemetry import layer_norms, scalars
+
+    rng = np.random.default_rng(2)
+    tree = {
+        "embed": {"embedding": rng.normal(size=(10, 4))},
+        "layer_1": {
+            "attn": {"query": {"kernel": rng.normal(size=(4, 2, 2))}},
+            "mlp": {"up": {"kernel": np.ones((4, 3))}},
+        },
+        "layers": {"block": {"attn": {"query": {"kernel": rng.normal(size=(2, 4, 2, 2))}}}},
+        "lm_head": {"kernel": rng.normal(size=(4, 10))},
+    }
+    got = jax.device_get(layer_norms(jax.tree.map(jnp.asarray, tree), 3))
+    q1, stack = tree["layer_1"]["attn"]["query"]["kernel"], tree["layers"]["block"]["attn"]["query"]["kernel"]
+    want_attn = [np.linalg.norm(q1), np.linalg.norm(stack[0]), np.linalg.norm(stack[1])]
+    np.testing.assert_allclose(got["attn"], want_attn, rtol=1e-5)
+    np.testing.assert_allclose(got["mlp"], [np.sqrt(12.0), 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(got["embed_total"], np.linalg.norm(tree["embed"]["embedding"]), rtol=1e-5)
+    flat = scalars({"grad_norm": got})
+    assert flat["telemetry/grad_norm/attn/layer_02"] == pytest.approx(np.linalg.norm(stack[0]), rel=1e-5)
+    assert "telemetry/grad_norm/head" in flat
+
+
+@pytest.mark.slow
+def test_the_steps_telemetry_is_its_gradient_parameter_and_update_norms():
+    from resformer_jax.train.setup import build
+    from resformer_jax.train.step import loss_fn
+    from resformer_jax.train.telemetry import layer_norms
+
+    c = tiny(4, telemetry=True)
+    c.train.global_batch, c.data.seq_len = 4, 32
+    s = build(c, log=lambda m: None)
+    state = s.init_state()
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 33)), jnp.int32)
+    grads = jax.grad(lambda p: loss_fn(p, s.model, batch, c.train.loss_chunk_len))(state.params)
+    want_grad = jax.device_get(layer_norms(grads, c.model.num_layers))
+    before = jax.device_get(state.params)
+    state, m = s.train_step(state, batch)
+    tel = jax.device_get(m["telemetry"])
+    for kind, v in want_grad.items():
+        np.testing.assert_allclose(tel["grad_norm"][kind], v, rtol=1e-4, err_msg=kind)
+    after = jax.device_get(state.params)
+    upd = jax.device_get(layer_norms(jax.tree.map(lambda a, b: a - b, after, before), c.model.num_layers))
+    for kind, v in upd.items():
+        np.testing.assert_allclose(tel["update_norm"][kind], v, rtol=1e-4, atol=1e-9, err_msg=kind)
+    np.testing.assert_allclose(tel["param_norm"]["attn"], layer_norms(after, c.model.num_layers)["attn"], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- bits per byte
+
+SHARED = os.path.join(ROOT, "..", "shared", "data")
+
+
+def test_bytes_per_token_count_the_text_the_tokens_stand_for():
+    from tokenizers import Tokenizer
+
+    from resformer_jax.data.records import token_bytes
+
+    path = os.path.join(SHARED, "tokenizers", "gpt-neox-20b.json")
+    if not os.path.isfile(path):
+        pytest.skip("../shared/data/tokenizers/gpt-neox-20b.json is absent (the shared data folder beside the repo)")
+    tok = Tokenizer.from_file(path)
+    table = token_bytes(tok, 50277)
+    for text in ("Hello, world! Ünïcødé — ok ✓ 日本語", "def f(x):\n    return x*2\n\t\t  x\r\n", "a" * 300):
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert int(table[ids].sum()) == len(text.encode("utf-8")), text
+    assert table[tok.token_to_id("<|endoftext|>")] == 0
+
+
+@pytest.mark.slow
+def test_validation_reports_bits_per_byte_and_in_loop_tasks_equal_evaluate(tmp_path):
+    import math
+
+    from demo_runs import tokenized_tiny_config
+
+    samples = os.path.join(SHARED, "eval_samples")
+    if not os.path.isdir(samples):
+        pytest.skip("../shared/data/eval_samples is absent (the shared data folder beside the repo)")
+    c = tokenized_tiny_config(steps=4)
+    c.train.eval_every, c.eval.tasks, c.eval.tasks_every, c.eval.task_data, c.eval.task_limit = 4, "piqa", 4, samples, 6
+    wd = str(tmp_path / "run")
+    assert run(c, wd) == 0
+    rec = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    last = [r for r in rec if "eval/bpb" in r][-1]
+    domain = next(k.split("/")[1] for k in last if k.endswith("/bpb") and k.count("/") == 2)
+    # the bytes the validation targets stand for, counted here from the run's own tokenizer and batches
+    from tokenizers import Tokenizer
+
+    from resformer_jax.data.pipeline import validation_sets
+    from resformer_jax.data.records import token_bytes
+
+    table = token_bytes(Tokenizer.from_file(os.path.join(wd, "tokenizer.json")), c.model.vocab_size)
+    batches = validation_sets(c, c.train.global_batch, c.train.eval_batches, 0, 1)[domain]
+    tokens, text_bytes = sum(b[:, 1:].size for b in batches), sum(int(table[b[:, 1:]].sum()) for b in batches)
+    want = last[f"eval/{domain}/loss"] * tokens / (math.log(2) * text_bytes)
+    assert last[f"eval/{domain}/bpb"] == pytest.approx(want, rel=1e-9)
+    acc = [r["tasks/piqa/acc"] for r in rec if "tasks/piqa/acc" in r][-1]
+    cmd = [sys.executable, "-m", "resformer_jax", "evaluate", f"--workdir={wd}", "--tasks=piqa"]
+    cmd += [f"--task_data={samples}", "--limit=6"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.load(open(os.path.join(wd, "eval", "zero_shot_step4.json")))["tasks"]["piqa"]["acc"] == acc
+
+
+# ---------------------------------------------------------------------------------------------- W&B
+
+
+def wandb_history(path):
+    """The scalars of an offline .wandb file: a LevelDB-style log (after a 7-byte header) of Record protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, rows, buf = open(path, "rb").read(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf + payload if kind == 4 else payload)
+            buf = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        elif kind == 2:
+            buf = payload
+        elif kind == 3:
+            buf += payload
+        elif kind == 0:
+            pos += left
+    return rows
+
+
+@pytest.mark.slow
+def test_weights_and_biases_offline_holds_the_scalars_and_a_resumed_run_keeps_its_id(tmp_path):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install -e '.[wandb]'); CI installs it")
+    wd = str(tmp_path / "run")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    base = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}"]
+    base += ["--config.train.log_every=1", "--config.train.wandb_project=resformer-test", "--config.mesh.num_devices=1"]
+    first = subprocess.run(
+        [*base, "--config.train.steps=4", "--config.train.stop_at=2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_id = open(os.path.join(wd, "wandb_run_id")).read().strip()
+    second = subprocess.run(
+        [*base, "--config.train.steps=4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    runs = sorted(glob_wandb(wd))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), runs
+    logged = {}
+    for r in runs:
+        for row in wandb_history(os.path.join(r, f"run-{run_id}.wandb")):
+            if "train/loss" in row:
+                logged[row["_step"]] = row["train/loss"]
+    assert logged == pytest.approx(read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss"), rel=1e-6)
+
+
+def glob_wandb(wd):
+    import glob
+
+    return glob.glob(os.path.join(wd, "wandb", "offline-run-*"))
+
+
+def test_wandb_without_the_extra_is_one_config_error(monkeypatch):
+    import importlib.util
+
+    from resformer_jax.config import ConfigError, validate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    c = tiny(10, wandb_project="p")
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[wandb\]'"):
+        validate(c)

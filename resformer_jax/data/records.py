@@ -155,6 +155,16 @@ class Corpus:
             dest.parent.mkdir(parents=True, exist_ok=True)
             epath.Path(src).copy(dest, overwrite=True)
 
+    def bytes_per_token(self, vocab_size: int) -> np.ndarray | None:
+        """[vocab_size] UTF-8 bytes of text each token id stands for (bits-per-byte's denominator), or None for a
+        corpus without a tokenizer file."""
+        path = os.path.join(self.path, self.meta["tokenizer"]["file"])
+        if not os.path.isfile(path):
+            return None
+        from tokenizers import Tokenizer
+
+        return token_bytes(Tokenizer.from_file(path), vocab_size)
+
     def check_tokenizer(self, run_sha256: str):
         """A resumed run must read data tokenized the way it started."""
         if run_sha256 and run_sha256 != self.tokenizer_sha256:
@@ -180,3 +190,37 @@ def open_corpus(data_cfg) -> Corpus | None:
         return None
     path = corpus_path(data_cfg)
     return Corpus(path, load_metadata(path))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character each byte is written as, inverted."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tokenizer, vocab_size: int) -> np.ndarray:
+    """[vocab_size] UTF-8 bytes of text each id stands for: a byte-level BPE token's characters are one byte each;
+    special tokens (end of text) stand for no text, other added tokens (GPT-NeoX's runs of spaces) for their own;
+    other tokenizers' tokens count their decoded text's bytes."""
+    alphabet = _byte_level_alphabet()
+    added = tokenizer.get_added_tokens_decoder()
+    out = np.zeros((vocab_size,), np.int64)
+    for i in range(min(vocab_size, tokenizer.get_vocab_size())):
+        piece = tokenizer.id_to_token(i)
+        if piece is None or (i in added and added[i].special):
+            continue
+        if i in added:
+            out[i] = len(added[i].content.encode("utf-8"))
+            continue
+        if all(ch in alphabet for ch in piece):
+            out[i] = len(piece)
+        else:
+            out[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    return out

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import signal
 import sys
+import tempfile
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +26,12 @@ from resformer_jax.config import RUNTIME_MODEL_FIELDS, parse_init_from, run_reco
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import UserError
+from resformer_jax.eval.zero_shot import check_tasks, zero_shot
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
+from resformer_jax.storage import is_remote
+from resformer_jax.train import telemetry
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.setup import (
     MemoryPrecheckError,
@@ -71,6 +78,7 @@ class Session:
     corpus: Any  # the prepared corpus (data/records.Corpus), or None for synthetic data
     data: Any  # the training batches' iterator (its position is checkpointed)
     eval_sets: dict  # {domain: validation batches}
+    eval_bytes: dict | None  # {domain: (target tokens, their text's UTF-8 bytes)}: bits per byte (None: no tokenizer)
     ckpt: Any  # the run's Checkpointer
     state: Any  # the TrainState, updated every step
     start_step: int
@@ -189,6 +197,20 @@ class Trainer:
         print(msg, file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ start
+    def _eval_bytes(self, cfg, corpus, eval_sets) -> dict | None:
+        """{domain: (target tokens, UTF-8 bytes of their text)} over every process's validation batches, for bits
+        per byte; None without a tokenizer (synthetic data)."""
+        table = corpus.bytes_per_token(cfg.model.vocab_size) if corpus is not None else None
+        if table is None:
+            return None
+        out = {}
+        for dom, batches in eval_sets.items():
+            local = np.array([sum(b[:, 1:].size for b in batches), sum(int(table[b[:, 1:]].sum()) for b in batches)])
+            if jax.process_count() > 1:
+                local = np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
+            out[dom] = (int(local[0]), int(local[1]))
+        return out
+
     def _compile(self, setup: TrainSetup, cfg):
         compiled, compile_s, mem = setup.compile()
         line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
@@ -220,11 +242,11 @@ class Trainer:
         self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
         return state, step, progress
 
-    def _fork(self, cfg, setup: TrainSetup, data, corpus) -> tuple[Any, int, dict]:
-        """A new run from another run's checkpoint (train.init_from=RUN:STEP): its parameters, optimizer state and
-        data position at STEP; the WSD decay starts there (set before the build, `forked`)."""
+    def _check_fork(self, cfg, corpus):
+        """train.init_from=RUN:STEP before anything costly or written: the run, the step and the model."""
+        if not cfg.train.init_from or self.run.checkpoints.is_dir():
+            return
         run, step = parse_init_from(cfg.train.init_from)
-        assert step is not None  # config.validate requires RUN:STEP
         source = RunDir(run)
         if not source.checkpoints.is_dir():
             raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
@@ -234,6 +256,16 @@ class Trainer:
             if step not in steps:
                 raise CheckpointError(f"train.init_from: no checkpoint at step {step} in {src.dir}; available: {steps}")
             self._check_resumed_config(src.read_config(step), cfg, corpus, quiet=True)
+        finally:
+            src.mngr.close()
+
+    def _fork(self, cfg, setup: TrainSetup, data, corpus) -> tuple[Any, int, dict]:
+        """A new run from another run's checkpoint (train.init_from=RUN:STEP): its parameters, optimizer state and
+        data position at STEP; the WSD decay starts there (set before the build, `forked`)."""
+        run, step = parse_init_from(cfg.train.init_from)
+        assert step is not None  # config.validate requires RUN:STEP
+        src = RunDir(run).checkpointer(read_only=True)
+        try:
             state, _, progress = src.restore(step, setup.abstract_state)
             src.restore_data(step, data, self._warn)
         finally:
@@ -248,12 +280,20 @@ class Trainer:
         # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
         # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
         validate(cfg)
+        if cfg.eval.tasks:  # the task names and files, before anything costly
+            if jax.process_count() > 1:
+                raise UserError(
+                    "config.eval.tasks runs in single-process runs; evaluate a multi-host run's checkpoints with "
+                    "resformer evaluate --tasks=..."
+                )
+            check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
         try:
             corpus = self._check_data(cfg)
         except DataError as e:
             self._check_fits_here(cfg, error=e)  # a config that cannot fit here says so in the same line
             raise
         self._check_workdir_model(cfg, corpus)
+        self._check_fork(cfg, corpus)
         self._check_fits_here(cfg)
         cfg = forked(cfg, self.run)
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
@@ -266,6 +306,7 @@ class Trainer:
         eval_sets = validation_sets(
             cfg, setup.eval_batch_shape[0], cfg.train.eval_batches, jax.process_index(), jax.process_count()
         )
+        eval_bytes = self._eval_bytes(cfg, corpus, eval_sets)
         ckpt = self.run.checkpointer(cfg.checkpoint)
         state, start_step, progress = self._restore(cfg, setup, ckpt, data, corpus)
         if self.is_main and corpus is not None:
@@ -276,7 +317,17 @@ class Trainer:
             self.run.path.mkdir(parents=True, exist_ok=True)
             # What was asked and what was resolved, readable without the checkpoint library (compare reads it).
             self.run.write_config(json.dumps(run_record(self.asked.to_dict(), cfg), indent=1, default=list))
-        writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl)
+        sink = None
+        if cfg.train.wandb_project and self.is_main:
+            local = self.run.path if not is_remote(self.run.path) else tempfile.mkdtemp(prefix="resformer_wandb_")
+            sink = metrics.WandbSink(
+                cfg.train.wandb_project,
+                self.run.path / "wandb_run_id",
+                os.fspath(local),
+                run_record(self.asked.to_dict(), cfg),
+                name=self.run.path.name,
+            )
+        writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl, wandb=sink)
         if setup.attention.probed:
             writer.text(
                 "attention_impl",
@@ -300,6 +351,7 @@ class Trainer:
             corpus=corpus,
             data=data,
             eval_sets=eval_sets,
+            eval_bytes=eval_bytes,
             ckpt=ckpt,
             state=state,
             start_step=start_step,
@@ -342,6 +394,8 @@ class Trainer:
                 pending = []
             if s.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 self._log_evaluation(s, step)
+            if cfg.eval.tasks and (step % cfg.eval.tasks_every == 0 or step == cfg.train.steps):
+                self._evaluate_tasks(s, step)
             if self._should_stop(s, step):
                 self._save(s, step)
                 s.ckpt.wait()
@@ -395,12 +449,28 @@ class Trainer:
         )
 
     def _evaluate(self, s: Session) -> dict:
-        out = {}
+        """Validation loss per domain and its mean; with a tokenizer also bits per byte per domain and overall
+        (nats over the UTF-8 bytes of the text the target tokens stand for, / ln 2)."""
+        out, nats, nbytes = {}, 0.0, 0
         for dom, batches in s.eval_sets.items():
             losses = [s.setup.eval_step(s.state.params, self._global(s, b)) for b in batches]
             out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
-        out["eval/loss"] = float(np.mean(list(out.values())))
+        out["eval/loss"] = float(np.mean([v for k, v in out.items()]))
+        for dom, (tokens, text_bytes) in (s.eval_bytes or {}).items():
+            dom_nats = out[f"eval/{dom}/loss"] * tokens
+            out[f"eval/{dom}/bpb"] = dom_nats / (math.log(2) * max(text_bytes, 1))
+            nats, nbytes = nats + dom_nats, nbytes + text_bytes
+        if nbytes:
+            out["eval/bpb"] = nats / (math.log(2) * nbytes)
         return out
+
+    def _evaluate_tasks(self, s: Session, step: int) -> None:
+        """The zero-shot tasks of `eval.tasks` on the live parameters, as `resformer evaluate` scores them."""
+        e = s.cfg.eval
+        tasks = [t for t in e.tasks.split(",") if t]
+        model = types.SimpleNamespace(model=s.setup.model_cfg)
+        found = zero_shot(model, s.state.params, self.workdir, tasks, e.task_data, e.task_limit, log=self.say)
+        s.writer.scalars(step, {f"tasks/{t}/{k}": r[k] for t, r in found.items() for k in ("acc", "acc_norm")})
 
     def _global(self, s: Session, local):
         shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
@@ -459,6 +529,8 @@ class Trainer:
             **{f"perf/{k}": v for k, v in perf.mfu(s.flops, tps, s.peak).items()},
             "train/nonfinite_steps": float(jax.device_get(s.state.nonfinite_count)),
         }
+        if "telemetry" in host[-1]:
+            vals.update(telemetry.scalars(host[-1]["telemetry"]))
         if "z_loss" in host[0]:
             vals["train/z_loss"] = float(np.mean([h["z_loss"] for h in host]))
         if s.state.spikes is not None:
@@ -485,7 +557,12 @@ class Trainer:
         s.writer.scalars(step, s.last_eval)
         self.say(
             f"step {step:>7}  validation loss {s.last_eval['eval/loss']:.4f}  "
-            + "  ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in s.last_eval.items() if k.count("/") == 2)
+            + "  ".join(
+                f"{k.split('/')[1]} {v:.3f}"
+                for k, v in s.last_eval.items()
+                if k.count("/") == 2 and k.endswith("/loss")
+            )
+            + (f"  bits/byte {s.last_eval['eval/bpb']:.4f}" if "eval/bpb" in s.last_eval else "")
         )
 
     def _finish(self, s: Session, step: int):

@@ -223,6 +223,8 @@ def build(
             dropout_seed=t.seed,
             z_loss=t.z_loss,
             spike_sigma=t.spike_sigma,
+            telemetry_every=t.log_every if t.telemetry else 0,
+            total_steps=t.steps,
         ),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, rep),

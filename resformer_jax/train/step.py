@@ -13,6 +13,7 @@ from flax import struct
 from resformer_jax.config import LOSS_CHUNK_LEN
 from resformer_jax.model.transformer import output_embedding
 from resformer_jax.train.loss import chunked_lm_loss, cross_entropy, cross_entropy_and_z
+from resformer_jax.train.telemetry import step_telemetry
 
 
 @struct.dataclass
@@ -119,6 +120,8 @@ def make_train_step(
     dropout_seed: int = 0,
     z_loss: float = 0.0,
     spike_sigma: float = 0.0,
+    telemetry_every: int = 0,
+    total_steps: int = 0,
 ):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
     model.dropout > 0 the dropout key is a function of (seed, step, microbatch), so a resumed run drops the same
@@ -180,6 +183,13 @@ def make_train_step(
             metrics["z_loss"] = z_mean
         if spikes is not None:
             metrics["spike"] = spike.astype(jnp.int32)
+        if telemetry_every:  # computed on logged steps only (and the last): zeros in between, at no cost
+            with jax.named_scope("telemetry"):
+                measure = lambda: step_telemetry(grads, state.params, new_state.params, model.cfg.num_layers)
+                skip = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(measure))
+                step = state.step + 1
+                logged = (step % telemetry_every == 0) | (step == total_steps)
+                metrics["telemetry"] = jax.lax.cond(logged, measure, skip)
         return new_state, metrics
 
     return train_step
