@@ -56,11 +56,11 @@ def plain_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype):
 
 
 def uses_cpu_matmuls(matmuls: str) -> bool:
-    """Which form the model's matmuls take (config.model.matmuls, resolved by train/setup per platform): "cpu",
-    XLA:CPU's fast path (kernels/cpu_matmul.py); "plain", the form accelerators run; "auto" (a model built
-    without the setup, e.g. in a test), the default backend's."""
+    """Which form the model's matmuls take, as resolved once per model (kernels/cpu_matmul.forms_for): "cpu",
+    XLA:CPU's fast path (kernels/cpu_matmul.py); "plain", the form accelerators run ("auto" only where a layer is
+    used on its own: the default backend's)."""
     if matmuls == "auto":
-        return jax.default_backend() == "cpu"
+        matmuls = cpu_matmul.forms_for(jax.default_backend())
     return matmuls == "cpu"
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax.kernels import cpu_matmul
 from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
@@ -151,7 +152,10 @@ class Transformer(nn.Module):
     mesh: Any = None  # the device mesh: attention kernels that XLA cannot partition run per batch shard
 
     def __post_init__(self):
-        object.__setattr__(self, "cfg", ModelConfig.of(self.cfg))
+        m = ModelConfig.of(self.cfg)
+        if m.matmuls == "auto":  # a model built without the setup: the default backend's forms, decided here once
+            m = m.replace(matmuls=cpu_matmul.forms_for(jax.default_backend()))
+        object.__setattr__(self, "cfg", m)
         super().__post_init__()
 
     @nn.compact

@@ -32,6 +32,7 @@ from resformer_jax import kernels, perf, runtime
 from resformer_jax.checkpoint import CheckpointError, failure_reason
 from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
 from resformer_jax.errors import UserError
+from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import backend_of
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
@@ -126,7 +127,7 @@ def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -
     (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
     m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
     if m.matmuls == "auto":
-        m = m.replace(matmuls="cpu" if (platform or jax.devices()[0].platform) == "cpu" else "plain")
+        m = m.replace(matmuls=cpu_matmul.forms_for(platform or jax.devices()[0].platform))
     return m
 
 
