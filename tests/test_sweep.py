@@ -535,3 +535,30 @@ def test_tpu_pod_launcher_picks_the_runtime_of_the_accelerator_type(tmp_path, ac
         env={**env, "TPU_SOFTWARE_VERSION": "my-image"},
     )
     assert "--version=my-image" in log.read_text()
+
+
+def test_compare_against_a_categorical_field_gives_each_value_its_comparison(tmp_path):
+    """--vs train.optimizer (not a number like data.seq_len): one comparison per optimizer, no exponential fit."""
+    from resformer_jax.config import tiny_config
+
+    for variant, gap in (("none", 0.0), ("resformer", 0.05)):
+        for optimizer, base in (("adamw", 5.0), ("muon", 4.5)):
+            c = tiny_config(variant)
+            c.train.optimizer = optimizer
+            run = tmp_path / f"{variant}_{optimizer}"
+            run.mkdir()
+            (run / "config.json").write_text(c.to_json())
+            with open(run / "metrics.jsonl", "w") as f:
+                for step in range(10, 210, 10):
+                    f.write(json.dumps({"step": step, "train/loss": base - step / 1000 - gap}) + "\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "compare", str(tmp_path), "--group_by", "model.value_residual"]
+        + ["--baseline", "none", "--vs", "train.optimizer", "--smooth", "20", f"--out={tmp_path / 'cmp'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resformer [train.optimizer=adamw]" in r.stdout and "resformer [train.optimizer=muon]" in r.stdout
+    assert "resformer at train.optimizer=muon" in r.stdout and "exp(" not in r.stdout, r.stdout

@@ -204,9 +204,11 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
                 "final_relative": g.final_relative,
             }
     fig, ax = plt.subplots(figsize=(5, 3.5))
+    numeric = all(_is_number(v) for per in res.values() for v in per)
     for name, per in res.items():
-        pts = [(float(v), d["critical_step"]) for v, d in per.items() if d["critical_step"]]
-        if len(pts) >= 2:
+        # Fig. 11's fit needs a numeric field (seq_len); a categorical one (train.optimizer) is a bar per value
+        pts = [(float(v) if numeric else v, d["critical_step"]) for v, d in per.items() if d["critical_step"]]
+        if numeric and len(pts) >= 2:
             a_, b_ = grouping.fit_exponential(*zip(*pts))
             per["fit"] = {"a": a_, "b": b_, "form": f"critical_step = a * exp(b * {vs})"}
             print(f"{name}: critical step = {a_:.4g} * exp({b_:.4g} * {vs})")
@@ -225,6 +227,14 @@ def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, la
     save_figure(fig, out / "critical_points.png")
     plt.close(fig)
     return res
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_last50") -> dict:
