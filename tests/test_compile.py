@@ -90,6 +90,27 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
     assert '"fits": true' in line
 
 
+@needs_aot
+def test_muon_state_is_sharded_over_fsdp_and_smaller_than_adamws_in_the_compile_report():
+    """Muon keeps one moment per hidden matrix (AdamW two): its train step's arguments (parameters + optimizer state)
+    per device are smaller, and sharded over fsdp like AdamW's."""
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
+    target = parse_target(TARGETS["cuda"])
+    args = {}
+    for optimizer in ("adamw", "muon"):
+        c = accelerator_config("resformer", "cuda")
+        c.train.optimizer = optimizer
+        report = compile_for_target(c, target, steps=("train",), log=lambda s: None)
+        (train,) = report.steps
+        assert train.fits, train
+        args[optimizer] = train.memory.arguments
+    assert args["muon"] < args["adamw"], args
+    fsdp = target.num_devices // 2
+    assert args["muon"] < 16 * 1.6e6 / fsdp * 1.6, args
+
+
 # The 468M model's attention per device (Table 4: 16 heads of 64; T = 2,048), head_dim 128 with GQA, a length that
 # is no multiple of a block, and fp32.
 SHAPES = [
