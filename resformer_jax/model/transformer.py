@@ -65,15 +65,20 @@ def lm_head_logits(m, params, h_BxKxE):
     if m.tie_embeddings:
         table_VxE = nn.unbox(params["embed"]["embedding"])
         return jnp.dot(h_BxKxE, table_VxE.T.astype(dtype), preferred_element_type=jnp.float32)
-    head = DenseGeneral(
+    return lm_head(m).apply({"params": params["lm_head"]}, h_BxKxE)
+
+
+def lm_head(m: ModelConfig, name: str | None = None) -> DenseGeneral:
+    """W_out as its own parameter [E, V] (untied): fp32 logits from the compute dtype."""
+    return DenseGeneral(
         (m.vocab_size,),
         ("embed", "vocab"),
         std=m.init_std,
-        dtype=dtype,
+        dtype=jnp.dtype(m.dtype),
         out_dtype=jnp.float32,
         matmuls=m.matmuls,
+        name=name,
     )
-    return head.apply({"params": params["lm_head"]}, h_BxKxE)
 
 
 log = logging.getLogger(__name__)
@@ -233,16 +238,7 @@ class Transformer(nn.Module):
             return h_BxTxE
         if m.tie_embeddings:  # the head is the input embedding: no parameter of its own to create
             return lm_head_logits(m, self.variables["params"], h_BxTxE)
-        logits_BxTxV = DenseGeneral(
-            (m.vocab_size,),
-            ("embed", "vocab"),
-            std=m.init_std,
-            dtype=dtype,
-            out_dtype=jnp.float32,
-            matmuls=m.matmuls,
-            name="lm_head",
-        )(h_BxTxE)
-        return logits_BxTxV
+        return lm_head(m, name="lm_head")(h_BxTxE)
 
 
 class DenseFormerAverage(nn.Module):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -61,8 +62,6 @@ def forked(cfg, run: RunDir):
     cooldown), where no decay_start_step is set. A copy; what was asked is not changed."""
     if not cfg.train.init_from or cfg.train.schedule != "wsd" or cfg.train.decay_start_step:
         return cfg
-    import ml_collections
-
     out = ml_collections.ConfigDict(cfg.to_dict())
     out.train.decay_start_step = parse_init_from(cfg.train.init_from)[1]
     return out
