@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from resformer_jax import metrics, perf
-from resformer_jax.checkpoint import CheckpointError, config_diff, params_layout
+from resformer_jax.checkpoint import CheckpointError, config_diff, failure_reason, params_layout
 from resformer_jax.config import RUNTIME_MODEL_FIELDS, parse_init_from, run_record, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
@@ -243,7 +243,7 @@ class Trainer:
 
     def _check_fork(self, cfg, corpus):
         """train.init_from=RUN:STEP before anything costly or written: the run, the step and the model."""
-        if not cfg.train.init_from or self.run.checkpoints.is_dir():
+        if not cfg.train.init_from or (self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir())):
             return
         run, step = parse_init_from(cfg.train.init_from)
         source = RunDir(run)
@@ -265,7 +265,13 @@ class Trainer:
         assert step is not None  # config.validate requires RUN:STEP
         src = RunDir(run).checkpointer(read_only=True)
         try:
-            state, _, progress = src.restore(step, setup.abstract_state)
+            try:
+                state, _, progress = src.restore(step, setup.abstract_state)
+            except Exception as e:  # a damaged source is the user's to choose around: nothing here is moved
+                raise CheckpointError(
+                    f"train.init_from: the checkpoint at step {step} in {src.dir} does not restore "
+                    f"({failure_reason(e)}); fork from another step (available: {src.all_steps()})"
+                ) from None
             src.restore_data(step, data, self._warn)
         finally:
             src.mngr.close()
