@@ -324,7 +324,8 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1]) == rep
-    assert rep["backend"] == "cpu" and rep["reduced_shapes"]
+    assert rep["backend"] == "cpu" and rep["reduced_shapes"] and rep["complete"]
+    assert set(rep["seconds"]) == {"attention", "auto", "train", "decode"}  # saved part by part
     rows = {x["impl"]: x for x in rep["attention"]["rows"]}
     assert rows["cudnn"]["status"].startswith("not applicable") and "NVIDIA GPU" in rows["cudnn"]["status"]
     for impl in ("pallas", "splash", "chunked", "xla"):
@@ -520,6 +521,58 @@ def test_step_breakdown_counts_library_gemms_as_matmuls():
         not is_matmul(insts["custom-call.2"], comps) and classify(insts["custom-call.2"], comps) == "norms_elementwise"
     )
     assert is_matmul(insts["custom-call.3"], comps) and classify(insts["custom-call.3"], comps) == "lm_head_xent"
+
+
+def test_step_breakdown_reads_a_gpu_stream_with_and_without_command_buffers():
+    """A GPU trace (as an H200's reads: one "Stream #N(...)" line of kernel events, each naming its HLO op in the
+    `hlo_op` stat): a kernel whose op is a leaf of the module goes by the HLO (scope, dot); one run inside a
+    CUDA-graph command buffer (hlo_op names the buffer, a call) goes by its kernel name: cuBLAS's nvjet GEMMs
+    as matmuls, cuDNN's sdpa kernels as attention, the rest elementwise. No kernel is lost to the buffer."""
+    from types import SimpleNamespace as NS
+
+    from resformer_jax.bench.step_profile import breakdown
+
+    hlo = "\n".join(
+        [
+            "ENTRY %main (a: f32[4,4]) -> f32[4,4] {",
+            '  %custom-call.1 = f32[4,4]{1,0} custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", '
+            'metadata={op_name="jit(step)/jvp()/lm_head_xent/dot_general"}',
+            "  %fusion.7 = f32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%f, "
+            'metadata={op_name="jit(step)/optimizer/mul"}',
+            "  %command_buffer_3 = f32[4,4]{1,0} call(%a), to_apply=%cb",
+            "}",
+        ]
+    )
+    ev = lambda name, start, dur, op: NS(name=name, start_ns=start, duration_ns=dur, stats=[("hlo_op", op)])
+    stream = NS(
+        name="Stream #14(Memset,Compute)",
+        events=[
+            ev("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 0, 30, "custom-call.1"),  # by the HLO: the LM head
+            ev("loop_multiply_fusion", 30, 10, "fusion.7"),  # by the HLO: the optimizer
+            ev("nvjet_sm90_tss_128x256_64x4_4x2_h_bz_coopA_NTN", 40, 20, "command_buffer_3"),
+            ev("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 60, 15, "command_buffer_3"),
+            ev("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)", 75, 5, "command_buffer_3"),
+            ev("loop_convert_fusion", 80, 10, "command_buffer_3"),
+        ],
+    )
+    profile = NS(
+        planes=[
+            NS(name="/host:CPU", lines=[NS(name="python", events=[])]),
+            NS(name="/device:GPU:0", lines=[stream]),
+        ]
+    )
+    b = breakdown(profile, hlo, wall_s=100e-9)
+    sec = {k: round(v * 1e9, 3) for k, v in b["seconds"].items()}
+    assert sec == {
+        "matmul_projections_mlp": 20,
+        "attention": 20,
+        "lm_head_xent": 30,
+        "norms_elementwise": 10,
+        "optimizer": 10,
+        "host_overhead": 10,
+    }, sec
+    assert abs(b["matmul_s"] * 1e9 - (30 + 20 + 15)) < 1e-6  # the GEMMs and the sdpa kernel; not the dq convert
+    assert b["ops_not_in_hlo"] == 4
 
 
 def test_step_breakdown_innermost_interval_lookup_matches_the_definition():

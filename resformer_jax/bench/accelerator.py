@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from resformer_jax.train.setup import AttentionChoice
 
 GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
 INTERPRETABLE = ("pallas", "splash")  # Pallas kernels that run (slowly) in interpret mode elsewhere
+HALF_ONLY = ("cudnn",)  # cuDNN's fused attention takes fp16/bf16/fp8 inputs only: its fp32 row is not applicable
 IMPLS = ("pallas", "cudnn", "jax_pallas_gpu", "splash", "chunked", "xla")
 
 
@@ -95,6 +97,7 @@ def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
     for _ in range(steps):
         bench.timed_step()
     r = bench.report(peak, "")
+    bench.release()  # one 468M state on the device at a time
     measured = r["peak_memory_bytes"] if r["peak_memory_source"].startswith("device") else None
     return {
         "impl": impl,
@@ -130,7 +133,19 @@ def device_target_config() -> str | None:
         return f"unavailable: {type(e).__name__}: {e}"
 
 
-def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict:
+def _section(report: dict, name: str, save, fn) -> None:
+    """Run one part of the check: its result (or its failure, in one line) and its seconds go into the report,
+    which is saved after every part, so a check cut short still leaves what it measured."""
+    t0 = time.perf_counter()
+    try:
+        report[name] = fn()
+    except Exception as e:
+        report[name] = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    report["seconds"][name] = round(time.perf_counter() - t0, 1)
+    save(report)
+
+
+def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=lambda report: None) -> dict:
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
     peak, peak_src = perf.device_peak_flops()
@@ -143,59 +158,75 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3) -> dict
         "peak_source": peak_src,
         "reduced_shapes": on_cpu,
         "target_config": device_target_config(),
+        "complete": False,  # True once every part below has run
+        "seconds": {},
     }
     # The 468M attention shape per device (paper Table 4: 16 heads, head_dim 64, T = 2,048), reduced on CPU.
     speed_shape = (1, 256, 4, 4, 64) if on_cpu else (4, 2048, 16, 16, 64)
     check_shape = (1, 128, 4, 2, 64)  # correctness: GQA, small enough to run interpreted
-    rows = []
-    for impl in IMPLS:
-        ok, why = applicable(impl, backend)
-        row = {"impl": impl}
-        if not ok and impl not in INTERPRETABLE:
-            row["status"] = f"not applicable: {why}"
-            rows.append(row)
-            continue
-        try:
-            row["max_rel_error"] = {d: correctness(impl, check_shape, jnp.dtype(d)) for d in ("float32", "bfloat16")}
-            if ok:
-                row["speed_bf16"] = speed(impl, speed_shape, jnp.bfloat16, peak)
-                row["status"] = "ok"
-            else:
-                row["status"] = f"correctness checked interpreted; speed not applicable: {why}"
-        except Exception as e:
-            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        rows.append(row)
-        log(f"attention {impl:>15}: {row['status']}")
-    report["attention"] = {"check_shape": check_shape, "speed_shape": speed_shape, "rows": rows}
 
-    B, T, H, K, D = speed_shape
-    choice, rejected = kernels.probe_auto((B, T, H, D), K, jnp.bfloat16, log_fn=log)
-    report["auto"] = {"choice": choice, "rejected": rejected, "shape": speed_shape}
+    def attention():
+        rows = []
+        for impl in IMPLS:
+            ok, why = applicable(impl, backend)
+            row = {"impl": impl}
+            if not ok and impl not in INTERPRETABLE:
+                row["status"] = f"not applicable: {why}"
+                rows.append(row)
+                continue
+            try:
+                dtypes = ("bfloat16",) if impl in HALF_ONLY else ("float32", "bfloat16")
+                row["max_rel_error"] = {d: correctness(impl, check_shape, jnp.dtype(d)) for d in dtypes}
+                if ok:
+                    row["speed_bf16"] = speed(impl, speed_shape, jnp.bfloat16, peak)
+                    row["status"] = "ok"
+                else:
+                    row["status"] = f"correctness checked interpreted; speed not applicable: {why}"
+            except Exception as e:
+                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            rows.append(row)
+            log(f"attention {impl:>15}: {row['status']}")
+        return {"check_shape": check_shape, "speed_shape": speed_shape, "rows": rows}
+
+    def auto():
+        B, T, H, K, D = speed_shape
+        choice, rejected = kernels.probe_auto((B, T, H, D), K, jnp.bfloat16, log_fn=log)
+        return {"choice": choice, "rejected": rejected, "shape": speed_shape}
 
     cfg = tiny_config("resformer") if on_cpu else paper_config("468m", "resformer")
     if not on_cpu:
         cfg.train.global_batch = 8 * jax.device_count()
         cfg.model.remat = "full"
     cfg.mesh.data, cfg.mesh.fsdp = -1, 1
-    train = []
-    for row in rows:
-        if row["status"] != "ok" or row["impl"] == "jax_pallas_gpu":  # the comparison kernel is not a config impl
-            continue
-        try:
-            train.append(train_step(cfg.copy_and_resolve_references(), row["impl"], train_steps, peak))
-        except Exception as e:
-            train.append({"impl": row["impl"], "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
-        log(f"train step {row['impl']:>8}: {train[-1]}")
-    report["train"] = {
-        "config": "tiny (CPU)" if on_cpu else "resformer_468m, remat=full, 8 sequences per device",
-        "batch": cfg.train.global_batch,
-        "seq_len": cfg.data.seq_len,
-        "steps": train,
-    }
 
-    dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
-    context, new = (64, 8) if on_cpu else (2048, 32)
-    report["decode"] = [decode(dcfg.copy_and_resolve_references(), v, context, new) for v in ("none", "svformer")]
+    def train():
+        steps = []
+        for row in report["attention"].get("rows", []):
+            if row["status"] != "ok" or row["impl"] == "jax_pallas_gpu":  # the comparison kernel is no config impl
+                continue
+            try:
+                steps.append(train_step(cfg.copy_and_resolve_references(), row["impl"], train_steps, peak))
+            except Exception as e:
+                steps.append({"impl": row["impl"], "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+            log(f"train step {row['impl']:>8}: {steps[-1]}")
+            report["train"] = {"steps": steps, "status": "running"}
+            save(report)
+        return {
+            "config": "tiny (CPU)" if on_cpu else "resformer_468m, remat=full, 8 sequences per device",
+            "batch": cfg.train.global_batch,
+            "seq_len": cfg.data.seq_len,
+            "steps": steps,
+        }
+
+    def decoding():
+        dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
+        context, new = (64, 8) if on_cpu else (2048, 32)
+        return [decode(dcfg.copy_and_resolve_references(), v, context, new) for v in ("none", "svformer")]
+
+    for name, fn in (("attention", attention), ("auto", auto), ("train", train), ("decode", decoding)):
+        _section(report, name, save, fn)
+    report["complete"] = True
+    save(report)
     return report
 
 
@@ -204,18 +235,24 @@ def table(report: dict) -> str:
         f"{report['device_kind']} ({report['backend']}, {report['devices']} devices), peak "
         f"{report['peak_flops'] / 1e12:.1f} TFLOP/s ({report['peak_source']})"
         + ("  [reduced shapes: CPU]" if report["reduced_shapes"] else "")
+        + ("" if report["complete"] else "  [INCOMPLETE]")
     ]
     lines.append(f"{'impl':>15} {'err fp32':>9} {'err bf16':>9} {'fwd ms':>8} {'fwd+bwd ms':>11}  status")
-    for r in report["attention"]["rows"]:
-        e32 = max(r["max_rel_error"]["float32"].values()) if "max_rel_error" in r else float("nan")
-        e16 = max(r["max_rel_error"]["bfloat16"].values()) if "max_rel_error" in r else float("nan")
+    for r in report.get("attention", {}).get("rows", []):
+        err = r.get("max_rel_error", {})
+        e32, e16 = (max(err[d].values()) if d in err else float("nan") for d in ("float32", "bfloat16"))
         sp = r.get("speed_bf16", {})
         lines.append(
             f"{r['impl']:>15} {e32:9.1e} {e16:9.1e} {sp.get('fwd', {}).get('ms', float('nan')):8.2f} "
             f"{sp.get('fwd_bwd', {}).get('ms', float('nan')):11.2f}  {r['status'][:60]}"
         )
-    lines.append(f"auto chose {report['auto']['choice']!r}")
-    for s in report["train"]["steps"]:
+    for name in ("attention", "auto", "train", "decode"):
+        part = report.get(name)
+        if isinstance(part, dict) and str(part.get("status", "")).startswith("failed"):
+            lines.append(f"{name}: {part['status']}")
+    if "choice" in report.get("auto", {}):
+        lines.append(f"auto chose {report['auto']['choice']!r}")
+    for s in report.get("train", {}).get("steps", []):
         if "step_s" in s:
             lines.append(
                 f"train {s['impl']:>8}: {s['step_s']:.3f} s/step, {s['tokens_per_s']:,.0f} tok/s, MFU "
@@ -225,7 +262,7 @@ def table(report: dict) -> str:
             )
         else:
             lines.append(f"train {s['impl']:>8}: {s['status']}")
-    for d in report["decode"]:
+    for d in report.get("decode", []) if isinstance(report.get("decode"), list) else []:
         lines.append(
             f"decode {d['variant']:>8}: {d['decode_tokens_per_s']:,.1f} tok/s, KV cache "
             f"{d['kv_cache_bytes'] / 2**20:.1f} MiB at context {d['context']}"
@@ -234,11 +271,13 @@ def table(report: dict) -> str:
 
 
 def main(out: str | None = None) -> dict:
-    report = check()
+    from resformer_jax.storage import run_path, write_text_atomic
+
+    def save(report):  # after every part: a check cut short keeps what it measured, marked "complete": false
+        if out:  # local or gs:// / s3://
+            write_text_atomic(run_path(out), json.dumps(report, indent=1, default=float))
+
+    report = check(save=save)
     print(json.dumps(report, default=float))
     print(table(report), file=sys.stderr)
-    if out:  # local or gs:// / s3://
-        from resformer_jax.storage import run_path, write_text_atomic
-
-        write_text_atomic(run_path(out), json.dumps(report, indent=1, default=float))
     return report

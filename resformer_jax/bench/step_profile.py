@@ -100,19 +100,30 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
     return {n: i if i.op_name else dataclasses.replace(i, op_name=scope(n)) for n, i in insts.items()}, comps
 
 
-def classify(inst: Instruction | None, comps: dict[str, set[str]]) -> str:
+# A GPU kernel whose HLO op the trace does not name (inside a CUDA-graph command buffer the event names only the
+# buffer): its group by the kernel's own name. cuBLAS's GEMMs are nvjet/xmma/cutlass kernels; cuDNN's fused
+# attention is an "sdpa" kernel with helpers in the cudnn:: namespace; ours are named in kernels/pallas_attention.
+_KERNEL_GROUPS = (
+    (re.compile(r"sdpa|fmha|flash_attention|cudnn::", re.I), "attention"),
+    (re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.I), "matmul_projections_mlp"),
+)
+_GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass|cublas|sdpa|fmha|flash_attention", re.I)
+
+
+def classify(inst: Instruction | None, comps: dict[str, set[str]], kernel: str = "") -> str:
     if inst is None:
-        return "norms_elementwise"
+        return next((group for pattern, group in _KERNEL_GROUPS if pattern.search(kernel)), "norms_elementwise")
     for scope, group in _SCOPES:
         if scope in inst.op_name:
             return group
     return "matmul_projections_mlp" if is_matmul(inst, comps) else "norms_elementwise"
 
 
-def is_matmul(inst: Instruction | None, comps: dict[str, set[str]]) -> bool:
-    """A dot or convolution, a fusion around one, or a library GEMM (cuBLAS custom-calls)."""
+def is_matmul(inst: Instruction | None, comps: dict[str, set[str]], kernel: str = "") -> bool:
+    """A dot or convolution, a fusion around one, or a library GEMM (cuBLAS custom-calls); for a GPU kernel the
+    trace ties to no HLO op, a GEMM or attention kernel by its name."""
     if inst is None:
-        return False
+        return bool(_GEMM_KERNEL.search(kernel))
     if inst.opcode == "custom-call" and re.search(r"gemm|matmul", inst.target, re.I):
         return True
     return inst.opcode in _MATMUL_OPS or any(
@@ -126,8 +137,14 @@ def _is_op(name: str) -> bool:
 
 
 def _op_lines(profile):
-    """The timelines holding XLA ops: a device's "XLA Ops" lines (GPU/TPU), else the CPU's worker threads."""
-    device = [ln for p in profile.planes if p.name.startswith("/device:") for ln in p.lines if ln.name == "XLA Ops"]
+    """The timelines holding XLA ops: a TPU's "XLA Ops" lines, a GPU's streams, else the CPU's worker threads."""
+    device = [
+        ln
+        for p in profile.planes
+        if p.name.startswith("/device:")
+        for ln in p.lines
+        if ln.name == "XLA Ops" or ln.name.startswith("Stream")
+    ]
     if device:
         return device
     # XLA:CPU runs ops on its own thread pools (tf_XLAEigen/..., tf_XLAPjRtCpuClient/...); the Python thread's
@@ -141,6 +158,23 @@ _TASK_START, _TASK_STOP, _TASK_RECORD = (
     "ThreadpoolListener::StopRegion",
     "ThreadpoolListener::Record",
 )
+
+
+def _line_ops(line, insts: dict[str, Instruction]) -> list[tuple[int, int, str]]:
+    """A line's op events as (start, end, name). On a GPU stream each event is a kernel (or a memset/memcpy):
+    its HLO op is the event's `hlo_op` stat where that names a leaf op of the module, else (a command buffer's
+    kernels) the kernel's own name, which `classify` reads."""
+    if line.name.startswith("Stream"):
+        ops = []
+        for e in line.events:
+            if e.duration_ns > 0:
+                op = _stat(e, "hlo_op")
+                leaf = op in insts and insts[op].opcode not in _CONTROL
+                ops.append((e.start_ns, e.start_ns + e.duration_ns, op if leaf else e.name))
+        return ops
+    return [
+        (e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events if e.duration_ns > 0 and _is_op(e.name)
+    ]
 
 
 def _stat(event, key):
@@ -228,22 +262,12 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
     by_op: dict[str, float] = {}
     intervals, unknown = [], 0
     lines = _op_lines(profile)
-    is_work = lambda n: _is_op(n) and (n not in insts or insts[n].opcode not in _CONTROL)
-    ops_by_line = [
-        [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events if e.duration_ns > 0 and is_work(e.name)]
-        for line in lines
-    ]
+    ops_with_control = [_line_ops(line, insts) for line in lines]
+    is_work = lambda n: n not in insts or insts[n].opcode not in _CONTROL
+    ops_by_line = [[op for op in ops if is_work(op[2])] for ops in ops_with_control]
     tasks_by_line = _thread_pool_tasks(lines, ops_by_line)
-    for line, tasks in zip(lines, tasks_by_line):
-        events = sorted(
-            [
-                (e.start_ns, e.start_ns + e.duration_ns, e.name)
-                for e in line.events
-                if e.duration_ns > 0 and _is_op(e.name)
-            ]
-            + tasks,
-            key=lambda x: (x[0], -x[1]),
-        )
+    for ops, tasks in zip(ops_with_control, tasks_by_line):
+        events = sorted(ops + tasks, key=lambda x: (x[0], -x[1]))
         stack: list[list] = []  # [end, name, child time]
 
         def close(item):
@@ -254,8 +278,8 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
                 return  # a loop's own time is control flow: counted as host overhead below
             nonlocal unknown, matmul_ns
             unknown += inst is None
-            self_ns[classify(inst, comps)] += max(own, 0.0)
-            matmul_ns += max(own, 0.0) if is_matmul(inst, comps) else 0.0
+            self_ns[classify(inst, comps, name)] += max(own, 0.0)
+            matmul_ns += max(own, 0.0) if is_matmul(inst, comps, name) else 0.0
             by_op[name] = by_op.get(name, 0.0) + max(own, 0.0)
 
         for start, end, name in events:
@@ -298,7 +322,7 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
         "top_ops": [
             {
                 "op": n,
-                "group": classify(insts.get(n), comps),
+                "group": classify(insts.get(n), comps, n),
                 "seconds": round(t / 1e9, 9),
                 "source": insts[n].op_name if n in insts else "",
             }
