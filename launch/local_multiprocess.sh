@@ -17,6 +17,7 @@ PORT=${PORT:-$($PYTHON -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1"
 mkdir -p "$WORKDIR/logs"
 # Create the logs first: the processes open theirs only once forked, and tail must not start before that.
 for ((i = 0; i < N; i++)); do : >"$WORKDIR/logs/process_$i.log"; done
+: >"$WORKDIR/logs/.launched"  # a stall report older than this is an earlier launch's
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; }
 trap cleanup TERM INT
@@ -50,8 +51,22 @@ while [ ${#running[@]} -gt 0 ]; do
   unset done_pid
 done
 wait $tailpid 2>/dev/null
-# A process that died (a signal, or the coordination service's abort) takes the others with it: say which went first.
-if [ -n "$first" ] && { [ $first_rc -gt 128 ] || [ $aborted -eq 1 ]; }; then
+# A stalled process (its watchdog's exit status 5) or one that died (a signal, or the coordination service's abort)
+# takes the others with it: say which went first.
+if [ -n "$first" ] && [ $first_rc -eq 5 ]; then
+  step=$(ls "$WORKDIR/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+  # Several watchdogs may fire: the stalled process is one stuck outside a step (a data read, a save, an
+  # evaluation); the others wait inside a step's collectives for it.
+  for ((j = 0; j < N; j++)); do
+    f="$WORKDIR/watchdog/process_$j.txt"
+    if [ "$f" -nt "$WORKDIR/logs/.launched" ] && ! head -1 "$f" | grep -q 'phase=step '; then first=$j; break; fi
+  done
+  stacks="$WORKDIR/watchdog/process_$first.txt"
+  where=$(head -1 "$stacks" 2>/dev/null | sed -n "s/.*phase=\(.*\) step=\([0-9]*\) stalled_s=\([0-9.]*\).*/no progress for \3 s in phase '\1' at step \2/p")
+  echo "error: process $first stalled (${where:-its watchdog fired}; every thread's stack in $stacks); the others" \
+    "stopped with it. Rerun the same command to resume from ${step:+step $step, }the newest checkpoint in" \
+    "$WORKDIR/checkpoints" >&2
+elif [ -n "$first" ] && { [ $first_rc -gt 128 ] || [ $aborted -eq 1 ]; }; then
   step=$(ls "$WORKDIR/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
   hb=$(printf '%s\n' "$@" | sed -n 's/^--config.distributed.heartbeat_timeout_s=//p' | tail -1)
   echo "error: process $first died first ($(describe $first_rc)); the others stopped with it (a collective with it" \

@@ -70,6 +70,8 @@ rc=$?
 set -e
 if [ $rc -ne 0 ]; then
   first=$(grep -m1 -E '^worker .* exited with' /tmp/resformer_tpu_err.$$ || true)
+  # exit status 5: that worker's watchdog found it stalled (its stacks: WORKDIR/watchdog/process_I.txt)
+  case "$first" in *"exited with 5") first="$first (stalled: its watchdog fired; stacks in $WORKDIR/watchdog/)" ;; esac
   echo "error: ${first:+$first first; }the other workers were stopped by JAX's coordination service (after" \
     "config.distributed.heartbeat_timeout_s without heartbeats) or by gcloud. Rerun this same command to resume" \
     "from the newest checkpoint in $WORKDIR (logs: train_<hostname>.log on each worker)" >&2

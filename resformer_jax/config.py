@@ -145,6 +145,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.heartbeat_timeout_s = 100
     c.distributed.initialization_timeout_s = 300
 
+    # A stalled run says so (train/watchdog.py): when a phase outlives its budget, every thread's stack goes to
+    # RUN/watchdog/process_I.txt and stderr and the process exits with status 5, so the rerun resumes.
+    c.watchdog = w = ml_collections.ConfigDict()
+    w.enabled = True
+    w.startup_s = 1800.0  # process start to the compile: imports, distributed init, data, the attention probe
+    w.compile_s = 3600.0  # the train step's compile, and the loop until its first log window is timed
+    w.step_factor = 20.0  # then a batch read or a step may take step_factor x the median log window,
+    w.min_step_s = 600.0  # and never less than this
+    w.eval_s = 3600.0  # one evaluation (validation sets, in-loop tasks)
+    w.checkpoint_s = 1800.0  # a restore, a save's blocking part, the wait for the last save
+
     c.checkpoint = k = ml_collections.ConfigDict()
     k.every_steps = 1000
     k.max_to_keep = 3
@@ -536,6 +547,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
         _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
+    for field in ("startup_s", "compile_s", "step_factor", "min_step_s", "eval_s", "checkpoint_s"):
+        if "watchdog" in c and not float(c.watchdog[field]) > 0:
+            _fail(
+                f"watchdog.{field}",
+                f"{c.watchdog[field]} is not positive",
+                "use a positive number, or --config.watchdog.enabled=False to switch the watchdog off",
+            )
     for field in ("heartbeat_timeout_s", "initialization_timeout_s"):
         if int(c.distributed[field]) < 1:
             _fail(

@@ -10,6 +10,8 @@ these names.
     metrics.jsonl           one JSON object per logged step (and metrics.jsonl.parts/ on object storage)
     tb/                     TensorBoard event files
     tokenizer.json          the corpus's tokenizer, copied at the start (absent for synthetic data)
+    goodput.json            where the run's wall time went, one record per invocation (train/goodput.py)
+    watchdog/process_I.txt  a stalled process's phase, step and every thread's stack (train/watchdog.py)
     eval/  analysis/        evaluate's and analyze's outputs
     library_errors.log      what libraries logged from their own threads
 
@@ -73,6 +75,13 @@ class RunDir:
     @property
     def tokenizer_json(self) -> epath.Path:
         return self.path / "tokenizer.json"
+
+    @property
+    def goodput_json(self) -> epath.Path:
+        return self.path / "goodput.json"
+
+    def watchdog_stacks(self, process_index: int) -> epath.Path:
+        return self.path / "watchdog" / f"process_{process_index}.txt"
 
     @property
     def eval_dir(self) -> epath.Path:

@@ -59,6 +59,11 @@ GPU_XLA_FLAGS = {
     "xla_gpu_all_gather_combine_threshold_bytes": ("134217728", "combine small all-gathers (128 MiB)"),
     "xla_gpu_reduce_scatter_combine_threshold_bytes": ("67108864", "combine small reduce-scatters (64 MiB)"),
     "xla_gpu_enable_triton_gemm": ("false", "cuBLAS is faster than Triton GEMMs for these dense projections on H100"),
+    "xla_gpu_nccl_termination_timeout_seconds": (
+        "600",
+        "a collective whose peers never join XLA's NCCL rendezvous ends the process after 10 minutes (XLA's "
+        "default: never); a step stalled inside NCCL is the watchdog's (train/watchdog.py)",
+    ),
 }
 
 

@@ -15,7 +15,9 @@ from resformer_jax.analysis import grouping
 from resformer_jax.analysis.runs import RunsError, find_runs, read_run, read_train_loss, relative_curves, run_name
 from resformer_jax.metrics import Writer
 from resformer_jax.perf import model_flops
+from resformer_jax.rundir import RunDir
 from resformer_jax.storage import run_path, save_figure
+from resformer_jax.train import goodput
 
 
 @dataclasses.dataclass
@@ -352,4 +354,27 @@ def pairwise(a: CompareOptions) -> int:
             else f"{name}: no common steps"
         )
     print(f"wrote {a.out}/relative_train_loss.png and TensorBoard logs under {a.out}/tb")
+    return 0
+
+
+def goodput_table(paths: list[str]) -> int:
+    """Where each run's wall time went (RUN/goodput.json, added up over its invocations): one row a run."""
+    runs = find_runs(paths)
+    cols = ("startup", "compile", "restore", "data_wait", "eval", "checkpoint", "stalled")
+    print(
+        f"{'run':<28} {'goodput':>8} {'wall s':>9} {'steps s':>9} {'recomp s':>9} " + " ".join(f"{c:>10}" for c in cols)
+    )
+    for r in runs:
+        invocations = goodput.read(RunDir(r).goodput_json)
+        if not invocations:
+            print(f"{run_name(r):<28} (no goodput.json: trained before the ledger existed)")
+            continue
+        t = goodput.totals(invocations)
+        print(
+            f"{run_name(r):<28} {100 * t['goodput']:7.1f}% {t['wall_s']:9.0f} {t['seconds']['steps']:9.0f} "
+            f"{t['recomputed_s']:9.0f} "
+            + " ".join(f"{t['seconds'][c]:10.0f}" for c in cols)
+            + f"  ({t['invocations']} invocation(s)"
+            + (f", {t['unknown']} ended without a word)" if t["unknown"] else ")")
+        )
     return 0

@@ -3,6 +3,7 @@
   resformer compare --baseline RUN_VANILLA RUN_A RUN_B ... [--smooth 100] --out DIR
   resformer compare runs/sweep82m --group_by model.value_residual --baseline none [--out DIR]
   resformer compare runs/sizes --group_by model.value_residual --baseline none --scaling
+  resformer compare --goodput runs/a runs/b      # where each run's wall time went, over its restarts
 
 Grouped (--group_by FIELD): runs (run directories, or sweep directories holding them) are grouped by
 any config field read from each run's config.json (seeds pooled); each group's mean smoothed training
@@ -25,7 +26,7 @@ import sys
 
 from absl import app, flags
 
-from resformer_jax.analysis.compare import CompareOptions, grouped, pairwise
+from resformer_jax.analysis.compare import CompareOptions, goodput_table, grouped, pairwise
 from resformer_jax.commands import common as cli
 from resformer_jax.storage import run_path
 
@@ -59,6 +60,9 @@ flags.DEFINE_integer(
     "training steps (the paper: 1,000).",
 )
 flags.DEFINE_string("out", None, "Output folder (grouped default: FIRST_PATH/compare).")
+flags.DEFINE_bool(
+    "goodput", False, "Print where each run's wall time went (RUN/goodput.json, over its restarts); no --baseline."
+)
 FLAGS = flags.FLAGS
 
 
@@ -76,6 +80,11 @@ def check_flags(a) -> None:
 
 def main(argv):
     cli.start()
+    if FLAGS.goodput:
+        if len(argv) < 2:
+            raise app.UsageError("give the runs (or sweep directories) whose goodput to show")
+        with cli.exit_on_user_error():
+            return goodput_table(list(argv[1:]))
     if FLAGS.baseline is None:
         raise app.UsageError("--baseline is required: the vanilla run (with --group_by, the baseline group's value)")
     if len(argv) < 2:

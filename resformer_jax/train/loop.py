@@ -4,6 +4,7 @@ turns errors into one line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,7 +33,7 @@ from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
-from resformer_jax.train import telemetry
+from resformer_jax.train import goodput, telemetry
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.setup import (
     MemoryPrecheckError,
@@ -42,6 +43,7 @@ from resformer_jax.train.setup import (
     memory_precheck,
     too_big_for_here,
 )
+from resformer_jax.train.watchdog import PHASES, Budgets, Watchdog, blocked_read_at
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -115,6 +117,36 @@ class Trainer:
         self.preempt = False
         self.session: Session | None = None  # set by _start
         self._old_handlers: dict = {}
+        # Where the time goes (written by process 0 once the run has started) and the watchdog over each phase.
+        self.ledger = goodput.Ledger(self.run.goodput_json)
+        self.watchdog = Watchdog(
+            Budgets.of(cfg.watchdog) if "watchdog" in cfg else Budgets(),
+            self.run.watchdog_stacks(jax.process_index()),
+            jax.process_index(),
+            jax.process_count(),
+            say=self.say,
+        )
+        self.watchdog.on_stall.append(self._record_stall)
+        self.block_data_at = blocked_read_at(jax.process_index())
+
+    def _enter(self, phase: str, step: int | None = None) -> None:
+        """The loop enters `phase`: the watchdog's clock and budget, the ledger's category."""
+        self.watchdog.enter(phase, step)
+        self.ledger.switch(PHASES[phase].category)
+
+    @contextlib.contextmanager
+    def _phase(self, phase: str, step: int | None = None):
+        """A phase inside the loop's steps (an evaluation, a save); back to "step" after it."""
+        self._enter(phase, step)
+        try:
+            yield
+        finally:
+            self._enter("step", step)
+
+    def _record_stall(self, phase: str, seconds: float) -> None:
+        """The watchdog fired (its thread, the main one blocked): the stalled time goes into the ledger."""
+        self.ledger.stalled(phase, seconds)
+        self.ledger.write(end="stalled")
 
     # ------------------------------------------------------------------ the checks before anything costly
     def _check_data(self, cfg):
@@ -211,6 +243,7 @@ class Trainer:
         return out
 
     def _compile(self, setup: TrainSetup, cfg):
+        self._enter("compile")
         compiled, compile_s, mem = setup.compile()
         line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
         self.say(f"compiled train step in {compile_s:.1f}s; {line}")
@@ -220,6 +253,7 @@ class Trainer:
         """(state, its step, the restored progress): the newest checkpoint that restores, or a fresh state."""
         # The run's parameter tree before touching its state: a shape change is the user's mistake, not a damaged
         # checkpoint, and must not set good checkpoints aside (the config's fields were compared at start).
+        self._enter("restore")
         newest = ckpt.newest_config()
         if newest is not None:
             self._check_params_fit(ckpt, setup, cfg, *newest)
@@ -235,6 +269,7 @@ class Trainer:
                     "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
                 )
             self.say(f"starting a new run in {self.workdir}")
+            self._enter("start-up")  # nothing restored: a new state is start-up work
             return setup.init_state(), 0, {}
         step, state, old_cfg, progress = restored
         self._check_resumed_config(old_cfg, cfg, corpus)
@@ -307,6 +342,7 @@ class Trainer:
         # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
         # batches are cut or anything is written in the workdir.
         compiled = self._compile(setup, cfg)
+        self._enter("start-up")
         data = train_iterator(cfg, jax.process_index(), jax.process_count())
         eval_sets = validation_sets(
             cfg, setup.eval_batch_shape[0], cfg.train.eval_batches, jax.process_index(), jax.process_count()
@@ -314,6 +350,7 @@ class Trainer:
         eval_bytes = self._eval_bytes(cfg, corpus, eval_sets)
         ckpt = self.run.checkpointer(cfg.checkpoint)
         state, start_step, progress = self._restore(cfg, setup, ckpt, data, corpus)
+        self._enter("start-up")
         if self.is_main and corpus is not None:
             corpus.copy_tokenizer(self.run.tokenizer_json)
         if corpus is not None:
@@ -369,7 +406,13 @@ class Trainer:
             t_last=now,
             last_logged=start_step,
         )
+        # The ledger from here on: the run directory is the run's (process 0 writes it).
+        self.ledger.start_writing(enabled=self.is_main)
+        self.ledger.resumed_at(start_step)
+        if self.ledger.recomputed_steps:
+            self.say(f"goodput: {self.ledger.recomputed_steps} steps after the checkpoint are recomputed")
         if start_step == 0 and eval_sets:
+            self._enter("evaluation", 0)
             s.first_eval = s.last_eval = self._evaluate(s)
             writer.scalars(0, s.first_eval)
             self.say(f"step {0:>7}  validation loss {s.first_eval['eval/loss']:.4f}")
@@ -378,10 +421,18 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> int:
         self._install_signals()  # first: a SIGTERM during start-up also ends in a clean save-and-exit
+        self.watchdog.start()
+        end = "error"
         try:
-            return self._train()
+            code = self._train()
+            end = "finished" if code == 0 else "error"
+            return code
         finally:
+            self.watchdog.stop()
             self._restore_signals()
+            if self.ledger.enabled:  # only once the run started: a refused start writes nothing
+                totals = self.ledger.write(end=end)
+                self.say(goodput.describe(totals))
 
     def _train(self) -> int:
         self.session = s = self._start()
@@ -390,29 +441,52 @@ class Trainer:
         step, exit_code = s.start_step, 0
         pending = []  # step metrics, pulled to the host only at log intervals (after the next dispatch)
         while step < end:
-            batch = self._global(s, next(s.data))
+            self._enter("data", step + 1)
+            batch = self._next_batch(s, step + 1)
+            self._enter("step", step + 1)
             s.state, m = s.compiled(s.state, batch)
             step += 1
+            self.watchdog.progress(step)
+            self.ledger.finished_step(step)
             pending.append(m)
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 self._log(s, step, pending)
                 pending = []
             if s.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                self._log_evaluation(s, step)
+                with self._phase("evaluation", step):
+                    self._log_evaluation(s, step)
             if cfg.eval.tasks and (step % cfg.eval.tasks_every == 0 or step == cfg.train.steps):
-                self._evaluate_tasks(s, step)
+                with self._phase("evaluation", step):
+                    self._evaluate_tasks(s, step)
             if self._should_stop(s, step):
-                self._save(s, step)
-                s.ckpt.wait()
+                with self._phase("checkpoint save", step):
+                    self._save(s, step)
+                    s.ckpt.wait()
                 self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
                 break
             if step % cfg.checkpoint.every_steps == 0 and step < end:
-                self._save(s, step)
+                with self._phase("checkpoint save", step):
+                    self._save(s, step)
         else:
             if step > s.start_step and step not in s.ckpt.all_steps():
-                self._save(s, step)
+                with self._phase("checkpoint save", step):
+                    self._save(s, step)
+        self._enter("finish", step)
         self._finish(s, step)
         return exit_code
+
+    def _next_batch(self, s: Session, step: int):
+        """The batch of `step` (1-based). RESFORMER_TEST_BLOCK_DATA makes one process's read block at a known
+        step, as a read hung on a network filesystem would (the watchdog's end-to-end check)."""
+        if self.block_data_at is not None and self.block_data_at[0] == step:
+            self._blocked_read(self.block_data_at[1])
+        return self._global(s, next(s.data))
+
+    @staticmethod
+    def _blocked_read(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
     def _install_signals(self):
         def handler(signum, frame):
@@ -443,6 +517,7 @@ class Trainer:
             "elapsed_s": s.elapsed_before + time.perf_counter() - s.t_start,
         }
         s.ckpt.save(step, s.state, s.data, run_record(self.asked.to_dict(), s.cfg), progress, force=force)
+        self.ledger.write()
 
     def _nonfinite(self, s: Session, step: int):
         last = [k for k in s.ckpt.all_steps() if k <= step]
@@ -517,6 +592,8 @@ class Trainer:
         host = jax.device_get(pending)
         now = time.perf_counter()
         step_time = (now - s.t_last) / max(step - s.last_logged, 1)
+        if s.last_logged > s.start_step:  # the first window holds the first step's one-off work
+            self.watchdog.window(now - s.t_last)
         s.t_last, s.last_logged = now, step
         losses = [h["loss"] for h in host]
         bad = sum(int(h["nonfinite"]) for h in host)
@@ -548,6 +625,8 @@ class Trainer:
                         "steps); the update was not applied"
                     )
         vals.update(self._lambdas(s))
+        vals.update(self.ledger.scalars())
+        self.ledger.write()
         s.writer.scalars(step, vals)
         self.progress.update(
             step,
