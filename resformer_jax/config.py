@@ -270,7 +270,7 @@ def output_init_std(m) -> float:
 
 # What a run resolves at start and records beside what was asked (the checkpoint's config and config.json hold
 # the asked config plus {"resolved": {field: value}}): the compute dtype `auto` chose, the corpus's tokenizer.
-RESOLVED_FIELDS = ("model.dtype", "data.tokenizer_hash")
+RESOLVED_FIELDS = ("model.dtype", "data.tokenizer_hash", "train.init_from")  # init_from: RUN -> RUN:STEP
 
 
 def run_record(asked: dict, resolved_cfg) -> dict:
@@ -363,9 +363,10 @@ def parse_mixture(value) -> dict[str, float]:
 
 
 def parse_init_from(value: str) -> tuple[str, int | None]:
-    """train.init_from's RUN:STEP as (run, step); step None where the text after the last ':' is no step."""
-    run, _, step = value.rpartition(":")
-    return (run, int(step)) if run and step.isdigit() else (value, None)
+    """train.init_from's RUN:STEP as (run, step); step None where the text after the last ':' is no step (RUN alone:
+    its newest checkpoint, resolved at the fork's start)."""
+    run, sep, step = value.rpartition(":")
+    return (run, int(step)) if sep and step.isdigit() else (value, None)
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -517,11 +518,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             f"{t.decay_start_step} not in [0, train.steps={t.steps})",
             "leave it 0 (the wsd fractions decide) or set a step before train.steps",
         )
-    if t.init_from and parse_init_from(t.init_from)[1] is None:
+    if t.init_from and not parse_init_from(t.init_from)[0].strip():
         _fail(
             "train.init_from",
-            f"{t.init_from!r} names no step",
-            "give the run and the step to fork from: --config.train.init_from=RUN:STEP",
+            f"{t.init_from!r} names no run",
+            "give the run directory to fork from: --config.train.init_from=RUN (its newest checkpoint) or RUN:STEP",
         )
     if t.z_loss < 0:
         _fail("train.z_loss", f"must be >= 0, got {t.z_loss}", "use 0 (off) or e.g. 1e-4")

@@ -171,6 +171,12 @@ def test_a_cooldown_forked_from_a_checkpoint_equals_a_run_that_switched_schedule
     assert all(f[i] == a[i] for i in f), (f, a)
     record = json.load(open(os.path.join(fork, "config.json")))
     assert record["train"]["init_from"] == f"{stable}:{k}"
+    # RUN alone forks from its newest checkpoint (here k, where the stable run stopped), recorded as resolved.
+    newest = str(tmp_path / "newest")
+    assert run(tiny(steps, init_from=stable, **wsd), newest) == 0
+    assert losses(newest) == f
+    record = json.load(open(os.path.join(newest, "config.json")))
+    assert record["train"]["init_from"] == stable and record["resolved"]["train.init_from"] == f"{stable}:{k}"
 
 
 # ---------------------------------------------------------------------------------------------- z-loss
@@ -239,6 +245,26 @@ def test_a_loss_spike_is_skipped_and_counted_and_no_spike_changes_nothing():
     assert int(m["spike"]) == 0
 
 
+@pytest.mark.slow
+def test_a_spike_injected_into_a_run_is_skipped_counted_logged_and_replayed_on_resume(tmp_path, monkeypatch, capsys):
+    """A run whose step 30 trains on random tokens (train/faults.py: RESFORMER_TEST_NOISE_BATCH): the update is
+    not applied, the skip is printed with its step and counted in TensorBoard's scalars; a run stopped at step 20
+    and resumed replays it exactly (bitwise the uninterrupted run's losses and count)."""
+    monkeypatch.setenv("RESFORMER_TEST_NOISE_BATCH", "30")
+    spiked, resumed = str(tmp_path / "spiked"), str(tmp_path / "resumed")
+    assert run(tiny(40, spike_sigma=3.0, spike_window=16), spiked) == 0
+    out = capsys.readouterr()
+    assert "step 30: loss spike skipped" in out.out + out.err
+    skipped = read_jsonl(os.path.join(spiked, "metrics.jsonl"), "train/skipped_spikes")
+    assert skipped[29] == 0 and skipped[30] == 1 and skipped[40] == 1, skipped
+    a = losses(spiked)
+    assert a[30] > max(a[i] for i in range(14, 30)) + 0.3  # the noise batch's loss: the spike
+    assert run(tiny(40, spike_sigma=3.0, spike_window=16, stop_at=20), resumed) == 0
+    assert run(tiny(40, spike_sigma=3.0, spike_window=16), resumed) == 0
+    assert losses(resumed) == a
+    assert read_jsonl(os.path.join(resumed, "metrics.jsonl"), "train/skipped_spikes") == skipped
+
+
 # ---------------------------------------------------------------------------------------------- bad values
 
 
@@ -248,7 +274,8 @@ def test_a_loss_spike_is_skipped_and_counted_and_no_spike_changes_nothing():
         ("--config.train.optimizer=lion", ["train.optimizer", "adamw, muon"]),
         ("--config.train.schedule=wsd --config.train.wsd_fractions=(0.1,0.5,0.2)", ["summing to 1"]),
         ("--config.train.wsd_decay_shape=exp", ["wsd_decay_shape", "1-sqrt"]),
-        ("--config.train.init_from=runs/x", ["init_from", "RUN:STEP"]),
+        ("--config.train.init_from=:5", ["init_from", "names no run"]),
+        ("--config.train.init_from=runs/none_here", ["init_from", "has no checkpoints"]),
         ("--config.train.z_loss=-1", ["z_loss"]),
         ("--config.train.spike_sigma=-2", ["spike_sigma"]),
     ],

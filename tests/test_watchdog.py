@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from resformer_jax.train import goodput
-from resformer_jax.train.watchdog import EXIT_STALLED, Budgets, Watchdog, blocked_read_at
+from resformer_jax.train.faults import Faults
+from resformer_jax.train.watchdog import EXIT_STALLED, Budgets, Watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +40,17 @@ def test_budgets_follow_the_phase_and_the_median_log_window():
     assert wd.overdue(now=time.monotonic() + 9) is None
 
 
-def test_test_block_hook_names_the_step_and_process():
-    assert blocked_read_at(0, {}) is None
-    assert blocked_read_at(1, {"RESFORMER_TEST_BLOCK_DATA": "15:1"}) == (15, float("inf"))
-    assert blocked_read_at(0, {"RESFORMER_TEST_BLOCK_DATA": "15:1"}) is None
-    assert blocked_read_at(3, {"RESFORMER_TEST_BLOCK_DATA": "9::2.5"}) == (9, 2.5)
+def test_injected_faults_name_the_step_and_process():
+    assert Faults.from_env(0, {}) == Faults()
+    assert Faults.from_env(1, {"RESFORMER_TEST_BLOCK_DATA": "15:1"}).block_at == 15
+    assert Faults.from_env(0, {"RESFORMER_TEST_BLOCK_DATA": "15:1"}).block_at is None
+    f = Faults.from_env(3, {"RESFORMER_TEST_BLOCK_DATA": "9::2.5", "RESFORMER_TEST_NOISE_BATCH": "4,7"})
+    assert (f.block_at, f.block_s, f.noise_at) == (9, 2.5, {4, 7})
+    batch = np.arange(12, dtype=np.int32).reshape(2, 6)
+    assert f.batch(5, batch, 50) is batch
+    noise = f.batch(4, batch, 50)
+    assert noise.shape == batch.shape and noise.dtype == batch.dtype and (noise != batch).any()
+    assert (noise == f.batch(4, batch, 50)).all() and noise.max() < 50  # the same noise on a rerun
 
 
 def test_fire_writes_every_threads_stack_runs_callbacks_then_exits_with_its_status(tmp_path, capsys):
@@ -141,7 +148,7 @@ def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_th
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: watchdog: process 0 made no progress for") and "phase 'data' (step 25" in last
     stacks = open(os.path.join(stalled, "watchdog", "process_0.txt")).read()
-    assert "in _blocked_read" in stacks and "in _next_batch" in stacks, stacks[-2000:]
+    assert "in _blocked_read" in stacks and "in before_read" in stacks and "in _next_batch" in stacks, stacks[-2000:]
     assert sorted(os.listdir(os.path.join(stalled, "checkpoints"))) == ["10", "20"]
 
     r, wall2 = _train(stalled, *flags, *tight)

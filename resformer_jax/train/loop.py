@@ -34,6 +34,7 @@ from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
 from resformer_jax.train import goodput, telemetry
+from resformer_jax.train.faults import Faults
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.setup import (
     MemoryPrecheckError,
@@ -43,7 +44,7 @@ from resformer_jax.train.setup import (
     memory_precheck,
     too_big_for_here,
 )
-from resformer_jax.train.watchdog import PHASES, Budgets, Watchdog, blocked_read_at
+from resformer_jax.train.watchdog import PHASES, Budgets, Watchdog
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -127,7 +128,7 @@ class Trainer:
             say=self.say,
         )
         self.watchdog.on_stall.append(self._record_stall)
-        self.block_data_at = blocked_read_at(jax.process_index())
+        self.faults = Faults.from_env(jax.process_index())  # tests' injected stalls and spikes; unset: nothing
 
     def _enter(self, phase: str, step: int | None = None) -> None:
         """The loop enters `phase`: the watchdog's clock and budget, the ledger's category."""
@@ -276,6 +277,26 @@ class Trainer:
         self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
         return state, step, progress
 
+    def _resolve_fork(self, cfg):
+        """train.init_from=RUN (no step) as RUN:STEP with STEP its newest finished checkpoint; a resumed fork keeps
+        the step its start resolved (config.json's record). A copy where it changes; what was asked stays."""
+        value = cfg.train.init_from
+        if not value or parse_init_from(value)[1] is not None:
+            return cfg
+        if self.run.config_json.is_file() and self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir()):
+            resolved = with_defaults(self.run.read_config())["train"]["init_from"]
+        else:
+            run = parse_init_from(value)[0]
+            source = RunDir(run)
+            steps = source.finished_steps() if source.checkpoints.is_dir() else []
+            if not steps:
+                raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
+            resolved = f"{run}:{steps[-1]}"
+            self.say(f"train.init_from={run}: forking from its newest checkpoint, step {steps[-1]}")
+        out = ml_collections.ConfigDict(cfg.to_dict())
+        out.train.init_from = resolved
+        return out
+
     def _check_fork(self, cfg, corpus):
         """train.init_from=RUN:STEP before anything costly or written: the run, the step and the model."""
         if not cfg.train.init_from or (self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir())):
@@ -333,6 +354,7 @@ class Trainer:
             self._check_fits_here(cfg, error=e)  # a config that cannot fit here says so in the same line
             raise
         self._check_workdir_model(cfg, corpus)
+        cfg = self._resolve_fork(cfg)
         self._check_fork(cfg, corpus)
         self._check_fits_here(cfg)
         cfg = forked(cfg, self.run)
@@ -476,17 +498,9 @@ class Trainer:
         return exit_code
 
     def _next_batch(self, s: Session, step: int):
-        """The batch of `step` (1-based). RESFORMER_TEST_BLOCK_DATA makes one process's read block at a known
-        step, as a read hung on a network filesystem would (the watchdog's end-to-end check)."""
-        if self.block_data_at is not None and self.block_data_at[0] == step:
-            self._blocked_read(self.block_data_at[1])
-        return self._global(s, next(s.data))
-
-    @staticmethod
-    def _blocked_read(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        """The batch of `step` (1-based), through the injected faults (train/faults.py; none unless set)."""
+        self.faults.before_read(step)
+        return self._global(s, self.faults.batch(step, next(s.data), s.cfg.model.vocab_size))
 
     def _install_signals(self):
         def handler(signum, frame):

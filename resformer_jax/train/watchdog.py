@@ -29,7 +29,6 @@ from etils import epath
 from resformer_jax import storage
 
 EXIT_STALLED = 5  # a stalled process's exit status (2: a user error, 3: diverged, 4: a peer process failed)
-TEST_BLOCK_ENV = "RESFORMER_TEST_BLOCK_DATA"  # "STEP[:PROCESS[:SECONDS]]": the data read of STEP blocks (tests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +63,6 @@ class Budgets:
     @classmethod
     def of(cls, section) -> Budgets:
         return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section})
-
-
-def blocked_read_at(process_index: int, environ=os.environ) -> tuple[int, float] | None:
-    """(step, seconds) at which this process's data read blocks, from RESFORMER_TEST_BLOCK_DATA (tests and
-    launcher checks only: the watchdog's own end-to-end check); None when unset or for another process."""
-    spec = environ.get(TEST_BLOCK_ENV, "").strip()
-    if not spec:
-        return None
-    parts = spec.split(":")
-    process = int(parts[1]) if len(parts) > 1 and parts[1] != "" else process_index
-    seconds = float(parts[2]) if len(parts) > 2 else float("inf")
-    return (int(parts[0]), seconds) if process == process_index else None
 
 
 class Watchdog:

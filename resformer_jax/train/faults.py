@@ -1,0 +1,56 @@
+"""Faults injected on purpose, to check what a run does about them: the tests, and users checking that their
+launcher and scheduler handle a stalled process. Read once from the environment when training starts; unset,
+they change nothing.
+
+  RESFORMER_TEST_BLOCK_DATA=STEP[:PROCESS[:SECONDS]]  that process's data read of STEP blocks (forever by default),
+                                                      as a read hung on a network filesystem would: the watchdog
+  RESFORMER_TEST_NOISE_BATCH=STEP[,STEP...]           those steps train on uniformly random tokens instead of their
+                                                      batch: a loss spike, for train.spike_sigma
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+BLOCK_ENV = "RESFORMER_TEST_BLOCK_DATA"
+NOISE_ENV = "RESFORMER_TEST_NOISE_BATCH"
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    block_at: int | None = None  # the 1-based step whose data read blocks in this process
+    block_s: float = float("inf")
+    noise_at: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_env(cls, process_index: int, environ=os.environ) -> Faults:
+        block_at, block_s = None, float("inf")
+        spec = environ.get(BLOCK_ENV, "").strip()
+        if spec:
+            parts = spec.split(":")
+            process = int(parts[1]) if len(parts) > 1 and parts[1] != "" else process_index
+            if process == process_index:
+                block_at = int(parts[0])
+                block_s = float(parts[2]) if len(parts) > 2 else float("inf")
+        noise = frozenset(int(x) for x in environ.get(NOISE_ENV, "").replace(" ", "").split(",") if x)
+        return cls(block_at, block_s, noise)
+
+    def before_read(self, step: int) -> None:
+        if self.block_at == step:
+            _blocked_read(self.block_s)
+
+    def batch(self, step: int, local: np.ndarray, vocab_size: int) -> np.ndarray:
+        if step not in self.noise_at:
+            return local
+        rng = np.random.default_rng(step)  # the same noise on a rerun: a resume replays the spike exactly
+        return rng.integers(0, vocab_size, size=local.shape).astype(local.dtype)
+
+
+def _blocked_read(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
