@@ -347,7 +347,8 @@ def test_the_steps_telemetry_is_its_gradient_parameter_and_update_norms():
     grads = jax.grad(lambda p: loss_fn(p, s.model, batch, c.train.loss_chunk_len))(state.params)
     want_grad = jax.device_get(layer_norms(grads, c.model.num_layers))
     before = jax.device_get(state.params)
-    state, m = s.train_step(state, batch)
+    assert "telemetry" not in jax.eval_shape(s.train_step, state, batch)[1]  # the plain step computes none
+    state, m = s.telemetry_step(state, batch)
     tel = jax.device_get(m["telemetry"])
     for kind, v in want_grad.items():
         np.testing.assert_allclose(tel["grad_norm"][kind], v, rtol=1e-4, err_msg=kind)

@@ -31,7 +31,8 @@ class TrainBench:
 
         self.cfg = cfg
         self.setup = build(cfg, attention=attention, log=log)
-        self.compiled, compile_s, mem = self.setup.compile()
+        # train.telemetry: time the logged steps' program (the per-layer norms); the others run the plain step
+        self.compiled, compile_s, mem = self.setup.compile(telemetry=bool(cfg.train.telemetry))
         self.mem = mem
         self.shape = self.setup.global_batch_shape
         self.out = {
@@ -43,6 +44,7 @@ class TrainBench:
             "batch": cfg.train.global_batch,
             "seq_len": cfg.data.seq_len,
             "dtype": cfg.model.dtype,
+            "telemetry": bool(cfg.train.telemetry),  # per-layer norms (on every step when compared)
             "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind,
             "compile_s": round(compile_s, 3),
@@ -211,6 +213,7 @@ def bench_train(
             if i >= steps - profile_steps:
                 for b in group:
                     name = b.cfg.model.value_residual + (f"-{b.cfg.model.dtype}" if len(dtypes) > 1 else "")
+                    name += "-telemetry" if b.cfg.train.telemetry and len(benches) > 1 else ""
                     b.profiled_step(os.path.join(root, name, f"step{i}"))
         if not interleave:
             group[0].release()

@@ -2,7 +2,7 @@
 
   resformer bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
       --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \
-      [--compare=none,resformer,svformer] [--compare_dtypes=float32,bfloat16] [--compile_only]
+      [--compare=none,resformer,svformer] [--compare_dtypes=float32,bfloat16] [--compare_telemetry] [--compile_only]
   resformer bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
   resformer bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
       [--compare=none,svformer] [--batch=1]
@@ -44,6 +44,12 @@ flags.DEFINE_string(
     None,
     "train: comma-separated compute dtypes (e.g. float32,bfloat16) to run "
     "at the same shapes, interleaved like --compare (with --compare: every variant in every dtype).",
+)
+flags.DEFINE_bool(
+    "compare_telemetry",
+    False,
+    "train: each variant also as a logged step of a run with train.telemetry (its program computes the per-layer "
+    "norms; unlogged steps run the plain one), interleaved like --compare: the cost of a logged step as a ratio.",
 )
 flags.DEFINE_bool("compile_only", False, "train: only lower and compile; report compile seconds.")
 flags.DEFINE_integer(
@@ -201,16 +207,25 @@ def _variants(modes: list[str], dtypes: list[str]) -> list:
     cfgs = []
     for mode in modes:
         for dtype in dtypes:
-            cfg = FLAGS.config.copy_and_resolve_references()
-            cfg.model.value_residual, cfg.model.dtype = mode, dtype
-            cfgs.append(cfg)
+            for telemetry in (False, True) if FLAGS.compare_telemetry else (None,):
+                cfg = FLAGS.config.copy_and_resolve_references()
+                cfg.model.value_residual, cfg.model.dtype = mode, dtype
+                if telemetry is not None:
+                    cfg.train.telemetry = telemetry
+                cfgs.append(cfg)
     return cfgs
+
+
+def _label(r: dict) -> str:
+    """What a result's ratio is keyed by: the variant, its dtype where several, + telemetry where compared."""
+    out = r["variant"] + (f"/{r.get('dtype')}" if FLAGS.compare_dtypes else "")
+    return out + ("+telemetry" if FLAGS.compare_telemetry and r.get("telemetry") else "")
 
 
 def print_ratios(what: str, results: list[dict], key: str):
     """The variants' ratios to the first one (and, for interleaved train steps, the median per-round ratio)."""
     # what the ratios are keyed by: the variant, and its dtype where several are compared
-    label = (lambda r: f"{r['variant']}/{r.get('dtype')}") if FLAGS.compare_dtypes else (lambda r: r["variant"])
+    label = _label
     base = results[0]
     if key not in base:
         return

@@ -77,6 +77,7 @@ class Session:
     cfg: Any  # the run as it runs: a copy of what was asked, model.dtype and data.tokenizer_hash resolved
     setup: TrainSetup  # mesh, model, shardings, jitted steps (train/setup.build)
     compiled: Any  # the compiled train step
+    compiled_telemetry: Any  # the same with the per-layer norms, for logged steps (None: train.telemetry off)
     corpus: Any  # the prepared corpus (data/records.Corpus), or None for synthetic data
     data: Any  # the training batches' iterator (its position is checkpointed)
     eval_sets: dict  # {domain: validation batches}
@@ -248,7 +249,11 @@ class Trainer:
         compiled, compile_s, mem = setup.compile()
         line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
         self.say(f"compiled train step in {compile_s:.1f}s; {line}")
-        return compiled
+        with_norms, norms_s, norms_mem = setup.compile(telemetry=True)
+        if with_norms is not None:
+            memory_precheck(norms_mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
+            self.say(f"compiled the logged steps' train step with per-layer telemetry in {norms_s:.1f}s")
+        return compiled, with_norms
 
     def _restore(self, cfg, setup: TrainSetup, ckpt, data, corpus) -> tuple[Any, int, dict]:
         """(state, its step, the restored progress): the newest checkpoint that restores, or a fresh state."""
@@ -363,7 +368,7 @@ class Trainer:
         cfg = setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
         # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
         # batches are cut or anything is written in the workdir.
-        compiled = self._compile(setup, cfg)
+        compiled, compiled_telemetry = self._compile(setup, cfg)
         self._enter("start-up")
         data = train_iterator(cfg, jax.process_index(), jax.process_count())
         eval_sets = validation_sets(
@@ -412,6 +417,7 @@ class Trainer:
             cfg=cfg,
             setup=setup,
             compiled=compiled,
+            compiled_telemetry=compiled_telemetry,
             corpus=corpus,
             data=data,
             eval_sets=eval_sets,
@@ -466,12 +472,15 @@ class Trainer:
             self._enter("data", step + 1)
             batch = self._next_batch(s, step + 1)
             self._enter("step", step + 1)
-            s.state, m = s.compiled(s.state, batch)
+            step_fn = (
+                s.compiled if s.compiled_telemetry is None or not self._logs_at(s, step + 1) else s.compiled_telemetry
+            )
+            s.state, m = step_fn(s.state, batch)
             step += 1
             self.watchdog.progress(step)
             self.ledger.finished_step(step)
             pending.append(m)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if self._logs_at(s, step):
                 self._log(s, step, pending)
                 pending = []
             if s.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
@@ -496,6 +505,10 @@ class Trainer:
         self._enter("finish", step)
         self._finish(s, step)
         return exit_code
+
+    @staticmethod
+    def _logs_at(s: Session, step: int) -> bool:
+        return step % s.cfg.train.log_every == 0 or step == s.cfg.train.steps
 
     def _next_batch(self, s: Session, step: int):
         """The batch of `step` (1-based), through the injected faults (train/faults.py; none unless set)."""

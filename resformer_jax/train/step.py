@@ -120,13 +120,13 @@ def make_train_step(
     dropout_seed: int = 0,
     z_loss: float = 0.0,
     spike_sigma: float = 0.0,
-    telemetry_every: int = 0,
-    total_steps: int = 0,
+    telemetry: bool = False,
 ):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
     model.dropout > 0 the dropout key is a function of (seed, step, microbatch), so a resumed run drops the same
     units as an uninterrupted one. A step is not applied when its loss or gradient is non-finite, or (spike_sigma
-    > 0, the state holding a SpikeWindow) when either is a spike against the recent applied steps."""
+    > 0, the state holding a SpikeWindow) when either is a spike against the recent applied steps. telemetry: the
+    per-layer norms in the metrics (a second program, run on logged steps only: train/setup.py)."""
     grad_fn = jax.value_and_grad(lambda p, model, t, r: lm_loss(p, model, t, loss_chunk_len, r, z_loss), has_aux=True)
     uses_dropout = model.cfg.dropout > 0
 
@@ -183,13 +183,9 @@ def make_train_step(
             metrics["z_loss"] = z_mean
         if spikes is not None:
             metrics["spike"] = spike.astype(jnp.int32)
-        if telemetry_every:  # computed on logged steps only (and the last): zeros in between, at no cost
+        if telemetry:
             with jax.named_scope("telemetry"):
-                measure = lambda: step_telemetry(grads, state.params, new_state.params, model.cfg.num_layers)
-                skip = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(measure))
-                step = state.step + 1
-                logged = (step % telemetry_every == 0) | (step == total_steps)
-                metrics["telemetry"] = jax.lax.cond(logged, measure, skip)
+                metrics["telemetry"] = step_telemetry(grads, state.params, new_state.params, model.cfg.num_layers)
         return new_state, metrics
 
     return train_step
