@@ -1,5 +1,6 @@
 """Meshes, FSDP sharding, multi-process runs and the memory precheck."""
 
+import json
 import os
 import subprocess
 import sys
@@ -183,3 +184,39 @@ def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same
     np.testing.assert_allclose(
         [resumed[s] for s in sorted(resumed)], [want[s] for s in sorted(want)], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.slow
+def test_in_loop_tasks_of_a_multi_host_run_equal_evaluate(tmp_path):
+    """2 processes x 2 CPU devices, zero-shot PIQA inside the loop on the sharded parameters (every process scores
+    the same items): the accuracies equal `resformer evaluate` on the same checkpoint in one process."""
+    samples = os.path.join(ROOT, "..", "shared", "data", "eval_samples")
+    if not os.path.isdir(samples):
+        pytest.skip("../shared/data/eval_samples is absent (the shared data folder beside the repo)")
+    wd = str(tmp_path / "mp")
+    flags = [
+        "--config.data.source=demo",
+        "--config.model.vocab_size=1024",
+        "--config.data.seq_len=64",
+        "--config.model.max_seq_len=256",
+        "--config.model.num_kv_heads=2",
+        "--config.train.steps=4",
+        "--config.eval.tasks=piqa",
+        "--config.eval.tasks_every=4",
+        f"--config.eval.task_data={samples}",
+        "--config.eval.task_limit=8",
+    ]
+    env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
+    env.pop("XLA_FLAGS", None)
+    cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rec = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    got = [x for x in rec if "tasks/piqa/acc" in x][-1]
+    cmd = [sys.executable, "-m", "resformer_jax", "evaluate", f"--workdir={wd}", "--tasks=piqa"]
+    r = subprocess.run(
+        cmd + [f"--task_data={samples}", "--limit=8"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = json.load(open(os.path.join(wd, "eval", "zero_shot_step4.json")))["tasks"]["piqa"]
+    assert (got["tasks/piqa/acc"], got["tasks/piqa/acc_norm"]) == (want["acc"], want["acc_norm"])

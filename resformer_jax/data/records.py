@@ -155,15 +155,20 @@ class Corpus:
             dest.parent.mkdir(parents=True, exist_ok=True)
             epath.Path(src).copy(dest, overwrite=True)
 
-    def bytes_per_token(self, vocab_size: int) -> np.ndarray | None:
-        """[vocab_size] UTF-8 bytes of text each token id stands for (bits-per-byte's denominator), or None for a
-        corpus without a tokenizer file."""
+    def tokenizer(self):
+        """The corpus's tokenizer (tokenizers.Tokenizer), or None for a corpus without a tokenizer file."""
         path = os.path.join(self.path, self.meta["tokenizer"]["file"])
         if not os.path.isfile(path):
             return None
         from tokenizers import Tokenizer
 
-        return token_bytes(Tokenizer.from_file(path), vocab_size)
+        return Tokenizer.from_file(path)
+
+    def bytes_per_token(self, vocab_size: int) -> np.ndarray | None:
+        """[vocab_size] UTF-8 bytes of text each token id stands for (bits-per-byte's denominator), or None for a
+        corpus without a tokenizer file."""
+        tok = self.tokenizer()
+        return None if tok is None else token_bytes(tok, vocab_size)
 
     def check_tokenizer(self, run_sha256: str):
         """A resumed run must read data tokenized the way it started."""

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from resformer_jax.model import Transformer
 from resformer_jax.model.transformer import lm_head_logits
@@ -63,9 +64,11 @@ class ScoreProgress:
 class ContinuationScorer:
     """scorer(requests) -> [(sum of log p over the scored tokens, whether each is the greedy token)].
 
-    `batch`: rows per forward pass (0: sized to `memory_budget_gb` per bucket)."""
+    `batch`: rows per forward pass (0: sized to `memory_budget_gb` per bucket). `mesh`: the parameters' mesh when
+    they are sharded across processes (a multi-host run scoring in its loop): every process then feeds the same
+    requests, replicated, and reads its own copy of the replicated result."""
 
-    def __init__(self, model_cfg, params, max_len: int, batch: int = 0, memory_budget_gb: float = 1.0):
+    def __init__(self, model_cfg, params, max_len: int, batch: int = 0, memory_budget_gb: float = 1.0, mesh=None):
 
         self.m, self.params, self.max_len = model_cfg, params, max_len
         self.batch, self.budget = batch, memory_budget_gb * 2**30
@@ -80,7 +83,15 @@ class ContinuationScorer:
             logp_BxK = target_BxK - jax.nn.logsumexp(logits_BxKxV, axis=-1)
             return logp_BxK, logits_BxKxV.argmax(-1) == targets_BxK
 
-        self._score = jax.jit(score)
+        if mesh is None:
+            self._score = jax.jit(score)
+            self._place = lambda x: x
+            self._fetch = np.asarray
+        else:
+            rep = NamedSharding(mesh, PartitionSpec())
+            self._score = jax.jit(score, out_shardings=(rep, rep))
+            self._place = lambda x: jax.make_array_from_process_local_data(rep, x, x.shape)
+            self._fetch = lambda x: np.asarray(x.addressable_data(0))
 
     def rows(self, T: int, K: int) -> int:
         return self.batch or rows_per_batch(self.m, T, K, self.budget, most=64)
@@ -103,7 +114,8 @@ class ContinuationScorer:
                 toks[r, : len(ids) - 1] = ids[:-1]
                 pos[r, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)  # position j predicts token j + 1
                 tgt[r, :n] = ids[len(ids) - n :]
-            logp, greedy = (np.asarray(x) for x in self._score(self.params, toks, pos, tgt))
+            scored = self._score(self.params, *(self._place(x) for x in (toks, pos, tgt)))
+            logp, greedy = (self._fetch(x) for x in scored)
             for r, i in enumerate(idx):
                 n = requests[i][1]
                 out[i] = (float(logp[r, :n].astype(np.float64).sum()), bool(greedy[r, :n].all()))

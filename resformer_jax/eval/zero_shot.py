@@ -177,18 +177,19 @@ def check_tasks(tasks: list[str], task_data: str | None) -> None:
         _task_files(task_data, t)
 
 
-def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print) -> dict:
+def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print, tokenizer=None, mesh=None) -> dict:
     """{task: {acc, acc_norm, n}} of a run's parameters; a progress line per task (and every ~15 s of a long one)
-    through `log`. `batch`: choices per forward pass (0: sized to memory)."""
+    through `log`. `batch`: choices per forward pass (0: sized to memory). `tokenizer`: in place of the run's
+    tokenizer.json; `mesh`: the parameters' mesh, when they are sharded across processes (ContinuationScorer)."""
 
-    tok = RunDir(workdir).tokenizer()
+    tok = tokenizer if tokenizer is not None else RunDir(workdir).tokenizer()
     if tok is None:
         raise TaskError(
             f"{workdir}/tokenizer.json not found: zero-shot scoring needs the run's tokenizer (a run "
             "on synthetic data has none)"
         )
     # the context the export declares (max_position_embeddings), so `lm_eval --model hf` scores the same items
-    scorer = ContinuationScorer(cfg.model, params, cfg.model.max_seq_len, batch)
+    scorer = ContinuationScorer(cfg.model, params, cfg.model.max_seq_len, batch, mesh=mesh)
     fn = make_loglik_fn(scorer, lambda s: tok.encode(s, add_special_tokens=False).ids)
     out = {}
     for task in tasks:

@@ -347,11 +347,6 @@ class Trainer:
         # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
         validate(cfg)
         if cfg.eval.tasks:  # the task names and files, before anything costly
-            if jax.process_count() > 1:
-                raise UserError(
-                    "config.eval.tasks runs in single-process runs; evaluate a multi-host run's checkpoints with "
-                    "resformer evaluate --tasks=..."
-                )
             check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
         try:
             corpus = self._check_data(cfg)
@@ -576,7 +571,21 @@ class Trainer:
         e = s.cfg.eval
         tasks = [t for t in e.tasks.split(",") if t]
         model = types.SimpleNamespace(model=s.setup.model_cfg)
-        found = zero_shot(model, s.state.params, self.workdir, tasks, e.task_data, e.task_limit, log=self.say)
+        # Every process scores the same items on the sharded parameters (the corpus's tokenizer: each host has the
+        # data; the run directory's copy may be on process 0's disk only).
+        tok = s.corpus.tokenizer() if s.corpus is not None else None
+        mesh = s.setup.mesh if jax.process_count() > 1 else None
+        found = zero_shot(
+            model,
+            s.state.params,
+            self.workdir,
+            tasks,
+            e.task_data,
+            e.task_limit,
+            log=self.say,
+            tokenizer=tok,
+            mesh=mesh,
+        )
         s.writer.scalars(step, {f"tasks/{t}/{k}": r[k] for t, r in found.items() for k in ("acc", "acc_norm")})
 
     def _global(self, s: Session, local):
