@@ -16,7 +16,8 @@ from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
 from resformer_jax.model.config import ModelConfig
 
-VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno")
+VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno", "skipv1")
+RESFORMER_LAMBDAS = ("fixed", "learnable", "learnable_plus", "sparse", "convex", "gated")
 REMAT_POLICIES = ("none", "dots", "full")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -426,11 +427,24 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
     if m.dtype not in ("float32", "bfloat16", "float16", "auto"):
         _fail("model.dtype", f"unknown dtype {m.dtype!r}", "use float32, bfloat16 or auto (the faster on this host)")
-    if m.resformer_lambdas not in ("fixed", "learnable", "learnable_plus", "sparse"):
+    if m.resformer_lambdas not in RESFORMER_LAMBDAS:
         _fail(
             "model.resformer_lambdas",
             f"unknown {m.resformer_lambdas!r}",
-            "use fixed, learnable, learnable_plus or sparse",
+            f"use one of {', '.join(RESFORMER_LAMBDAS)}",
+        )
+    kv = m.num_kv_heads or m.num_heads
+    if m.value_residual == "skipv1" and m.skipv1_reused_heads < 0 and kv % 2:
+        _fail(
+            "model.skipv1_reused_heads",
+            f"SkipV1Former reuses half the value heads, but there are {kv} (odd)",
+            f"set --config.model.skipv1_reused_heads=R with R in 0..{kv} (R of each layer's value heads from layer 1)",
+        )
+    if m.value_residual == "skipv1" and m.skipv1_reused_heads > kv:
+        _fail(
+            "model.skipv1_reused_heads",
+            f"{m.skipv1_reused_heads} reused heads, but layers have {kv} value heads",
+            f"use 0..{kv} (or -1: half)",
         )
     if len(tuple(m.lambda_init)) != 2:
         _fail(

@@ -125,9 +125,13 @@ def forward_general(p, tokens, m):
                 l1, l2 = l1s[n], lp["lambda2"]
             elif m.resformer_lambdas == "sparse":
                 l1, l2 = (m.sparse_lambda if n in tuple(m.sparse_layers) else 0.0), 1.0
+            elif m.resformer_lambdas == "convex":  # modded-nanogpt, 2024-11-06: (1 - l) V_n + l V_1
+                l1 = lp["lambda"]
+                l2 = 1.0 - l1
             else:
                 l1, l2 = m.lambda_init
-            mean = sum(raw_values) / len(raw_values) if raw_values else None
+            uses_mean = m.value_source.startswith("mean") or m.mapping == "identity"
+            mean = sum(raw_values) / len(raw_values) if raw_values and uses_mean else None
             src = {
                 "first": V1,
                 "previous": raw_values[-1] if raw_values else None,
@@ -141,8 +145,16 @@ def forward_general(p, tokens, m):
                 k = l1 * K1 + l2 * k
             elif resformer and m.mapping == "attention" and m.value_source == "mean_of_previous":
                 v_att = (sum(raw_values) + v) / (len(raw_values) + 1)  # Eq. 5: (1/n) sum_{i<=n} V_i, a direct sum
+            elif resformer and m.mapping == "attention" and m.resformer_lambdas == "gated":
+                # x-transformers' learned mix: lerp(V_n, V_1, g), g = sigmoid(x W_g) per value head and token
+                g = jax.nn.sigmoid(jnp.einsum("bte,ek->btk", x, a["value_gate"]["kernel"]))[..., None]
+                v_att = (1 - g) * v + g * src
             elif resformer and m.mapping == "attention":
                 v_att = l1 * src + l2 * v  # Eq. 7
+            if m.value_residual == "skipv1":
+                # SkipV1Former (arXiv 2510.16807): heads 1..K-r the layer's own, heads K-r+1..K layer 1's
+                own = 0 if v is None else v.shape[2]
+                v_att = V1 if v is None else jnp.concatenate([v, V1[:, :, own:]], axis=2)
             if m.value_residual == "svformer" and m.svformer_share == "v":
                 if n in tuple(m.svformer_anchors):
                     v_shared = v  # Fig. 14: the anchor recomputes the shared value

@@ -18,11 +18,17 @@ from resformer_jax.perf import summary
 from resformer_jax.train.step import init_state, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "ablations", "*.py")))
+# The paper's ablations (configs/ablations) and the value-residual variants after it (configs/after_paper, #49)
+FILES = {
+    os.path.basename(p)[:-3]: p
+    for folder in ("ablations", "after_paper")
+    for p in glob.glob(os.path.join(ROOT, "configs", folder, "*.py"))
+}
+NAMES = sorted(FILES)
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", "ablations", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, FILES[name])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -55,7 +61,8 @@ def test_ablation_matches_its_equation(name):
 
     def jitter(path, x):
         key = [k.key for k in path if hasattr(k, "key")][-1]
-        if key in ("alpha", "lambda1", "lambda2", "lambda_logits", "lambda_scale"):
+        keys = [k.key for k in path if hasattr(k, "key")]
+        if key in ("alpha", "lambda1", "lambda2", "lambda", "lambda_logits", "lambda_scale") or "value_gate" in keys:
             return x + jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
         return x
 
@@ -67,7 +74,16 @@ def test_ablation_matches_its_equation(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["value_source_previous", "residual_on_k", "resformer_learnable_plus", "resformer_sparse", "svformer_share_k"],
+    [
+        "value_source_previous",
+        "residual_on_k",
+        "resformer_learnable_plus",
+        "resformer_sparse",
+        "svformer_share_k",
+        "resformer_convex",
+        "resformer_gated_gqa",
+        "skipv1_gqa",
+    ],
 )
 def test_scanned_ablations_equal_unrolled(name):
     c_un, c_sc = tiny(name, scan=False), tiny(name, scan=True)

@@ -8,6 +8,8 @@ attends with its own A_n over a mix of values:
   resformer   U_n = A_n (l1 V_1 + l2 V_n)                      (Eq. 7, l1 = l2 = 1/2; Eq. 4 with m = 1)
   svformer    U_n = A_n V_1                                    (Eq. 10)
   neutreno    U_n = A_n V_n + lam (V_1 - V_n)                  (Eq. 8)
+  skipv1      U_n = A_n [V_n^{1..K-r}; V_1^{K-r+1..K}]         (SkipV1Former: r of K value heads are layer 1's)
+  gated       U_n = A_n ((1 - g) V_n + g V_1), g = sigmoid(x W_g) per value head and token (x-transformers)
 
 What a layer does is decided once, by `plan_layer`, into a `LayerPlan`; the
 module then reads like the equations, one short function per equation. To
@@ -69,6 +71,8 @@ class LayerPlan:
     mapping: str  # how the earlier value reaches U_n: attention (Eq. 4) | identity (Eq. 6) | cross_layer (Eq. 2)
     neutreno: float  # Eq. 8's lambda; 0 = off
     anchor: bool  # SVFormer anchor (Fig. 14): this layer's own V becomes the shared value
+    own_value_heads: int = 0  # heads of the layer's W_V (all K unless SkipV1Former reuses some of layer 1's)
+    gate: bool = False  # the mix's weight is a gate of the layer input (resformer_lambdas=gated)
 
     @property
     def owns(self) -> tuple[bool, bool, bool]:
@@ -104,8 +108,15 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
     key = "group" if cla_reuse and m.cla_share in ("kv", "k") else "first" if shares == "k" else "own"
     value = "group" if cla_reuse and m.cla_share in ("kv", "v") else "none" if shares == "v" else "own"
     resformer = m.mixes_values
-    if m.mapping != "attention" or m.residual_on != "v" or not (resformer or shares == "v"):
+    own_heads = m.kv_heads - m.skipv1_heads
+    if m.reuses_first_value_heads:
+        value = "own" if own_heads else "none"
+    if m.mapping != "attention" or m.residual_on != "v" or not (resformer or shares == "v" or m.skipv1_heads):
         mix = eq1_own_value
+    elif m.skipv1_heads:
+        mix = skipv1_value
+    elif m.gates_values:
+        mix = gated_value
     elif resformer:
         mix = eq5_mean_value if m.value_source == "mean_of_previous" else eq7_resformer_value
     else:
@@ -121,6 +132,8 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
         mapping=m.mapping,
         neutreno=m.neutreno if m.uses_neutreno else 0.0,
         anchor=anchor,
+        own_value_heads=own_heads,
+        gate=m.gates_values and mix is gated_value,
     )
 
 
@@ -216,6 +229,7 @@ class ValueMix(NamedTuple):
     dtype: Any
     earlier_sum: Any = None  # sum of V_1..V_{n-1} (fp32), where the stack keeps it
     earlier_count: Any = None  # n - 1
+    gate: Any = None  # [B, T, K] the learned gate toward the earlier value (resformer_lambdas=gated)
 
 
 def eq1_own_value(x: ValueMix):
@@ -236,6 +250,35 @@ def eq5_mean_value(x: ValueMix):
 def eq10_svformer_value(x: ValueMix):
     """Eq. 10: U_n = A_n V_1 (or the value of the latest anchor layer, Fig. 14)."""
     return x.shared
+
+
+def skipv1_value(x: ValueMix):
+    """SkipV1Former (Wu et al., arXiv 2510.16807, Sec. 3): the layer's own value heads 1..K-r, then layer 1's
+    heads K-r+1..K, each head its own index (r = 0: Eq. 1; r = K: Eq. 10)."""
+    if x.own is None:
+        return x.shared
+    own_heads = x.own.shape[2]
+    return jnp.concatenate([x.own, x.shared[:, :, own_heads:]], axis=2).astype(x.dtype)
+
+
+def gated_value(x: ValueMix):
+    """The learned value-residual mix of lucidrains/x-transformers: V = lerp(V_n, V_1, g) = (1 - g) V_n + g V_1
+    with g = sigmoid(x W_g) per value head and token (g = 0: Eq. 1; g = 1: Eq. 10's value; W_g = 0: Eq. 7)."""
+    g_BxTxKx1 = x.gate[..., None].astype(jnp.float32)
+    return ((1.0 - g_BxTxKx1) * x.own + g_BxTxKx1 * x.earlier).astype(x.dtype)
+
+
+def value_gate(m: ModelConfig) -> DenseGeneral:
+    """W_g: [B, T, E] -> [B, T, K], zero-initialised (g = 1/2: ResFormer's fixed mix at the start)."""
+    return DenseGeneral(
+        (m.kv_heads,),
+        ("embed", "kv_heads"),
+        in_dims=1,
+        std=0.0,
+        dtype=jnp.dtype(m.dtype),
+        matmuls=m.matmuls,
+        name="value_gate",
+    )
 
 
 def mean_of_earlier_values(carry: Carry, dtype):
@@ -333,7 +376,7 @@ class Attention(nn.Module):
         else:
             k_BxTxKxD = (carry.group if p.key == "group" else first).k
         if p.value == "own":
-            v_BxTxKxD = projection(m, K, "value")(x_BxTxE)
+            v_BxTxKxD = projection(m, p.own_value_heads or K, "value")(x_BxTxE)  # SkipV1Former: K - r heads
         else:
             v_BxTxKxD = carry.group.v if p.value == "group" else None
 
@@ -346,7 +389,11 @@ class Attention(nn.Module):
         # The value this layer's attention matrix is applied to: V_n (Eq. 1), l1 V_1 + l2 V_n (Eq. 7), V_1 (Eq. 10).
         v_src = None if p.first else earlier_value(p, carry, first, dtype)
         shared = None if p.first else (carry.shared or first).v
-        v_att_BxTxKxD = p.mix(ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev))
+        gate_BxTxK = jax.nn.sigmoid(value_gate(m)(x_BxTxE).astype(jnp.float32)) if p.gate else None
+        if gate_BxTxK is not None:
+            self.sow("intermediates", "value_gate", gate_BxTxK.mean())
+        mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)
+        v_att_BxTxKxD = p.mix(mix_in)
 
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead.
         inv_freq = rope_inv_freq(m)
@@ -418,8 +465,8 @@ class Attention(nn.Module):
         dtype = jnp.dtype(m.dtype)
         first: Any = ctx.first
 
-        def own(name, cur):
-            c = self.variable("cache", name, jnp.zeros, shape, dtype)
+        def own(name, cur, heads=m.kv_heads):
+            c = self.variable("cache", name, jnp.zeros, shape[:2] + (heads,) + shape[3:], dtype)
             if not self.is_initializing():
                 c.value = jax.lax.dynamic_update_slice(c.value, cur.astype(dtype), (0, ctx.index, 0, 0))
             return c.value
@@ -428,7 +475,11 @@ class Attention(nn.Module):
             k_all = own("k", k_cur)
         else:
             k_all = (carry.group if p.key == "group" else first).k_all
-        if p.value == "own":
+        if p.value == "own" and p.own_value_heads and p.own_value_heads < m.kv_heads:
+            # SkipV1Former: the cache holds the layer's own heads only; layer 1's come from its cache
+            own_heads = p.own_value_heads
+            v_all = jnp.concatenate([own("v", v_cur[:, :, :own_heads], own_heads), first.v_all[:, :, own_heads:]], 2)
+        elif p.value == "own":
             v_all = own("v", v_cur)
         else:
             v_all = (carry.group if p.value == "group" else (carry.shared or first)).v_all

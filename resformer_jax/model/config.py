@@ -45,8 +45,12 @@ class ModelConfig:
     # Dropout on the embeddings and on each residual branch's output (GPT-2's embd_pdrop and resid_pdrop; the
     # attention probabilities are not dropped: the fused kernels have no such input). The paper's text: 0.
     dropout: float = 0.0
-    value_residual: str = "none"  # none | resformer | svformer | neutreno | resformer+neutreno
-    resformer_lambdas: str = "fixed"  # fixed | learnable | learnable_plus | sparse
+    value_residual: str = "none"  # none | resformer | svformer | neutreno | resformer+neutreno | skipv1
+    # fixed | learnable | learnable_plus | sparse | convex (one learnable l a layer: (1 - l) V_n + l V_1) |
+    # gated (a per-head, per-token gate from the layer input: (1 - g) V_n + g V_1)
+    resformer_lambdas: str = "fixed"
+    # SkipV1Former: how many of a layer's value heads (the last ones) are layer 1's; -1: half of them
+    skipv1_reused_heads: int = -1
     lambda_init: tuple[float, float] = (0.5, 0.5)  # (l1 on the earlier value, l2 on V_n), Eq. 7
     sparse_layers: tuple[int, ...] = ()  # 1-based layers where l1 != 0 for `sparse`
     sparse_lambda: float = 5.0
@@ -137,7 +141,24 @@ class ModelConfig:
     @property
     def learns_lambdas(self) -> bool:
         """ResFormer with trainable mixing weights (logged per layer to TensorBoard)."""
-        return self.mixes_values and self.resformer_lambdas in ("learnable", "learnable_plus")
+        return self.mixes_values and self.resformer_lambdas in ("learnable", "learnable_plus", "convex")
+
+    @property
+    def gates_values(self) -> bool:
+        """ResFormer whose mix is a learned gate of the layer input, per value head and token."""
+        return self.mixes_values and self.resformer_lambdas == "gated"
+
+    @property
+    def reuses_first_value_heads(self) -> bool:
+        """SkipV1Former: layers >= 2 take some of their value heads from layer 1."""
+        return self.value_residual == "skipv1"
+
+    @property
+    def skipv1_heads(self) -> int:
+        """The value heads a SkipV1Former layer >= 2 takes from layer 1 (its last ones); 0 otherwise."""
+        if not self.reuses_first_value_heads:
+            return 0
+        return self.kv_heads // 2 if self.skipv1_reused_heads < 0 else self.skipv1_reused_heads
 
     @property
     def neutreno(self) -> float:

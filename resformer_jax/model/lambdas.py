@@ -4,6 +4,9 @@
   sparse          l1 = sparse_lambda on `sparse_layers`, 0 elsewhere; l2 = 1
   learnable       one fp32 (lambda1, lambda2) pair per layer >= 2, in that layer's block
   learnable_plus  l1 = lambda_scale * softmax(lambda_logits) over layers; one lambda2 per layer
+  convex          one fp32 `lambda` per layer >= 2: l1 = lambda, l2 = 1 - lambda (modded-nanogpt's record of
+                  2024-11-06: V = (1 - l) V_n + l V_1, l initialised to lambda_init[0], 0.5)
+  gated           no scalars: the mix is a gate of the layer input (model/attention.py, eq_gated_value)
 
 The stack resolves a [N-1, 2] array (stack_lambdas); each block may replace its
 row with its own parameters (block_lambdas). `read_lambdas` reads the values back
@@ -56,6 +59,9 @@ def block_lambdas(module: nn.Module, m: ModelConfig, layer: int | None, lam_2):
         return lam_2
     if m.resformer_lambdas == "learnable":
         lam_2 = jnp.stack([_scalar(module, "lambda1", m.lambda_init[0]), _scalar(module, "lambda2", m.lambda_init[1])])
+    elif m.resformer_lambdas == "convex":
+        lam = _scalar(module, "lambda", m.lambda_init[0])
+        lam_2 = jnp.stack([lam, 1.0 - lam])
     elif m.resformer_lambdas == "learnable_plus":
         lam_2 = jnp.stack([lam_2[0], _scalar(module, "lambda2", m.lambda_init[1])])
     module.sow("intermediates", "lambdas", lam_2)
@@ -67,7 +73,7 @@ def read_lambdas(params, m) -> dict[int, dict[str, float]]:
     if not ModelConfig.of(m).learns_lambdas:
         return {}
     layers: dict[int, dict[str, float]] = {}
-    names = ("lambda1", "lambda2")
+    names = ("lambda1", "lambda2", "lambda")
     if "layers" in params:  # scanned blocks: one value per layer along the leading axis
         blk = jax.device_get(params["layers"]["block"])
         for name in names:
@@ -77,6 +83,10 @@ def read_lambdas(params, m) -> dict[int, dict[str, float]]:
         for name in names:
             if name in params.get(f"layer_{n}", {}):
                 layers.setdefault(n, {})[name] = float(jax.device_get(params[f"layer_{n}"][name]))
+    for d in layers.values():  # convex: (l1, l2) = (lambda, 1 - lambda)
+        if "lambda" in d:
+            lam = d.pop("lambda")
+            d["lambda1"], d["lambda2"] = lam, 1.0 - lam
     if "lambda_logits" in params:
         l1 = float(params["lambda_scale"]) * jax.nn.softmax(jax.device_get(params["lambda_logits"]))
         for i, v in enumerate(np.asarray(l1)):
