@@ -453,8 +453,10 @@ class Attention(nn.Module):
     def _sow_capture(self, probs, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD):
         self.sow("intermediates", "attn_probs", probs.mean(axis=1))  # [B, T, S] averaged over heads
         self.sow("intermediates", "values", v_att_BxTxKxD)  # the value A_n is applied to
-        # the layer's own V_n (a layer without W_V, SVFormer n >= 2, has none: the value it attends over)
-        self.sow("intermediates", "values_own", v_BxTxKxD if v_BxTxKxD is not None else v_att_BxTxKxD)
+        # the layer's own V_n; where it has none or only some heads (SVFormer, SkipV1Former n >= 2): the value it
+        # attends over
+        whole = v_BxTxKxD is not None and v_BxTxKxD.shape[2] == v_att_BxTxKxD.shape[2]
+        self.sow("intermediates", "values_own", v_BxTxKxD if whole else v_att_BxTxKxD)
         self.sow("intermediates", "queries", qr_BxTxHxD)  # rotated, as attended with (Fig. 3's measure)
         self.sow("intermediates", "keys", kr_BxTxKxD)
 

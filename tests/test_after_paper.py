@@ -1,0 +1,231 @@
+"""Value residual after the paper (#49): SkipV1Former, the convex lambda and the learned gate. Their equations are
+pinned to tests/reference.py with the paper's ablations (test_ablations.py, configs/after_paper); here: the
+identities that must hold between them and the paper's variants, decoding, KV-cache bytes, parameter counts,
+gradients and bad combinations."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode import assert_decode_equals_forward
+
+from resformer_jax.config import tiny_config, validate
+from resformer_jax.model import Transformer
+from resformer_jax.model.attention import ValueMix, gated_value, skipv1_value
+from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.decode import init_cache, kv_bytes
+from resformer_jax.model.lambdas import read_lambdas
+from resformer_jax.perf import summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cfg(mode="resformer", lambdas="fixed", kv=4, heads=4, layers=4, **model):
+    c = tiny_config(mode)
+    c.model.resformer_lambdas, c.model.num_kv_heads, c.model.num_heads, c.model.num_layers = lambdas, kv, heads, layers
+    c.model.attention_impl, c.model.scan_layers = "reference", False
+    for k, v in model.items():
+        c.model[k] = v
+    return validate(c)
+
+
+def init(c, tokens):
+    return nn.unbox(jax.jit(Transformer(c.model).init)(jax.random.PRNGKey(0), tokens)["params"])
+
+
+def logits(c, params, tokens):
+    return jax.jit(Transformer(c.model).apply)({"params": params}, tokens)
+
+
+TOKENS = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 256)
+
+
+def test_the_gate_saturated_at_0_is_vanilla_and_at_1_svformers_value():
+    rng = np.random.default_rng(0)
+    own, first = (jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32) for _ in range(2))
+    mix = lambda g: gated_value(ValueMix(own, first, first, 0.5, 0.5, jnp.float32, gate=jnp.full((2, 5, 4), g)))
+    np.testing.assert_array_equal(mix(0.0), own)  # Eq. 1
+    np.testing.assert_array_equal(mix(1.0), first)  # Eq. 10's value
+    np.testing.assert_allclose(mix(0.5), 0.5 * first + 0.5 * own, rtol=1e-6)  # Eq. 7, fixed (1/2, 1/2)
+
+
+def test_skipv1_takes_the_last_heads_from_layer_1_each_at_its_own_index():
+    rng = np.random.default_rng(0)
+    first = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
+    own = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
+    got = skipv1_value(ValueMix(own, None, first, 0.5, 0.5, jnp.float32))
+    np.testing.assert_array_equal(got[:, :, :3], own)
+    np.testing.assert_array_equal(got[:, :, 3:], first[:, :, 3:])
+    assert skipv1_value(ValueMix(None, None, first, 0.5, 0.5, jnp.float32)) is first  # every head reused
+
+
+def test_skipv1_with_0_reused_heads_is_vanilla_and_with_all_svformer():
+    base = init(cfg("none"), TOKENS)
+    none0 = cfg("skipv1", skipv1_reused_heads=0)
+    assert jax.tree.structure(init(none0, TOKENS)) == jax.tree.structure(base)  # vanilla's parameters, all of them
+    np.testing.assert_array_equal(logits(none0, base, TOKENS), logits(cfg("none"), base, TOKENS))
+    sv = init(cfg("svformer"), TOKENS)
+    all_ = cfg("skipv1", skipv1_reused_heads=4)
+    assert jax.tree.structure(init(all_, TOKENS)) == jax.tree.structure(sv)  # no W_V in layers >= 2
+    np.testing.assert_array_equal(logits(all_, sv, TOKENS), logits(cfg("svformer"), sv, TOKENS))
+
+
+def test_convex_at_one_half_and_the_gate_at_zero_weights_are_resformers_fixed_mix():
+    fixed = cfg("resformer")
+    p = init(fixed, TOKENS)
+    want = logits(fixed, p, TOKENS)
+    convex = cfg("resformer", "convex")
+    pc = init(convex, TOKENS)
+    assert all(float(pc[f"layer_{n}"]["lambda"]) == 0.5 for n in range(2, 5))
+    pc = {**p, **{f"layer_{n}": {**p[f"layer_{n}"], "lambda": jnp.float32(0.5)} for n in range(2, 5)}}
+    np.testing.assert_allclose(logits(convex, pc, TOKENS), want, rtol=1e-6, atol=1e-6)
+    gated = cfg("resformer", "gated")
+    pg = init(gated, TOKENS)
+    assert all(not np.any(pg[f"layer_{n}"]["attn"]["value_gate"]["kernel"]) for n in range(2, 5))  # W_g = 0
+    pg = {
+        **p,
+        **{
+            f"layer_{n}": {
+                **p[f"layer_{n}"],
+                "attn": {**p[f"layer_{n}"]["attn"], "value_gate": pg[f"layer_{n}"]["attn"]["value_gate"]},
+            }
+            for n in range(2, 5)
+        },
+    }
+    np.testing.assert_allclose(logits(gated, pg, TOKENS), want, rtol=1e-6, atol=1e-6)
+
+
+def test_convex_lambdas_are_read_back_as_l1_and_1_minus_l1():
+    c = cfg("resformer", "convex", scan_layers=True)
+    p = init(c, TOKENS)
+    p["layers"]["block"]["lambda"] = jnp.asarray([0.2, 0.5, 0.9], jnp.float32)
+    got = read_lambdas(p, c.model)
+    assert {n: round(d["lambda1"], 6) for n, d in got.items()} == {2: 0.2, 3: 0.5, 4: 0.9}
+    assert {n: round(d["lambda2"], 6) for n, d in got.items()} == {2: 0.8, 3: 0.5, 4: 0.1}
+
+
+@pytest.mark.parametrize(
+    "mode,lambdas,kv,extra",
+    [
+        ("skipv1", "fixed", 4, {}),
+        ("skipv1", "fixed", 2, {"skipv1_reused_heads": 1}),
+        ("resformer", "gated", 2, {}),
+        ("resformer", "convex", 4, {}),
+    ],
+)
+@pytest.mark.parametrize("scan", [True, False])
+def test_decode_equals_forward(mode, lambdas, kv, extra, scan):
+    c = cfg(mode, lambdas, kv=kv, scan_layers=scan, attention_impl="auto", **extra)
+    assert_decode_equals_forward(c)
+
+
+def test_skipv1s_cache_holds_only_its_own_heads_and_matches_the_summary():
+    """L = 8, K = 4 value heads, 2 of them reused: layers >= 2 cache K in full and V at half, so the cache is
+    (2 + 1.5 * 7) / 16 of vanilla's (about 22% less); measured on the cache arrays, equal to --mode=summary's."""
+    sizes = {}
+    for mode in ("none", "skipv1"):
+        c = cfg(mode, layers=8, scan_layers=True)
+        p = init(c, jnp.zeros((1, 4), jnp.int32))
+        cache = init_cache(ModelConfig.of(c.model), p, 3, 40)
+        sizes[mode] = kv_bytes(cache)
+        assert sizes[mode] == summary(c)["kv_cache_bytes_per_token"] * 3 * 40
+        if mode == "skipv1":
+            assert cache["layers"]["block"]["attn"]["v"].shape[-2] == 2 and cache["layer_1"]["attn"]["v"].shape[-2] == 4
+    assert sizes["skipv1"] / sizes["none"] == (2 + 1.5 * 7) / 16
+
+
+def test_parameter_counts_are_the_hand_counts():
+    E, D, L, K = 64, 16, 4, 4  # tiny: d_model 64, 4 heads of 16
+    base = summary(cfg("none"))["params_total"]
+    assert summary(cfg("skipv1"))["params_total"] == base - (L - 1) * E * 2 * D  # W_V of layers >= 2 halved
+    assert summary(cfg("skipv1", skipv1_reused_heads=1))["params_total"] == base - (L - 1) * E * 1 * D
+    assert summary(cfg("resformer", "convex"))["params_total"] == base + (L - 1)  # one lambda a layer >= 2
+    assert summary(cfg("resformer", "gated"))["params_total"] == base + (L - 1) * E * K  # W_g: E -> K
+
+
+@pytest.mark.parametrize("mode,lambdas", [("skipv1", "fixed"), ("resformer", "gated"), ("resformer", "convex")])
+def test_gradients_match_finite_differences(mode, lambdas):
+    """The loss's directional derivative along a random direction, autodiff against a central difference (fp32,
+    a small model: the new parameters and the value paths of every layer are in it)."""
+    from resformer_jax.train.step import loss_fn
+
+    c = cfg(mode, lambdas, layers=3)
+    model = Transformer(c.model)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, 256)
+    p = init(c, tokens[:, :-1])
+    rng = np.random.default_rng(0)
+    p = jax.tree.map(lambda x: x + jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), p)  # move off the init
+    d = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), p)
+    f = jax.jit(lambda q: loss_fn(q, model, tokens, 0))
+    g = jax.grad(f)(p)
+    along = sum(float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(d)))
+    eps = 1e-3
+    shifted = lambda s: jax.tree.map(lambda x, y: x + s * eps * y, p, d)
+    fd = (float(f(shifted(1.0))) - float(f(shifted(-1.0)))) / (2 * eps)
+    assert abs(fd - along) <= 2e-2 * abs(along) + 1e-3, (fd, along)
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (
+            ["--config.model.value_residual=skipv1", "--config.model.num_heads=1", "--config.model.num_kv_heads=1"],
+            ["skipv1_reused_heads", "odd"],
+        ),
+        (
+            ["--config.model.value_residual=skipv1", "--config.model.skipv1_reused_heads=9"],
+            ["skipv1_reused_heads", "0.."],
+        ),
+        (["--config.model.resformer_lambdas=lerp"], ["resformer_lambdas", "gated"]),
+    ],
+)
+def test_bad_combinations_are_one_line(tmp_path, flags, words):
+    wd = tmp_path / "run"
+    cmd = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *flags]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and err[-1].startswith("error:"), r.stderr[-2000:]
+    assert all(w in err[-1] for w in words), err[-1]
+    assert not wd.exists()
+
+
+@pytest.mark.parametrize(
+    "model,words",
+    [
+        ({"value_residual": "skipv1"}, ["value_residual='skipv1'", "no Hugging Face export"]),
+        ({"value_residual": "resformer", "resformer_lambdas": "gated"}, ["resformer_lambdas='gated'"]),
+        ({"value_residual": "resformer", "resformer_lambdas": "convex"}, ["resformer_lambdas='convex'"]),
+    ],
+)
+def test_the_hf_export_refuses_what_its_twin_does_not_compute_by_name(model, words):
+    from resformer_jax.hf.export import HFError, hf_tensors
+
+    c = cfg(**{"mode": model["value_residual"], "lambdas": model.get("resformer_lambdas", "fixed")})
+    with pytest.raises(HFError) as e:
+        hf_tensors(c.model, init(c, TOKENS))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,lambdas", [("skipv1", "fixed"), ("resformer", "gated")])
+def test_the_new_variants_compile_for_8_h100s_with_the_kernel_inside(variant, lambdas):
+    """train, eval and decode compiled for h100x8 (aot extra): the Pallas kernel in the train and eval steps,
+    everything fitting; SkipV1Former's decode cache is its own."""
+    from test_compile import TARGETS, TRITON, accelerator_config, needs_aot
+
+    if needs_aot.args[0]:
+        pytest.skip(needs_aot.kwargs["reason"])
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
+    c = accelerator_config(variant, "cuda")
+    c.model.resformer_lambdas = lambdas
+    report = compile_for_target(c, parse_target(TARGETS["cuda"]), steps=("train", "eval", "decode"), log=lambda s: None)
+    by = {s.name: s for s in report.steps}
+    assert report.attention_impl == "pallas" and by["train"].custom_calls.get(TRITON, 0) >= 2
+    assert all(s.fits for s in report.steps), report.steps
