@@ -229,3 +229,29 @@ def test_the_new_variants_compile_for_8_h100s_with_the_kernel_inside(variant, la
     by = {s.name: s for s in report.steps}
     assert report.attention_impl == "pallas" and by["train"].custom_calls.get(TRITON, 0) >= 2
     assert all(s.fits for s in report.steps), report.steps
+
+
+@pytest.mark.slow
+def test_a_gated_run_logs_its_gates_and_a_convex_run_its_lambdas_per_layer(tmp_path):
+    """Over training, TensorBoard's scalars (metrics.jsonl mirrors them) hold each layer's mean gate at every
+    evaluation (1/2 at the start: W_g = 0) and each layer's convex lambda at every log."""
+    import json
+
+    from resformer_jax.commands.training import run
+
+    for lambdas, key, first in (
+        ("gated", "gates/layer_02/value_gate", 0.5),
+        ("convex", "lambdas/layer_02/lambda1", None),
+    ):
+        c = tiny_config("resformer")
+        c.model.resformer_lambdas, c.model.remat = lambdas, "full"
+        c.train.steps, c.train.log_every, c.train.eval_every, c.mesh.num_devices = 10, 5, 5, 1
+        wd = str(tmp_path / lambdas)
+        assert run(c, wd) == 0
+        rec = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+        got = {r["step"]: r[key] for r in rec if key in r}
+        assert len(got) >= 2, got
+        if first is not None:
+            assert got[0] == first and got[10] != first
+        else:
+            assert got[10] != 0.5 and 0 < got[10] < 1

@@ -27,6 +27,10 @@ class RunCurves:
 
 
 def get_field(config: dict, dotted: str):
+    """A config field's value; FIELD+FIELD (a group defined by several fields, e.g.
+    model.value_residual+model.resformer_lambdas) joins their values with '/' (resformer/convex)."""
+    if "+" in dotted:
+        return "/".join(str(get_field(config, part)) for part in dotted.split("+"))
     node = config
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:

@@ -391,7 +391,7 @@ class Attention(nn.Module):
         shared = None if p.first else (carry.shared or first).v
         gate_BxTxK = jax.nn.sigmoid(value_gate(m)(x_BxTxE).astype(jnp.float32)) if p.gate else None
         if gate_BxTxK is not None:
-            self.sow("intermediates", "value_gate", gate_BxTxK.mean())
+            self.sow("intermediates", "gate_mean", gate_BxTxK.mean())
         mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)
         v_att_BxTxKxD = p.mix(mix_in)
 

@@ -68,6 +68,26 @@ def block_lambdas(module: nn.Module, m: ModelConfig, layer: int | None, lam_2):
     return lam_2
 
 
+def gate_intermediates(model: nn.Module, params, tokens_BxT):
+    """A forward of `model` that keeps each layer's mean learned value gate (model/attention.py sows it) and stops
+    before the LM head; jit it once (gate_means reads the result)."""
+    return model.apply({"params": params}, tokens_BxT, return_hidden=True, mutable=["intermediates"])[1]
+
+
+def gate_means(state) -> dict[int, float]:
+    """{layer: the mean of its learned value gate g over the batch's tokens and heads} from gate_intermediates'
+    result (resformer_lambdas=gated; g = 0 is the layer's own value, 1 layer 1's)."""
+    inter = jax.device_get(state).get("intermediates", {})
+    out: dict[int, float] = {}
+    if "layers" in inter:  # scanned: one value per layer along the leading axis
+        for i, v in enumerate(np.asarray(jax.device_get(inter["layers"]["block"]["attn"]["gate_mean"][0]))):
+            out[i + 2] = float(v)
+    for name, sub in inter.items():
+        if name.startswith("layer_") and "gate_mean" in sub.get("attn", {}):
+            out[int(name.split("_")[1])] = float(jax.device_get(sub["attn"]["gate_mean"][0]))
+    return out
+
+
 def read_lambdas(params, m) -> dict[int, dict[str, float]]:
     """{layer: {"lambda1": v, "lambda2": v}} of the learned weights in a parameter tree (empty if none)."""
     if not ModelConfig.of(m).learns_lambdas:

@@ -29,7 +29,7 @@ from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import UserError
 from resformer_jax.eval.zero_shot import check_tasks, zero_shot
-from resformer_jax.model.lambdas import read_lambdas
+from resformer_jax.model.lambdas import gate_intermediates, gate_means, read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
@@ -129,6 +129,7 @@ class Trainer:
             say=self.say,
         )
         self.watchdog.on_stall.append(self._record_stall)
+        self._gate_forward = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations
         self.faults = Faults.from_env(jax.process_index())  # tests' injected stalls and spikes; unset: nothing
 
     def _enter(self, phase: str, step: int | None = None) -> None:
@@ -558,6 +559,12 @@ class Trainer:
             losses = [s.setup.eval_step(s.state.params, self._global(s, b)) for b in batches]
             out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
         out["eval/loss"] = float(np.mean([v for k, v in out.items()]))
+        if s.setup.model_cfg.gates_values and s.eval_sets:  # the learned gates per layer, on a validation batch
+            batch = self._global(s, next(iter(s.eval_sets.values()))[0])
+            if self._gate_forward is None:  # compiled once
+                self._gate_forward = jax.jit(lambda p, t: gate_intermediates(s.setup.model, p, t[:, :-1]))
+            gates = gate_means(self._gate_forward(s.state.params, batch))
+            out.update({f"gates/layer_{n:02d}/value_gate": g for n, g in gates.items()})
         for dom, (tokens, text_bytes) in (s.eval_bytes or {}).items():
             dom_nats = out[f"eval/{dom}/loss"] * tokens
             out[f"eval/{dom}/bpb"] = dom_nats / (math.log(2) * max(text_bytes, 1))
