@@ -129,7 +129,7 @@ class Trainer:
             say=self.say,
         )
         self.watchdog.on_stall.append(self._record_stall)
-        self._gate_forward = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations
+        self._gate_forward: Any = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations
         self.faults = Faults.from_env(jax.process_index())  # tests' injected stalls and spikes; unset: nothing
 
     def _enter(self, phase: str, step: int | None = None) -> None:
