@@ -126,7 +126,6 @@ class Trainer:
             self.run.watchdog_stacks(jax.process_index()),
             jax.process_index(),
             jax.process_count(),
-            say=self.say,
         )
         self.watchdog.on_stall.append(self._record_stall)
         self._gate_forward: Any = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations

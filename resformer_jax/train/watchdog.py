@@ -66,11 +66,10 @@ class Budgets:
 
 
 class Watchdog:
-    def __init__(self, budgets: Budgets, stack_file, process_index: int = 0, process_count: int = 1, say=print):
+    def __init__(self, budgets: Budgets, stack_file, process_index: int = 0, process_count: int = 1):
         self.budgets = budgets
         self.stack_file = stack_file  # RUN/watchdog/process_I.txt (local or object storage)
         self.process_index, self.process_count = process_index, process_count
-        self.say = say
         self.on_stall: list[Callable[[str, float], None]] = []  # (phase, seconds stalled), before the exit
         self.windows: list[float] = []  # seconds of each timed log window
         self._lock = threading.Lock()
