@@ -434,6 +434,19 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             f"use one of {', '.join(RESFORMER_LAMBDAS)}",
         )
     kv = m.num_kv_heads or m.num_heads
+    if not 0 <= m.value_embeddings <= m.num_layers // 2:
+        _fail(
+            "model.value_embeddings",
+            f"{m.value_embeddings} U-Net pairs of tables need {2 * m.value_embeddings} of the {m.num_layers} layers",
+            f"use 0..{m.num_layers // 2}",
+        )
+    if m.value_embeddings and m.value_residual in ("svformer", "skipv1"):
+        _fail(
+            "model.value_embeddings",
+            f"value embeddings add to a layer's own value V_n, and value_residual={m.value_residual!r} layers >= 2 "
+            "have none or only some heads of it",
+            "use value_residual none or resformer with value embeddings",
+        )
     if m.value_residual == "skipv1" and m.skipv1_reused_heads < 0 and kv % 2:
         _fail(
             "model.skipv1_reused_heads",

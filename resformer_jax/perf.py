@@ -216,6 +216,9 @@ def summary(cfg) -> dict:
         "flops_per_token": f.per_token,
         "flops_per_token_6n": f.per_token_6n,
     }
+    value_tables = param_counts(cfg.model).get("params_value_embeddings")
+    if value_tables:  # model.value_embeddings: the tables apart (embeddings, not in params_non_embedding)
+        out["params_value_embeddings"] = value_tables
     out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
     out["seq_len"] = cfg.data.seq_len
     out["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len

@@ -62,7 +62,8 @@ def test_ablation_matches_its_equation(name):
     def jitter(path, x):
         key = [k.key for k in path if hasattr(k, "key")][-1]
         keys = [k.key for k in path if hasattr(k, "key")]
-        if key in ("alpha", "lambda1", "lambda2", "lambda", "lambda_logits", "lambda_scale") or "value_gate" in keys:
+        scalars = ("alpha", "lambda1", "lambda2", "lambda", "lambda_logits", "lambda_scale", "ve_lambdas")
+        if key in scalars or "value_gate" in keys or "ve_gate" in keys:
             return x + jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
         return x
 

@@ -116,6 +116,8 @@ def test_convex_lambdas_are_read_back_as_l1_and_1_minus_l1():
         ("skipv1", "fixed", 2, {"skipv1_reused_heads": 1}),
         ("resformer", "gated", 2, {}),
         ("resformer", "convex", 4, {}),
+        ("resformer", "convex", 2, {"value_embeddings": 2}),
+        ("none", "fixed", 2, {"value_embeddings": 1, "value_embedding_gate": True}),
     ],
 )
 @pytest.mark.parametrize("scan", [True, False])
@@ -137,6 +139,33 @@ def test_skipv1s_cache_holds_only_its_own_heads_and_matches_the_summary():
         if mode == "skipv1":
             assert cache["layers"]["block"]["attn"]["v"].shape[-2] == 2 and cache["layer_1"]["attn"]["v"].shape[-2] == 4
     assert sizes["skipv1"] / sizes["none"] == (2 + 1.5 * 7) / 16
+
+
+def test_value_embeddings_at_scale_0_are_the_base_variant_and_their_tables_are_counted_apart():
+    """a = 1, b = 0 (and a gate of 0) leave V_n as it was: the base variant's logits with its own parameters.
+    --mode=summary counts the tables apart (N x vocab x K x D), outside the non-embedding parameters."""
+    from resformer_jax.model.attention import value_embedding_mix
+
+    v, ve = (jnp.asarray(np.random.default_rng(i).normal(size=(2, 5, 2, 8)), jnp.float32) for i in (0, 1))
+    np.testing.assert_array_equal(value_embedding_mix(v, ve, 1.0, 0.0, None, jnp.float32), v)
+    np.testing.assert_array_equal(value_embedding_mix(v, ve, None, None, jnp.zeros((2, 5, 2)), jnp.float32), v)
+    base_cfg, ve_cfg = cfg("resformer", "convex", kv=2), cfg("resformer", "convex", kv=2, value_embeddings=2)
+    base = init(base_cfg, TOKENS)
+    p = init(ve_cfg, TOKENS)
+    for n in range(1, 5):  # with 4 layers and 2 pairs every layer has a table; scale them out
+        p[f"layer_{n}"]["attn"]["ve_lambdas"] = jnp.asarray([1.0, 0.0], jnp.float32)
+    for name in base:
+        if name.startswith("layer_"):
+            p[name] = {**p[name], **{k: v for k, v in base[name].items() if k != "attn"}}
+            p[name]["attn"] = {**base[name]["attn"], "ve_lambdas": p[name]["attn"]["ve_lambdas"]}
+        else:
+            p[name] = base[name]
+    np.testing.assert_allclose(logits(ve_cfg, p, TOKENS), logits(base_cfg, base, TOKENS), rtol=1e-6, atol=1e-6)
+    s_base, s_ve = summary(base_cfg), summary(ve_cfg)
+    assert s_ve["params_value_embeddings"] == 2 * 256 * 2 * 16
+    assert s_ve["params_non_embedding"] == s_base["params_non_embedding"] + 4 * 2  # two scalars a layer with a table
+    assert s_ve["params_total"] == s_base["params_total"] + 2 * 256 * 2 * 16 + 4 * 2
+    assert s_ve["kv_cache_bytes_per_token"] == s_base["kv_cache_bytes_per_token"]  # a lookup, no cache
 
 
 def test_parameter_counts_are_the_hand_counts():
@@ -182,6 +211,11 @@ def test_gradients_match_finite_differences(mode, lambdas):
             ["skipv1_reused_heads", "0.."],
         ),
         (["--config.model.resformer_lambdas=lerp"], ["resformer_lambdas", "gated"]),
+        (["--config.model.value_embeddings=2"], ["value_embeddings", "0..1"]),  # tiny: 3 layers
+        (
+            ["--config.model.value_residual=svformer", "--config.model.value_embeddings=1"],
+            ["value_embeddings", "own value"],
+        ),
     ],
 )
 def test_bad_combinations_are_one_line(tmp_path, flags, words):
@@ -200,20 +234,24 @@ def test_bad_combinations_are_one_line(tmp_path, flags, words):
         ({"value_residual": "skipv1"}, ["value_residual='skipv1'", "no Hugging Face export"]),
         ({"value_residual": "resformer", "resformer_lambdas": "gated"}, ["resformer_lambdas='gated'"]),
         ({"value_residual": "resformer", "resformer_lambdas": "convex"}, ["resformer_lambdas='convex'"]),
+        ({"value_residual": "none", "value_embeddings": 1}, ["value_embeddings=1"]),
     ],
 )
 def test_the_hf_export_refuses_what_its_twin_does_not_compute_by_name(model, words):
     from resformer_jax.hf.export import HFError, hf_tensors
 
-    c = cfg(**{"mode": model["value_residual"], "lambdas": model.get("resformer_lambdas", "fixed")})
+    extra = {k: v for k, v in model.items() if k not in ("value_residual", "resformer_lambdas")}
+    c = cfg(**{"mode": model["value_residual"], "lambdas": model.get("resformer_lambdas", "fixed")}, **extra)
     with pytest.raises(HFError) as e:
         hf_tensors(c.model, init(c, TOKENS))
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,lambdas", [("skipv1", "fixed"), ("resformer", "gated")])
-def test_the_new_variants_compile_for_8_h100s_with_the_kernel_inside(variant, lambdas):
+@pytest.mark.parametrize(
+    "variant,lambdas,tables", [("skipv1", "fixed", 0), ("resformer", "gated", 0), ("resformer", "convex", 1)]
+)
+def test_the_new_variants_compile_for_8_h100s_with_the_kernel_inside(variant, lambdas, tables):
     """train, eval and decode compiled for h100x8 (aot extra): the Pallas kernel in the train and eval steps,
     everything fitting; SkipV1Former's decode cache is its own."""
     from test_compile import TARGETS, TRITON, accelerator_config, needs_aot
@@ -224,7 +262,7 @@ def test_the_new_variants_compile_for_8_h100s_with_the_kernel_inside(variant, la
     from resformer_jax.compile.targets import parse_target
 
     c = accelerator_config(variant, "cuda")
-    c.model.resformer_lambdas = lambdas
+    c.model.resformer_lambdas, c.model.value_embeddings = lambdas, tables
     report = compile_for_target(c, parse_target(TARGETS["cuda"]), steps=("train", "eval", "decode"), log=lambda s: None)
     by = {s.name: s for s in report.steps}
     assert report.attention_impl == "pallas" and by["train"].custom_calls.get(TRITON, 0) >= 2

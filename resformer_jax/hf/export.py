@@ -20,6 +20,7 @@ from resformer_jax.model.lambdas import fixed_lambdas
 EXPORTABLE = {
     "value_residual": ("none", "resformer", "svformer"),
     "resformer_lambdas": ("fixed", "learnable", "learnable_plus", "sparse"),  # convex, gated: not in the twin yet
+    "value_embeddings": (0,),  # not in the twin yet
     "value_source": ("first",),
     "residual_on": ("v",),
     "mapping": ("attention",),

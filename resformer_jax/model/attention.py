@@ -73,6 +73,8 @@ class LayerPlan:
     anchor: bool  # SVFormer anchor (Fig. 14): this layer's own V becomes the shared value
     own_value_heads: int = 0  # heads of the layer's W_V (all K unless SkipV1Former reuses some of layer 1's)
     gate: bool = False  # the mix's weight is a gate of the layer input (resformer_lambdas=gated)
+    value_table: int = -1  # the value-embedding table added to V_n (model.value_embeddings), -1: none
+    value_table_gate: bool = False  # added through a gate of the layer input instead of two scalars
 
     @property
     def owns(self) -> tuple[bool, bool, bool]:
@@ -80,8 +82,11 @@ class LayerPlan:
         return self.query == "own", self.key == "own", self.value == "own"
 
 
-def _first_layer_plan() -> LayerPlan:
+def _first_layer_plan(m: ModelConfig | None = None) -> LayerPlan:
+    m = ModelConfig.of(m) if m is not None else None
     return LayerPlan(
+        value_table=m.value_table(1) if m is not None else -1,
+        value_table_gate=bool(m is not None and m.value_embedding_gate),
         first=True,
         query="own",
         key="own",
@@ -99,7 +104,7 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
     """The plan of 1-based layer `layer`; None is a generic layer >= 2 (inside the scan, where
     no layer has a structure of its own: configs with CLA or anchors run unrolled)."""
     if layer == 1:
-        return _first_layer_plan()
+        return _first_layer_plan(m)
     m = ModelConfig.of(m)
     at = lambda pred: layer is not None and pred(layer)
     cla_reuse = m.cla_share_every > 1 and at(lambda n: (n - 1) % m.cla_share_every != 0)
@@ -134,6 +139,8 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
         anchor=anchor,
         own_value_heads=own_heads,
         gate=m.gates_values and mix is gated_value,
+        value_table=m.value_table(layer),
+        value_table_gate=m.value_embedding_gate,
     )
 
 
@@ -160,6 +167,7 @@ class Context:
     index: jax.Array | None = None  # decode: where this call's tokens go in the cache
     max_len: int = struct.field(pytree_node=False, default=0)  # decode cache length
     mesh: Any = struct.field(pytree_node=False, default=None)  # the device mesh, for kernels run per shard
+    value_embeds: Any = None  # model.value_embeddings: each table's lookup of this call's tokens, [B, T, K, D]
 
 
 @struct.dataclass
@@ -266,6 +274,15 @@ def gated_value(x: ValueMix):
     with g = sigmoid(x W_g) per value head and token (g = 0: Eq. 1; g = 1: Eq. 10's value; W_g = 0: Eq. 7)."""
     g_BxTxKx1 = x.gate[..., None].astype(jnp.float32)
     return ((1.0 - g_BxTxKx1) * x.own + g_BxTxKx1 * x.earlier).astype(x.dtype)
+
+
+def value_embedding_mix(v_BxTxKxD, ve_BxTxKxD, a, b, gate_BxTxK, dtype):
+    """modded-nanogpt's value embeddings: V_n <- a V_n + b VE[token] (two learnable scalars a layer, init 1/2), or
+    with the gate V_n <- V_n + g VE[token], g = 2 sigmoid(x W) per value head and token (W = 0: g = 1). b = 0 (a = 1)
+    or g = 0 leaves V_n as it was."""
+    if gate_BxTxK is not None:
+        return (v_BxTxKxD + gate_BxTxK[..., None].astype(jnp.float32) * ve_BxTxKxD).astype(dtype)
+    return (a * v_BxTxKxD + b * ve_BxTxKxD).astype(dtype)
 
 
 def value_gate(m: ModelConfig) -> DenseGeneral:
@@ -379,6 +396,8 @@ class Attention(nn.Module):
             v_BxTxKxD = projection(m, p.own_value_heads or K, "value")(x_BxTxE)  # SkipV1Former: K - r heads
         else:
             v_BxTxKxD = carry.group.v if p.value == "group" else None
+        if p.value_table >= 0 and v_BxTxKxD is not None:  # value embeddings: this layer's table added to V_n
+            v_BxTxKxD = self._add_value_embedding(x_BxTxE, v_BxTxKxD, ctx.value_embeds[p.value_table])
 
         # Fig. 6: Eq. 7's mix on queries or keys instead of values.
         if p.residual_on == "q":
@@ -421,6 +440,15 @@ class Attention(nn.Module):
 
         out_BxTxE = output_projection(m, x_BxTxE.shape[-1])(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
+
+    def _add_value_embedding(self, x_BxTxE, v_BxTxKxD, ve_BxTxKxD):
+        m, p = self.cfg, self.plan
+        if p.value_table_gate:
+            w = DenseGeneral((m.kv_heads,), ("embed", "kv_heads"), std=0.0, dtype=jnp.dtype(m.dtype), name="ve_gate")
+            gate_BxTxK = 2.0 * jax.nn.sigmoid(w(x_BxTxE).astype(jnp.float32))
+            return value_embedding_mix(v_BxTxKxD, ve_BxTxKxD, None, None, gate_BxTxK, jnp.dtype(m.dtype))
+        ab = self.param("ve_lambdas", nn.with_logical_partitioning(nn.initializers.constant(0.5), (None,)), (2,))
+        return value_embedding_mix(v_BxTxKxD, ve_BxTxKxD, ab[0], ab[1], None, jnp.dtype(m.dtype))
 
     def _attend_cached(self, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD, ctx: Context, carry: Carry):
         """Decoding: this call's K and attended V go into the layer's cache, and the queries attend over the

@@ -51,6 +51,11 @@ class ModelConfig:
     resformer_lambdas: str = "fixed"
     # SkipV1Former: how many of a layer's value heads (the last ones) are layer 1's; -1: half of them
     skipv1_reused_heads: int = -1
+    # Value embeddings (modded-nanogpt): N U-Net pairs of per-token tables added to the own values of layers 1..N
+    # and L-N+1..L (layer i and layer L+1-i share table i); 0: none. Mixed by two learnable scalars a layer
+    # (a V_n + b VE, init 1/2, 1/2), or with value_embedding_gate by a per-head gate of the layer input.
+    value_embeddings: int = 0
+    value_embedding_gate: bool = False
     lambda_init: tuple[float, float] = (0.5, 0.5)  # (l1 on the earlier value, l2 on V_n), Eq. 7
     sparse_layers: tuple[int, ...] = ()  # 1-based layers where l1 != 0 for `sparse`
     sparse_lambda: float = 5.0
@@ -147,6 +152,16 @@ class ModelConfig:
     def gates_values(self) -> bool:
         """ResFormer whose mix is a learned gate of the layer input, per value head and token."""
         return self.mixes_values and self.resformer_lambdas == "gated"
+
+    def value_table(self, layer: int | None) -> int:
+        """The value-embedding table 1-based `layer` adds to its value (U-Net: layers i and L+1-i share table
+        i - 1), or -1 for none."""
+        n, L = self.value_embeddings, self.num_layers
+        if layer is None or n <= 0:
+            return -1
+        if layer <= n:
+            return layer - 1
+        return L - layer if layer > L - n else -1
 
     @property
     def reuses_first_value_heads(self) -> bool:

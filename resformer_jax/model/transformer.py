@@ -101,6 +101,8 @@ def needs_unrolled(m) -> str | None:
         return "CLA layers differ in which projections they own"
     if tuple(m.svformer_anchors):
         return "SVFormer anchor layers own a value projection"
+    if m.value_embeddings:
+        return "value embeddings apply to the first and last layers only"
     return None
 
 
@@ -188,6 +190,17 @@ class Transformer(nn.Module):
             )
             h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
         h_BxTxE = dropout(self, m, h_BxTxE)
+        if m.value_embeddings:  # one lookup a table, [B, T, K, D], read by the layers that add it to their value
+            K, D = m.kv_heads, m.head_dim
+            ctx = dataclasses.replace(
+                ctx,
+                value_embeds=tuple(
+                    Embed(m.vocab_size, K * D, m.init_std, dtype, name=f"value_embed_{j}")(tokens_BxT).reshape(
+                        B, T, K, D
+                    )
+                    for j in range(m.value_embeddings)
+                ),
+            )
         if self.capture:
             self.sow("intermediates", "embedding_output", h_BxTxE)
         lams_Nx2 = stack_lambdas(self, m)
@@ -271,4 +284,9 @@ def param_counts(m) -> dict:
         + (np.prod(shapes["lm_head"]["kernel"].shape) if "lm_head" in shapes else 0)
         + (np.prod(shapes["pos_embed"].shape) if "pos_embed" in shapes else 0)
     )
-    return {"params_total": total, "params_non_embedding": total - embed}
+    # value-embedding tables: embeddings too, counted apart so that parameter-matched comparisons are possible
+    value_tables = int(sum(np.prod(v["embedding"].shape) for k, v in shapes.items() if k.startswith("value_embed_")))
+    out = {"params_total": total, "params_non_embedding": total - embed - value_tables}
+    if value_tables:
+        out["params_value_embeddings"] = value_tables
+    return out
