@@ -10,7 +10,7 @@ import sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from resformer_jax.analysis.grouping import RunCurves, smoothed
-from resformer_jax.config import as_run
+from resformer_jax.config import with_defaults
 from resformer_jax.errors import UserError
 from resformer_jax.metrics import read_jsonl, read_records
 from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
@@ -97,7 +97,9 @@ def read_run(run: str):
         if not steps:
             raise RunsError(f"{run}: neither config.json nor a checkpoint to read its config from")
         config = ck.read_config(steps[-1])
-    return RunCurves(run_name(run), as_run(config), train, evals)
+    # as the run ran, with fields added since it was saved at their defaults (a run from before a field existed
+    # does not differ from a newer one that leaves it at its default)
+    return RunCurves(run_name(run), with_defaults(config), train, evals)
 
 
 def find_runs(paths: list[str]) -> list[str]:
