@@ -103,11 +103,12 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
 # A GPU kernel whose HLO op the trace does not name (inside a CUDA-graph command buffer the event names only the
 # buffer): its group by the kernel's own name. cuBLAS's GEMMs are nvjet/xmma/cutlass kernels; cuDNN's fused
 # attention is an "sdpa" kernel with helpers in the cudnn:: namespace; ours are named in kernels/pallas_attention.
+_LIBRARY_GEMM, _ATTENTION_MATMULS = "nvjet|gemm|xmma|cutlass|cublas", "sdpa|fmha|flash_attention"
 _KERNEL_GROUPS = (
-    (re.compile(r"sdpa|fmha|flash_attention|cudnn::", re.I), "attention"),
-    (re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.I), "matmul_projections_mlp"),
+    (re.compile(f"{_ATTENTION_MATMULS}|cudnn::", re.I), "attention"),  # cudnn::: the fused attention's helpers
+    (re.compile(_LIBRARY_GEMM, re.I), "matmul_projections_mlp"),
 )
-_GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass|cublas|sdpa|fmha|flash_attention", re.I)
+_GEMM_KERNEL = re.compile(f"{_LIBRARY_GEMM}|{_ATTENTION_MATMULS}", re.I)
 
 
 def classify(inst: Instruction | None, comps: dict[str, set[str]], kernel: str = "") -> str:

@@ -162,10 +162,12 @@ class Ledger:
             storage.write_text_atomic(self.path, json.dumps({"invocations": invocations}, indent=1))
         return totals(invocations)
 
-    def scalars(self) -> dict:
-        """The totals so far, for TensorBoard."""
-        t = totals(self.invocations())
-        return {"goodput/goodput": t["goodput"], **{f"goodput/{k}_s": v for k, v in t["seconds"].items()}} | {
-            "goodput/recomputed_s": t["recomputed_s"],
-            "goodput/wall_s": t["wall_s"],
-        }
+
+def scalars(t: dict) -> dict:
+    """`totals` as TensorBoard scalars (goodput/*)."""
+    return {
+        "goodput/goodput": t["goodput"],
+        **{f"goodput/{k}_s": v for k, v in t["seconds"].items()},
+        "goodput/recomputed_s": t["recomputed_s"],
+        "goodput/wall_s": t["wall_s"],
+    }

@@ -667,8 +667,7 @@ class Trainer:
                         "steps); the update was not applied"
                     )
         vals.update(self._lambdas(s))
-        vals.update(self.ledger.scalars())
-        self.ledger.write()
+        vals.update(goodput.scalars(self.ledger.write()))  # written at every log; its totals go to TensorBoard
         s.writer.scalars(step, vals)
         self.progress.update(
             step,
