@@ -263,8 +263,10 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
     """The HF LlamaForCausalLM forward in numpy, from its modeling code: weights as HF stores them ([out, in]),
     RMSNorm as weight * x / sqrt(mean(x^2) + eps), RoPE with rotate_half on the two halves of each head,
     repeat_kv for GQA, SiLU(gate) * up, causal softmax attention, lm_head (or the tied embedding).
-    With config.json's value_residual (an exported ResFormer / SVFormer), layer i >= 1 attends over
-    l1 V_1 + l2 V_i (Eq. 7; lambda tensors where learned) or V_1 (Eq. 10), as modeling_resformer.py does."""
+    With config.json's value_residual (an exported ResFormer / SVFormer / SkipV1Former), layer i >= 1 attends
+    over l1 V_1 + l2 V_i (Eq. 7; lambda tensors where learned, convex_lambda as (l, 1 - l)), (1 - g) V_i + g V_1
+    (gated, g = sigmoid(x W_g)), V_1 (Eq. 10) or V_i's own heads then V_1's others (SkipV1); a layer with a value
+    table first adds it, a V + b VE or V + 2 sigmoid(x W) VE; as modeling_resformer.py does."""
     E, H = cfg["hidden_size"], cfg["num_attention_heads"]
     K, L, eps = cfg.get("num_key_value_heads", H), cfg["num_hidden_layers"], cfg["rms_norm_eps"]
     D = E // H
@@ -294,24 +296,41 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
     if "model.lambda_logits" in sd:
         z = f64(sd["model.lambda_logits"])
         fixed[:, 0] = f64(sd["model.lambda_scale"]) * np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    sigmoid = lambda z: 1.0 / (1.0 + np.exp(-z))
+    heads = lambda y_BxTxK: y_BxTxK.transpose(0, 2, 1)[..., None]  # a per-head, per-token weight: [B, K, T, 1]
+    tables = cfg.get("layer_value_table") or [-1] * L
+    VE = [f64(sd[f"model.value_embeds.{j}.weight"])[tokens] for j in range(cfg.get("value_embeddings", 0))]
     V1 = None
     for i in range(L):
         p = f"model.layers.{i}."
         x = norm(h, sd[p + "input_layernorm.weight"])
         q = (x @ f64(sd[p + "self_attn.q_proj.weight"]).T).reshape(B, T, H, D).transpose(0, 2, 1, 3)
         k = (x @ f64(sd[p + "self_attn.k_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
-        v = (
-            (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, K, D).transpose(0, 2, 1, 3)
-            if p + "self_attn.v_proj.weight" in sd
-            else None
-        )
+        v = None
+        if p + "self_attn.v_proj.weight" in sd:  # [B, K_own, T, D]: SkipV1Former's layers own K - r heads
+            v = (x @ f64(sd[p + "self_attn.v_proj.weight"]).T).reshape(B, T, -1, D).transpose(0, 2, 1, 3)
+        if tables[i] >= 0 and v is not None:  # value embeddings, before the mix
+            ve = VE[tables[i]].reshape(B, T, K, D).transpose(0, 2, 1, 3)
+            if p + "self_attn.ve_gate.weight" in sd:
+                v = v + heads(2.0 * sigmoid(x @ f64(sd[p + "self_attn.ve_gate.weight"]).T)) * ve
+            else:
+                a, b = f64(sd[p + "self_attn.ve_lambdas"])
+                v = a * v + b * ve
         if i == 0:
             V1 = v
         elif mode == "svformer":
             v = V1  # Eq. 10
+        elif mode == "skipv1":  # own heads first, then layer 1's remaining heads
+            v = V1 if v is None else np.concatenate([v, V1[:, v.shape[1] :]], axis=1)
+        elif p + "self_attn.value_gate.weight" in sd:  # gated: lerp(V_i, V_1, g)
+            g = heads(sigmoid(x @ f64(sd[p + "self_attn.value_gate.weight"]).T))
+            v = (1.0 - g) * v + g * V1
         elif mode == "resformer":
             l1 = f64(sd[p + "self_attn.lambda1"]) if p + "self_attn.lambda1" in sd else fixed[i - 1, 0]
             l2 = f64(sd[p + "self_attn.lambda2"]) if p + "self_attn.lambda2" in sd else fixed[i - 1, 1]
+            if p + "self_attn.convex_lambda" in sd:
+                l1 = f64(sd[p + "self_attn.convex_lambda"])
+                l2 = 1.0 - l1
             v = l1 * V1 + l2 * v  # Eq. 7
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)

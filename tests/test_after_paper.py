@@ -231,13 +231,13 @@ def test_bad_combinations_are_one_line(tmp_path, flags, words):
 @pytest.mark.parametrize(
     "model,words",
     [
-        ({"value_residual": "skipv1"}, ["value_residual='skipv1'", "no Hugging Face export"]),
-        ({"value_residual": "resformer", "resformer_lambdas": "gated"}, ["resformer_lambdas='gated'"]),
-        ({"value_residual": "resformer", "resformer_lambdas": "convex"}, ["resformer_lambdas='convex'"]),
-        ({"value_residual": "none", "value_embeddings": 1}, ["value_embeddings=1"]),
+        ({"value_residual": "neutreno"}, ["value_residual='neutreno'", "no Hugging Face export"]),
+        ({"value_residual": "resformer", "cla_share_every": 2}, ["cla_share_every=2", "no Hugging Face export"]),
+        ({"value_residual": "resformer", "value_source": "previous"}, ["value_source='previous'"]),
     ],
 )
 def test_the_hf_export_refuses_what_its_twin_does_not_compute_by_name(model, words):
+    """skipv1, convex, gated and value embeddings export (tests/test_hf.py); what the twin cannot compute stops."""
     from resformer_jax.hf.export import HFError, hf_tensors
 
     extra = {k: v for k, v in model.items() if k not in ("value_residual", "resformer_lambdas")}

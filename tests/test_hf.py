@@ -148,6 +148,12 @@ EXPORT_CASES = {
     "resformer_learnable_plus": {"value_residual": "resformer", "resformer_lambdas": "learnable_plus"},
     "resformer_sparse": {"value_residual": "resformer", "resformer_lambdas": "sparse", "sparse_layers": (3,)},
     "svformer_gqa": {"value_residual": "svformer", "num_kv_heads": 2},
+    "resformer_convex": {"value_residual": "resformer", "resformer_lambdas": "convex"},
+    "resformer_gated_gqa": {"value_residual": "resformer", "resformer_lambdas": "gated", "num_kv_heads": 2},
+    "skipv1": {"value_residual": "skipv1"},
+    "skipv1_gqa_all_heads": {"value_residual": "skipv1", "num_kv_heads": 2, "skipv1_reused_heads": 2},
+    "resformer_value_embeddings": {"value_residual": "resformer", "value_embeddings": 1},
+    "none_gated_value_embeddings": {"value_residual": "none", "value_embeddings": 1, "value_embedding_gate": True},
 }
 
 
@@ -167,7 +173,8 @@ def _model_and_params(fields, scan=True):
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: (
             x + rng.normal(0, 0.3, np.shape(x)).astype(np.float32)
-            if p[-1].key in ("lambda1", "lambda2", "lambda_logits", "lambda_scale")
+            if p[-1].key in ("lambda1", "lambda2", "lambda", "lambda_logits", "lambda_scale", "ve_lambdas")
+            or (p[-2].key in ("value_gate", "ve_gate") if len(p) > 1 else False)
             else x
         ),
         params,
@@ -249,7 +256,7 @@ def test_exported_model_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from resformer_jax.hf.export import export_params
 
-    for case in ("none", "svformer_gqa", "resformer_learnable"):
+    for case in sorted(EXPORT_CASES):
         c, model, params = _model_and_params(EXPORT_CASES[case])
         out = str(tmp_path / case)
         export_params(c.model, jax.device_get(params), out)
@@ -257,7 +264,7 @@ def test_exported_model_loads_in_transformers(tmp_path):
         tokens = np.random.default_rng(1).integers(0, c.model.vocab_size, (2, 16))
         with torch.no_grad():
             got = hf_model(torch.tensor(tokens)).logits.float().numpy()
-        np.testing.assert_allclose(got, np.asarray(model.apply({"params": params}, tokens)), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got, np.asarray(model.apply({"params": params}, tokens)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -18,9 +18,8 @@ from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import fixed_lambdas
 
 EXPORTABLE = {
-    "value_residual": ("none", "resformer", "svformer"),
-    "resformer_lambdas": ("fixed", "learnable", "learnable_plus", "sparse"),  # convex, gated: not in the twin yet
-    "value_embeddings": (0,),  # not in the twin yet
+    "value_residual": ("none", "resformer", "svformer", "skipv1"),
+    "resformer_lambdas": ("fixed", "learnable", "learnable_plus", "sparse", "convex", "gated"),
     "value_source": ("first",),
     "residual_on": ("v",),
     "mapping": ("attention",),
@@ -45,8 +44,10 @@ def unrolled(params: dict, num_layers: int) -> dict:
 
 def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
     """This project's parameters as HF Llama tensors ([out, in] Linear weights); SVFormer layers >= 2 have no
-    v_proj; learnable lambdas become `self_attn.lambda1/lambda2` scalars (and `model.lambda_logits`,
-    `model.lambda_scale` for learnable_plus)."""
+    v_proj (SkipV1Former's have K - r heads); learnable lambdas become `self_attn.lambda1/lambda2` scalars (and
+    `model.lambda_logits`, `model.lambda_scale` for learnable_plus; `self_attn.convex_lambda` for convex), the
+    gate `self_attn.value_gate.weight`, value embeddings `model.value_embeds.J.weight` with each layer's
+    `self_attn.ve_lambdas` or `self_attn.ve_gate.weight`."""
     for field, allowed in EXPORTABLE.items():
         value = getattr(ModelConfig.of(m), field)
         if value not in allowed:
@@ -61,6 +62,8 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
     for key in ("lambda_logits", "lambda_scale"):
         if key in p:
             t[f"model.{key}"] = np.asarray(p[key], np.float32)
+    for j in range(m.value_embeddings):
+        t[f"model.value_embeds.{j}.weight"] = p[f"value_embed_{j}"]["embedding"]
     for n in range(1, m.num_layers + 1):
         lp, pre = p[f"layer_{n}"], f"model.layers.{n - 1}."
         a = lp["attn"]
@@ -73,9 +76,14 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
         t[pre + "self_attn.o_proj.weight"] = a["out"]["kernel"].reshape(-1, E).T
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             t[pre + f"mlp.{theirs}.weight"] = lp["mlp"][ours]["kernel"].T
-        for name in ("lambda1", "lambda2"):
-            if name in lp:
-                t[pre + f"self_attn.{name}"] = np.asarray(lp[name], np.float32)
+        for ours, theirs in (("lambda1", "lambda1"), ("lambda2", "lambda2"), ("lambda", "convex_lambda")):
+            if ours in lp:
+                t[pre + f"self_attn.{theirs}"] = np.asarray(lp[ours], np.float32)
+        for gate in ("value_gate", "ve_gate"):  # [E, K] -> Linear [K, E]
+            if gate in a:
+                t[pre + f"self_attn.{gate}.weight"] = a[gate]["kernel"].T
+        if "ve_lambdas" in a:
+            t[pre + "self_attn.ve_lambdas"] = np.asarray(a["ve_lambdas"], np.float32)
     return {k: np.array(v, order="C") for k, v in t.items()}  # (ascontiguousarray would make scalars 1-d)
 
 
@@ -117,37 +125,48 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
                 original_max_position_embeddings=m.rope_original_max_position,
             )
     plans = exported_plans(m)
-    if rope_type != "default" and any(mix != "own" for mix in plans["layer_value_mix"]):
+    twin = any(mix != "own" for mix in plans["layer_value_mix"]) or any(t >= 0 for t in plans["layer_value_table"])
+    if rope_type != "default" and twin:
         raise HFError(
             f"a value-residual model with rope_type={rope_type!r} has no Hugging Face export: "
             "modeling_resformer.py computes plain RoPE only"
         )
-    if any(mix != "own" for mix in plans["layer_value_mix"]):
+    if twin:
         cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
         cfg["use_cache"] = False  # modeling_resformer.py recomputes the prefix (no KV cache)
         cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_resformer.ResFormerLlamaForCausalLM"}
         cfg["value_residual"] = m.value_residual
         cfg["resformer_lambdas"] = m.resformer_lambdas
+        cfg["skipv1_reused_heads"] = ModelConfig.of(m).skipv1_heads if m.value_residual == "skipv1" else 0
+        cfg["value_embeddings"] = int(m.value_embeddings)
+        cfg["value_embedding_gate"] = bool(m.value_embedding_gate)
         cfg["resformer_fixed_lambdas"] = fixed_lambdas(m).tolist()  # (l1, l2) of layers 2..N when not learned
         cfg.update(plans)  # what each layer computes, as the model's plan says: modeling_resformer.py reads these
     return cfg
 
 
 # How each layer's attended value is formed, by the plan's equation function (model/attention.py), as
-# config.json names it for modeling_resformer.py: V_n | V_1 | l1 V_1 + l2 V_n.
+# config.json names it for modeling_resformer.py: V_n | V_1 | l1 V_1 + l2 V_n | SkipV1's heads | the gated lerp.
 def _exported_mix(mix) -> str | None:
     """config.json's name of a plan's value mix (its `mix` field, an equation function), or None."""
 
-    names = ((eq.eq1_own_value, "own"), (eq.eq10_svformer_value, "first"), (eq.eq7_resformer_value, "lambda_mix"))
+    names = (
+        (eq.eq1_own_value, "own"),
+        (eq.eq10_svformer_value, "first"),
+        (eq.eq7_resformer_value, "lambda_mix"),
+        (eq.skipv1_value, "skipv1"),
+        (eq.gated_value, "gated"),
+    )
     return next((name for f, name in names if f is mix), None)
 
 
 def exported_plans(m) -> dict:
-    """The per-layer plan as config.json carries it: which layers own W_V and how each forms the value it attends
-    over. A plan this format cannot express (NeuTRENO, Q/K residuals, other mappings or value sources, shared
-    Q/K, anchors, CLA) is refused by name: an export is exact or it stops."""
+    """The per-layer plan as config.json carries it: which layers own W_V (and with how many heads), how each forms
+    the value it attends over, and which value-embedding table it adds (-1: none). A plan this format cannot
+    express (NeuTRENO, Q/K residuals, other mappings or value sources, shared Q/K, anchors, CLA) is refused by
+    name: an export is exact or it stops."""
 
-    owns, mixes = [], []
+    owns, heads, mixes, tables = [], [], [], []
     for n in range(1, m.num_layers + 1):
         p = plan_layer(m, n)
         unsupported = [
@@ -168,11 +187,19 @@ def exported_plans(m) -> dict:
         if unsupported:
             raise HFError(
                 f"layer {n} uses {', '.join(unsupported)}, which the Hugging Face export cannot express; "
-                "export runs of none, resformer or svformer (GQA and ResFormer's lambda modes included)"
+                "export runs of none, resformer, svformer or skipv1 (GQA, ResFormer's lambda modes and value "
+                "embeddings included)"
             )
         owns.append(p.owns[2])
+        heads.append((p.own_value_heads or ModelConfig.of(m).kv_heads) if p.owns[2] else 0)
         mixes.append(_exported_mix(p.mix))
-    return {"layer_owns_value": owns, "layer_value_mix": mixes}
+        tables.append(p.value_table)
+    return {
+        "layer_owns_value": owns,
+        "layer_value_heads": heads,
+        "layer_value_mix": mixes,
+        "layer_value_table": tables,
+    }
 
 
 def export_params(
@@ -228,7 +255,7 @@ def export_params(
         gen.update(bos_token_id=tokenizer_meta["eot_id"], eos_token_id=tokenizer_meta["eot_id"])
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=1)
-    if m.value_residual != "none":
+    if "auto_map" in cfg:
         import shutil
 
         shutil.copyfile(

@@ -68,8 +68,12 @@ def llama_model_config(hf: dict) -> ml_collections.ConfigDict:
     read_rope(hf, m)
     refuse_unsupported(hf, m)
     m.value_residual, m.scan_layers, m.attention_impl = hf.get("value_residual", "none"), False, "auto"
-    if m.value_residual not in ("none", "resformer", "svformer"):
+    if m.value_residual not in ("none", "resformer", "svformer", "skipv1"):
         raise HFError(f"value_residual {m.value_residual!r} in config.json is not one this project exports")
+    if m.value_residual == "skipv1":
+        m.skipv1_reused_heads = int(hf.get("skipv1_reused_heads", -1))
+    m.value_embeddings = int(hf.get("value_embeddings", 0))
+    m.value_embedding_gate = bool(hf.get("value_embedding_gate", False))
     if m.value_residual == "resformer":
         m.resformer_lambdas = hf.get("resformer_lambdas", "fixed")
         table = np.asarray(hf.get("resformer_fixed_lambdas") or [[0.5, 0.5]], np.float64)
@@ -163,6 +167,9 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
     for key in ("lambda_logits", "lambda_scale"):
         if f"model.{key}" in t:
             params[key] = np.asarray(t[f"model.{key}"], np.float32)
+    for j in range(m.value_embeddings):
+        params[f"value_embed_{j}"] = {"embedding": get(f"model.value_embeds.{j}.weight", (V, K * D))}
+    value_heads = hf.get("layer_value_heads") or [K] * m.num_layers
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
         params[f"layer_{i + 1}"] = {
@@ -179,13 +186,19 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
                 "down": {"kernel": get(p + "mlp.down_proj.weight", (E, F)).T},
             },
         }
-        if i == 0 or m.value_residual != "svformer":  # Eq. 10: SVFormer's layers >= 2 have no W_V
-            params[f"layer_{i + 1}"]["attn"]["value"] = {
-                "kernel": get(p + "self_attn.v_proj.weight", (K * D, E)).reshape(K, D, E).transpose(2, 0, 1)
+        attn, Kv = params[f"layer_{i + 1}"]["attn"], int(value_heads[i])
+        if Kv and (i == 0 or m.value_residual != "svformer"):  # Eq. 10: SVFormer's layers >= 2 have no W_V
+            attn["value"] = {
+                "kernel": get(p + "self_attn.v_proj.weight", (Kv * D, E)).reshape(Kv, D, E).transpose(2, 0, 1)
             }
-        for name in ("lambda1", "lambda2"):
-            if p + f"self_attn.{name}" in t:
-                params[f"layer_{i + 1}"][name] = np.asarray(t[p + f"self_attn.{name}"], np.float32)
+        for theirs, ours in (("lambda1", "lambda1"), ("lambda2", "lambda2"), ("convex_lambda", "lambda")):
+            if p + f"self_attn.{theirs}" in t:
+                params[f"layer_{i + 1}"][ours] = np.asarray(t[p + f"self_attn.{theirs}"], np.float32)
+        for gate in ("value_gate", "ve_gate"):
+            if p + f"self_attn.{gate}.weight" in t:
+                attn[gate] = {"kernel": get(p + f"self_attn.{gate}.weight", (K, E)).T.copy()}
+        if p + "self_attn.ve_lambdas" in t:
+            attn["ve_lambdas"] = get(p + "self_attn.ve_lambdas", (2,))
     return m, params
 
 

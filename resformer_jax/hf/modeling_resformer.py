@@ -3,8 +3,13 @@
 The Llama architecture (LlamaConfig, the same tensor names) with the value residual of "Value Residual
 Learning" (Zhou et al., arXiv 2410.17897), exactly as resformer_jax computes it: layer 1 is standard and
 produces V_1; layer n >= 2 attends with its own attention matrix over
-  resformer  l1 * V_1 + l2 * V_n   (Eq. 7; l1, l2 fixed per layer, or the learned lambda1/lambda2 tensors)
+  resformer  l1 * V_1 + l2 * V_n   (Eq. 7; l1, l2 fixed per layer, or the learned lambda1/lambda2 tensors;
+                                    convex: l1 = convex_lambda, l2 = 1 - convex_lambda)
+             (1 - g) V_n + g V_1   (gated: g = sigmoid(x W_g) per value head and token, x-transformers)
   svformer   V_1                   (Eq. 10; these layers have no v_proj)
+  skipv1     [V_n heads 1..K-r; V_1 heads K-r+1..K]  (SkipV1Former: v_proj has K - r heads)
+Value embeddings (modded-nanogpt): layers i and L+1-i add table VE_i[token] to V_n as a V_n + b VE
+(ve_lambdas) or V_n + 2 sigmoid(x W) VE (ve_gate), before the mix.
 Values are in key/value-head layout (GQA) and never rotated; RoPE in the rotate-half convention.
 This file runs the full forward each call (no KV cache); generation recomputes the prefix.
 """
@@ -42,31 +47,61 @@ class Attention(nn.Module):
         self.layer = layer
         self.q_proj = nn.Linear(E, H * self.D, bias=False)
         self.k_proj = nn.Linear(E, self.K * self.D, bias=False)
-        # The exporter writes each layer's plan (resformer_jax's LayerPlan): whether it owns W_V, and which value
-        # it attends over ("own": V_n, "first": V_1, "lambda_mix": l1 V_1 + l2 V_n).
+        # The exporter writes each layer's plan (resformer_jax's LayerPlan): whether it owns W_V and with how many
+        # heads, which value it attends over ("own": V_n, "first": V_1, "lambda_mix": l1 V_1 + l2 V_n, "skipv1",
+        # "gated"), and which value-embedding table it adds (-1: none).
+        L = config.num_hidden_layers
         self.owns_value = config.layer_owns_value[layer]
+        self.value_heads = (getattr(config, "layer_value_heads", None) or [self.K] * L)[layer]
         self.value_mix = config.layer_value_mix[layer]
+        self.value_table = (getattr(config, "layer_value_table", None) or [-1] * L)[layer]
         if self.owns_value:
-            self.v_proj = nn.Linear(E, self.K * self.D, bias=False)
+            self.v_proj = nn.Linear(E, self.value_heads * self.D, bias=False)
         self.o_proj = nn.Linear(H * self.D, E, bias=False)
         # Learned lambdas are parameters of the mixing layers (their layout is the lambda mode's, not the variant's).
-        if self.value_mix == "lambda_mix" and config.resformer_lambdas == "learnable":
+        lambdas = config.resformer_lambdas
+        if self.value_mix == "lambda_mix" and lambdas == "learnable":
             self.lambda1 = nn.Parameter(torch.zeros(()))
-        if self.value_mix == "lambda_mix" and config.resformer_lambdas in ("learnable", "learnable_plus"):
+        if self.value_mix == "lambda_mix" and lambdas in ("learnable", "learnable_plus"):
             self.lambda2 = nn.Parameter(torch.zeros(()))
+        if self.value_mix == "lambda_mix" and lambdas == "convex":
+            self.convex_lambda = nn.Parameter(torch.zeros(()))
+        if self.value_mix == "gated":
+            self.value_gate = nn.Linear(E, self.K, bias=False)
+        if self.value_table >= 0 and getattr(config, "value_embedding_gate", False):
+            self.ve_gate = nn.Linear(E, self.K, bias=False)
+        elif self.value_table >= 0:
+            self.ve_lambdas = nn.Parameter(torch.zeros(2))
 
-    def forward(self, x, cos, sin, v1, lambdas):
+    def heads(self, y):
+        """[B, T, K] -> [B, K, T, 1]: a per-head, per-token weight in value layout."""
+        return y.transpose(1, 2)[..., None]
+
+    def forward(self, x, cos, sin, v1, lambdas, value_embeds):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.K, self.D).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.K, self.D).transpose(1, 2) if self.owns_value else None
+        v = self.v_proj(x).view(B, T, self.value_heads, self.D).transpose(1, 2) if self.owns_value else None
+        if self.value_table >= 0 and v is not None:  # value embeddings, added before any mix
+            ve = value_embeds[self.value_table].view(B, T, self.K, self.D).transpose(1, 2)
+            if hasattr(self, "ve_gate"):
+                v = (v + self.heads(2.0 * torch.sigmoid(self.ve_gate(x).float())) * ve).to(v.dtype)
+            else:
+                v = (self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve).to(v.dtype)
         if self.value_mix == "own":
             v_att = v
         elif self.value_mix == "first":
             v_att = v1  # Eq. 10
+        elif self.value_mix == "skipv1":  # the layer's own heads, then layer 1's remaining ones
+            v_att = v1 if v is None else torch.cat([v, v1[:, self.value_heads :]], dim=1).to(v1.dtype)
+        elif self.value_mix == "gated":
+            g = self.heads(torch.sigmoid(self.value_gate(x).float()))
+            v_att = ((1.0 - g) * v + g * v1).to(v.dtype)
         else:
             l1 = getattr(self, "lambda1", None)
             l2 = getattr(self, "lambda2", None)
+            if hasattr(self, "convex_lambda"):
+                l1, l2 = self.convex_lambda, 1.0 - self.convex_lambda
             l1 = lambdas[0] if l1 is None else l1
             l2 = lambdas[1] if l2 is None else l2
             v_att = (l1 * v1 + l2 * v).to(v.dtype)  # Eq. 7
@@ -99,8 +134,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, v1, lambdas):
-        a, v = self.self_attn(self.input_layernorm(h), cos, sin, v1, lambdas)
+    def forward(self, h, cos, sin, v1, lambdas, value_embeds):
+        a, v = self.self_attn(self.input_layernorm(h), cos, sin, v1, lambdas, value_embeds)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), v
 
@@ -112,6 +147,10 @@ class Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([Layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        kv_width = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+        self.value_embeds = nn.ModuleList(
+            [nn.Embedding(config.vocab_size, kv_width) for _ in range(getattr(config, "value_embeddings", 0))]
+        )
         if "lambda_mix" in config.layer_value_mix and config.resformer_lambdas == "learnable_plus":
             self.lambda_logits = nn.Parameter(torch.zeros(config.num_hidden_layers - 1))
             self.lambda_scale = nn.Parameter(torch.zeros(()))
@@ -132,10 +171,11 @@ class Model(nn.Module):
             fixed = fixed.clone()
             fixed[:, 0] = self.lambda_scale * torch.softmax(self.lambda_logits, dim=0)
         h = self.embed_tokens(input_ids)
+        value_embeds = [e(input_ids) for e in self.value_embeds]
         v1 = None
         for i, layer in enumerate(self.layers):
             lambdas = fixed[i - 1] if (fixed is not None and i > 0) else None
-            h, v = layer(h, cos.to(h.dtype), sin.to(h.dtype), v1, lambdas)
+            h, v = layer(h, cos.to(h.dtype), sin.to(h.dtype), v1, lambdas, value_embeds)
             if i == 0:
                 v1 = v
         return self.norm(h)
