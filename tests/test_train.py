@@ -90,6 +90,35 @@ def test_fused_chunked_cross_entropy_equals_full_logits(chunk_len):
         np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-7)
 
 
+def test_accelerator_head_pads_the_vocabulary_and_writes_compute_dtype_logits():
+    """The accelerators' head plan (train/loss.py): W padded to 128 columns whose logits are masked (the loss and
+    gradients of the unpadded head), and the logits GEMM writing bf16 for bf16 inputs (the CE of the bf16-rounded
+    logits, in fp32)."""
+    from resformer_jax.train.loss import ACCELERATOR_HEAD, HeadPlan, chunked_cross_entropy, cross_entropy
+
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    h = jax.random.normal(ks[0], (3, 16, 24))
+    w = jax.random.normal(ks[1], (24, 97)) * 0.3
+    t = jax.random.randint(ks[2], (3, 16), 0, 97)
+    fused = lambda plan: jax.jit(jax.value_and_grad(lambda h, w: chunked_cross_entropy(h, w, t, 5, plan), (0, 1)))
+    want_l, want_g = fused(HeadPlan())(h, w)
+    got_l, got_g = fused(HeadPlan(vocab_multiple=128))(h, w)  # padding alone, fp32 logits
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-6)
+    for g, wg in zip(got_g, want_g):
+        assert g.shape == wg.shape
+        np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-7)
+
+    hb = h.astype(jnp.bfloat16)
+    ref = lambda h, w: cross_entropy(jnp.dot(h, w.astype(h.dtype), preferred_element_type=h.dtype), t)
+    want_l, want_g = jax.value_and_grad(ref, (0, 1))(hb, w)
+    got_l, got_g = fused(ACCELERATOR_HEAD)(hb, w)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    for g, wg in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wg, np.float32), rtol=3e-2, atol=2e-3)
+    jaxpr = str(jax.make_jaxpr(lambda h, w: chunked_cross_entropy(h, w, t, 5, ACCELERATOR_HEAD))(hb, w))
+    assert "bf16[3,5,128]" in jaxpr or "bf16[15,128]" in jaxpr, "the logits GEMM writes bf16 over 128 columns"
+
+
 def test_train_step_same_with_fused_and_full_logits_loss():
     c = tiny_config("svformer")
     model = Transformer(c.model)

@@ -98,6 +98,16 @@ def shape_bytes(shape: str) -> float:
     return sum(dtype_bytes(d) * math.prod(dims) for d, dims in arrays(shape))
 
 
+def elements(shape: str) -> int:
+    """Elements of the largest array in a (possibly tuple) HLO shape."""
+    return max((math.prod(dims) for _, dims in arrays(shape)), default=0)
+
+
+# Ops that read more than one element of an operand per result element: a loop fusion holding one is not bounded
+# by its result's size.
+LOOP_READERS = ("reduce", "reduce-window", "convolution", "dot", "scatter", "sort", "select-and-scatter", "fusion")
+
+
 @dataclasses.dataclass
 class Instr:
     name: str
@@ -521,6 +531,14 @@ class _Walker:
         if roots and all(r.opcode == "dynamic-update-slice" for r in roots):
             written = sum(shape_bytes(self.shapes.get(r.operands[1], "")) for r in roots)
             in_place = {r.operands[0] for r in roots}
+        # A loop fusion computes each result element once from elementwise ops, slices and gathers: it reads at
+        # most as many elements of a parameter as it computes (a gather of one logit per row reads that logit).
+        computed = None
+        if "kind=kLoop" in ins.attrs and not any(i.opcode in LOOP_READERS for i in body):
+            computed = max(
+                (elements(self.shapes.get(r.operands[1], "") if r.opcode == "dynamic-update-slice" else r.shape))
+                for r in roots
+            )
         read = 0.0
         for n, operand in enumerate(ins.operands):
             p = params.get(n)
@@ -530,7 +548,11 @@ class _Walker:
             if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == p for u in uses):
                 read += sum(shape_bytes(u.shape) for u in uses)
             else:
-                read += shape_bytes(self.shapes.get(operand, ""))
+                shape = self.shapes.get(operand, "")
+                whole = shape_bytes(shape)
+                read += (
+                    whole if computed is None else min(whole, computed * max(dtype_bytes(d) for d, _ in arrays(shape)))
+                )
         return read + written
 
     def _trip_count(self, ins: Instr) -> int:

@@ -8,16 +8,44 @@ block in the same pass (d logits = softmax - onehot), so the full logits are
 never stored and each block is read while it is still in cache. It is exact:
 same loss and gradients as `cross_entropy` on the full logits (tested to
 1e-5); only the summation order differs.
+
+How the head runs is a `HeadPlan`, resolved once from the model's matmul
+form (`head_plan`). On accelerators (matmuls "plain") W's vocabulary axis is
+padded with zero columns to a multiple of 128 (their logits masked to -inf,
+so the loss and gradients are unchanged): with the GPT-NeoX vocabulary
+(50,277, odd) XLA:GPU otherwise pads every block's logits for cuBLAS and
+slices them back. And the logits GEMM writes the compute dtype (fp32
+accumulation inside the GEMM; the softmax, loss and gradient math stay fp32),
+as the paper's bf16-autocast PyTorch head does, halving every pass over the
+largest tensor of the step. The CPU keeps fp32 logits, unpadded: its losses
+bitwise as they were. Measured in docs/kernels-and-compile.md.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from resformer_jax.kernels.cpu_matmul import transposed
+
+
+class HeadPlan(NamedTuple):
+    """How the fused LM head runs (the module docstring says why)."""
+
+    vocab_multiple: int = 1  # W's vocabulary axis padded to a multiple of this
+    logits_dtype: str | None = "float32"  # what the logits GEMM writes; None: the compute dtype
+
+
+CPU_HEAD = HeadPlan()  # fp32 logits, no padding
+ACCELERATOR_HEAD = HeadPlan(vocab_multiple=128, logits_dtype=None)  # padded to 128, compute-dtype logits
+
+
+def head_plan(cpu_matmuls: bool) -> HeadPlan:
+    """The head for the model's matmul form (model/layers.py uses_cpu_matmuls)."""
+    return CPU_HEAD if cpu_matmuls else ACCELERATOR_HEAD
 
 
 def cross_entropy(logits_BxTxV, targets_BxT):
@@ -42,16 +70,20 @@ def _blocks(h_BxTxE, targets_BxT, chunk_len):
     return h_nxBxCxE, t_nxBxC
 
 
-def _block_logits(h_BxCxE, w_ExV):
+def _block_logits(h_BxCxE, w_ExV, plan: HeadPlan):
     # 2-D matmuls throughout: XLA:CPU handles [tokens, E] @ [E, V] best.
     B, C, E = h_BxCxE.shape
-    logits = jnp.dot(h_BxCxE.reshape(B * C, E), w_ExV.astype(h_BxCxE.dtype), preferred_element_type=jnp.float32)
-    return logits.reshape(B, C, -1)
+    out = jnp.dtype(plan.logits_dtype or h_BxCxE.dtype)
+    logits = jnp.dot(h_BxCxE.reshape(B * C, E), w_ExV.astype(h_BxCxE.dtype), preferred_element_type=out)
+    return logits.reshape(B, C, -1).astype(jnp.float32)
 
 
-def _block_loss(h_BxCxE, w_ExV, t_BxC):
-    """(summed CE over the block's valid positions, logits, log-partition)."""
-    logits_BxCxV = _block_logits(h_BxCxE, w_ExV)
+def _block_loss(h_BxCxE, w_ExV, t_BxC, plan: HeadPlan = CPU_HEAD, vocab: int | None = None):
+    """(summed CE over the block's valid positions, fp32 logits, log-partition); columns >= vocab (W's padding) are
+    masked to -inf."""
+    logits_BxCxV = _block_logits(h_BxCxE, w_ExV, plan)
+    if vocab is not None and vocab < logits_BxCxV.shape[-1]:
+        logits_BxCxV = jnp.where(jnp.arange(logits_BxCxV.shape[-1]) < vocab, logits_BxCxV, -jnp.inf)
     logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
     picked_BxC = jnp.take_along_axis(logits_BxCxV, jnp.maximum(t_BxC, 0)[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(t_BxC >= 0, logz_BxC - picked_BxC, 0.0)), logits_BxCxV, logz_BxC
@@ -65,19 +97,27 @@ def cross_entropy_and_z(logits_BxTxV, targets_BxT):
     return jnp.mean(logz - picked), jnp.mean(logz**2)
 
 
-def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128):
+def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128, plan: HeadPlan = CPU_HEAD):
     """mean_t CE(h_t W, target_t), computed `chunk_len` positions at a time."""
-    return chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, 0.0)[0]
+    return chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, 0.0, plan)[0]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128, z_loss: float = 0.0):
+def _padded(w_ExV, vocab_multiple: int):
+    """W with zero columns up to a multiple of vocab_multiple."""
+    V = w_ExV.shape[1]
+    pad = -V % max(1, vocab_multiple)
+    return jnp.pad(w_ExV, ((0, 0), (0, pad))) if pad else w_ExV
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128, z_loss: float = 0.0, plan: HeadPlan = CPU_HEAD):
     """(mean_t CE(h_t W, target_t) + z_loss * mean_t log Z_t^2, mean_t log Z_t^2), computed `chunk_len` positions at
     a time. The second output is for logging: it carries no gradient of its own."""
     h_n, t_n = _blocks(h_BxTxE, targets_BxT, chunk_len)
+    vocab, w_ExV = w_ExV.shape[1], _padded(w_ExV, plan.vocab_multiple)
 
     def body(carry, xs):
-        loss_sum, _, logz_BxC = _block_loss(xs[0], w_ExV, xs[1])
+        loss_sum, _, logz_BxC = _block_loss(xs[0], w_ExV, xs[1], plan, vocab)
         z_sum = jnp.sum(jnp.where(xs[1] >= 0, logz_BxC**2, 0.0)) if z_loss else 0.0
         return (carry[0] + loss_sum, carry[1] + z_sum), None
 
@@ -87,11 +127,12 @@ def chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128, z_loss: f
     return (loss + z_loss * z_mean if z_loss else loss), z_mean
 
 
-def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss):
+def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss, plan):
     B, T, E = h_BxTxE.shape
     h_n, t_n = _blocks(h_BxTxE, targets_BxT, chunk_len)
     inv_count = 1.0 / targets_BxT.size
-    w_c = w_ExV.astype(h_BxTxE.dtype)
+    vocab = w_ExV.shape[1]
+    w_c = _padded(w_ExV.astype(h_BxTxE.dtype), plan.vocab_multiple)
     # The backward's matmuls in canonical layout (kernels/cpu_matmul.py `transposed`): needed for bf16's fast path;
     # in fp32 only h^T is materialised (the folded transpose sends the weight gradient to Eigen), while w^T stays
     # folded (XNNPACK takes it as is).
@@ -101,7 +142,7 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss):
     def body(carry, xs):
         total, z_total, dw_ExV = carry
         h_BxCxE, t_BxC = xs
-        loss_sum, logits_BxCxV, logz_BxC = _block_loss(h_BxCxE, w_c, t_BxC)
+        loss_sum, logits_BxCxV, logz_BxC = _block_loss(h_BxCxE, w_c, t_BxC, plan, vocab)
         total = total + loss_sum
         valid_BxC = t_BxC >= 0
         # d(mean CE)/d logits = (softmax - onehot) / count, zero at padded positions.
@@ -123,14 +164,15 @@ def _fwd(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss):
         dw_ExV = dw_ExV + jnp.dot(h_ExN, dlogits_NxV, preferred_element_type=jnp.float32)
         return (total, z_total, dw_ExV), dh_BxCxE.astype(h_BxTxE.dtype)
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros(w_ExV.shape, jnp.float32))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros(w_c.shape, jnp.float32))
     (total, z_total, dw_ExV), dh_n = jax.lax.scan(body, init, (h_n, t_n))
+    dw_ExV = dw_ExV[:, :vocab]
     dh_BxTxE = dh_n.swapaxes(0, 1).reshape(B, -1, E)[:, :T]
     z_mean, loss = z_total * inv_count, total * inv_count  # (the forms the loss had before the z term)
     return (loss + z_loss * z_mean if z_loss else loss, z_mean), (dh_BxTxE, dw_ExV.astype(w_ExV.dtype))
 
 
-def _bwd(chunk_len, z_loss, res, g):
+def _bwd(chunk_len, z_loss, plan, res, g):
     dh_BxTxE, dw_ExV = res
     g_loss = g[0]  # the logged z term (second output) carries no gradient
     return (g_loss * dh_BxTxE).astype(dh_BxTxE.dtype), (g_loss * dw_ExV).astype(dw_ExV.dtype), None

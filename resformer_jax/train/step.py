@@ -11,8 +11,9 @@ import optax
 from flax import struct
 
 from resformer_jax.config import LOSS_CHUNK_LEN
+from resformer_jax.model.layers import uses_cpu_matmuls
 from resformer_jax.model.transformer import output_embedding
-from resformer_jax.train.loss import chunked_lm_loss, cross_entropy, cross_entropy_and_z
+from resformer_jax.train.loss import chunked_lm_loss, cross_entropy, cross_entropy_and_z, head_plan
 from resformer_jax.train.telemetry import step_telemetry
 
 
@@ -102,7 +103,8 @@ def lm_loss(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropou
     h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True, rngs=rngs)
     with jax.named_scope("lm_head_xent"):  # named for the step profile (step_profile.py)
         w_ExV = output_embedding(params, model.cfg)
-        loss, z_mean = chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss)
+        plan = head_plan(uses_cpu_matmuls(model.cfg.matmuls))
+        loss, z_mean = chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss, plan)
         return loss, jax.lax.stop_gradient(z_mean)
 
 
