@@ -18,7 +18,7 @@ from resformer_jax.model.config import ModelConfig
 
 VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno", "skipv1")
 RESFORMER_LAMBDAS = ("fixed", "learnable", "learnable_plus", "sparse", "convex", "gated")
-REMAT_POLICIES = ("none", "dots", "full")
+REMAT_POLICIES = ("none", "dots", "attention", "full")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
@@ -179,14 +179,19 @@ def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"
     c.data.seq_len = 2048
     c.data.source = "array_record"
-    # Sized for 8x H100 80GB (the paper's hardware): the step's 1,024 sequences (128 a GPU) in one pass with
-    # remat=full. Compiled for H100 (resformer compile --target=h100x8, README's table): the train
-    # step needs 11.3 / 18.8 / 34.4 GiB a GPU (ResFormer 82M / 180M / 468M) of the 59.7 GiB JAX's allocator may use;
-    # `compile --tune` finds no faster setting that fits (README).
+    # Sized for 8x H100 80GB (the paper's hardware) by `resformer compile --tune --target=h100x8`: the best
+    # setting by the compiled step's roofline bound that fits with 10% to spare (docs/kernels-and-compile.md).
     # On fewer or smaller devices set train.microbatch (sequences per accumulation step); the precheck says so.
-    c.model.remat = "full"
+    c.model.remat, c.model.scan_layers, c.train.microbatch = H100X8_SETTINGS.get(size, ("full", True, 0))
     c.mesh.target = "8x H100 80GB"
     return c
+
+
+# `compile --tune --target=h100x8`'s best (remat, scan_layers, train.microbatch) per paper size: unrolled layers
+# keep what the backward reads in place (a scan copies it into stacked buffers), so nothing is recomputed.
+H100X8_SETTINGS = {
+    "468m": ("none", False, 128),  # 16 sequences a GPU, 8 accumulation steps
+}
 
 
 # Paper Table 3: sequence length -> (total batch, per-GPU batch) on 8 GPUs, 2M tokens a step. The paper writes
@@ -205,7 +210,7 @@ def seq_len_config(size: str, variant: str, seq_len: int) -> ml_collections.Conf
     c = paper_config(size, variant)
     c.data.seq_len = c.model.max_seq_len = seq_len
     c.train.global_batch, c.train.microbatch = total, per_gpu * 8
-    c.model.remat = "full"
+    c.model.remat, c.model.scan_layers = "full", True  # as measured in docs/kernels-and-compile.md
     c.mesh.num_devices, c.mesh.data, c.mesh.fsdp = 8, -1, 1
     c.mesh.device_memory_limit_gb, c.mesh.target = 80.0, "8x H100 80GB"
     return c

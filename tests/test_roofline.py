@@ -213,8 +213,9 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
 @pytest.mark.slow
 @needs_aot
 def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(tmp_path):
-    """`compile --tune` on the tiny config for 8 H100s: every remat policy, with the state replicated or sharded
-    (one sequence a GPU: one microbatch); each fitting setting with its memory and bound, best first."""
+    """`compile --tune` on the tiny config for 8 H100s: every remat policy, the layers scanned or unrolled, with the
+    state replicated or sharded (one sequence a GPU: one microbatch); each fitting setting with its memory and bound,
+    best first."""
     import json
     import os
     import subprocess
@@ -239,10 +240,56 @@ def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(t
     )
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])["results"]
-    settings = {(x["overrides"]["model.remat"], x["overrides"]["mesh.fsdp"]) for x in results}
-    assert settings == {(rm, f) for rm in ("full", "dots", "none") for f in (1, -1)}, settings
+    settings = {
+        (x["overrides"]["model.remat"], x["overrides"]["model.scan_layers"], x["overrides"]["mesh.fsdp"])
+        for x in results
+    }
+    want = {(rm, scan, f) for rm in ("full", "dots", "attention", "none") for scan in (True, False) for f in (1, -1)}
+    assert settings == want, settings
     bounds = [x["bound_s"] for x in results if x["fits"]]
     assert bounds and bounds == sorted(bounds) and all(b > 0 for b in bounds)
     best = results[0]
     assert out.read_text().strip() == " ".join(f"--config.{k}={v}" for k, v in best["overrides"].items())
     assert "best for 8x NVIDIA H100 SXM 80GB" in r.stderr and "not a timing" in r.stderr
+
+
+GATHER_HLO = """HloModule g
+
+%fused_pick (param_0: f32[1024,4096], param_1: s32[1024,1]) -> f32[1024] {
+  %param_0 = f32[1024,4096]{1,0} parameter(0)
+  %param_1 = s32[1024,1]{1,0} parameter(1)
+  %neg = f32[1024,4096]{1,0} negate(%param_0)
+  %g = f32[1024,1]{1,0} gather(%neg, %param_1), offset_dims={}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1}
+  ROOT %b = f32[1024]{0} bitcast(%g)
+}
+
+%fused_sum (param_0: f32[1024,4096]) -> f32[1024] {
+  %param_0 = f32[1024,4096]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %r = f32[1024]{0} reduce(%param_0, %zero), dimensions={1}, to_apply=%add
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (logits: f32[1024,4096], targets: s32[1024,1]) -> (f32[1024], f32[1024]) {
+  %logits = f32[1024,4096]{1,0} parameter(0)
+  %targets = s32[1024,1]{1,0} parameter(1)
+  %pick = f32[1024]{0} fusion(%logits, %targets), kind=kLoop, calls=%fused_pick
+  %sum = f32[1024]{0} fusion(%logits), kind=kInput, calls=%fused_sum
+  ROOT %t = (f32[1024]{0}, f32[1024]{0}) tuple(%pick, %sum)
+}
+"""
+
+
+def test_a_loop_fusion_reads_at_most_what_it_computes_a_reduction_reads_everything():
+    """A loop fusion gathering one element per row (through an elementwise op) reads 1,024 of the 4M logits; a
+    reduction over the same logits reads them all."""
+    r = rl.roofline(GATHER_HLO, H100)
+    pick = next(o for o in r.ops if o.name == "pick")
+    assert pick.bytes == 4 * 1024 + 4 * 1024 + 4 * 1024  # one logit and one index per row read, one value written
+    total = next(o for o in r.ops if o.name == "sum")
+    assert total.bytes == 4 * 1024 * 4096 + 4 * 1024

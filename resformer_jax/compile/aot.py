@@ -38,10 +38,12 @@ from resformer_jax import perf
 from resformer_jax.compile.ptxas import ARCH, kernel_resources
 from resformer_jax.compile.roofline import chip_for, roofline
 from resformer_jax.compile.targets import Target
+from resformer_jax.config import REMAT_POLICIES
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.decode import PREFILL_CHUNK, _step, cache_shapes, cache_shardings
+from resformer_jax.model.transformer import needs_unrolled
 from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
 
 STEPS = ("train", "eval", "decode")
@@ -189,6 +191,11 @@ def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
         f"{r['per_op_bound_s'] * 1e3:.1f} ms -> {mfu}; whole-program bound {r['program_bound_s'] * 1e3:.1f} ms; "
         f"{c['kind']} at {c['peak_flops'] / 1e12:.0f} TFLOP/s, {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['source']})"
     ]
+    if r.get("unknown_trip_counts"):
+        out.append(
+            f"WARNING: {r['unknown_trip_counts']} loop(s) of the program have no trip count the roofline can read and "
+            "are counted once: the bound above is too low (compare it with nothing)"
+        )
     if r.get("xla_cost_analysis"):
         x = r["xla_cost_analysis"]
         out.append(
@@ -476,22 +483,27 @@ class TuneResult:
 
 # A candidate must leave this share of the chip's memory free: the bound is not a timing, and a real run's
 # allocator, NCCL buffers and fragmentation need room the compiled estimate does not show.
+TUNE_SKIP_FACTOR = 2.0  # --tune compiles no candidate whose --mode=summary estimate is over this x the memory
 TUNE_HEADROOM = 0.10
 
 
 def tune_candidates(cfg, devices: int) -> list[dict]:
     """The settings a user would try by hand: each remat policy, per-device microbatches halving from the whole
-    batch to one sequence, and (with several devices) the state sharded over all of them (fsdp) or replicated."""
+    batch to one sequence, the layers scanned or unrolled (a scan stacks what the backward keeps into [L, ...]
+    buffers, a copy per saved tensor; unrolled layers keep them in place), and (with several devices) the state
+    sharded over all of them (fsdp) or replicated."""
     per_device = max(1, cfg.train.global_batch // devices)
     micro = []
     while per_device >= 1:
         micro.append(per_device * devices)
         per_device //= 2
     meshes = [{"mesh.data": -1, "mesh.fsdp": 1}] + ([{"mesh.data": 1, "mesh.fsdp": -1}] if devices > 1 else [])
+    layouts = [False] if needs_unrolled(cfg.model) else [True, False]
     return [
-        {"model.remat": r, "train.microbatch": mb, **mesh}
+        {"model.remat": r, "model.scan_layers": scan, "train.microbatch": mb, **mesh}
         for mesh in meshes
-        for r in ("full", "dots", "none")
+        for scan in layouts
+        for r in REMAT_POLICIES
         for mb in micro
     ]
 
@@ -516,6 +528,12 @@ def tune(
         for key, value in cand.items():
             section, field = key.split(".")
             c[section][field] = value
+        est = perf.estimate_train_memory(c, target.num_devices).get("total", 0)
+        if est > TUNE_SKIP_FACTOR * target.hbm_bytes:  # far over: compiling would only say so, slowly
+            why = f"the estimate ({est / 2**30:.0f} GiB) is over {TUNE_SKIP_FACTOR:g}x the chip's memory; not compiled"
+            results.append(TuneResult(cand, None, False, None, None, why))
+            log(f"tune: {results[-1].flags()}: does not fit ({why})")
+            continue
         try:
             report = compile_for_target(c, target, steps=("train",), log=lambda s: None)
         except UserError as e:
@@ -525,6 +543,8 @@ def tune(
         mem = step.memory.total if step.memory else None
         fits = step.fits and mem is not None and mem <= (1 - TUNE_HEADROOM) * target.hbm_bytes
         r = step.roofline or {}
+        if r.get("unknown_trip_counts"):  # a loop counted once: its bound is not comparable with the others'
+            r = {}
         res = TuneResult(
             cand,
             mem,
@@ -540,6 +560,8 @@ def tune(
             + (
                 f"bound {res.bound_s * 1e3:.1f} ms, MFU ceiling {res.mfu_ceiling:.3f}"
                 if res.bound_s and res.fits
+                else "fits; bound unknown (a loop of the program has no known trip count), ranked last"
+                if res.fits
                 else f"does not fit ({res.problem[:120]})"
             )
         )

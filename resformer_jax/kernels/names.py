@@ -52,3 +52,6 @@ def target_backend() -> str:
 def backend_of(platform: str) -> str:
     """A lowering platform ('cuda', 'rocm', 'tpu') as jax.default_backend() names its backend ('gpu', 'tpu')."""
     return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+ATTENTION_RESIDUALS = "attention_residuals"  # checkpoint_name of what an attention kernel's backward reads

@@ -45,10 +45,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from resformer_jax.kernels.names import target_backend, target_device_kind
+from resformer_jax.kernels.names import ATTENTION_RESIDUALS, target_backend, target_device_kind
 
 log = logging.getLogger(__name__)
 MASK = -1e30
@@ -376,6 +377,8 @@ def _flash(q, k, v, causal, bq, bk):
 
 def _flash_fwd(q, k, v, causal, bq, bk):
     o_p, lse = _forward(q, k, v, causal, bq, bk)
+    # Named for remat=attention (model/transformer.py): what the backward reads, kept instead of recomputed.
+    q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
     return o_p[:, : q.shape[1]], (q, k, v, o_p, lse)
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.kernels import cpu_matmul
+from resformer_jax.kernels.names import ATTENTION_RESIDUALS
 from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
@@ -88,8 +89,10 @@ def remat_policy(name: str):
     """The named rematerialisation policies (config.model.remat): what the backward may keep."""
     return {
         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # matmul outputs kept
-        "full": jax.checkpoint_policies.nothing_saveable,
-    }[name]  # everything recomputed
+        "full": jax.checkpoint_policies.nothing_saveable,  # everything recomputed
+        # the attention kernel's inputs, output and log-sum-exp kept; the projections and the MLP recomputed
+        "attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS),
+    }[name]
 
 
 def needs_unrolled(m) -> str | None:
