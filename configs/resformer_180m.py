@@ -1,4 +1,9 @@
-"""Paper Table 4, 180m: resformer."""
+"""Paper Table 4, 180m: resformer.
+
+Sized for 8x H100 80GB by `resformer compile --tune --target=h100x8` (the best roofline bound that
+fits with 10% to spare): layers unrolled, remat=none, 64 sequences a GPU a microbatch (2 accumulation steps).
+On other hardware run --tune for it, or set train.microbatch (the precheck says what fits).
+"""
 
 from resformer_jax.config import paper_config
 

@@ -190,6 +190,8 @@ def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
 # `compile --tune --target=h100x8`'s best (remat, scan_layers, train.microbatch) per paper size: unrolled layers
 # keep what the backward reads in place (a scan copies it into stacked buffers), so nothing is recomputed.
 H100X8_SETTINGS = {
+    "82m": ("none", False, 0),  # the step's 1,024 sequences in one pass (128 a GPU)
+    "180m": ("none", False, 512),  # 64 sequences a GPU, 2 accumulation steps
     "468m": ("none", False, 128),  # 16 sequences a GPU, 8 accumulation steps
 }
 

@@ -217,8 +217,8 @@ def test_gpt2_scaled_output_init_and_dropout():
 
 def test_paper_configs_are_sized_for_8_h100s():
     """The headline configs run as written on the hardware the paper used: the step's 1,024 sequences of 2,048
-    tokens over 8 GPUs with remat=full; the estimate (within 10% of the compiled step for H100, README) is for 8
-    devices and leaves headroom under JAX's 75% of an 80 GB card."""
+    tokens over 8 GPUs in the setting `compile --tune` finds best there (docs/kernels-and-compile.md); the estimate
+    is for 8 devices and stays under tune's 90% of JAX's 75% of an 80 GB card."""
     from resformer_jax.config import paper_config, validate
     from resformer_jax.perf import summary
 
@@ -227,4 +227,4 @@ def test_paper_configs_are_sized_for_8_h100s():
             s = summary(validate(paper_config(size, variant)))
             mem = s["memory_estimate_per_device"]
             assert s["tokens_per_step"] == 1024 * 2048 and mem["devices"] == 8 and mem["target"] == "8x H100 80GB"
-            assert mem["total"] < 0.75 * 80e9 * 0.75, (size, variant, mem["total"] / 2**30)
+            assert mem["total"] < 0.9 * 0.75 * 79.65 * 2**30, (size, variant, mem["total"] / 2**30)
