@@ -17,8 +17,9 @@ inside; then one JSON line on stdout. A step that does not fit ends the command 
 numbers and the knobs (exit 2). Every compiled step also carries its roofline: the compiled program's FLOPs and
 HBM bytes by op, its per-op bound on step time and the MFU ceiling that implies (a bound, not a timing), and on
 GPUs each Triton kernel's registers and spills from ptxas. --tune compiles the train step for the remat
-policies, microbatches and (several devices) fsdp vs data that a user would try, and lists those that fit with
-10% of memory to spare, best bound first; --tune_write=FILE writes the best one's overrides there.
+policies, microbatches, scanned or unrolled layers and (several devices) fsdp vs data that a user would try, and
+lists those that fit with 10% of memory to spare, best bound first; --tune_write=FILE writes the best one's
+overrides there.
 Needs `pip install -e '.[aot]'`.
 """
 
@@ -46,7 +47,7 @@ flags.DEFINE_integer("prompt_len", 0, "Prompt tokens prefilled by the decode che
 flags.DEFINE_bool(
     "tune",
     False,
-    "Compile the train step for each remat policy, microbatch and mesh layout and list "
+    "Compile the train step for each remat policy, microbatch, layer layout and mesh layout and list "
     "those that fit, by their roofline bound.",
 )
 flags.DEFINE_string("tune_write", None, "--tune: write the best setting's --config overrides to this file.")

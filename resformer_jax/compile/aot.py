@@ -481,9 +481,9 @@ class TuneResult:
         return " ".join(f"--config.{k}={v}" for k, v in self.overrides.items())
 
 
+TUNE_SKIP_FACTOR = 2.0  # --tune compiles no candidate whose --mode=summary estimate is over this x the memory
 # A candidate must leave this share of the chip's memory free: the bound is not a timing, and a real run's
 # allocator, NCCL buffers and fragmentation need room the compiled estimate does not show.
-TUNE_SKIP_FACTOR = 2.0  # --tune compiles no candidate whose --mode=summary estimate is over this x the memory
 TUNE_HEADROOM = 0.10
 
 
