@@ -578,10 +578,20 @@ class _Walker:
         """Trips of `while (i < C)` with i starting at a constant S and stepping by one (libtpu prints no
         known_trip_count): C - S."""
         cond = self.comps.get((ins.attr_computations("condition") or [""])[0], [])
-        if not cond or cond[-1].opcode != "compare" or "direction=LT" not in cond[-1].attrs:
+        if not cond:
             return None
         by_name = {i.name: i for i in cond}
-        index, bound = (by_name.get(o) for o in cond[-1].operands[:2])
+        compare = cond[-1]
+        if compare.opcode == "fusion":  # XLA:GPU fuses the compare: read it inside, its parameters as the operands
+            fused = self.comps.get((compare.attr_computations("calls") or [""])[0], [])
+            inner = {i.name: i for i in fused}
+            for i in fused:
+                if i.opcode == "parameter" and i.arg.strip().isdigit() and int(i.arg) < len(compare.operands):
+                    inner[i.name] = by_name.get(compare.operands[int(i.arg)], i)
+            by_name, compare = inner, (fused[-1] if fused else compare)
+        if compare.opcode != "compare" or "direction=LT" not in compare.attrs:
+            return None
+        index, bound = (by_name.get(o) for o in compare.operands[:2])
         if index is None or bound is None or index.opcode != "get-tuple-element" or bound.opcode != "constant":
             return None
         k = re.search(r"index=(\d+)", index.attrs)
