@@ -298,17 +298,14 @@ def test_a_loop_fusion_reads_at_most_what_it_computes_a_reduction_reads_everythi
 def test_a_loop_whose_condition_is_a_fused_compare_counts_its_trips():
     """XLA:GPU prints no known_trip_count for some loops (the microbatch loop with the state sharded) and fuses the
     condition's `i < 8` into a fusion: the trip count is read inside it (counted once, the bound was 8x too low)."""
-    text = (
-        HLO.replace(', backend_config={"known_trip_count":{"n":"8"}}', "")
-        .replace(
-            "  ROOT %c = pred[] constant(true)\n}",
-            "  %j = s32[] get-tuple-element(%p), index=0\n"
-            "  ROOT %c = pred[] fusion(%j), kind=kLoop, calls=%fused_compare\n}\n\n"
-            "%fused_compare (param_0: s32[]) -> pred[] {\n"
-            "  %param_0 = s32[] parameter(0)\n"
-            "  %eight = s32[] constant(8)\n"
-            "  ROOT %lt = pred[] compare(%param_0, %eight), direction=LT\n}",
-        )
+    text = HLO.replace(', backend_config={"known_trip_count":{"n":"8"}}', "").replace(
+        "  ROOT %c = pred[] constant(true)\n}",
+        "  %j = s32[] get-tuple-element(%p), index=0\n"
+        "  ROOT %c = pred[] fusion(%j), kind=kLoop, calls=%fused_compare\n}\n\n"
+        "%fused_compare (param_0: s32[]) -> pred[] {\n"
+        "  %param_0 = s32[] parameter(0)\n"
+        "  %eight = s32[] constant(8)\n"
+        "  ROOT %lt = pred[] compare(%param_0, %eight), direction=LT\n}",
     )
     r = rl.roofline(text, H100)
     assert r.unknown_trip_counts == 0 and r.flops == 8 * 2 * 64 * 32 * 32
