@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 
 flags.DEFINE_multi_string("workdir", [], "Run directory (give twice to overlay two runs).")
 flags.DEFINE_multi_string(
@@ -189,7 +189,11 @@ def main(argv):
 
 
 def cli_main():
-    app.run(main)
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """Benchmarks on whatever device is present. Each prints one JSON object per measurement.
 
-  resformer bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \
-      --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \
+  resformer bench train --config=configs/transformer_82m.py --steps=5 [--profile_dir=DIR] \\
+      --config.train.global_batch=8 --config.data.seq_len=512 --config.model.dtype=float32 \\
       [--compare=none,resformer,svformer] [--compare_dtypes=float32,bfloat16] [--compare_telemetry] [--compile_only]
   resformer bench attention --shapes=4,2048,16,16,64 [--impls=xla,pallas,reference] [--dtype=bfloat16]
-  resformer bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \
+  resformer bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \\
       [--compare=none,svformer] [--batch=1]
   resformer bench accelerator [--out=report.json]   # first thing to run on new hardware
-  resformer bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \
+  resformer bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \\
       [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
-  resformer bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \
+  resformer bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \\
       [--tasks=hellaswag] [--items=256]   # items/s and peak memory; the full validation split's projected time
 
 train: compile seconds, median step seconds, tokens/s (total and per device), MFU in
@@ -261,8 +261,12 @@ def main(argv):
 
 
 def cli_main():
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
     cli.check_config_flags(sys.argv)
-    app.run(main)
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -220,3 +220,30 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
 
     sys.unraisablehook = unraisable_hook
     return sink
+
+
+HELP_FLAGS = ("--help", "-h", "--helpshort", "-?", "--help=true")
+
+
+def command_help(module) -> str:
+    """A command's --help: its docstring, then each flag it defines with its help and default (absl's own --help
+    lists only the flags of the program's __main__ module, which for `resformer COMMAND` is the dispatcher)."""
+    import inspect
+
+    from absl import flags
+
+    doc = inspect.cleandoc(module.__doc__ or "")
+    by_module = flags.FLAGS.flags_by_module_dict()
+    names = [m for m in by_module if m in (module.__name__, getattr(module, "__file__", None), sys.argv[0])]
+    listing = "\n".join(flags.FLAGS.module_help(m).split("\n", 2)[-1] for m in names if by_module[m])
+    return f"{doc}\n\nflags:\n{listing.rstrip()}\n" if listing.strip() else f"{doc}\n\n(no flags)\n"
+
+
+def run_app(main, module) -> None:
+    """absl's app.run(main), with `--help` (and -h, --helpshort) answered from `module`'s own flags, exit 0."""
+    from absl import app
+
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        sys.stdout.write(command_help(module))
+        sys.exit(0)
+    app.run(main)

@@ -97,7 +97,10 @@ def main(argv):
 
 
 def cli_main():
-    app.run(lambda argv: sys.exit(main(argv)))
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(lambda argv: sys.exit(main(argv)), sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file(
@@ -137,6 +137,10 @@ def _target_platform(argv) -> str:
 
 
 def cli_main():
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
     # The targets' devices are compile-only: JAX must not look for local accelerators (a CUDA plugin without a
     # GPU refuses to start), and the project's CPU XLA defaults must stay off the target's compiler.
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -145,7 +149,7 @@ def cli_main():
 
     runtime.configure_xla_for_target(_target_platform(sys.argv))
     common.check_config_flags(sys.argv)
-    app.run(main)
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

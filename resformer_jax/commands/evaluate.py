@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: per-domain validation loss (paper Table 5) and zero-shot accuracy (Table 1).
 
   resformer evaluate --workdir=RUN [--step N] --data=PREPARED_DIR
-  resformer evaluate --workdir=RUN --tasks=hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa \
+  resformer evaluate --workdir=RUN --tasks=hellaswag,piqa,winogrande,arc_easy,arc_challenge,openbookqa \\
       --task_data=DIR [--limit N]
 
 Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
@@ -9,7 +9,7 @@ Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
@@ -108,7 +108,11 @@ def evaluate():
 
 
 def cli_main():
-    app.run(main)
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

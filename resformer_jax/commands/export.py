@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
 
 flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 flags.DEFINE_string("out", None, "Output folder.", required=True)
@@ -42,7 +42,11 @@ def main(argv):
 
 
 def cli_main():
-    app.run(main)
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

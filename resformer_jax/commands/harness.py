@@ -15,9 +15,17 @@ from __future__ import annotations
 def cli_main():
     from resformer_jax.commands import common as cli
 
-    cli.start()
     import importlib.util
     import sys
+
+    if importlib.util.find_spec("lm_eval") is None and any(a in cli.HELP_FLAGS for a in sys.argv[1:]):
+        sys.stdout.write(
+            cli.command_help(sys.modules[__name__])
+            + "\nThe flags are lm-eval's own (lm_eval --help); running needs the lm_eval extra, not installed here: "
+            "pip install -e '.[lm_eval]'\n"
+        )
+        sys.exit(0)
+    cli.start()
 
     if importlib.util.find_spec("lm_eval") is None:
         print(

@@ -5,7 +5,7 @@ resformer lm-eval-tasks --task_data=DIR --out=configs/lm_eval_tasks
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from resformer_jax.commands import common as cli
 
@@ -24,7 +24,11 @@ def main(argv):
 
 
 def cli_main():
-    app.run(main)
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

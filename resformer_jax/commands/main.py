@@ -62,8 +62,12 @@ def main(argv):
 
 
 def cli_main():
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
     common.check_config_flags(sys.argv, default_config=_DEMO)
-    app.run(main)
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ resformer tfds-build --data=DIR     # DIR written by data_prep.prepare
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from resformer_jax.commands import common as cli
 
@@ -23,7 +23,11 @@ def main(argv):
 
 
 def cli_main():
-    app.run(main)
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(main, sys.modules[__name__])
 
 
 if __name__ == "__main__":
