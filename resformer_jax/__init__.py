@@ -6,4 +6,10 @@ formats; `rundir.py` owns a run directory, `errors.py` holds the one user-error 
 lists every folder.
 """
 
+import time
+
 __version__ = "0.1.0"
+
+# When this interpreter first imported the package, about its own start: the goodput ledger's start-up begins here,
+# not at the process's creation (a shell that prepares something and then execs Python has the same process).
+IMPORTED_UNIX = time.time()

@@ -38,7 +38,12 @@ import os
 import sys
 import tempfile
 
+import resformer_jax
+
 # flag -> (value, why)
+# "PID:UNIX-TIME": the first interpreter's start, carried over the one restart (same PID) for the goodput ledger.
+STARTED_ENV = "RESFORMER_INTERPRETER_STARTED"
+
 GPU_XLA_FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": (
         "true",
@@ -319,7 +324,8 @@ def restart_with_host_memory_defaults():
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, sys.orig_argv, dict(os.environ, GLIBC_TUNABLES=tunables))
+        env = dict(os.environ, GLIBC_TUNABLES=tunables, **{STARTED_ENV: f"{os.getpid()}:{resformer_jax.IMPORTED_UNIX}"})
+        os.execve(sys.executable, sys.orig_argv, env)
     except OSError:
         return  # no restart possible (an unusual interpreter path): the defaults are a speed-up, not a need
 

@@ -21,7 +21,9 @@ flags.DEFINE_integer("batch", 0, "Sequences per forward pass (0: zero-shot sizes
 FLAGS = flags.FLAGS
 
 
-def validation_table(cfg, params, data: str | None, batch: int) -> dict:
+def validation_table(cfg, params, data: str | None, batch: int, say=print) -> dict:
+    import time
+
     import jax
     import numpy as np
 
@@ -35,7 +37,18 @@ def validation_table(cfg, params, data: str | None, batch: int) -> dict:
     model = Transformer(cfg.model)
     f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.get("loss_chunk_len", 128)))
     sets = validation_sets(cfg, batch, 0, all_records=True)
-    table = {dom: float(np.mean([f(params, b) for b in batches])) for dom, batches in sets.items()}
+    total, done, t0, last = sum(len(b) for b in sets.values()), 0, time.perf_counter(), time.perf_counter()
+    say(f"validation: {total} batches of {batch} sequences over {len(sets)} domains (the first compiles) ...")
+    table = {}
+    for dom, batches in sets.items():
+        losses = []
+        for b in batches:
+            losses.append(float(f(params, b)))
+            done += 1
+            if time.perf_counter() - last > 10 or done == total:  # a word at least every 10 s
+                last = time.perf_counter()
+                say(f"validation: {done}/{total} batches ({dom}), {last - t0:.0f} s")
+        table[dom] = float(np.mean(losses))
     table["mean"] = float(np.mean(list(table.values())))
     return table
 
@@ -96,7 +109,9 @@ def evaluate():
         write_json(path, {"step": step, "tasks": res, "average_acc": avg})
         print(f"wrote {path}")
     if FLAGS.data or not tasks:
-        table = validation_table(cfg, params, FLAGS.data, FLAGS.batch or 16)
+        table = validation_table(
+            cfg, params, FLAGS.data, FLAGS.batch or 16, say=lambda m: print(m, file=sys.stderr, flush=True)
+        )
         print(f"validation loss at step {step} (Table 5 layout)")
         print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
         print("  ".join(f"{v:>12.4f}" for v in table.values()))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 
 def cli_main():
-    from resformer_jax.commands import common as cli
-
     import importlib.util
     import sys
+
+    from resformer_jax.commands import common as cli
 
     if importlib.util.find_spec("lm_eval") is None and any(a in cli.HELP_FLAGS for a in sys.argv[1:]):
         sys.stdout.write(

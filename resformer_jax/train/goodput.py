@@ -24,13 +24,21 @@ CATEGORIES = ("startup", "compile", "restore", "data_wait", "steps", "eval", "ch
 
 
 def process_start_unix() -> float:
-    """When this process started (its imports count as start-up)."""
-    try:
-        import psutil
+    """When this Python interpreter started (its imports count as start-up): the first import of the package, or
+    before the one restart runtime.py may make (same PID), that first interpreter's. Never the process's creation
+    time, which is an exec'ing shell's (`... && exec python`, SLURM scripts) and would bill its work here."""
+    import os
 
-        return float(psutil.Process().create_time())
-    except Exception:
-        return time.time()
+    import resformer_jax
+    from resformer_jax.runtime import STARTED_ENV
+
+    pid, _, started = os.environ.get(STARTED_ENV, "").partition(":")
+    if pid == str(os.getpid()):
+        try:
+            return float(started)
+        except ValueError:
+            pass
+    return resformer_jax.IMPORTED_UNIX
 
 
 def read(path) -> list[dict]:

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
 from resformer_jax.train import goodput, telemetry
 from resformer_jax.train.faults import Faults
+from resformer_jax.train.interrupt import StartupInterrupt
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.setup import (
     MemoryPrecheckError,
@@ -101,6 +103,25 @@ class Session:
         return self.cfg.train.global_batch * self.cfg.data.seq_len
 
 
+class NothingToDo(Exception):
+    """The run is already at its last step (train.steps, or train.stop_at before it): found before the compile."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+    def message(self, workdir: str, train) -> str:
+        which = (
+            f"config.train.stop_at={train.stop_at}"
+            if train.stop_at and train.stop_at < train.steps
+            else f"config.train.steps={train.steps}"
+        )
+        return (
+            f"nothing to do: the run in {workdir} is at step {self.step}, and {which}; raise --config.train.steps "
+            "to train further"
+        )
+
+
 class Trainer:
     def __init__(self, cfg, run: RunDir | str, coordinator_address=None, num_processes=None, process_id=None):
         maybe_initialize_distributed(
@@ -157,6 +178,39 @@ class Trainer:
         if corpus is not None:
             check_compatible(corpus.meta, cfg.data.seq_len, cfg.model.vocab_size, "", corpus.path)
         return corpus
+
+    def _check_run_dir(self, cfg) -> int | None:
+        """The run directory, from the file system alone, before anything takes seconds: a file or an unwritable
+        folder, checkpoints that were deleted, a run already finished. Returns the finished run's step (nothing to
+        do), else None."""
+        path = self.run.path
+        if not is_remote(self.workdir):
+            if path.exists() and not path.is_dir():
+                raise UserError(f"--workdir {self.workdir} is a file, not a directory; give a folder for the run")
+            existing = next((p for p in [path, *path.parents] if p.exists()), None)
+            if existing is not None and not os.access(os.fspath(existing), os.W_OK | os.X_OK):
+                raise UserError(
+                    f"--workdir {self.workdir}: {existing} is not writable by this user; fix its permissions or "
+                    "give another --workdir"
+                )
+        steps = self.run.finished_steps() if self.run.checkpoints.is_dir() else []
+        if not steps and not cfg.checkpoint.allow_fresh_start:
+            damaged = self.run.checkpoints_damaged
+            history = ([f"{damaged} holds {sorted(p.name for p in damaged.iterdir())}"] if damaged.is_dir() else []) + (
+                [f"checkpoints were written here up to step {self.run.checkpoints_written_marker.read_text().strip()}"]
+                if self.run.checkpoints_written_marker.is_file()
+                else []
+            )
+            if history:
+                raise CheckpointError(
+                    f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
+                    "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
+                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
+                )
+        end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
+        if steps and steps[-1] >= end:
+            return steps[-1]
+        return None
 
     def _check_workdir_model(self, cfg, corpus):
         """The run directory's model against this config, every differing field in one line, before the probe and
@@ -246,6 +300,7 @@ class Trainer:
 
     def _compile(self, setup: TrainSetup, cfg):
         self._enter("compile")
+        self.say("compiling the train step (Ctrl-C stops at once) ...")
         compiled, compile_s, mem = setup.compile()
         line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
         self.say(f"compiled train step in {compile_s:.1f}s; {line}")
@@ -346,6 +401,9 @@ class Trainer:
         # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
         # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
         validate(cfg)
+        done = self._check_run_dir(cfg)
+        if done is not None:
+            raise NothingToDo(done)
         if cfg.eval.tasks:  # the task names and files, before anything costly
             check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
         try:
@@ -458,7 +516,15 @@ class Trainer:
                 self.say(goodput.describe(totals))
 
     def _train(self) -> int:
-        self.session = s = self._start()
+        guard = self._startup_interrupt() if threading.current_thread() is threading.main_thread() else None
+        try:
+            self.session = s = self._start()
+        except NothingToDo as done:
+            self.say(done.message(self.workdir, self.asked.train))
+            return 0
+        finally:
+            if guard is not None:
+                guard.close()
         cfg = s.cfg
         end = self._end_step(s)
         step, exit_code = s.start_step, 0
@@ -509,6 +575,24 @@ class Trainer:
         """The batch of `step` (1-based), through the injected faults (train/faults.py; none unless set)."""
         self.faults.before_read(step)
         return self._global(s, self.faults.batch(step, next(s.data), s.cfg.model.vocab_size))
+
+    def _startup_interrupt(self) -> StartupInterrupt:
+        """Start-up stops at once on a signal; a run directory this start made, holding no checkpoint, goes too."""
+        existed = is_remote(self.workdir) or self.run.path.exists()
+
+        def leftover() -> str | None:
+            if existed or not self.run.path.exists() or self.run.finished_steps():
+                return None
+            return os.fspath(self.run.path)
+
+        return StartupInterrupt(
+            lambda name: (
+                f"stopped during start-up ({name}) before any step; nothing was saved"
+                + ("" if existed else f" and {self.workdir} was not left behind")
+                + ". Rerun the same command to start"
+            ),
+            leftover,
+        )
 
     def _install_signals(self):
         def handler(signum, frame):
@@ -611,15 +695,7 @@ class Trainer:
         cfg = s.cfg
         end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
         if s.start_step >= end:
-            which = (
-                f"config.train.stop_at={cfg.train.stop_at}"
-                if cfg.train.stop_at and end < cfg.train.steps
-                else f"config.train.steps={cfg.train.steps}"
-            )
-            self.say(
-                f"nothing to do: the run in {self.workdir} is at step {s.start_step}, and {which}; raise "
-                "--config.train.steps to train further"
-            )
+            self.say(NothingToDo(s.start_step).message(self.workdir, cfg.train))
         if self.preempt and s.start_step < end:
             self.say(
                 "stopped during start-up (SIGTERM/SIGINT) before any step; nothing new to save. "
