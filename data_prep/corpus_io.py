@@ -223,6 +223,12 @@ def load_tokenizer(spec: str, files: list[str], out: str, docs_of=None):
         if os.path.abspath(spec) != os.path.abspath(path):
             shutil.copyfile(spec, path)
         return tok, path
+    if spec.endswith(".json") or spec.count("/") > 1 or spec.startswith((".", "/", "~")):
+        # a path (a hub name is OWNER/NAME, no extension, one slash): say the file is missing, not the hub's rules
+        raise PrepareError(
+            f"--tokenizer {spec!r}: no such file; check the path (or pass a hub name like EleutherAI/gpt-neox-20b, "
+            "or train:VOCAB_SIZE)"
+        )
     try:
         tok = Tokenizer.from_pretrained(spec)
     except Exception as e:

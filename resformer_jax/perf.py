@@ -77,8 +77,20 @@ def faster_cpu_dtype(m, tokens: int, min_gain: float = 1.2) -> tuple[str, str]:
     choice = "bfloat16" if b16 >= min_gain * f32 else "float32"
     return choice, (
         f"bf16 {b16 / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s at the MLP's matmul "
-        f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU"
+        f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU (bf16 only at >= {min_gain:g}x fp32's "
+        "speed); decided once per run: a resumed run keeps it"
     )
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX-512 BF16 or AMX), from /proc/cpuinfo (True where
+    unreadable: no hint is better than a wrong one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return True
+    return not flags or any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def device_peak_flops(dtype: str = "float32") -> tuple[float, str]:

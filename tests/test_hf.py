@@ -184,7 +184,8 @@ def _model_and_params(fields, scan=True):
 
 @pytest.mark.parametrize("case", sorted(EXPORT_CASES))
 def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
-    from resformer_jax.hf.export import export_params, unrolled
+    from resformer_jax.hf.export import export_params
+    from resformer_jax.model.transformer import unrolled_params as unrolled
 
     c, model, params = _model_and_params(EXPORT_CASES[case])
     out = str(tmp_path / "hf")

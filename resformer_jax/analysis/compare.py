@@ -13,6 +13,7 @@ import numpy as np
 
 from resformer_jax.analysis import grouping
 from resformer_jax.analysis.runs import RunsError, find_runs, read_run, read_train_loss, relative_curves, run_name
+from resformer_jax.config import with_defaults
 from resformer_jax.metrics import Writer
 from resformer_jax.perf import model_flops
 from resformer_jax.rundir import RunDir
@@ -165,7 +166,8 @@ def grouped(a: CompareOptions) -> int:
     for n, g in res.items():
         print(
             f"{n:>24} {len(g.seeds):>5} {g.paired!s:>6} {g.final_relative:>+22.4f} {g.final_spread:>11.4f} "
-            f"{g.seed_noise:>10.4f}  {g.verdict}"
+            + (f"{g.seed_noise:>10.4f}" if np.isfinite(g.seed_noise) else f"{'n/a 1 seed':>10}")
+            + f"  {g.verdict}"
         )
         for key, v in g.final_eval_relative.items():
             print(f"{'':>24} {key}: {v:+.4f}")
@@ -317,10 +319,34 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
     return res
 
 
+def differs_from(baseline: str, run: str) -> dict[str, tuple[str, str]]:
+    """{field: (baseline's value, run's)} for the config fields in which `run` differs from `baseline` besides
+    the value-residual fields, the seed and the fields that do not change what a run computes (grouping's)."""
+    try:
+        a, b = (grouping.flat_fields(with_defaults(RunDir(r).read_config())) for r in (baseline, run))
+    except (OSError, ValueError):
+        return {}
+    skip = ("model.value_residual", "model.resformer_", "train.seed", "resolved.")
+    return {
+        k: (a.get(k, "-"), b.get(k, "-"))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not k.startswith(grouping.NEUTRAL_FIELDS) and not k.startswith(skip)
+    }
+
+
 def pairwise(a: CompareOptions) -> int:
     """Each run's smoothed training loss minus the baseline's (Fig. 5 / Fig. 1 left): PNG, JSON, TensorBoard."""
     base = read_train_loss(a.baseline)
     runs = {run_name(r): read_train_loss(r) for r in a.runs}
+    for r in a.runs:
+        differ = differs_from(a.baseline, r)
+        if differ:
+            print(
+                f"note: {run_name(r)} differs from the baseline {run_name(a.baseline)} in more than the value "
+                "residual: "
+                + ", ".join(f"{k} {v!s} (baseline {b!s})" for k, (b, v) in differ.items())
+                + "; its relative loss mixes these effects"
+            )
     clip_smooth(a, max([max(base, default=0)] + [max(c, default=0) for c in runs.values()]))
     curves = relative_curves(base, runs, a.smooth)
     out = run_path(a.out)
@@ -361,17 +387,19 @@ def goodput_table(paths: list[str]) -> int:
     """Where each run's wall time went (RUN/goodput.json, added up over its invocations): one row a run."""
     runs = find_runs(paths)
     cols = ("startup", "compile", "restore", "data_wait", "eval", "checkpoint", "stalled")
+    w = max([28, *(len(run_name(r)) for r in runs)])
     print(
-        f"{'run':<28} {'goodput':>8} {'wall s':>9} {'steps s':>9} {'recomp s':>9} " + " ".join(f"{c:>10}" for c in cols)
+        f"{'run':<{w}} {'goodput':>8} {'wall s':>9} {'steps s':>9} {'recomp s':>9} "
+        + " ".join(f"{c:>10}" for c in cols)
     )
     for r in runs:
         invocations = goodput.read(RunDir(r).goodput_json)
         if not invocations:
-            print(f"{run_name(r):<28} (no goodput.json: trained before the ledger existed)")
+            print(f"{run_name(r):<{w}} (no goodput.json: trained before the ledger existed)")
             continue
         t = goodput.totals(invocations)
         print(
-            f"{run_name(r):<28} {100 * t['goodput']:7.1f}% {t['wall_s']:9.0f} {t['seconds']['steps']:9.0f} "
+            f"{run_name(r):<{w}} {100 * t['goodput']:7.1f}% {t['wall_s']:9.0f} {t['seconds']['steps']:9.0f} "
             f"{t['recomputed_s']:9.0f} "
             + " ".join(f"{t['seconds'][c]:10.0f}" for c in cols)
             + f"  ({t['invocations']} invocation(s)"

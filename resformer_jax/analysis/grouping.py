@@ -83,11 +83,11 @@ NEUTRAL_FIELDS = (
 )
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, str]:
+def flat_fields(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_fields(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = repr(v)
     return out
@@ -95,7 +95,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, str]:
 
 def differing_fields(runs: list[RunCurves], exclude: tuple[str, ...]) -> list[str]:
     """Config fields (dotted) whose values differ across `runs`, besides `exclude` and the neutral fields."""
-    flats = [_flat(r.config) for r in runs]
+    flats = [flat_fields(r.config) for r in runs]
     keys = set().union(*flats) if flats else set()
     return sorted(
         k for k in keys if not k.startswith(NEUTRAL_FIELDS) and k not in exclude and len({f.get(k) for f in flats}) > 1

@@ -172,6 +172,18 @@ class CompileReport:
             train = next((s for s in self.steps if s.name == "train" and s.memory), None)
             ratio = f" ({self.estimate['total'] / train.memory.total:.2f}x the compiled train step)" if train else ""
             out.append(f"  --mode=summary's estimate: {gib(self.estimate['total'])} per device{ratio}")
+        for s in self.steps:  # the verdict last, one line a step
+            r = s.roofline or {}
+            out.append(
+                f"verdict {s.name}: "
+                + (
+                    f"fits ({gib(s.memory.total)} of {gib(t.hbm_bytes)})"
+                    if s.fits and s.memory
+                    else ("fits" if s.fits else "DOES NOT FIT")
+                )
+                + (f"; bound {r['per_op_bound_s'] * 1e3:.1f} ms" if r.get("per_op_bound_s") else "")
+                + (f"; MFU ceiling {r['mfu_ceiling_model']:.3f}" if r.get("mfu_ceiling_model") is not None else "")
+            )
         return out
 
 
@@ -209,11 +221,12 @@ def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
             f"{k['bound_s'] * 1e3:>10.1f}"
             + ("  (on the links; overlapped, not in the bound)" if kind == "collective" else "")
         )
-    out.append(f"the {top} costliest ops under the bound:")
+    out.append(f"the {top} costliest computations under the bound (an op's copies merged):")
     for o in r["top_ops"][:top]:
+        copies = f" (+{o['copies'] - 1} copies)" if o.get("copies", 1) > 1 else ""
         out.append(
-            f"  {o['bound_s'] * 1e3:7.2f} ms  {o['kind']:<7} x{o['executions']:<4} {o['name'][:32]:<32} "
-            f"{o['scope'][-80:]}"
+            f"  {o['bound_s'] * 1e3:7.2f} ms  {o['kind']:<7} x{o['executions']:<4} {o['name']}{copies}  "
+            f"{o['scope'] or '(no model scope)'}"
         )
     return out
 

@@ -368,19 +368,34 @@ class Roofline:
             "mfu_ceiling_model_program_bound": model_flops_per_device / (self.program_bound_s * c.peak_flops),
             "by_kind": self.by_kind(),
             "unknown_trip_counts": self.unknown_trip_counts,
-            "top_ops": [
+            "top_ops": self.top_computations(),
+        }
+
+    def top_computations(self, n: int = 10) -> list[dict]:
+        """The costliest non-collective ops, the copies of one computation (same kind and model scope: XLA clones
+        an op per use, `fusion.12`, `fusion.12.clone`) merged into one row with their summed cost."""
+        merged: dict[tuple, dict] = {}
+        for o in self.ops:
+            if o.kind == "collective":
+                continue
+            key = (o.kind, o.scope or re.sub(r"(\.clone)?(\.\d+)*$", "", o.name), o.flops, o.bytes)
+            row = merged.setdefault(
+                key,
                 {
                     "name": o.name,
                     "kind": o.kind,
                     "scope": o.scope,
-                    "executions": o.executions,
+                    "executions": 0,
                     "flops": o.flops,
                     "bytes": o.bytes,
-                    "bound_s": o.bound_s(c),
-                }
-                for o in self.top()
-            ],
-        }
+                    "bound_s": 0.0,
+                    "copies": 0,
+                },
+            )
+            row["executions"] += o.executions
+            row["bound_s"] += o.bound_s(self.chip)
+            row["copies"] += 1
+        return sorted(merged.values(), key=lambda r: -r["bound_s"])[:n]
 
 
 def dot_flops(ins: Instr, shapes: dict[str, str], contracting_key: str = "lhs_contracting_dims") -> float:

@@ -16,6 +16,7 @@ from resformer_jax.model import attention as eq
 from resformer_jax.model.attention import plan_layer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import fixed_lambdas
+from resformer_jax.model.transformer import unrolled_params
 
 EXPORTABLE = {
     "value_residual": ("none", "resformer", "svformer", "skipv1"),
@@ -31,17 +32,6 @@ EXPORTABLE = {
 SHARD_BYTES = 5 * 2**30
 
 
-def unrolled(params: dict, num_layers: int) -> dict:
-    """Scanned parameters ({'layers': {'block': [L-1, ...]}}) as one subtree per layer ({'layer_n': ...})."""
-    if "layers" not in params:
-        return dict(params)
-    out = {k: v for k, v in params.items() if k != "layers"}
-    stacked = params["layers"]["block"]
-    for i in range(num_layers - 1):
-        out[f"layer_{i + 2}"] = jax.tree.map(lambda x, i=i: np.asarray(x)[i], stacked)
-    return out
-
-
 def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
     """This project's parameters as HF Llama tensors ([out, in] Linear weights); SVFormer layers >= 2 have no
     v_proj (SkipV1Former's have K - r heads); learnable lambdas become `self_attn.lambda1/lambda2` scalars (and
@@ -52,7 +42,7 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
         value = getattr(ModelConfig.of(m), field)
         if value not in allowed:
             raise HFError(f"config.model.{field}={value!r} has no Hugging Face export; exportable: {allowed}")
-    p = unrolled(jax.tree.map(lambda x: np.asarray(x, np.float32), params), m.num_layers)
+    p = unrolled_params(jax.tree.map(lambda x: np.asarray(x, np.float32), params), m.num_layers)
     E = m.d_model
     t = {
         "model.embed_tokens.weight": p["embed"]["embedding"],

@@ -158,6 +158,16 @@ class LayerTensors(NamedTuple):
     v_all: jax.Array  # [B, S, K, D] values attended over
 
 
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """A paged decode cache (the engine's): each layer's cache is a pool of `num_pages` pages of `page_size`
+    tokens, [num_pages, page_size, heads, D]; a sequence's tokens sit in the pages its row of the page table
+    lists, in order. Page 0 is never a sequence's: padding tokens write there."""
+
+    num_pages: int
+    page_size: int
+
+
 @struct.dataclass
 class Context:
     """Inputs every layer >= 2 reads and nobody changes: positions, layer 1's tensors, the decode index."""
@@ -168,6 +178,8 @@ class Context:
     max_len: int = struct.field(pytree_node=False, default=0)  # decode cache length
     mesh: Any = struct.field(pytree_node=False, default=None)  # the device mesh, for kernels run per shard
     value_embeds: Any = None  # model.value_embeddings: each table's lookup of this call's tokens, [B, T, K, D]
+    pages: PageLayout | None = struct.field(pytree_node=False, default=None)  # a paged cache (engine/)
+    page_table: Any = None  # paged: [B, P] each row's pages in order (0 past its end)
 
 
 @struct.dataclass
@@ -456,7 +468,8 @@ class Attention(nn.Module):
         Returns (U_n, the cached K, the cached V)."""
         first: Any = ctx.first
         k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
-        mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= ctx.positions[:, :, None]
+        # a padding token (paged, position -1) attends to position 0: finite, and discarded
+        mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= jnp.maximum(ctx.positions, 0)[:, :, None]
         if self.plan.mapping == "cross_layer" and not self.plan.first:  # Eq. 2 over the caches of layers n and 1
             k_all_ = jnp.concatenate([k_all, first.k_all], axis=1)
             v_all_ = jnp.concatenate([v_all, first.v_all], axis=1)
@@ -496,6 +509,8 @@ class Attention(nn.Module):
         first: Any = ctx.first
 
         def own(name, cur, heads=m.kv_heads):
+            if ctx.pages is not None:
+                return self._paged(name, cur, heads, ctx)
             c = self.variable("cache", name, jnp.zeros, shape[:2] + (heads,) + shape[3:], dtype)
             if not self.is_initializing():
                 c.value = jax.lax.dynamic_update_slice(c.value, cur.astype(dtype), (0, ctx.index, 0, 0))
@@ -514,3 +529,21 @@ class Attention(nn.Module):
         else:
             v_all = (carry.group if p.value == "group" else (carry.shared or first)).v_all
         return k_all, v_all
+
+    def _paged(self, name: str, cur_BxTxKxD, heads: int, ctx: Context):
+        """A paged cache: this call's tokens written at (their row's page for their position, the offset in it),
+        padding (position -1) into page 0; then the row's pages gathered in order, [B, P * page_size, heads, D]
+        (position s of the sequence at index s; past its length masked by the caller)."""
+        m, pages = self.cfg, ctx.pages
+        assert pages is not None
+        dtype = jnp.dtype(m.dtype)
+        pool = self.variable("cache", name, jnp.zeros, (pages.num_pages, pages.page_size, heads, m.head_dim), dtype)
+        table_BxP = ctx.page_table
+        if not self.is_initializing():
+            pos_BxT = ctx.positions
+            slot_BxT = jnp.maximum(pos_BxT, 0) // pages.page_size
+            page_BxT = jnp.where(pos_BxT >= 0, jnp.take_along_axis(table_BxP, slot_BxT, axis=1), 0)
+            offset_BxT = jnp.where(pos_BxT >= 0, pos_BxT % pages.page_size, 0)
+            pool.value = pool.value.at[page_BxT, offset_BxT].set(cur_BxTxKxD.astype(dtype))
+        B, P = table_BxP.shape
+        return pool.value[table_BxP].reshape(B, P * pages.page_size, heads, m.head_dim)

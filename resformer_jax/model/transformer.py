@@ -24,7 +24,16 @@ import numpy as np
 
 from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import ATTENTION_RESIDUALS
-from resformer_jax.model.attention import Attention, Carry, Context, LayerTensors, first_carry, next_carry, plan_layer
+from resformer_jax.model.attention import (
+    Attention,
+    Carry,
+    Context,
+    LayerTensors,
+    PageLayout,
+    first_carry,
+    next_carry,
+    plan_layer,
+)
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
 from resformer_jax.model.layers import DenseGeneral, Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal_init
@@ -158,6 +167,7 @@ class Transformer(nn.Module):
     decode: bool = False
     capture: bool = False
     max_len: int = 0  # decode cache length
+    pages: PageLayout | None = None  # decode: a paged cache (engine/) instead of one [B, max_len] cache a layer
     planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan; tests pass a toy variant's
     mesh: Any = None  # the device mesh: attention kernels that XLA cannot partition run per batch shard
 
@@ -169,14 +179,17 @@ class Transformer(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False):
+    def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False, page_table_BxP=None):
         """return_hidden: stop before the LM head and return RMSNorm(H_N) [B, T, E]
-        (the training loss applies the head itself, a block at a time)."""
+        (the training loss applies the head itself, a block at a time). With `pages`: each token's position
+        (-1: padding, written nowhere that is read) and each row's pages (`page_table_BxP`, engine/pages.py)."""
         m = self.cfg
         dtype = jnp.dtype(m.dtype)
         B, T = tokens_BxT.shape
         index = None
-        if self.decode:
+        if self.pages is not None:
+            ctx = Context(positions=positions_BxT, mesh=self.mesh, pages=self.pages, page_table=page_table_BxP)
+        elif self.decode:
             cache_index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
             index = cache_index.value
             positions_BxT = jnp.broadcast_to(index + jnp.arange(T)[None], (B, T))
@@ -184,7 +197,9 @@ class Transformer(nn.Module):
                 cache_index.value = index + T
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-        ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
+        if self.pages is None:
+            ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
+        decode = self.decode or self.pages is not None
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
         if m.arch == "gpt2":  # learned absolute positions
@@ -209,11 +224,11 @@ class Transformer(nn.Module):
         lams_Nx2 = stack_lambdas(self, m)
 
         block_cls = DecoderBlock
-        if m.remat != "none" and not self.decode:
+        if m.remat != "none" and not decode:
             block_cls = nn.remat(DecoderBlock, policy=remat_policy(m.remat), static_argnums=())
 
         # Layer 1: a standard layer that produces V_1 (and Q_1, K_1) for every later layer.
-        carry, first = block_cls(m, 1, self.decode, self.capture, self.planner, name="layer_1")(
+        carry, first = block_cls(m, 1, decode, self.capture, self.planner, name="layer_1")(
             Carry(h=h_BxTxE), ctx, lams_Nx2[0]
         )
         ctx = dataclasses.replace(ctx, first=first)
@@ -223,7 +238,7 @@ class Transformer(nn.Module):
         if m.scan_layers and why_unrolled is None:
             scan = nn.scan(
                 nn.remat(ScannedBlock, policy=remat_policy(m.remat), prevent_cse=False)
-                if m.remat != "none" and not self.decode
+                if m.remat != "none" and not decode
                 else ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},
@@ -231,7 +246,7 @@ class Transformer(nn.Module):
                 length=m.num_layers - 1,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            carry, _ = scan(m, self.decode, self.capture, self.planner, name="layers")(carry, ctx, lams_Nx2)
+            carry, _ = scan(m, decode, self.capture, self.planner, name="layers")(carry, ctx, lams_Nx2)
         else:
             if m.scan_layers and why_unrolled:
                 log.warning("scan_layers=True but %s; running the layers unrolled.", why_unrolled)
@@ -239,7 +254,7 @@ class Transformer(nn.Module):
             if m.denseformer:
                 carry = dataclasses.replace(carry, h=DenseFormerAverage(2, name="dwa_1")(outputs))
             for n in range(2, m.num_layers + 1):
-                carry, _ = block_cls(m, n, self.decode, self.capture, self.planner, name=f"layer_{n}")(
+                carry, _ = block_cls(m, n, decode, self.capture, self.planner, name=f"layer_{n}")(
                     carry, ctx, lams_Nx2[n - 2]
                 )
                 if m.denseformer:
@@ -269,6 +284,18 @@ class DenseFormerAverage(nn.Module):
         init[-1] = 1.0
         alpha = self.param("alpha", nn.with_logical_partitioning(lambda *_: jnp.asarray(init), ("layers",)), (self.n,))
         return sum(alpha[i].astype(o.dtype) * o for i, o in enumerate(outputs))
+
+
+def unrolled_params(params: dict, num_layers: int) -> dict:
+    """Scanned parameters ({'layers': {'block': [L-1, ...]}}) as one subtree per layer ({'layer_n': ...}): what the
+    unrolled stack (scan_layers=False) reads. Unscanned parameters are returned as they are."""
+    if "layers" not in params:
+        return dict(params)
+    out = {k: v for k, v in params.items() if k != "layers"}
+    stacked = params["layers"]["block"]
+    for i in range(num_layers - 1):
+        out[f"layer_{i + 2}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return out
 
 
 def param_shapes(m, boxed: bool = False):

@@ -357,6 +357,22 @@ class Trainer:
         out.train.init_from = resolved
         return out
 
+    def _resolved_dtype(self, cfg):
+        """model.dtype=auto is decided once per run: a resumed run keeps the dtype its start chose (config.json's
+        record), never measures again (a busy host could choose otherwise). A copy where it changes."""
+        if cfg.model.dtype != "auto" or not self.run.finished_steps() or not self.run.config_json.is_file():
+            return cfg
+        try:
+            chosen = self.run.read_config().get("resolved", {}).get("model.dtype")
+        except (OSError, ValueError):
+            return cfg
+        if chosen in (None, "auto"):
+            return cfg
+        self.say(f"model.dtype=auto: {chosen}, as chosen at the run's start (its config.json)")
+        out = ml_collections.ConfigDict(cfg.to_dict())
+        out.model.dtype = chosen
+        return out
+
     def _check_fork(self, cfg, corpus):
         """train.init_from=RUN:STEP before anything costly or written: the run, the step and the model."""
         if not cfg.train.init_from or (self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir())):
@@ -416,6 +432,7 @@ class Trainer:
         self._check_fork(cfg, corpus)
         self._check_fits_here(cfg)
         cfg = forked(cfg, self.run)
+        cfg = self._resolved_dtype(cfg)
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
         setup = build(cfg, log=self.say)
         cfg = setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
@@ -563,6 +580,11 @@ class Trainer:
             if step > s.start_step and step not in s.ckpt.all_steps():
                 with self._phase("checkpoint save", step):
                     self._save(s, step)
+            if step < cfg.train.steps and step > s.start_step:
+                self.say(
+                    f"stopped at step {step}: config.train.stop_at={cfg.train.stop_at} (train.steps="
+                    f"{cfg.train.steps}); rerun with a later --config.train.stop_at, or without it, to go on"
+                )
         self._enter("finish", step)
         self._finish(s, step)
         return exit_code
@@ -672,7 +694,7 @@ class Trainer:
             tasks,
             e.task_data,
             e.task_limit,
-            log=self.say,
+            log=lambda m: self.say(f"step {step:>7}  {m}"),
             tokenizer=tok,
             mesh=mesh,
         )
@@ -750,7 +772,9 @@ class Trainer:
             loss,
             tps,
             step_time,
-            f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)" if np.isfinite(s.peak) else "",
+            f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
+            if np.isfinite(s.peak) and max(vals["perf/mfu_6n"], vals["perf/mfu_model"]) >= 0.005  # not 0.00
+            else "",
         )
 
     def _log_evaluation(self, s: Session, step: int):

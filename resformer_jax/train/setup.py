@@ -100,9 +100,14 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
     """`model.dtype=auto` -> a concrete compute dtype (returned; `cfg` is not changed): bfloat16 on accelerators
     (also a compile target's `platform`); on CPU whichever multiplies the model's shapes faster here (measured,
     printed). A named dtype is kept."""
-    if cfg.model.dtype != "auto":
-        return cfg.model.dtype
     platform = platform or jax.devices()[0].platform
+    if cfg.model.dtype != "auto":
+        if cfg.model.dtype == "bfloat16" and platform == "cpu" and not perf.cpu_has_bf16_matmul():
+            log(
+                "note: model.dtype=bfloat16 on a CPU without AVX-512 BF16 or AMX, where bf16 matmuls are usually "
+                "slower than fp32; --config.model.dtype=auto measures both once and picks"
+            )
+        return cfg.model.dtype
     if platform != "cpu":
         choice, why = "bfloat16", f"{platform} computes in bf16 natively"
     else:
@@ -352,7 +357,8 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     sized = (f"this config is sized for {cfg.mesh.target}" + (f": {check}" if check else "")) if cfg.mesh.target else ""
     return (
         f"the train step needs about {gib(est['total'])} per device by the analytic estimate (state "
-        f"{gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, "
+        f"{gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, attention "
+        f"{gib(est['attention'])}, logits {gib(est['logits'])}, "
         f"{est['per_device_micro_batch']} sequences of {cfg.data.seq_len} tokens a device at once) but {source} "
         f"is {gib(limit)}; " + "; ".join(x for x in (sized, here) if x)
     )

@@ -1,0 +1,421 @@
+"""Requests in, tokens out: a continuously batched decode over a paged KV cache.
+
+Each `step()` is one turn of the scheduler: waiting requests are admitted while pages and rows allow; one chunked
+prefill step runs for the requests still reading their prompts, then one decode step for every request that is
+generating, so a long prompt never stalls the others for more than a chunk. A request leaves the batch the token
+it ends (a stop id, its max tokens, the model's context) and its pages go back to the pool at once. When a
+generating request needs a page and none is free, the most recently admitted one is preempted (its pages freed,
+its tokens kept) and recomputed when pages free up: the pool never overflows.
+
+A step is one compiled program (the model over the paged cache, the LM head at each row's last token, sampling;
+the cache donated), compiled once per bucket of rows, tokens and pages (powers of two), never per prompt length.
+The host schedules and reads back each step's tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resformer_jax.engine.pages import EngineError, PagePool, pages_in_budget
+from resformer_jax.engine.sampling import sample_rows
+from resformer_jax.model.attention import PageLayout
+from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.transformer import Transformer, lm_head_logits, unrolled_params
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding: greedy at temperature 0; `stop_ids` end it (the stop token is kept, its reason
+    'stop'); `max_tokens` new tokens at most ('length')."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise EngineError(f"max_tokens={self.max_tokens!r}: must be a positive integer (new tokens to generate)")
+        if not self.temperature >= 0:
+            raise EngineError(f"temperature={self.temperature!r}: must be >= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p={self.top_p!r}: must be in (0, 1] (1: off)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise EngineError(f"top_k={self.top_k!r}: must be an integer >= 0 (0: off)")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt and what has been generated for it; the engine's bookkeeping of where it is."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    submitted_s: float = 0.0
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    on_token: Callable[[Request, int, float], Any] | None = None  # streaming: called for each new token
+    state: str = "waiting"  # waiting -> prefill -> decode -> done
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the cache
+    preemptions: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def to_cache(self) -> list[int]:
+        """What the cache must hold before the next decode step: the prompt and every generated token but the
+        last (the last is the next step's input)."""
+        return self.prompt + self.tokens[:-1]
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        return self.token_times_s[0] - self.submitted_s if self.token_times_s else None
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return list(np.diff(self.token_times_s))
+
+
+def bucket(n: int, at_least: int = 1) -> int:
+    """The power of two >= n (and >= at_least): the shapes a step is compiled for."""
+    return max(at_least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    most_concurrent: int = 0  # requests holding pages at once
+    most_pages_used: int = 0
+    compiled_shapes: set = dataclasses.field(default_factory=set)  # (rows, tokens, pages) buckets compiled
+    decode_seconds: float = 0.0
+    decode_pages_read: int = 0  # pages the decode steps attended over, summed over steps (the filled ones)
+    decode_rows: int = 0
+
+
+class Engine:
+    """The decode engine over one model's parameters (a run's, `load_run`), on this host's default device.
+
+    cache_bytes: the paged cache's size (every layer together); cache_fraction instead: that fraction of the
+    device's free memory (a CPU: of the host's available memory)."""
+
+    def __init__(
+        self,
+        m,
+        params,
+        *,
+        cache_bytes: float | None = None,
+        cache_fraction: float | None = None,
+        page_size: int = 16,
+        max_batch: int = 64,
+        prefill_chunk: int = 256,
+        prefill_rows: int = 4,
+    ):
+        m = ModelConfig.of(m)
+        self.model_cfg = m.replace(scan_layers=False, remat="none")  # a paged cache a layer: no stacked copies
+        self.page_size, self.max_batch = int(page_size), int(max_batch)
+        self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
+        if self.page_size < 1 or self.max_batch < 1 or self.prefill_chunk < 1 or self.prefill_rows < 1:
+            raise EngineError("page_size, max_batch, prefill_chunk and prefill_rows must be >= 1")
+        self.bytes_per_token = cache_bytes_per_token(self.model_cfg)
+        if cache_bytes is None:
+            cache_bytes = free_memory_bytes() * (cache_fraction if cache_fraction is not None else 0.5)
+        num_pages = pages_in_budget(cache_bytes, self.bytes_per_token, self.page_size)
+        if num_pages < 2:
+            raise EngineError(
+                f"a cache of {cache_bytes / 2**20:.2f} MiB holds less than one page of {self.page_size} tokens "
+                f"({self.bytes_per_token * self.page_size / 2**20:.2f} MiB); raise the cache budget"
+            )
+        self.pool = PagePool(num_pages, self.page_size)
+        self.layout = PageLayout(num_pages, self.page_size)
+        self.model = Transformer(self.model_cfg, pages=self.layout)
+        self.params = unrolled_params(params, m.num_layers) if "layers" in params else params
+        self.cache = init_pools(self.model)
+        self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))
+        self.weight_bytes = int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(self.params)))
+        self.max_len = m.max_seq_len
+        self._step_fn = jax.jit(self._forward, donate_argnums=(1,))
+        self._next_id = 0
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admitted, in admission order (prefill or decode)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, on_token=None, request_id=None
+    ) -> Request:
+        """Queues a request (it joins the batch at the next step); EngineError names what cannot work."""
+        params = params or SamplingParams()
+        params.check()
+        prompt = [int(t) for t in prompt]
+        m = self.model_cfg
+        if not prompt:
+            raise EngineError("the prompt is empty; give at least one token")
+        if any(t < 0 or t >= m.vocab_size for t in prompt):
+            raise EngineError(f"the prompt holds token ids outside the vocabulary [0, {m.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_len:
+            raise EngineError(
+                f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_tokens}) exceed the model's context "
+                f"of {self.max_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        need = self.pool.pages_for(len(prompt) + params.max_tokens)
+        if need > self.pool.usable:
+            raise EngineError(
+                f"one sequence of {len(prompt) + params.max_tokens} tokens needs {need} pages of the cache's "
+                f"{self.pool.usable} ({self.cache_bytes / 2**20:.1f} MiB); raise the cache budget or lower max_tokens"
+            )
+        rid = request_id if request_id is not None else self._next_id
+        self._next_id += 1
+        r = Request(rid, prompt, params, submitted_s=time.perf_counter(), on_token=on_token)
+        self.waiting.append(r)
+        return r
+
+    def cancel(self, r: Request) -> None:
+        """Ends a request now (a client that went away): its pages go back to the pool at once."""
+        if r.done:
+            return
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._finish(r, "cancelled")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
+        """Every prompt to completion (all queued at once, batched by the scheduler); the requests in order."""
+        many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [self.submit(p, s) for p, s in zip(prompts, many)]
+        while self.busy:
+            self.step()
+        return reqs
+
+    # ------------------------------------------------------------------ the scheduler
+    def step(self) -> list[Request]:
+        """One turn: admit, one prefill step, one decode step. Returns the requests that finished in it."""
+        finished: list[Request] = []
+        self._admit()
+        prefill = [r for r in self.running if r.state == "prefill"][: self.prefill_rows]
+        if prefill:
+            finished += self._prefill(prefill)
+        decode = [r for r in self.running if r.state == "decode"]
+        if decode:
+            decode = self._reserve_decode_pages(decode)
+            if decode:
+                finished += self._decode(decode)
+        self.stats.steps += 1
+        return finished
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            if self.pool.free < self.pool.pages_for(len(r.to_cache) + 1):
+                break  # the oldest waits for pages (first come, first served)
+            self.waiting.popleft()
+            r.state, r.cached = "prefill", 0
+            self.running.append(r)
+        self.stats.most_concurrent = max(self.stats.most_concurrent, len(self.running))
+
+    def _grow(self, r: Request, tokens: int) -> bool:
+        """Pages for `r` to hold `tokens` tokens; False when the pool has too few."""
+        need = self.pool.pages_for(tokens) - len(r.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.free:
+            return False
+        r.pages += self.pool.take(need)
+        self.stats.most_pages_used = max(self.stats.most_pages_used, self.pool.used)
+        return True
+
+    def _preempt_newest(self, keep: Request) -> Request | None:
+        """Frees the pages of the most recently admitted request other than `keep`: it waits again, first in line,
+        and is recomputed (its generated tokens kept)."""
+        for victim in reversed(self.running):
+            if victim is not keep and victim.pages:
+                self.running.remove(victim)
+                self.pool.give_back(victim.pages)
+                victim.pages, victim.cached, victim.state = [], 0, "waiting"
+                victim.preemptions += 1
+                self.stats.preemptions += 1
+                self.waiting.appendleft(victim)
+                return victim
+        return None
+
+    def _reserve_decode_pages(self, rows: list[Request]) -> list[Request]:
+        out = []
+        for r in rows:  # oldest first: the newest are preempted for them
+            while r.state == "decode" and not self._grow(r, r.cached + 1):
+                if self._preempt_newest(keep=r) is None:
+                    raise RuntimeError("no page for the only running request")  # submit() rules this out
+            out.append(r)
+        return [r for r in out if r.state == "decode"]  # a later row may have preempted an earlier one
+
+    # ------------------------------------------------------------------ steps
+    def _prefill(self, rows: list[Request]) -> list[Request]:
+        chunks = []
+        for r in rows:
+            todo = r.to_cache[r.cached : r.cached + self.prefill_chunk]
+            while r.state == "prefill" and not self._grow(r, r.cached + len(todo)):
+                if self._preempt_newest(keep=r) is None:
+                    raise RuntimeError("no page for the only running request")  # submit() rules this out
+            chunks.append(todo)
+        live = [(r, c) for r, c in zip(rows, chunks) if r.state == "prefill"]
+        if not live:
+            return []
+        T = bucket(max(len(c) for _, c in live), at_least=min(16, self.prefill_chunk))
+        tokens, positions, last = self._arrays(len(live), T)
+        for i, (r, c) in enumerate(live):
+            tokens[i, : len(c)] = c
+            positions[i, : len(c)] = np.arange(r.cached, r.cached + len(c))
+            last[i] = len(c) - 1
+        tok, lp = self._run([r for r, _ in live], tokens, positions, last)
+        self.stats.prefill_steps += 1
+        finished = []
+        for i, (r, c) in enumerate(live):
+            r.cached += len(c)
+            self.stats.prefill_tokens += len(c)
+            if r.cached == len(r.to_cache):
+                r.state = "decode"
+                if not r.tokens:  # the prompt's last token gave the first new one (after a preemption: known)
+                    if self._emit(r, int(tok[i]), float(lp[i])):
+                        finished.append(r)
+        return finished
+
+    def _decode(self, rows: list[Request]) -> list[Request]:
+        B = len(rows)
+        tokens, positions, last = self._arrays(B, 1)
+        for i, r in enumerate(rows):
+            tokens[i, 0], positions[i, 0] = r.tokens[-1], r.cached
+        t0 = time.perf_counter()
+        tok, lp = self._run(rows, tokens, positions, last)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += B
+        self.stats.decode_pages_read += sum(self.pool.pages_for(r.cached + 1) for r in rows)
+        finished = []
+        for i, r in enumerate(rows):
+            r.cached += 1
+            if self._emit(r, int(tok[i]), float(lp[i])):
+                finished.append(r)
+        return finished
+
+    def _arrays(self, rows: int, T: int):
+        B = bucket(rows)
+        return np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32), np.zeros((B,), np.int32)
+
+    def _run(self, rows: list[Request], tokens, positions, last):
+        B, T = tokens.shape
+        P = bucket(max(len(r.pages) for r in rows))
+        table = np.zeros((B, P), np.int32)
+        temperature = np.zeros((B,), np.float32)
+        top_k = np.zeros((B,), np.int32)
+        top_p = np.ones((B,), np.float32)
+        seeds = np.zeros((B,), np.uint32)
+        counters = np.zeros((B,), np.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.pages)] = r.pages
+            s = r.params
+            temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed % 2**32
+            counters[i] = len(r.tokens)
+        self.stats.compiled_shapes.add((B, T, P))
+        tok, lp, self.cache = self._step_fn(
+            self.params, self.cache, tokens, positions, table, last, temperature, top_k, top_p, seeds, counters
+        )
+        return np.asarray(tok), np.asarray(lp)
+
+    def _forward(
+        self, params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B
+    ):
+        h_BxTxE, mutated = self.model.apply(
+            {"params": params, "cache": cache},
+            tokens_BxT,
+            positions_BxT,
+            return_hidden=True,
+            page_table_BxP=table_BxP,
+            mutable=["cache"],
+        )
+        h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
+        logits_BxV = lm_head_logits(self.model_cfg, params, h_BxE)[:, 0, : self.model_cfg.vocab_size]
+        token_B, logprob_B = sample_rows(logits_BxV, temp_B, topk_B, topp_B, seed_B, n_B)
+        return token_B, logprob_B, mutated["cache"]
+
+    # ------------------------------------------------------------------ ends
+    def _emit(self, r: Request, token: int, logprob: float) -> bool:
+        """Records a new token; True if it ended the request."""
+        r.tokens.append(token)
+        r.logprobs.append(logprob)
+        r.token_times_s.append(time.perf_counter())
+        self.stats.generated_tokens += 1
+        if r.on_token is not None:
+            r.on_token(r, token, logprob)
+        if token in r.params.stop_ids:
+            self._finish(r, "stop")
+        elif len(r.tokens) >= r.params.max_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
+            self._finish(r, "length")
+        return r.done
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self.pool.give_back(r.pages)
+        r.pages, r.state, r.finish_reason = [], "done", reason
+        if r.on_token is not None:
+            r.on_token(r, -1, 0.0)  # the end: token -1
+
+
+def init_pools(model: Transformer):
+    """Zeroed cache pools of a paged model: {layer: {"k": [pages, page, K, D], "v": ...}} as each layer's
+    equation needs them."""
+    shapes = jax.eval_shape(
+        lambda: model.init(
+            jax.random.PRNGKey(0),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            page_table_BxP=jnp.zeros((1, 1), jnp.int32),
+        )
+    )["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def cache_bytes_per_token(m) -> int:
+    """Bytes a token takes in the paged cache, every layer together (what the pools hold per page slot)."""
+    model = Transformer(ModelConfig.of(m).replace(scan_layers=False), pages=PageLayout(1, 1))
+    shapes = jax.eval_shape(
+        lambda: model.init(
+            jax.random.PRNGKey(0),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            page_table_BxP=jnp.zeros((1, 1), jnp.int32),
+        )
+    )["cache"]
+    return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
+
+
+def free_memory_bytes() -> float:
+    """The default device's free memory (a CPU: the host's available memory)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    import psutil
+
+    return float(psutil.virtual_memory().available)
