@@ -296,9 +296,9 @@ class Engine:
             self.stats.prefill_tokens += len(c)
             if r.cached == len(r.to_cache):
                 r.state = "decode"
-                if not r.tokens:  # the prompt's last token gave the first new one (after a preemption: known)
-                    if self._emit(r, int(tok[i]), float(lp[i])):
-                        finished.append(r)
+                # the prompt's last token gives the first new one (after a preemption it is known already)
+                if not r.tokens and self._emit(r, int(tok[i]), float(lp[i])):
+                    finished.append(r)
         return finished
 
     def _decode(self, rows: list[Request]) -> list[Request]:
