@@ -120,12 +120,14 @@ def test_convex_lambdas_are_read_back_as_l1_and_1_minus_l1():
         ("none", "fixed", 2, {"value_embeddings": 1, "value_embedding_gate": True}),
     ],
 )
+@pytest.mark.slow  # over 12 s in the fast tier
 @pytest.mark.parametrize("scan", [True, False])
 def test_decode_equals_forward(mode, lambdas, kv, extra, scan):
     c = cfg(mode, lambdas, kv=kv, scan_layers=scan, attention_impl="auto", **extra)
     assert_decode_equals_forward(c)
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_skipv1s_cache_holds_only_its_own_heads_and_matches_the_summary():
     """L = 8, K = 4 value heads, 2 of them reused: layers >= 2 cache K in full and V at half, so the cache is
     (2 + 1.5 * 7) / 16 of vanilla's (about 22% less); measured on the cache arrays, equal to --mode=summary's."""

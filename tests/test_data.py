@@ -49,6 +49,7 @@ def _docs(path):
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_token_counts_equal_independent_count(slimpajama):
     out, shared = slimpajama
     from tokenizers import Tokenizer

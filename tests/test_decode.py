@@ -72,6 +72,7 @@ def test_cross_layer_mapping_decode_equals_forward(scan):
     assert_decode_equals_forward(c)
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 @pytest.mark.parametrize("kv", [2])
 def test_svformer_cache_is_L_plus_1_over_2L_of_vanilla_and_matches_summary(kv):
     sizes = {}
@@ -143,6 +144,7 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     assert '"kv_cache_bytes"' in r.stderr and "decode_tokens_per_s" in r.stderr
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
     import ml_collections
 

@@ -106,6 +106,7 @@ def test_mixture_from_the_command_line(corpus, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_damaged_prepared_data(corpus, tmp_path):
     import shutil
 

@@ -200,6 +200,7 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert os.listdir(tmp_path / "cmp" / "tb" / "resformer")
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     """analyze keeps running means (memory: one batch); its result equals the measures computed the way it used
     to, holding every example's values and averaging at the end (Eq. 12's per-example spectra included); Fig. 9

@@ -190,6 +190,7 @@ def test_splash_tpu_kernel_matches_reference_interpreted(T, H, K):
         assert rel(g, w) < 1e-5, f"splash {name} T={T}: {rel(g, w):.2e}"
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path):
     """Under a data x fsdp mesh, pallas runs through shard_map (XLA cannot partition a custom call):
     the same losses as XLA's attention on the same mesh."""

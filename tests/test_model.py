@@ -136,6 +136,7 @@ def test_learnable_lambdas_receive_gradients(scan):
             assert np.all(np.abs(np.asarray(b[name])) > 0), f"{name} gets no gradient"
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_paper_param_counts_and_kv_cache():
     expected = {"82m": 81.9e6, "180m": 179.8e6, "468m": 467.9e6}
     for size, n in expected.items():
@@ -186,6 +187,7 @@ def test_impossible_config_names_field_and_fix(field, value, needle):
     assert "Fix:" in str(e.value)
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_summary_cli_prints_json_and_bad_config_exits_cleanly():
     out = subprocess.run(
         [sys.executable, "-m", "resformer_jax.main", "--config=configs/resformer_468m.py", "--mode=summary"],

@@ -128,6 +128,7 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     np.testing.assert_allclose(scanned, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 @pytest.mark.parametrize("mode", ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"])
 def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
     import flax.linen as nn
@@ -171,6 +172,7 @@ def test_gpt2_at_the_82m_shape_is_untied_as_table_4_with_the_tied_form_on_reques
         assert summary(c)["params_total"] == built == want, (tie, built)
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_gpt2_scaled_output_init_and_dropout():
     """scaled_output_init: the attention and MLP output projections start at std init_std/sqrt(2L) (GPT-2's init);
     dropout: active in training only, a function of (seed, step) (two runs agree bitwise), and it changes the
@@ -215,6 +217,7 @@ def test_gpt2_scaled_output_init_and_dropout():
     assert with_dropout[0] != without[0]
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_paper_configs_are_sized_for_8_h100s():
     """The headline configs run as written on the hardware the paper used: the step's 1,024 sequences of 2,048
     tokens over 8 GPUs in the setting `compile --tune` finds best there (docs/kernels-and-compile.md); the estimate

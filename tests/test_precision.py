@@ -7,6 +7,7 @@ train/loss.py); fp32 keeps its exact old code path (tests/test_structure.py pins
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from resformer_jax.config import tiny_config
 from resformer_jax.kernels.cpu_matmul import mixed_matmul, swiglu_mlp, transposed
@@ -110,6 +111,7 @@ def _loss_and_grads(dtype, chunk):
     return params, jax.jit(jax.value_and_grad(lambda p: loss_fn(p, m, tokens, chunk)))(params)
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_tiny_model_bf16_loss_and_gradients_track_fp32():
     """The whole bf16 step (mixed matmuls, fused loss) against fp32 on the same parameters and batch."""
     _, (l32, g32) = _loss_and_grads("float32", 8)

@@ -78,6 +78,7 @@ RECORDED = {
 RTOL = 5e-6
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_tiny_run_losses_are_those_recorded(tmp_path):
     baseline = os.environ.get("RESFORMER_LOSSES_BASELINE")
     got = tiny_run_losses(str(tmp_path))

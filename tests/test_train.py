@@ -51,6 +51,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
     assert np.abs(p["embed"]["embedding"]).sum() < np.abs(params["embed"]["embedding"]).sum()
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 @pytest.mark.parametrize("mode", ["resformer", "svformer"])
 def test_accumulation_equals_big_batch(mode):
     c = tiny_config(mode)
@@ -119,6 +120,7 @@ def test_accelerator_head_pads_the_vocabulary_and_writes_compute_dtype_logits():
     assert "bf16[3,5,128]" in jaxpr or "bf16[15,128]" in jaxpr, "the logits GEMM writes bf16 over 128 columns"
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_train_step_same_with_fused_and_full_logits_loss():
     c = tiny_config("svformer")
     model = Transformer(c.model)
@@ -178,6 +180,7 @@ def test_tiny_model_trains_on_real_text_and_logs_tensorboard(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_nonfinite_loss_stops_with_step(tmp_path, capsys):
     c = tiny_config("none")
     c.train.peak_lr = 1e30  # diverges within a few steps
@@ -190,6 +193,7 @@ def test_nonfinite_loss_stops_with_step(tmp_path, capsys):
     assert "non-finite at step" in err and "skip_nonfinite_steps" in err
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_skip_nonfinite_steps_counts_them(tmp_path):
     c = tiny_config("none")
     c.train.peak_lr = 1e30

@@ -70,6 +70,7 @@ def test_scores_and_accuracies_equal_the_full_vocabulary_definition(trained, sha
         assert score_items(items, fn) == score_items(items, lambda ps: [next(ll) for _ in ps]), task
 
 
+@pytest.mark.slow  # over 12 s in the fast tier
 def test_contexts_longer_than_the_model_are_cut_from_the_left_and_batches_sized_to_memory(trained):
     _wd, cfg, params, _ = trained
     rng = np.random.default_rng(0)

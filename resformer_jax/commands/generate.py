@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from absl import flags
 
@@ -21,6 +22,7 @@ flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompts_file", None, "File with one prompt per line.")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated token ids (runs without a tokenizer).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.")
+flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB (0: half the free memory).")
 flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
@@ -57,10 +59,7 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
 
 def main(argv):
     cli.start()
-    import numpy as np
 
-    from resformer_jax.model.decode import generate
-    from resformer_jax.parallel.mesh import MeshError, logical_shardings, make_mesh
     from resformer_jax.train.setup import load_run
 
     with cli.exit_on_user_error():
@@ -98,54 +97,35 @@ def main(argv):
             file=sys.stderr,
         )
         sys.exit(2)
-    # The cache and parameters are laid out like training's: parameters by the logical-axis rules,
-    # the cache over the batch axes of a mesh of all devices.
-    mesh_cfg = cfg.mesh
-    mesh_cfg.num_devices = 0
-    try:
-        mesh = make_mesh(mesh_cfg)
-    except MeshError:  # a different device count than training: plain data parallelism
-        mesh_cfg.data, mesh_cfg.fsdp = -1, 1
-        mesh = make_mesh(mesh_cfg)
-    from resformer_jax.model.transformer import param_shapes
+    # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
+    from resformer_jax.engine import Engine, SamplingParams
 
-    param_sh = logical_shardings(param_shapes(cfg.model, boxed=True), mesh, mesh_cfg)
-    # Prompts of equal length decode together as one batch.
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    results = [None] * len(prompts)
-    for _, idx in sorted(groups.items()):
-        out, stats = generate(
-            cfg.model,
-            params,
-            np.array([prompts[i] for i in idx]),
-            max_new_tokens=FLAGS.max_new_tokens,
-            temperature=FLAGS.temperature,
-            top_k=FLAGS.top_k,
-            top_p=FLAGS.top_p,
-            seed=FLAGS.seed,
-            max_len=max_len,
-            eos_id=eot,
-            mesh=mesh,
-            param_shardings=param_sh,
-        )
-        for row, i in enumerate(idx):
-            new = [int(t) for t in np.asarray(out[row, len(prompts[i]) :])]
-            if eot is not None and eot in new:
-                new = new[: new.index(eot)]
-            results[i] = new
-        print(
-            json.dumps(
-                {
-                    "step": step,
-                    "batch": len(idx),
-                    "kv_cache_bytes": stats["kv_cache_bytes"],
-                    "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 1),
-                }
-            ),
-            file=sys.stderr,
-        )
+    with cli.exit_on_user_error():
+        engine = Engine(cfg.model, params, cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None)
+        stop = (eot,) if eot is not None else ()
+        sampling = [
+            SamplingParams(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed + i, stop)
+            for i in range(len(prompts))
+        ]
+        t0 = time.perf_counter()
+        requests = engine.generate(prompts, sampling)
+    seconds = time.perf_counter() - t0
+    results = [r.tokens[:-1] if r.finish_reason == "stop" else r.tokens for r in requests]
+    print(
+        json.dumps(
+            {
+                "step": step,
+                "prompts": len(prompts),
+                "kv_cache_bytes": engine.cache_bytes,
+                "kv_cache_bytes_per_token": engine.bytes_per_token,
+                "most_concurrent": engine.stats.most_concurrent,
+                "generated_tokens": engine.stats.generated_tokens,
+                "tokens_per_s": round(engine.stats.generated_tokens / max(seconds, 1e-9), 1),
+                "compiled_shapes": len(engine.stats.compiled_shapes),
+            }
+        ),
+        file=sys.stderr,
+    )
     for p, new in zip(prompts, results):
         if tok is not None:
             print(tok.decode(p) + tok.decode(new))

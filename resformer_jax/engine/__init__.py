@@ -9,3 +9,8 @@ V_1 once for SVFormer, the own heads for SkipV1Former, `num_kv_heads` heads unde
   sampling.py  per-row sampling inside the compiled step (temperature, top-k, top-p, a seed a request)
   engine.py    requests, the scheduler (chunked prefill interleaved with decoding, preemption), the compiled steps
 """
+
+from resformer_jax.engine.engine import Engine, Request, SamplingParams
+from resformer_jax.engine.pages import EngineError
+
+__all__ = ["Engine", "EngineError", "Request", "SamplingParams"]

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,9 +92,12 @@ class Request:
         return list(np.diff(self.token_times_s))
 
 
-def bucket(n: int, at_least: int = 1) -> int:
-    """The power of two >= n (and >= at_least): the shapes a step is compiled for."""
-    return max(at_least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
+    """The power of `base` >= n (and >= at_least): the shapes a step is compiled for."""
+    b = 1
+    while b < n:
+        b *= base
+    return max(at_least, b)
 
 
 @dataclasses.dataclass
@@ -138,8 +141,11 @@ class Engine:
         if self.page_size < 1 or self.max_batch < 1 or self.prefill_chunk < 1 or self.prefill_rows < 1:
             raise EngineError("page_size, max_batch, prefill_chunk and prefill_rows must be >= 1")
         self.bytes_per_token = cache_bytes_per_token(self.model_cfg)
-        if cache_bytes is None:
-            cache_bytes = free_memory_bytes() * (cache_fraction if cache_fraction is not None else 0.5)
+        if cache_bytes is None:  # a share of the free memory, no more than max_batch full-context sequences take
+            cache_bytes = min(
+                free_memory_bytes() * (cache_fraction if cache_fraction is not None else 0.5),
+                (self.max_batch * m.max_seq_len + self.page_size) * self.bytes_per_token,
+            )
         num_pages = pages_in_budget(cache_bytes, self.bytes_per_token, self.page_size)
         if num_pages < 2:
             raise EngineError(
@@ -149,6 +155,7 @@ class Engine:
         self.pool = PagePool(num_pages, self.page_size)
         self.layout = PageLayout(num_pages, self.page_size)
         self.model = Transformer(self.model_cfg, pages=self.layout)
+        params = nn.unbox(params)
         self.params = unrolled_params(params, m.num_layers) if "layers" in params else params
         self.cache = init_pools(self.model)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))
@@ -282,7 +289,8 @@ class Engine:
         live = [(r, c) for r, c in zip(rows, chunks) if r.state == "prefill"]
         if not live:
             return []
-        T = bucket(max(len(c) for _, c in live), at_least=min(16, self.prefill_chunk))
+        # prompt tokens a row: 16, 64, 256, ... (at most the chunk): few compiles, little padding
+        T = min(bucket(max(len(c) for _, c in live), at_least=16, base=4), bucket(self.prefill_chunk))
         tokens, positions, last = self._arrays(len(live), T)
         for i, (r, c) in enumerate(live):
             tokens[i, : len(c)] = c
@@ -325,7 +333,7 @@ class Engine:
 
     def _run(self, rows: list[Request], tokens, positions, last):
         B, T = tokens.shape
-        P = bucket(max(len(r.pages) for r in rows))
+        P = bucket(max(len(r.pages) for r in rows), at_least=4)
         table = np.zeros((B, P), np.int32)
         temperature = np.zeros((B,), np.float32)
         top_k = np.zeros((B,), np.int32)
@@ -368,6 +376,8 @@ class Engine:
         self.stats.generated_tokens += 1
         if r.on_token is not None:
             r.on_token(r, token, logprob)
+            if r.done:  # the callback ended it (a stop string, a client gone)
+                return True
         if token in r.params.stop_ids:
             self._finish(r, "stop")
         elif len(r.tokens) >= r.params.max_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:

@@ -16,13 +16,11 @@ log-likelihoods agree.
 
 from __future__ import annotations
 
-import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from resformer_jax.errors import UserError
 from resformer_jax.eval.loglik import ContinuationScorer, prepare
-from resformer_jax.model.decode import generate
 from resformer_jax.rundir import RunDir
 from resformer_jax.train.setup import load_run
 
@@ -62,6 +60,7 @@ class ResformerLM(LM):
             )
 
         self.scorer = ContinuationScorer(self.cfg.model, self.params, self.max_length, self.batch)
+        self._engine = None  # the decode engine, made at the first generation request
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
@@ -121,8 +120,14 @@ class ResformerLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):
+        """Every request at once through the decode engine (batched, mixed lengths; a handful of compiles), each
+        stopping at the end-of-text token, its max_gen_toks or the first of its `until` strings."""
+        from resformer_jax.engine import Engine, SamplingParams
 
-        out = []
+        if self._engine is None:
+            self._engine = Engine(self.cfg.model, self.params, max_batch=max(self.batch, 16))
+        engine = self._engine
+        stops, reqs = [], []
         for req in requests:
             ctx, kw = req.args
             kw = dict(kw or {})
@@ -132,23 +137,31 @@ class ResformerLM(LM):
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
             prompt = (self.encode(ctx) or [self.eot_id])[-max(1, self.cfg.model.max_seq_len - max_new) :]
             max_new = min(max_new, self.cfg.model.max_seq_len - len(prompt))
-            toks, _ = generate(
-                self.cfg.model,
-                self.params,
-                np.asarray([prompt]),
-                max_new_tokens=max_new,
+            params = SamplingParams(
+                max_tokens=max_new,
                 temperature=temperature,
                 top_k=int(kw.get("top_k", 0) or 0),
                 top_p=float(kw.get("top_p", 1.0) or 1.0),
-                eos_id=self.eot_id,
-                max_len=len(prompt) + max_new,
+                stop_ids=(self.eot_id,),
             )
-            new = [int(t) for t in np.asarray(toks[0, len(prompt) :])]
-            if self.eot_id in new:
-                new = new[: new.index(self.eot_id)]
-            text = self.tok.decode(new)
+            stops.append([u for u in until if u])
+            reqs.append(engine.submit(prompt, params, on_token=self._stop_at(stops[-1])))
+        while engine.busy:
+            engine.step()
+        out = []
+        for r, until in zip(reqs, stops):
+            text = self.tok.decode(r.tokens[:-1] if r.finish_reason == "stop" else r.tokens)
             for stop in until:
-                if stop and stop in text:
+                if stop in text:
                     text = text[: text.index(stop)]
             out.append(text)
         return out
+
+    def _stop_at(self, until: list[str]):
+        """A request's token callback that ends it once its text holds one of `until` (the text is cut there)."""
+
+        def on_token(r, token, _):
+            if token >= 0 and until and any(u in self.tok.decode(r.tokens) for u in until):
+                self._engine.cancel(r)
+
+        return on_token

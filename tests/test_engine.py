@@ -1,0 +1,147 @@
+"""The decode engine (resformer_jax/engine/): greedy tokens equal the model's own (the dense-cache `generate` and
+the full forward), for requests of mixed lengths that arrive while others decode, through a pool too small for
+all of them at once; the pool ends empty; a handful of compiles; bad input named."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from resformer_jax.config import tiny_config
+from resformer_jax.engine import Engine, EngineError, SamplingParams
+from resformer_jax.model import Transformer
+from resformer_jax.model.decode import generate
+
+VARIANTS = {
+    "none": {},
+    "resformer": {},
+    "svformer": {},
+    "skipv1": {},
+    "resformer+gqa": {"num_kv_heads": 2},
+    "svformer+gqa": {"num_kv_heads": 2},
+    "resformer+value_embeddings": {"value_embeddings": 1},
+    "resformer+learnable": {"resformer_lambdas": "learnable"},
+}
+
+
+def peaky_model(variant: str, **fields):
+    """A tiny fp32 model whose next-token logits are far apart (a random init's are nearly flat, and a tie decided
+    by the last bit would make greedy comparisons flaky): the LM head scaled up."""
+    c = tiny_config(variant.split("+")[0])
+    c.model.dtype = "float32"
+    for k, v in fields.items():
+        c.model[k] = v
+    params = nn.unbox(Transformer(c.model).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})
+    return c.model, params
+
+
+def prompts_of(rng, n, vocab, lo=1, hi=40):
+    return [[int(t) for t in rng.integers(0, vocab, size=int(k))] for k in rng.integers(lo, hi, size=n)]
+
+
+def dense_greedy(m, params, prompt, new):
+    out, _ = generate(m, params, np.array([prompt]), max_new_tokens=new)
+    return [int(t) for t in np.asarray(out)[0, len(prompt) :]]
+
+
+@pytest.mark.parametrize(
+    "variant", [v if v in ("none", "svformer") else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS]
+)
+def test_greedy_tokens_equal_the_dense_cache_generate(variant):
+    m, params = peaky_model(variant, **VARIANTS[variant])
+    rng = np.random.default_rng(1)
+    prompts = prompts_of(rng, 6, m.vocab_size)
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)
+    got = engine.generate(prompts, SamplingParams(max_tokens=8))
+    for p, r in zip(prompts, got):
+        assert r.tokens == dense_greedy(m, params, p, 8), f"{variant}: prompt of {len(p)} tokens"
+        assert r.finish_reason == "length"
+    assert engine.pool.used == 0
+
+
+@pytest.mark.slow
+def test_fifty_requests_through_a_pool_too_small_for_all_arriving_while_others_decode():
+    """50 requests of random lengths, 5 new ones arriving every step, through a pool that holds about 4 whole
+    sequences: some wait, some are preempted and recomputed; every output is the full forward's greedy one
+    (the argmax of its logits), every log-probability the forward's, and the pool ends empty."""
+    m, params = peaky_model("svformer")
+    rng = np.random.default_rng(2)
+    prompts = prompts_of(rng, 50, m.vocab_size, 1, 60)
+    engine = Engine(m, params, cache_bytes=4 * 72 * 1024, page_size=8, max_batch=16, prefill_chunk=16)
+    assert engine.pool.usable == 35
+    params_of = [SamplingParams(max_tokens=int(rng.integers(1, 12))) for _ in prompts]
+    queued, reqs = list(zip(prompts, params_of)), []
+    while queued or engine.busy:
+        for p, s in queued[:5]:
+            reqs.append(engine.submit(p, s))
+        queued = queued[5:]
+        engine.step()
+        assert engine.pool.used <= engine.pool.usable
+    assert engine.stats.preemptions > 0 and engine.stats.most_concurrent > 1
+    forward = jax.jit(lambda t: Transformer(m).apply({"params": params}, t))
+    for p, s, r in zip(prompts, params_of, reqs):
+        assert len(r.tokens) == s.max_tokens and r.done
+        logits = np.asarray(forward(jnp.asarray([p + r.tokens])))[0]
+        for i, t in enumerate(r.tokens):
+            row = logits[len(p) - 1 + i]
+            assert t == int(row.argmax()), f"prompt of {len(p)}, token {i}"
+            assert r.logprobs[i] == pytest.approx(float(jax.nn.log_softmax(row)[t]), abs=1e-3)
+    assert engine.pool.used == 0 and engine.pool.free == engine.pool.usable
+    assert len(engine.stats.compiled_shapes) <= 24  # buckets of rows, tokens and pages, not one per length
+
+
+def test_stop_ids_and_sampling_are_per_request_and_reproducible():
+    m, params = peaky_model("resformer")
+    rng = np.random.default_rng(3)
+    prompt = prompts_of(rng, 1, m.vocab_size, 5, 6)[0]
+    greedy = dense_greedy(m, params, prompt, 6)
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)
+    stop = SamplingParams(max_tokens=6, stop_ids=(greedy[2],))
+    hot = SamplingParams(max_tokens=6, temperature=5.0, top_k=50, top_p=0.9, seed=7)
+    a, b, c = engine.generate([prompt, prompt, prompt], [stop, hot, hot])
+    assert a.tokens == greedy[: greedy.index(greedy[2]) + 1] and a.finish_reason == "stop"
+    assert b.tokens == c.tokens  # the same seed samples the same tokens, whatever else is in the batch
+    (d,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=5.0, top_k=50, top_p=0.9, seed=8))
+    assert d.tokens != b.tokens  # another seed, other tokens (temperature 5 over 50 tokens)
+    assert engine.pool.used == 0
+
+
+def test_cancel_frees_pages_at_once():
+    m, params = peaky_model("svformer")
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)
+    r = engine.submit(list(range(1, 30)), SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.pool.used > 0
+    engine.cancel(r)
+    assert engine.pool.used == 0 and r.finish_reason == "cancelled" and not engine.busy
+
+
+@pytest.mark.parametrize(
+    "prompt,params,words",
+    [
+        ([1] * 200, SamplingParams(max_tokens=4), "exceed the model's context"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens=0"),
+        ([1, 2], SamplingParams(max_tokens=-3), "max_tokens=-3"),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature=-1.0"),
+        ([], SamplingParams(), "prompt is empty"),
+        ([1, 10**6], SamplingParams(), "outside the vocabulary"),
+    ],
+)
+def test_bad_requests_are_named(prompt, params, words):
+    m, p = peaky_model("none")
+    engine = Engine(m, p, cache_bytes=2**22, page_size=8)
+    with pytest.raises(EngineError, match=words.replace("(", r"\(")):
+        engine.submit(prompt, params)
+    assert not engine.busy
+
+
+def test_a_cache_smaller_than_one_sequence_is_named():
+    m, p = peaky_model("none")
+    with pytest.raises(EngineError, match="less than one page"):
+        Engine(m, p, cache_bytes=100, page_size=8)
+    engine = Engine(m, p, cache_bytes=3 * 8 * 1536, page_size=8)  # two usable pages: 16 tokens
+    with pytest.raises(EngineError, match="raise the cache budget or lower max_tokens"):
+        engine.submit([1] * 10, SamplingParams(max_tokens=10))
