@@ -1,4 +1,6 @@
-"""KV-cached decoding: tokens/s per variant, and a batch x context matrix against the memory bandwidth."""
+"""Decoding through the engine: tokens/s per variant, a batch x context matrix against the memory bandwidth, and a
+stream of requests of mixed lengths at one cache budget (time to first token, inter-token latency, how many
+sequences the budget held at once)."""
 
 from __future__ import annotations
 
@@ -10,27 +12,70 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax.engine import Engine, SamplingParams
+from resformer_jax.engine.engine import cache_bytes_per_token
 from resformer_jax.model import Transformer
-from resformer_jax.model.decode import generate, kv_cache_bytes_per_token
+from resformer_jax.model.config import ModelConfig
+
+
+def random_params(m):
+    return nn.unbox(jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+
+
+def kv_bytes_read_per_token(m) -> int:
+    """What one cached token costs a decode step to read: every layer reads K and the V it attends over (SVFormer's
+    layers >= 2 read V_1, SkipV1Former's layer 1's heads: a cache shared across layers is held once but read by
+    each layer, whose attention matrices differ)."""
+    m = ModelConfig.of(m)
+    return 2 * m.num_layers * m.kv_heads * m.head_dim * jnp.dtype(m.dtype).itemsize
+
+
+def weight_bytes_read(m, params) -> int:
+    """The weights a decode step reads: all but the embedding table (one row a token)."""
+    m = ModelConfig.of(m)
+    n = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return n - m.vocab_size * m.d_model * params["embed"]["embedding"].dtype.itemsize
+
+
+def steady_decode(m, params, batch: int, context: int, new_tokens: int, page_size: int = 16) -> dict:
+    """`batch` requests of `context` prompt tokens prefilled, then `new_tokens` decode steps timed (the first,
+    which compiles, excluded)."""
+    need = (batch + 1) * (context + new_tokens + page_size) * cache_bytes_per_token(m)
+    engine = Engine(m, params, cache_bytes=need, page_size=page_size, max_batch=batch, prefill_chunk=512)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=new_tokens + 1)) for p in prompts]
+    while any(r.state != "decode" for r in reqs):
+        engine.step()
+    engine.step()  # the first decode step at this shape compiles
+    s0, t0, rows0 = engine.stats.decode_steps, engine.stats.decode_seconds, engine.stats.decode_rows
+    pages0 = engine.stats.decode_pages_read
+    while engine.busy:
+        engine.step()
+    steps = engine.stats.decode_steps - s0
+    seconds = engine.stats.decode_seconds - t0
+    tokens_in_cache = (engine.stats.decode_pages_read - pages0) * page_size / max(steps, 1)  # filled pages a step
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "tokens_per_s": (engine.stats.decode_rows - rows0) / max(seconds, 1e-9),
+        "step_s": seconds / max(steps, 1),
+        "cached_tokens_per_step": tokens_in_cache,
+        "cache_bytes_held_per_token": engine.bytes_per_token,
+        "compiled_shapes": len(engine.stats.compiled_shapes),
+    }
 
 
 def bench_decode(cfg, context, new_tokens, batch) -> dict:
-
-    cfg.model.max_seq_len = max(cfg.model.max_seq_len, context + new_tokens)
-    model = Transformer(cfg.model)
-    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    prompt = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, context), dtype=np.int32)
-    generate(cfg.model, params, prompt[:, :16], max_new_tokens=2, max_len=context + new_tokens)  # compile small
-    _, stats = generate(cfg.model, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)
-    # A second run measures decoding without compilation.
-    _, stats = generate(cfg.model, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)
+    m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, context + new_tokens + 1))
+    r = steady_decode(m, random_params(m), batch, context, new_tokens)
     return {
-        "variant": cfg.model.value_residual,
+        "variant": m.value_residual,
         "context": context,
         "new_tokens": new_tokens,
         "batch": batch,
-        "kv_cache_bytes": stats["kv_cache_bytes"],
-        "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 2),
+        "kv_cache_bytes_per_token": r["cache_bytes_held_per_token"],
+        "decode_tokens_per_s": round(r["tokens_per_s"], 2),
     }
 
 
@@ -49,9 +94,9 @@ def measure_copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int) -> list[dict]:
-    """Decode tokens/s for every (batch, context) and variant, warm-up excluded, the variants taking turns; with
-    the bytes a decode step reads (the weights once, every layer's cached K/V up to the mean context) and the
-    fraction of the copy bandwidth that implies, so SVFormer's smaller cache shows as bytes and as time."""
+    """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
+    with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
+    fraction of this process's copy bandwidth that implies; and the cache each variant holds a token."""
 
     bandwidth = measure_copy_bandwidth()
     out = []
@@ -59,37 +104,81 @@ def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int) -
         for context in contexts:
             runs = []
             for cfg in cfgs:
-                m = cfg.copy_and_resolve_references().model
-                m.max_seq_len = max(m.max_seq_len, context + new_tokens)
-                params = nn.unbox(
-                    jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-                )
-                prompt = np.random.default_rng(0).integers(0, m.vocab_size, (batch, context), dtype=np.int32)
-                generate(m, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)  # compile
-                item = jnp.dtype(m.dtype).itemsize
-                n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-                weights = (n - m.vocab_size * m.d_model) * item  # the embedding table: one row per token, not read
-                cache = kv_cache_bytes_per_token(m) * batch * (context + new_tokens / 2)
-                runs.append((m, params, prompt, weights, cache, []))
+                m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, context + new_tokens + 1))
+                runs.append((m, random_params(m), []))
             for _ in range(rounds):
-                for m, params, prompt, _, _, tps in runs:
-                    _, st = generate(m, params, prompt, max_new_tokens=new_tokens, max_len=context + new_tokens)
-                    tps.append(st["decode_tokens_per_s"])
-            for m, _, _, weights, cache, tps in runs:
-                med = statistics.median(tps)
-                step_bytes = weights + cache  # one decode step serves `batch` tokens
+                for m, params, results in runs:
+                    results.append(steady_decode(m, params, batch, context, new_tokens))
+            for m, params, results in runs:
+                step_s = statistics.median(r["step_s"] for r in results)
+                cached = results[0]["cached_tokens_per_step"]
+                weights = weight_bytes_read(m, params)
+                cache = kv_bytes_read_per_token(m) * cached
                 out.append(
                     {
                         "variant": m.value_residual,
                         "batch": batch,
                         "context": context,
                         "new_tokens": new_tokens,
-                        "decode_tokens_per_s": round(med, 2),
+                        "decode_tokens_per_s": round(batch / step_s, 2),
+                        "step_ms": round(step_s * 1e3, 2),
                         "weight_bytes_per_step": int(weights),
-                        "kv_cache_bytes_read_per_step": int(cache),
-                        "bytes_read_per_token": round(step_bytes / batch, 1),
+                        "kv_bytes_read_per_step": int(cache),
+                        "kv_cache_bytes_held_per_token": results[0]["cache_bytes_held_per_token"],
                         "memory_bandwidth_bytes_per_s": bandwidth,
-                        "fraction_of_bandwidth": step_bytes * (med / batch) / bandwidth,
+                        "fraction_of_bandwidth": round((weights + cache) / step_s / bandwidth, 3),
+                        "compiled_shapes": results[0]["compiled_shapes"],
                     }
                 )
+    return out
+
+
+def bench_decode_stream(
+    cfgs, cache_gib: float, requests: int, rate: float, max_context: int, new_tokens: int, seed: int = 0
+) -> list[dict]:
+    """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
+    arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
+    tokens/s, time to first token and inter-token latency (p50, p99), and the most sequences held at once."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(16, max_context + 1, requests)
+    arrivals = np.cumsum(rng.exponential(1 / rate, requests)) if rate > 0 else np.zeros(requests)
+    out = []
+    for cfg in cfgs:
+        m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, max_context + new_tokens))
+        params = random_params(m)
+        engine = Engine(m, params, cache_bytes=cache_gib * 2**30, max_batch=256, prefill_chunk=256)
+        warm = engine.generate([[1] * 16], SamplingParams(max_tokens=2))  # the smallest shapes compiled
+        del warm
+        prompts = [rng.integers(0, m.vocab_size, n).tolist() for n in lengths]
+        t0, queued, reqs = time.perf_counter(), list(zip(arrivals, prompts)), []
+        while queued or engine.busy:
+            now = time.perf_counter() - t0
+            while queued and queued[0][0] <= now:
+                reqs.append(engine.submit(queued.pop(0)[1], SamplingParams(max_tokens=new_tokens)))
+            if engine.busy:
+                engine.step()
+            elif queued:
+                time.sleep(min(0.01, queued[0][0] - now))
+        wall = time.perf_counter() - t0
+        ttft = [r.time_to_first_token_s for r in reqs]
+        itl = [d for r in reqs for d in r.inter_token_s]
+        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
+        out.append(
+            {
+                "variant": m.value_residual,
+                "cache_gib": cache_gib,
+                "cache_pages": engine.pool.usable,
+                "kv_cache_bytes_held_per_token": engine.bytes_per_token,
+                "requests": requests,
+                "rate": rate,
+                "tokens_per_s": round(sum(len(r.tokens) for r in reqs) / wall, 2),
+                "ttft_p50_s": round(pct(ttft, 50), 3),
+                "ttft_p99_s": round(pct(ttft, 99), 3),
+                "itl_p50_s": round(pct(itl, 50), 4),
+                "itl_p99_s": round(pct(itl, 99), 4),
+                "most_concurrent": engine.stats.most_concurrent,
+                "preemptions": engine.stats.preemptions,
+                "compiled_shapes": len(engine.stats.compiled_shapes),
+            }
+        )
     return out

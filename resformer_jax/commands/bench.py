@@ -82,6 +82,14 @@ flags.DEFINE_string(
     "variants interleaved, with bytes read per token and the fraction of measured memory bandwidth.",
 )
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
+flags.DEFINE_integer(
+    "stream",
+    0,
+    "decode: N requests of mixed prompt lengths (16..--context) through each variant's engine at one cache budget "
+    "(--cache_gib): tokens/s, time to first token, inter-token latency, the most sequences held at once.",
+)
+flags.DEFINE_float("rate", 0.0, "decode --stream: Poisson arrivals a second (0: all at once).")
+flags.DEFINE_float("cache_gib", 0.25, "decode --stream: the paged KV cache's budget, the same for every variant.")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
 flags.DEFINE_string(
     "task_data", None, "zero_shot: folder with the tasks' files (the samples: ../shared/data/eval_samples)."
@@ -126,6 +134,12 @@ def run_decode(modes: list[str]) -> list[dict]:
                 f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
             ) from None
         for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds):
+            print(json.dumps(r))
+        return []
+    if FLAGS.stream:
+        from resformer_jax.bench.decode import bench_decode_stream
+
+        for r in bench_decode_stream(cfgs, FLAGS.cache_gib, FLAGS.stream, FLAGS.rate, FLAGS.context, FLAGS.new_tokens):
             print(json.dumps(r))
         return []
     return [bench_decode(c, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for c in cfgs]
