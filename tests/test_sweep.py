@@ -562,3 +562,34 @@ def test_compare_against_a_categorical_field_gives_each_value_its_comparison(tmp
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resformer [train.optimizer=adamw]" in r.stdout and "resformer [train.optimizer=muon]" in r.stdout
     assert "resformer at train.optimizer=muon" in r.stdout and "exp(" not in r.stdout, r.stdout
+
+
+def test_compare_baseline_names_the_other_fields_in_which_runs_differ(tmp_path, capsys):
+    """`compare --baseline A B`: a B that differs from A in more than the value residual (optimizer, schedule,
+    steps) is compared, but each such field is named (the grouped mode refuses the merge)."""
+    import json
+
+    from resformer_jax.analysis.compare import CompareOptions, pairwise
+    from resformer_jax.config import base_config
+
+    def fake_run(name, value_residual, **train):
+        c = base_config()
+        c.model.value_residual = value_residual
+        for k, v in train.items():
+            c.train[k] = v
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c.to_dict()))
+        (d / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "train/loss": 5.0 - s / 100}) + "\n" for s in range(1, 31))
+        )
+        return str(d)
+
+    a = fake_run("vanilla", "none")
+    b = fake_run("svformer_muon", "svformer", optimizer="muon", steps=30)
+    c = fake_run("resformer", "resformer")
+    assert pairwise(CompareOptions(runs=[b, c], baseline=a, out=str(tmp_path / "out"), smooth=1)) == 0
+    out = capsys.readouterr().out
+    assert "note: svformer_muon differs from the baseline vanilla" in out
+    assert "train.optimizer 'muon' (baseline 'adamw')" in out and "train.steps" in out, out
+    assert "note: resformer" not in out  # the value residual alone: nothing to say
