@@ -154,3 +154,26 @@ def test_context_defaults_to_the_exports_and_a_too_long_continuation_is_refused_
     reqs = _instances("loglikelihood", [("a", " b"), ("a", long_cont), ("c", long_cont)])
     with pytest.raises(ValueError, match=r"2 of 3 requests have a continuation longer than the context"):
         lm.loglikelihood(reqs)
+
+
+def test_generate_until_batches_200_prompts_through_the_engine(trained):
+    """200 prompts of mixed lengths: one engine, a handful of compiled shapes (buckets, not one per length), and
+    the texts one-at-a-time greedy decoding (the dense-cache `generate`) gives, on a sample of them."""
+    from resformer_jax.model.decode import generate
+
+    _wd, lm = trained
+    rng = np.random.default_rng(0)
+    words = "def return class import for while if else print value residual layer cache token".split()
+    prompts = [" ".join(rng.choice(words, int(n))) for n in rng.integers(1, 60, 200)]
+    outs = lm.generate_until(
+        _instances("generate_until", [(p, {"until": ["\n\n"], "max_gen_toks": 8}) for p in prompts])
+    )
+    assert len(outs) == 200
+    assert len(lm._engine.stats.compiled_shapes) <= 12, lm._engine.stats.compiled_shapes
+    assert lm._engine.pool.used == 0
+    for i in range(0, 200, 25):
+        p = lm.encode(prompts[i])
+        toks, _ = generate(lm.cfg.model, lm.params, np.asarray([p]), max_new_tokens=8, eos_id=lm.eot_id)
+        new = [int(t) for t in np.asarray(toks[0, len(p) :])]
+        new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
+        assert outs[i] == lm.tok.decode(new).split("\n\n")[0], f"prompt {i} ({len(p)} tokens)"
