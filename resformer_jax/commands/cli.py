@@ -14,6 +14,7 @@ COMMANDS = (
     ("sweep", "sweep", "a grid of runs: locally, as a SLURM array or a TPU-pod script"),
     ("compile", "compile", "compile a config for a TPU slice or GPU node from this machine: memory, roofline"),
     ("bench", "bench", "benchmarks: train step, decode, data, attention, zero-shot, the accelerator check"),
+    ("serve", "serve", "an OpenAI-compatible HTTP server on the decode engine (the serve extra)"),
     ("export", "export", "a run as a Hugging Face checkpoint"),
     ("harness", "harness", "lm-evaluation-harness on a run (lm-eval's own flags)"),
     ("tfds-build", "tfds_build", "a prepared corpus as a TensorFlow Datasets dataset"),

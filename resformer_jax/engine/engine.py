@@ -173,8 +173,17 @@ class Engine:
     ) -> Request:
         """Queues a request (it joins the batch at the next step); EngineError names what cannot work."""
         params = params or SamplingParams()
-        params.check()
         prompt = [int(t) for t in prompt]
+        self.check(prompt, params)
+        rid = request_id if request_id is not None else self._next_id
+        self._next_id += 1
+        r = Request(rid, prompt, params, submitted_s=time.perf_counter(), on_token=on_token)
+        self.waiting.append(r)
+        return r
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """EngineError if the request cannot run here (reads only what never changes: safe from any thread)."""
+        params.check()
         m = self.model_cfg
         if not prompt:
             raise EngineError("the prompt is empty; give at least one token")
@@ -191,19 +200,15 @@ class Engine:
                 f"one sequence of {len(prompt) + params.max_tokens} tokens needs {need} pages of the cache's "
                 f"{self.pool.usable} ({self.cache_bytes / 2**20:.1f} MiB); raise the cache budget or lower max_tokens"
             )
-        rid = request_id if request_id is not None else self._next_id
-        self._next_id += 1
-        r = Request(rid, prompt, params, submitted_s=time.perf_counter(), on_token=on_token)
-        self.waiting.append(r)
-        return r
 
-    def cancel(self, r: Request) -> None:
-        """Ends a request now (a client that went away): its pages go back to the pool at once."""
+    def cancel(self, r: Request, reason: str = "cancelled") -> None:
+        """Ends a request now (a client that went away; a stop string: reason 'stop'): its pages go back to the
+        pool at once."""
         if r.done:
             return
         if r in self.waiting:
             self.waiting.remove(r)
-        self._finish(r, "cancelled")
+        self._finish(r, reason)
 
     @property
     def busy(self) -> bool:

@@ -1,0 +1,105 @@
+"""Serve a run over HTTP, OpenAI-compatible, on the decode engine.
+
+  resformer serve --workdir=RUN [--step=S] [--port=8000] [--cache_gib=4]
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+
+POST /v1/completions (text or token ids; "stream": true for server-sent events), GET /v1/models, GET /health,
+GET /metrics (Prometheus). SIGTERM or Ctrl-C: stops accepting, lets the requests in flight finish (at most
+--shutdown_budget_s), exits 0. Needs the serve extra: pip install -e '.[serve]'.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_string("workdir", None, "Run directory (checkpoints/, tokenizer.json).", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB (0: half the free memory).")
+flags.DEFINE_integer("max_batch", 64, "Requests decoded together at most.")
+flags.DEFINE_integer("page_size", 16, "Tokens a cache page holds.")
+flags.DEFINE_string("model_name", None, "The name /v1/models gives (default: the run directory's name).")
+flags.DEFINE_float("shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    import importlib.util
+    import logging
+    import os
+    import signal
+    import sys
+
+    from resformer_jax.commands import common as cli
+
+    cli.start()
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"error: serving needs {', '.join(missing)}, not installed; install the extra: pip install -e '.[serve]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    import uvicorn
+
+    from resformer_jax.engine import Engine
+    from resformer_jax.rundir import RunDir
+    from resformer_jax.serve.app import make_app
+    from resformer_jax.serve.engine_thread import EngineThread
+    from resformer_jax.serve.metrics import ServeMetrics
+    from resformer_jax.train.setup import load_run
+
+    with cli.exit_on_user_error():
+        run = RunDir(FLAGS.workdir)
+        cfg, params, step = load_run(run.workdir, FLAGS.step)
+        tokenizer = run.tokenizer()
+        engine = Engine(
+            cfg.model,
+            params,
+            cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
+            max_batch=FLAGS.max_batch,
+            page_size=FLAGS.page_size,
+        )
+    name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
+    metrics = ServeMetrics(name)
+    thread = EngineThread(engine, metrics)
+    thread.start()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(
+        f"serving {name} (step {step}, {cfg.model.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
+        f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
+        f"({engine.bytes_per_token} bytes a token)"
+        + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids"),
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        make_app(thread, tokenizer, name, metrics),
+        host=FLAGS.host,
+        port=FLAGS.port,
+        log_level="warning",
+        timeout_graceful_shutdown=FLAGS.shutdown_budget_s,
+    )
+    # uvicorn restores the handlers it found and raises the signal again once it has shut down: a handler of ours
+    # lets that end in exit 0 instead of the default action (death by signal)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish what is in flight
+    finally:
+        thread.stop()
+    print("server stopped", file=sys.stderr, flush=True)
+
+
+def cli_main():
+    import sys
+
+    from resformer_jax.commands.common import run_app
+
+    run_app(main, sys.modules[__name__])
+
+
+if __name__ == "__main__":
+    cli_main()
