@@ -7,6 +7,8 @@
   resformer bench decode --config=configs/svformer_82m.py --context=2048 --new_tokens=64 \\
       [--compare=none,svformer] [--batch=1]
   resformer bench accelerator [--out=report.json]   # first thing to run on new hardware
+  resformer bench serve --url=http://127.0.0.1:8000 --requests=64 --rate=4 --context=512 --new_tokens=64 \\
+      [--data=PREPARED_DIR] [--concurrency=16]   # a served run under load: TTFT, ITL, tokens/s
   resformer bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \\
       [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
   resformer bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \\
@@ -88,7 +90,12 @@ flags.DEFINE_integer(
     "decode: N requests of mixed prompt lengths (16..--context) through each variant's engine at one cache budget "
     "(--cache_gib): tokens/s, time to first token, inter-token latency, the most sequences held at once.",
 )
-flags.DEFINE_float("rate", 0.0, "decode --stream: Poisson arrivals a second (0: all at once).")
+flags.DEFINE_float("rate", 0.0, "decode --stream, serve: Poisson arrivals a second (0: all at once).")
+flags.DEFINE_string("url", None, "serve: the server to load (resformer serve), e.g. http://127.0.0.1:8000.")
+flags.DEFINE_integer("requests", 64, "serve: requests to send.")
+flags.DEFINE_integer("concurrency", 0, "serve: requests in flight at most (0: no limit).")
+flags.DEFINE_string("data", None, "serve: a prepared corpus whose validation text the prompts are cut from.")
+flags.DEFINE_integer("prompt_min", 16, "serve: the shortest prompt (tokens); the longest is --context.")
 flags.DEFINE_float("cache_gib", 0.25, "decode --stream: the paged KV cache's budget, the same for every variant.")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
 flags.DEFINE_string(
@@ -206,6 +213,24 @@ def run_accelerator(modes: list[str]) -> list[dict]:
     return []
 
 
+def run_serve(modes: list[str]) -> list[dict]:
+    import httpx
+
+    from resformer_jax.bench.serve import bench_serve, corpus_prompts
+
+    if not FLAGS.url:
+        raise cli.ConfigFlagError("bench serve needs --url=http://HOST:PORT of a running `resformer serve`")
+    try:
+        info = httpx.get(f"{FLAGS.url.rstrip('/')}/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise cli.ConfigFlagError(f"--url={FLAGS.url}: no resformer server answers there ({e}); start one") from None
+    vocab = FLAGS.config.model.vocab_size if FLAGS.config is not None else 50304
+    prompts = corpus_prompts(FLAGS.data, FLAGS.requests, FLAGS.prompt_min, FLAGS.context, vocab)
+    out = bench_serve(FLAGS.url, prompts, FLAGS.new_tokens, FLAGS.rate, FLAGS.concurrency)
+    print(json.dumps({"model": info, **out}))
+    return []
+
+
 # subcommand -> (runner, needs --config, the result key compared across variants)
 BENCHMARKS = {
     "train": (run_train, True, "median_step_s"),
@@ -214,6 +239,7 @@ BENCHMARKS = {
     "data": (run_data, True, None),
     "accelerator": (run_accelerator, False, None),
     "zero_shot": (run_zero_shot, True, None),
+    "serve": (run_serve, False, None),
 }
 
 
