@@ -178,3 +178,36 @@ def test_no_session_diaries_in_docs(doc):
     """Docs are written for a reader: today's numbers and how they are measured, not a log of who did what when."""
     text = doc.read_text()
     assert not re.search(r"\b(this|next|a (second|third|fourth|fifth|sixth)) (session|round)\b", text, re.I), doc
+
+
+def test_readme_test_counts_are_the_suites():
+    """README's "about N tests" (everything, and the fast tier) against what pytest collects here, within 15% (a
+    module whose extra is not installed is skipped at collection)."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"runs everything \(about ([\d,]+) tests.*?about ([\d,]+) tests in", text, re.S)
+    assert m, "README's Tests section no longer states the two counts this test checks"
+    stated_all, stated_fast = (int(x.replace(",", "")) for x in m.groups())
+
+    def collected(*marks):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *marks,
+                str(ROOT / "tests"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        found = re.search(r"(\d+)(?:/\d+)? tests? collected", r.stdout)
+        assert found, r.stdout[-2000:]
+        return int(found.group(1))
+
+    for stated, actual, what in ((stated_all, collected(), "all"), (stated_fast, collected("-m", "not slow"), "fast")):
+        assert abs(stated - actual) <= 0.15 * actual, f"README says about {stated} tests ({what}); {actual} collected"
