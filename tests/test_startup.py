@@ -66,6 +66,17 @@ def test_a_finished_run_says_nothing_to_do_before_the_compile(tmp_path):
     r, s = train(tmp_path, "--config.train.steps=4", "--config.train.warmup_steps=1")
     assert r.returncode == 0
     refused_before_compile(r, s, "nothing to do: the run in")
+    # the same run resumed with another model: named before the compile
+    r, s = train(tmp_path, "--config.train.steps=8", "--config.train.warmup_steps=1", "--config.model.d_model=32")
+    assert r.returncode == 2
+    refused_before_compile(r, s, "a resumed run cannot change the model")
+
+
+def test_a_missing_data_path_is_named_before_the_compile(tmp_path):
+    r, s = train(tmp_path / "run", "--config.data.source=array_record", f"--config.data.path={tmp_path}/no_such_corpus")
+    assert r.returncode == 2
+    refused_before_compile(r, s, "no_such_corpus")
+    assert not (tmp_path / "run").exists()
 
 
 def test_ctrl_c_during_the_compile_stops_at_once_and_leaves_nothing(tmp_path):
