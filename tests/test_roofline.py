@@ -309,3 +309,15 @@ def test_a_loop_whose_condition_is_a_fused_compare_counts_its_trips():
     )
     r = rl.roofline(text, H100)
     assert r.unknown_trip_counts == 0 and r.flops == 8 * 2 * 64 * 32 * 32
+
+
+def test_the_costliest_computations_merge_an_ops_copies():
+    """XLA clones an op per use (`fusion.12`, `fusion.12.clone`): the report's top rows are computations, each
+    op's copies merged with their costs summed, not the same matmul ten times."""
+    head = dict(kind="gemm", scope="lm_head/dot_general", flops=2e12, bytes=1e9)
+    ops = [rl.OpCost(f"custom-call.{i}", executions=1, **head) for i in range(10)]
+    ops.append(rl.OpCost("fusion.3", "fusion", "mlp/silu", 2, 1e9, 5e9))
+    top = rl.Roofline(H100, ops, 0).top_computations()
+    assert [r["scope"] for r in top] == ["lm_head/dot_general", "mlp/silu"]
+    assert top[0]["copies"] == 10 and top[0]["executions"] == 10
+    assert top[0]["bound_s"] == pytest.approx(10 * ops[0].bound_s(H100))
