@@ -108,7 +108,7 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0
     preemptions: int = 0
-    most_concurrent: int = 0  # requests holding pages at once
+    most_concurrent: int = 0  # requests holding cache pages at once
     most_pages_used: int = 0
     compiled_shapes: set = dataclasses.field(default_factory=set)  # (rows, tokens, pages) buckets compiled
     decode_seconds: float = 0.0
@@ -239,14 +239,18 @@ class Engine:
         return finished
 
     def _admit(self) -> None:
+        # pages the requests still reading their prompts will take: promised, not yet handed out
+        prefilling = [r for r in self.running if r.state == "prefill"]
+        promised = sum(max(0, self.pool.pages_for(len(r.to_cache) + 1) - len(r.pages)) for r in prefilling)
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            if self.pool.free < self.pool.pages_for(len(r.to_cache) + 1):
+            need = self.pool.pages_for(len(r.to_cache) + 1)
+            if self.pool.free - promised < need:
                 break  # the oldest waits for pages (first come, first served)
             self.waiting.popleft()
             r.state, r.cached = "prefill", 0
             self.running.append(r)
-        self.stats.most_concurrent = max(self.stats.most_concurrent, len(self.running))
+            promised += need
 
     def _grow(self, r: Request, tokens: int) -> bool:
         """Pages for `r` to hold `tokens` tokens; False when the pool has too few."""
@@ -257,6 +261,8 @@ class Engine:
             return False
         r.pages += self.pool.take(need)
         self.stats.most_pages_used = max(self.stats.most_pages_used, self.pool.used)
+        holding = sum(1 for x in self.running if x.pages)
+        self.stats.most_concurrent = max(self.stats.most_concurrent, holding)
         return True
 
     def _preempt_newest(self, keep: Request) -> Request | None:
