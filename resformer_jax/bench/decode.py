@@ -75,6 +75,7 @@ def bench_decode(cfg, context, new_tokens, batch) -> dict:
         "new_tokens": new_tokens,
         "batch": batch,
         "kv_cache_bytes_per_token": r["cache_bytes_held_per_token"],
+        "kv_cache_bytes": r["cache_bytes_held_per_token"] * batch * (context + new_tokens),  # what the batch holds
         "decode_tokens_per_s": round(r["tokens_per_s"], 2),
     }
 

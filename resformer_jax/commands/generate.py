@@ -120,7 +120,7 @@ def main(argv):
                 "kv_cache_bytes_per_token": engine.bytes_per_token,
                 "most_concurrent": engine.stats.most_concurrent,
                 "generated_tokens": engine.stats.generated_tokens,
-                "tokens_per_s": round(engine.stats.generated_tokens / max(seconds, 1e-9), 1),
+                "decode_tokens_per_s": round(engine.stats.generated_tokens / max(seconds, 1e-9), 1),
                 "compiled_shapes": len(engine.stats.compiled_shapes),
             }
         ),
