@@ -163,7 +163,8 @@ def test_generate_until_batches_200_prompts_through_the_engine(trained):
 
     _wd, lm = trained
     rng = np.random.default_rng(0)
-    words = "def return class import for while if else print value residual layer cache token".split()
+    words = ["def", "return", "class", "import", "for", "while", "if", "else", "print"]
+    words += ["value", "residual", "layer", "cache", "token"]
     prompts = [" ".join(rng.choice(words, int(n))) for n in rng.integers(1, 60, 200)]
     outs = lm.generate_until(
         _instances("generate_until", [(p, {"until": ["\n\n"], "max_gen_toks": 8}) for p in prompts])

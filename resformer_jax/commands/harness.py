@@ -36,6 +36,10 @@ def cli_main():
         sys.exit(2)
     from lm_eval.__main__ import cli_evaluate
 
+    if sys.argv[1:] in (["--help"], ["-h"]):  # this command's own words first, then lm-eval's flags
+        sys.stdout.write(cli.command_help(sys.modules[__name__]).replace("(no flags)", "lm-eval's own flags:") + "\n")
+        sys.stdout.flush()
+
     import resformer_jax.eval.lm_eval_model  # noqa: F401 - registers the model "resformer_jax"
 
     with cli.exit_on_user_error():  # the adapter's errors (a missing run, no tokenizer) as one line
