@@ -37,6 +37,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 
 import resformer_jax
 
@@ -324,7 +325,8 @@ def restart_with_host_memory_defaults():
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        env = dict(os.environ, GLIBC_TUNABLES=tunables, **{STARTED_ENV: f"{os.getpid()}:{resformer_jax.IMPORTED_UNIX}"})
+        started = getattr(resformer_jax, "IMPORTED_UNIX", None) or time.time()  # the package's first import
+        env = dict(os.environ, GLIBC_TUNABLES=tunables, **{STARTED_ENV: f"{os.getpid()}:{started}"})
         os.execve(sys.executable, sys.orig_argv, env)
     except OSError:
         return  # no restart possible (an unusual interpreter path): the defaults are a speed-up, not a need

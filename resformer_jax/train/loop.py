@@ -212,6 +212,18 @@ class Trainer:
             return steps[-1]
         return None
 
+    def _restores(self, setup: TrainSetup, step: int) -> bool:
+        """Whether the checkpoint at `step` restores with every array's fingerprint intact (a damaged one is left
+        to the normal path, which sets it aside and resumes from the one before)."""
+        ck = self.run.checkpointer(read_only=True)
+        try:
+            ck.restore(step, setup.abstract_state)
+            return True
+        except Exception:
+            return False
+        finally:
+            ck.mngr.close()
+
     def _check_workdir_model(self, cfg, corpus):
         """The run directory's model against this config, every differing field in one line, before the probe and
         the compile (a resumed run cannot change the model)."""
@@ -417,9 +429,7 @@ class Trainer:
         # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
         # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
         validate(cfg)
-        done = self._check_run_dir(cfg)
-        if done is not None:
-            raise NothingToDo(done)
+        done = self._check_run_dir(cfg)  # the newest finished step if the run looks finished
         if cfg.eval.tasks:  # the task names and files, before anything costly
             check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
         try:
@@ -436,6 +446,8 @@ class Trainer:
         # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
         setup = build(cfg, log=self.say)
         cfg = setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
+        if done is not None and self._restores(setup, done):
+            raise NothingToDo(done)  # finished, its last checkpoint intact: no compile for nothing
         # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
         # batches are cut or anything is written in the workdir.
         compiled, compiled_telemetry = self._compile(setup, cfg)
