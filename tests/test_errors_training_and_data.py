@@ -173,6 +173,17 @@ def test_prepare_input_mistakes_name_the_file_and_line(tmp_path):
     assert_one_line(r, "is an existing file")
     assert a_file.read_text() == "x"
     assert not (tmp_path / "out").exists(), "a failed preparation leaves no output folder"
+    # a mistyped tokenizer path says the file is missing, not the Hugging Face Hub's rules for repo ids
+    r = cmd(
+        "data_prep.prepare",
+        "--input",
+        str(broken.parent),
+        "--tokenizer",
+        str(tmp_path / "tok.json"),
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert_one_line(r, "no such file", "tok.json")
 
 
 def test_truncated_zst_is_an_error_or_a_counted_skip(tmp_path):
