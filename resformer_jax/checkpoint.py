@@ -100,6 +100,27 @@ def fingerprints(state) -> dict[str, list[int]]:
     }
 
 
+def checkpoint_history(damaged_dir, history_marker) -> list[str]:
+    """What shows a run directory once held checkpoints: damaged ones set aside, the marker of the last save (read
+    from the file system alone, no checkpoint manager)."""
+    out = []
+    damaged = sorted(p.name for p in damaged_dir.iterdir()) if damaged_dir.is_dir() else []
+    if damaged:
+        out.append(f"{damaged_dir} holds {damaged}")
+    if history_marker.is_file():
+        out.append(f"checkpoints were written here up to step {history_marker.read_text().strip()}")
+    return out
+
+
+def no_fresh_start(workdir: str, history: list[str]) -> CheckpointError:
+    """The refusal to start again from step 0 over a run directory that once held checkpoints."""
+    return CheckpointError(
+        f"{workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume from; refusing to "
+        "start again from step 0. Move the checkpoints back to retry, or pass "
+        "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
+    )
+
+
 def params_layout(tree) -> dict[str, tuple]:
     """{parameter path: shape} of a parameter tree (arrays, ShapeDtypeStructs or orbax metadata)."""
     return {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -158,13 +179,7 @@ class Checkpointer:
 
     def history(self) -> list[str]:
         """What shows this workdir once held checkpoints (the marker, damaged ones set aside)."""
-        out = []
-        damaged = sorted(p.name for p in self.damaged_dir.iterdir()) if self.damaged_dir.is_dir() else []
-        if damaged:
-            out.append(f"{self.damaged_dir} holds {damaged}")
-        if self.history_marker.is_file():
-            out.append(f"checkpoints were written here up to step {self.history_marker.read_text().strip()}")
-        return out
+        return checkpoint_history(self.damaged_dir, self.history_marker)
 
     def all_steps(self):
         # An in-flight asynchronous save must finish first: reloading under it forgets that step, and

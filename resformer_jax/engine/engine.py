@@ -159,7 +159,6 @@ class Engine:
         self.params = unrolled_params(params, m.num_layers) if "layers" in params else params
         self.cache = init_pools(self.model)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))
-        self.weight_bytes = int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(self.params)))
         self.max_len = m.max_seq_len
         self._step_fn = jax.jit(self._forward, donate_argnums=(1,))
         self._next_id = 0
@@ -261,8 +260,6 @@ class Engine:
             return False
         r.pages += self.pool.take(need)
         self.stats.most_pages_used = max(self.stats.most_pages_used, self.pool.used)
-        holding = sum(1 for x in self.running if x.pages)
-        self.stats.most_concurrent = max(self.stats.most_concurrent, holding)
         return True
 
     def _preempt_newest(self, keep: Request) -> Request | None:
@@ -343,6 +340,8 @@ class Engine:
         return np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32), np.zeros((B,), np.int32)
 
     def _run(self, rows: list[Request], tokens, positions, last):
+        holding = sum(1 for r in self.running if r.pages)  # the pages of this step are allocated by now
+        self.stats.most_concurrent = max(self.stats.most_concurrent, holding)
         B, T = tokens.shape
         P = bucket(max(len(r.pages) for r in rows), at_least=4)
         table = np.zeros((B, P), np.int32)
@@ -404,31 +403,21 @@ class Engine:
             r.on_token(r, -1, 0.0)  # the end: token -1
 
 
+def pool_shapes(model: Transformer):
+    """The cache pools of a paged model as shapes: {layer: {"k": [pages, page, K, D], "v": ...}} as each layer's
+    equation needs them (nothing allocated)."""
+    one = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]
+
+
 def init_pools(model: Transformer):
-    """Zeroed cache pools of a paged model: {layer: {"k": [pages, page, K, D], "v": ...}} as each layer's
-    equation needs them."""
-    shapes = jax.eval_shape(
-        lambda: model.init(
-            jax.random.PRNGKey(0),
-            jnp.zeros((1, 1), jnp.int32),
-            jnp.zeros((1, 1), jnp.int32),
-            page_table_BxP=jnp.zeros((1, 1), jnp.int32),
-        )
-    )["cache"]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeroed cache pools of a paged model."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), pool_shapes(model))
 
 
 def cache_bytes_per_token(m) -> int:
     """Bytes a token takes in the paged cache, every layer together (what the pools hold per page slot)."""
-    model = Transformer(ModelConfig.of(m).replace(scan_layers=False), pages=PageLayout(1, 1))
-    shapes = jax.eval_shape(
-        lambda: model.init(
-            jax.random.PRNGKey(0),
-            jnp.zeros((1, 1), jnp.int32),
-            jnp.zeros((1, 1), jnp.int32),
-            page_table_BxP=jnp.zeros((1, 1), jnp.int32),
-        )
-    )["cache"]
+    shapes = pool_shapes(Transformer(ModelConfig.of(m).replace(scan_layers=False), pages=PageLayout(1, 1)))
     return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
 
 

@@ -24,7 +24,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from resformer_jax import metrics, perf
-from resformer_jax.checkpoint import CheckpointError, config_diff, failure_reason, params_layout
+from resformer_jax.checkpoint import (
+    CheckpointError,
+    checkpoint_history,
+    config_diff,
+    failure_reason,
+    no_fresh_start,
+    params_layout,
+)
 from resformer_jax.config import RUNTIME_MODEL_FIELDS, parse_init_from, run_record, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
@@ -195,18 +202,9 @@ class Trainer:
                 )
         steps = self.run.finished_steps() if self.run.checkpoints.is_dir() else []
         if not steps and not cfg.checkpoint.allow_fresh_start:
-            damaged = self.run.checkpoints_damaged
-            history = ([f"{damaged} holds {sorted(p.name for p in damaged.iterdir())}"] if damaged.is_dir() else []) + (
-                [f"checkpoints were written here up to step {self.run.checkpoints_written_marker.read_text().strip()}"]
-                if self.run.checkpoints_written_marker.is_file()
-                else []
-            )
+            history = checkpoint_history(self.run.checkpoints_damaged, self.run.checkpoints_written_marker)
             if history:
-                raise CheckpointError(
-                    f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
-                    "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
-                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
-                )
+                raise no_fresh_start(self.workdir, history)
         end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
         if steps and steps[-1] >= end:
             return steps[-1]
@@ -336,11 +334,7 @@ class Trainer:
         if restored is None:
             history = ckpt.history()
             if history and not cfg.checkpoint.allow_fresh_start:
-                raise CheckpointError(
-                    f"{self.workdir} once held checkpoints ({'; '.join(history)}) but none is there to resume "
-                    "from; refusing to start again from step 0. Move the checkpoints back to retry, or pass "
-                    "--config.checkpoint.allow_fresh_start=True to start over (or use a new --workdir)"
-                )
+                raise no_fresh_start(self.workdir, history)
             self.say(f"starting a new run in {self.workdir}")
             self._enter("start-up")  # nothing restored: a new state is start-up work
             return setup.init_state(), 0, {}
