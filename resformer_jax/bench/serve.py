@@ -83,6 +83,7 @@ def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurren
         "url": url,
         "requests": len(prompts),
         "failed": len(results) - len(ok),
+        **({"first_error": next(r["error"] for r in results if "error" in r)} if len(ok) < len(results) else {}),
         "rate": rate,
         "concurrency": concurrency,
         "seconds": round(wall, 2),

@@ -221,13 +221,13 @@ def run_serve(modes: list[str]) -> list[dict]:
     if not FLAGS.url:
         raise cli.ConfigFlagError("bench serve needs --url=http://HOST:PORT of a running `resformer serve`")
     try:
-        info = httpx.get(f"{FLAGS.url.rstrip('/')}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = httpx.get(f"{FLAGS.url.rstrip('/')}/v1/models", timeout=10).json()["data"][0]
+        name, vocab = model["id"], int(model["vocab_size"])  # random prompts stay inside the served vocabulary
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise cli.ConfigFlagError(f"--url={FLAGS.url}: no resformer server answers there ({e}); start one") from None
-    vocab = FLAGS.config.model.vocab_size if FLAGS.config is not None else 50304
     prompts = corpus_prompts(FLAGS.data, FLAGS.requests, FLAGS.prompt_min, FLAGS.context, vocab)
     out = bench_serve(FLAGS.url, prompts, FLAGS.new_tokens, FLAGS.rate, FLAGS.concurrency)
-    print(json.dumps({"model": info, **out}))
+    print(json.dumps({"model": name, **out}))
     return []
 
 

@@ -119,7 +119,9 @@ def make_app(engine_thread: EngineThread, tokenizer, model_name: str, metrics: S
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "resformer_jax"}]}
+        m = engine_thread.engine.model_cfg  # max_model_len as vLLM gives it; vocab_size for clients sending ids
+        entry = {"id": model_name, "object": "model", "owned_by": "resformer_jax", "max_model_len": m.max_seq_len}
+        return {"object": "list", "data": [{**entry, "vocab_size": m.vocab_size}]}
 
     @app.get("/metrics")
     async def prometheus():
