@@ -259,7 +259,7 @@ def llama3_inv_freq_numpy(inv_freq, rs):
     return np.array(out, np.float64)
 
 
-def hf_llama_forward_numpy(sd, cfg, tokens):
+def hf_llama_forward_numpy(sd, cfg, tokens, cache=None):
     """The HF LlamaForCausalLM forward in numpy, from its modeling code: weights as HF stores them ([out, in]),
     RMSNorm as weight * x / sqrt(mean(x^2) + eps), RoPE with rotate_half on the two halves of each head,
     repeat_kv for GQA, SiLU(gate) * up, causal softmax attention, lm_head (or the tied embedding).
@@ -282,12 +282,19 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
         return np.concatenate([-x[..., D // 2 :], x[..., : D // 2]], -1)
 
     B, T = tokens.shape
+    cache = [{} for _ in range(L)] if cache is None else cache
+    if not cache:
+        cache.extend({} for _ in range(L))
+    S0 = cache[0]["k"].shape[2] if "k" in cache[0] else 0  # tokens already cached
+    keep = lambda i, name, x: cache[i].__setitem__(
+        name, x if name not in cache[i] else np.concatenate([cache[i][name], x], 2)
+    )
     inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         inv = llama3_inv_freq_numpy(inv, scaling)
     elif scaling.get("rope_type", scaling.get("type")) == "linear":
         inv = inv / scaling["factor"]
-    freqs = np.arange(T)[:, None] * inv[None]
+    freqs = np.arange(S0, S0 + T)[:, None] * inv[None]
     emb = np.concatenate([freqs, freqs], -1)
     cos, sin = np.cos(emb)[None, None], np.sin(emb)[None, None]  # [1, 1, T, D]
     h = f64(sd["model.embed_tokens.weight"])[tokens]
@@ -318,10 +325,8 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
                 v = a * v + b * ve
         if i == 0:
             V1 = v
-        elif mode == "svformer":
-            v = V1  # Eq. 10
-        elif mode == "skipv1":  # own heads first, then layer 1's remaining heads
-            v = V1 if v is None else np.concatenate([v, V1[:, v.shape[1] :]], axis=1)
+        elif mode in ("svformer", "skipv1"):
+            pass  # V_1 of every cached token is read below, after this layer's own heads are cached
         elif p + "self_attn.value_gate.weight" in sd:  # gated: lerp(V_i, V_1, g)
             g = heads(sigmoid(x @ f64(sd[p + "self_attn.value_gate.weight"]).T))
             v = (1.0 - g) * v + g * V1
@@ -333,9 +338,17 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
                 l2 = 1.0 - l1
             v = l1 * V1 + l2 * v  # Eq. 7
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        keep(i, "k", k)
+        if v is not None:
+            keep(i, "v", v)
+        k, v = cache[i]["k"], cache[i].get("v")
+        if i > 0 and mode == "svformer":
+            v = cache[0]["v"]  # Eq. 10
+        elif i > 0 and mode == "skipv1":  # own heads first, then layer 1's remaining heads
+            v = cache[0]["v"] if v is None else np.concatenate([v, cache[0]["v"][:, v.shape[1] :]], axis=1)
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)
         s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
-        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        s = np.where(np.arange(S0 + T)[None] <= np.arange(S0, S0 + T)[:, None], s, -np.inf)
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
         u = (a @ v).transpose(0, 2, 1, 3).reshape(B, T, E)
@@ -346,3 +359,16 @@ def hf_llama_forward_numpy(sd, cfg, tokens):
     h = norm(h, sd["model.norm.weight"])
     head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     return h @ f64(head).T
+
+
+def hf_llama_greedy_numpy(sd, cfg, prompt, new_tokens):
+    """Greedy decoding with the twin's cache (hf_llama_forward_numpy's `cache`): the prompt once, then one token a
+    step. Returns the new tokens and the cache (its arrays: what each layer keeps)."""
+    cache: list = []
+    logits = hf_llama_forward_numpy(sd, cfg, np.asarray([prompt]), cache)
+    out = []
+    for i in range(new_tokens):
+        out.append(int(logits[0, -1].argmax()))
+        if i + 1 < new_tokens:  # as generate() does: the last token is returned, never fed back
+            logits = hf_llama_forward_numpy(sd, cfg, np.asarray([[out[-1]]]), cache)
+    return out, cache

@@ -268,6 +268,97 @@ def test_exported_model_loads_in_transformers(tmp_path):
         np.testing.assert_allclose(got, np.asarray(model.apply({"params": params}, tokens)), atol=1e-5, rtol=1e-5)
 
 
+# The twin's KV cache: what each layer keeps, and that cached greedy decoding is the engine's. Peaky logits (the LM
+# head scaled up) so a greedy tie is never decided by float order between numpy, torch and XLA.
+CACHE_CASES = [
+    "none",
+    "resformer_learnable",
+    "resformer_gated_gqa",
+    "svformer_gqa",
+    "skipv1",
+    "resformer_value_embeddings",
+]
+
+
+def _peaky_export(tmp_path, case):
+    from resformer_jax.hf.export import export_params
+
+    c, model, params = _model_and_params(EXPORT_CASES[case])
+    params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})
+    out = str(tmp_path / case)
+    hf_cfg = export_params(c.model, jax.device_get(params), out)
+    return c, params, out, hf_cfg
+
+
+def _engine_greedy(c, params, prompts, new):
+    from resformer_jax.engine import Engine, SamplingParams
+
+    m = c.model.copy_and_resolve_references()
+    m.dtype = "float32"
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
+    return [r.tokens for r in engine.generate(prompts, SamplingParams(max_tokens=new))]
+
+
+def _cache_bytes(case_cache):
+    return sum(a.size for layer in case_cache for a in layer.values())
+
+
+@pytest.mark.parametrize("case", CACHE_CASES)
+def test_twin_cache_greedy_equals_the_engine_and_holds_what_each_layer_needs(tmp_path, case):
+    """The cache logic of modeling_resformer.py, in the numpy reference (tests/reference.py): cached greedy decoding
+    gives the engine's tokens; an SVFormer's cache holds (L+1)/(2L) of a vanilla Llama's elements, a SkipV1Former's
+    layers their own heads; config.json says use_cache."""
+    from safetensors.numpy import load_file
+
+    c, params, out, hf_cfg = _peaky_export(tmp_path, case)
+    assert hf_cfg["use_cache"] is True
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, c.model.vocab_size, n)] for n in (5, 11)]
+    want = _engine_greedy(c, params, prompts, 8)
+    for p, w in zip(prompts, want):
+        got, cache = ref.hf_llama_greedy_numpy(sd, hf_cfg, p, 8)
+        assert got == w, f"{case}: prompt of {len(p)} tokens"
+    L, K, D = c.model.num_layers, c.model.num_kv_heads or c.model.num_heads, c.model.d_model // c.model.num_heads
+    tokens = len(prompts[-1]) + 8 - 1  # the last sampled token is never fed back
+    vanilla = 2 * L * K * D * tokens
+    want_ratio = {"svformer_gqa": (L + 1) / (2 * L), "skipv1": None}.get(case, 1.0)
+    if case == "skipv1":
+        own = hf_cfg["layer_value_heads"]
+        want_ratio = (L * K + sum(own)) / (2 * L * K)
+        assert sum(own) < L * K
+    assert _cache_bytes(cache) == pytest.approx(want_ratio * vanilla), case
+
+
+def test_transformers_generate_with_the_twins_cache_equals_the_engine(tmp_path):
+    torch = pytest.importorskip(
+        "torch",
+        reason="transformers' generate() needs torch, not installed here; the numpy test above checks the same cache",
+    )
+    transformers = pytest.importorskip("transformers")
+    for case in CACHE_CASES:
+        c, params, out, _ = _peaky_export(tmp_path, case)
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+        assert model.config.use_cache
+        prompt = [int(t) for t in np.random.default_rng(4).integers(0, c.model.vocab_size, 9)]
+        (want,) = _engine_greedy(c, params, [prompt], 8)
+        with torch.no_grad():
+            got = model.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, return_dict_in_generate=True
+            )
+        assert got.sequences[0, len(prompt) :].tolist() == want, case
+        cache = getattr(got, "cache", None) or got.past_key_values
+        layers = cache.layers
+        held = sum(x.numel() for layer in layers for x in (layer.keys, layer.values))
+        L, K = c.model.num_layers, c.model.num_kv_heads or c.model.num_heads
+        full = 2 * L * K * (c.model.d_model // c.model.num_heads) * (len(prompt) + 8 - 1)
+        if case == "svformer_gqa":
+            assert held * 2 * L == full * (L + 1), "SVFormer's layers >= 2 must cache keys only"
+            assert all(layer.values.numel() == 0 for layer in layers[1:])
+        elif case in ("none", "resformer_learnable"):
+            assert held == full
+
+
 @pytest.mark.slow
 def test_export_command_on_a_run(tmp_path):
     from resformer_jax.commands.training import run

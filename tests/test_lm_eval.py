@@ -129,7 +129,7 @@ def test_harness_command_line(trained, shared_data):
             "--model_args",
             f"workdir={wd},batch_size=4",
             "--tasks",
-            "piqa_local",
+            "piqa_local,arc_easy_gen_local",  # a multiple-choice task and a generation task (the engine)
             "--include_path",
             TASKS_DIR,
             "--limit",
@@ -143,6 +143,7 @@ def test_harness_command_line(trained, shared_data):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "piqa_local" in r.stdout and "acc" in r.stdout
+    assert "arc_easy_gen_local" in r.stdout and "exact_match" in r.stdout
 
 
 def test_context_defaults_to_the_exports_and_a_too_long_continuation_is_refused_with_a_count(trained):

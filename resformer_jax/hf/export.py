@@ -123,7 +123,6 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
         )
     if twin:
         cfg["architectures"] = ["ResFormerLlamaForCausalLM"]
-        cfg["use_cache"] = False  # modeling_resformer.py recomputes the prefix (no KV cache)
         cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_resformer.ResFormerLlamaForCausalLM"}
         cfg["value_residual"] = m.value_residual
         cfg["resformer_lambdas"] = m.resformer_lambdas

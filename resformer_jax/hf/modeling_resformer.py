@@ -11,7 +11,10 @@ produces V_1; layer n >= 2 attends with its own attention matrix over
 Value embeddings (modded-nanogpt): layers i and L+1-i add table VE_i[token] to V_n as a V_n + b VE
 (ve_lambdas) or V_n + 2 sigmoid(x W) VE (ve_gate), before the mix.
 Values are in key/value-head layout (GQA) and never rotated; RoPE in the rotate-half convention.
-This file runs the full forward each call (no KV cache); generation recomputes the prefix.
+The KV cache is transformers' own DynamicCache, holding per layer exactly what its equation needs: layer 1 its K
+and V_1; a layer attending over V_1 (SVFormer, Eq. 10) its K only (an empty value of head_dim 0) and reads V_1 from
+layer 1's entry; SkipV1Former's layers their own value heads; mixing layers (Eq. 7, gated) their mixed value, which
+is per token. So an SVFormer's cache is (L+1)/(2L) of a vanilla Llama's bytes.
 """
 
 import math
@@ -19,8 +22,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# transformers 5.2x names the cache `cache`; earlier releases `past_key_values`: the output field is whichever exists
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cached_values(cache, layer):
+    """The values a cache holds for a layer: [B, heads, S, D] (.layers in transformers >= 4.56, value_cache before)."""
+    return cache.layers[layer].values if hasattr(cache, "layers") else cache.value_cache[layer]
 
 
 class RMSNorm(nn.Module):
@@ -77,7 +88,9 @@ class Attention(nn.Module):
         """[B, T, K] -> [B, K, T, 1]: a per-head, per-token weight in value layout."""
         return y.transpose(1, 2)[..., None]
 
-    def forward(self, x, cos, sin, v1, lambdas, value_embeds):
+    def forward(self, x, cos, sin, v1, lambdas, value_embeds, cache, mask):
+        """x: the new tokens [B, T, E]; v1: layer 1's values of the new tokens; cache: the DynamicCache, updated in
+        place with what this layer keeps; mask: [B, 1, T, S] True where a new token may attend a cached one."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.K, self.D).transpose(1, 2)
@@ -88,12 +101,8 @@ class Attention(nn.Module):
                 v = (v + self.heads(2.0 * torch.sigmoid(self.ve_gate(x).float())) * ve).to(v.dtype)
             else:
                 v = (self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve).to(v.dtype)
-        if self.value_mix == "own":
-            v_att = v
-        elif self.value_mix == "first":
-            v_att = v1  # Eq. 10
-        elif self.value_mix == "skipv1":  # the layer's own heads, then layer 1's remaining ones
-            v_att = v1 if v is None else torch.cat([v, v1[:, self.value_heads :]], dim=1).to(v1.dtype)
+        if self.value_mix in ("own", "first", "skipv1"):
+            v_att = v  # what the cache keeps: V_n, nothing (Eq. 10), the own heads; V_1 is read from layer 1's entry
         elif self.value_mix == "gated":
             g = self.heads(torch.sigmoid(self.value_gate(x).float()))
             v_att = ((1.0 - g) * v + g * v1).to(v.dtype)
@@ -107,10 +116,18 @@ class Attention(nn.Module):
             v_att = (l1 * v1 + l2 * v).to(v.dtype)  # Eq. 7
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if v_att is None:  # no value of its own (Eq. 10; SkipV1 reusing every head): zero heads, zero bytes
+            v_att = k.new_zeros(B, 0, T, self.D)
+        k, v_att = cache.update(k, v_att, self.layer)
+        if self.value_mix == "first":
+            v_att = cached_values(cache, 0)  # Eq. 10: V_1 of every cached token
+        elif self.value_mix == "skipv1":  # the layer's own heads, then layer 1's remaining ones
+            v1_all = cached_values(cache, 0)
+            v_att = torch.cat([v_att, v1_all[:, v_att.shape[1] :]], dim=1).to(v1_all.dtype)
         G = self.H // self.K
         kr, vr = k.repeat_interleave(G, dim=1), v_att.repeat_interleave(G, dim=1)
         s = (q.float() @ kr.float().transpose(-1, -2)) / math.sqrt(self.D)
-        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+        s = s.masked_fill(~mask, torch.finfo(torch.float32).min)  # finite: a left-padding row stays a number
         u = (F.softmax(s, dim=-1) @ vr.float()).to(x.dtype)
         return self.o_proj(u.transpose(1, 2).reshape(B, T, -1)), (v if self.layer == 0 else None)
 
@@ -134,8 +151,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, v1, lambdas, value_embeds):
-        a, v = self.self_attn(self.input_layernorm(h), cos, sin, v1, lambdas, value_embeds)
+    def forward(self, h, cos, sin, v1, lambdas, value_embeds, cache, mask):
+        a, v = self.self_attn(self.input_layernorm(h), cos, sin, v1, lambdas, value_embeds, cache, mask)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), v
 
@@ -155,15 +172,26 @@ class Model(nn.Module):
             self.lambda_logits = nn.Parameter(torch.zeros(config.num_hidden_layers - 1))
             self.lambda_scale = nn.Parameter(torch.zeros(()))
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, cache, attention_mask=None, position_ids=None):
+        """input_ids [B, T]: the tokens after the S0 the cache holds; attention_mask [B, S0 + T] (0: padding)."""
         c = self.config
-        _B, T = input_ids.shape
+        B, T = input_ids.shape
+        dev = input_ids.device
+        past = cache.get_seq_length()
+        if position_ids is None and attention_mask is not None:  # left padding: positions count the real tokens
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=dev)[None].expand(B, T)
+        mask = torch.arange(past + T, device=dev)[None] <= torch.arange(past, past + T, device=dev)[:, None]
+        mask = mask[None, None]  # [1, 1, T, S]: causal over the cache and the new tokens
+        if attention_mask is not None:
+            mask = mask & attention_mask.bool()[:, None, None, -(past + T) :]
         D = c.hidden_size // c.num_attention_heads
         theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=input_ids.device).float() / D))
-        ang = torch.arange(T, device=input_ids.device).float()[:, None] * inv[None]
+        inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=dev).float() / D))
+        ang = position_ids.float()[..., None] * inv  # [B, T, D/2]
         emb = torch.cat([ang, ang], dim=-1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [B, 1, T, D]
         fixed = (
             torch.tensor(c.resformer_fixed_lambdas, dtype=torch.float32) if "lambda_mix" in c.layer_value_mix else None
         )
@@ -175,7 +203,7 @@ class Model(nn.Module):
         v1 = None
         for i, layer in enumerate(self.layers):
             lambdas = fixed[i - 1] if (fixed is not None and i > 0) else None
-            h, v = layer(h, cos.to(h.dtype), sin.to(h.dtype), v1, lambdas, value_embeds)
+            h, v = layer(h, cos.to(h.dtype), sin.to(h.dtype), v1, lambdas, value_embeds, cache, mask)
             if i == 0:
                 v1 = v
         return self.norm(h)
@@ -191,12 +219,24 @@ class ResFormerLlamaForCausalLM(PreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        logits = self.lm_head(self.model(input_ids)).float()
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        past_key_values=None,
+        use_cache=None,
+        labels=None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if cache is None:  # a call without one still runs through a cache, its own, dropped unless asked for
+            cache = DynamicCache()
+        h = self.model(input_ids, cache, attention_mask=attention_mask, position_ids=position_ids)
+        logits = self.lm_head(h).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        return {"input_ids": input_ids}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
