@@ -229,3 +229,41 @@ def test_sigterm_lets_8_streams_in_flight_finish_and_exits_0(run_dir):
         finals = [json.loads(e) for e in events[:-1] if json.loads(e)["choices"][:1]]
         assert finals[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         assert "usage" in json.loads(events[-2])
+
+
+def test_bench_serve_loads_the_server_and_reads_its_cache_gauges(server):
+    """`resformer bench serve` with Poisson arrivals: every request served, latency percentiles, and the server's
+    own count of the most sequences its cache held (at least 2 at once: requests overlap at 50 a second)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "bench", "serve", f"--url={server.url}", "--requests=12"]
+        + ["--rate=50", "--prompt_min=4", "--context=24", "--new_tokens=6"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    (out,) = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert (out["requests"], out["failed"]) == (12, 0), out
+    assert out["tokens_per_s"] > 0 and out["ttft_p50_s"] <= out["ttft_p99_s"] and out["itl_p50_s"] is not None
+    assert out["server_cache_pages"] == server.metric("resformer:kv_cache_pages_total")
+    assert 2 <= out["server_max_sequences_cached"] <= server.metric("resformer:kv_cache_pages_total")
+
+
+def test_an_exported_folder_serves_the_runs_greedy_text(server, run_dir, tmp_path):
+    """`resformer serve --workdir=EXPORT` on what `resformer export` wrote: the same greedy text as the run."""
+    hf = str(tmp_path / "hf")
+    e = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "export", f"--workdir={run_dir}", f"--out={hf}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert e.returncode == 0, e.stderr[-2000:]
+    s = Server(hf, "--cache_gib=0.02")
+    try:
+        for prompt in PROMPTS[:2]:
+            assert greedy(s.client(), prompt).text == greedy(server.client(), prompt).text, prompt
+    finally:
+        s.stop()

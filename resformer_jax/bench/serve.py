@@ -69,6 +69,26 @@ async def _load(url: str, prompts, max_tokens: int, rate: float, concurrency: in
         return await asyncio.gather(*tasks)
 
 
+def _server_gauges(url: str) -> dict:
+    """What the server's /metrics says of its cache after the load: the most sequences it held at once, its pages."""
+    import httpx
+
+    want = {
+        "resformer:max_sequences_cached": "server_max_sequences_cached",
+        "resformer:kv_cache_pages_total": "server_cache_pages",
+    }
+    out = {}
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in want:
+            out[want[name]] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurrency: int = 0, seed: int = 0) -> dict:
     """Drives the server at `url` with `prompts` (Poisson arrivals at `rate` a second, 0: all at once; at most
     `concurrency` in flight, 0: no limit) and reports what a client saw."""
@@ -80,6 +100,7 @@ def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurren
     itl = [d for r in ok for d in r["itl"]]
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None
     return {
+        **_server_gauges(url),
         "url": url,
         "requests": len(prompts),
         "failed": len(results) - len(ok),

@@ -1,6 +1,7 @@
 """Serve a run over HTTP, OpenAI-compatible, on the decode engine.
 
   resformer serve --workdir=RUN [--step=S] [--port=8000] [--cache_gib=4]
+  resformer serve --workdir=hf/RUN      # a folder `resformer export` wrote (config.json, model.safetensors)
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
@@ -13,7 +14,12 @@ from __future__ import annotations
 
 from absl import flags
 
-flags.DEFINE_string("workdir", None, "Run directory (checkpoints/, tokenizer.json).", required=True)
+flags.DEFINE_string(
+    "workdir",
+    None,
+    "Run directory (checkpoints/, tokenizer.json), or a folder `resformer export` wrote.",
+    required=True,
+)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -45,18 +51,14 @@ def main(argv):
     import uvicorn
 
     from resformer_jax.engine import Engine
-    from resformer_jax.rundir import RunDir
     from resformer_jax.serve.app import make_app
     from resformer_jax.serve.engine_thread import EngineThread
     from resformer_jax.serve.metrics import ServeMetrics
-    from resformer_jax.train.setup import load_run
 
     with cli.exit_on_user_error():
-        run = RunDir(FLAGS.workdir)
-        cfg, params, step = load_run(run.workdir, FLAGS.step)
-        tokenizer = run.tokenizer()
+        model_cfg, params, step, tokenizer = _load(FLAGS.workdir, FLAGS.step)
         engine = Engine(
-            cfg.model,
+            model_cfg,
             params,
             cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
             max_batch=FLAGS.max_batch,
@@ -68,7 +70,7 @@ def main(argv):
     thread.start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     print(
-        f"serving {name} (step {step}, {cfg.model.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
+        f"serving {name} ({step}, {model_cfg.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
         f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
         f"({engine.bytes_per_token} bytes a token)"
         + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids"),
@@ -91,6 +93,33 @@ def main(argv):
     finally:
         thread.stop()
     print("server stopped", file=sys.stderr, flush=True)
+
+
+def _load(path: str, step: int | None):
+    """(model config, parameters, what was loaded, tokenizer or None) of a run directory or an exported HF folder."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from resformer_jax.commands import common as cli
+    from resformer_jax.rundir import RunDir
+
+    hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints"))
+    if hf:  # an export: its weights as written, its tokenizer.json (our exports carry the corpus's)
+        from resformer_jax.hf.llama_import import load_hf_llama
+
+        if step is not None:
+            raise cli.ConfigFlagError(
+                f"--step={step}: {path} is an exported folder with one set of weights; drop --step"
+            )
+        model_cfg, params = load_hf_llama(path)
+        tok = os.path.join(path, "tokenizer.json")
+        return model_cfg, params, "exported", Tokenizer.from_file(tok) if os.path.isfile(tok) else None
+    from resformer_jax.train.setup import load_run
+
+    run = RunDir(path)
+    cfg, params, loaded = load_run(run.workdir, step)
+    return cfg.model, params, f"step {loaded}", run.tokenizer()
 
 
 def cli_main():

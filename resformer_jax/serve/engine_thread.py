@@ -129,3 +129,4 @@ class EngineThread:
         m.label(m.waiting).set(len(e.waiting))
         m.label(m.pages_used).set(e.pool.used)
         m.label(m.cache_usage).set(e.pool.used / e.pool.usable)
+        m.label(m.most_running).set(e.stats.most_concurrent)

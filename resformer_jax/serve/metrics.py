@@ -19,6 +19,9 @@ class ServeMetrics:
         )
         self.pages_used = Gauge("resformer:kv_cache_pages_used", "KV cache pages in use.", labels, registry=r)
         self.pages_total = Gauge("resformer:kv_cache_pages_total", "KV cache pages in all.", labels, registry=r)
+        self.most_running = Gauge(
+            "resformer:max_sequences_cached", "The most sequences the KV cache held at once.", labels, registry=r
+        )
         self.tokens_per_s = Gauge(
             "resformer:generation_tokens_per_second", "Tokens a second, last 5 s.", labels, registry=r
         )
