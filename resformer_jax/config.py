@@ -519,6 +519,15 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         )
     if t.steps <= 0:
         _fail("train.steps", f"must be positive, got {t.steps}", "set train.steps >= 1")
+    for field, every in (
+        ("train.log_every", t.log_every),
+        ("train.eval_every", t.eval_every),
+        ("checkpoint.every_steps", c.checkpoint.every_steps),
+    ):
+        if every <= 0:  # each also happens at the last step: N = train.steps means only there
+            _fail(
+                field, f"must be a positive number of steps, got {every}", "set N >= 1 (train.steps: only at the end)"
+            )
     if t.loss_chunk_len < 0:
         _fail(
             "train.loss_chunk_len",

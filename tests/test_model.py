@@ -176,6 +176,8 @@ def test_paper_param_counts_and_kv_cache():
         ("model.num_kv_heads", 3, "num_kv_heads"),
         ("model.value_residual", "resformerr", "value_residual"),
         ("data.seq_len", 4096, "max_seq_len"),
+        ("train.eval_every", 0, "eval_every"),  # was a ZeroDivisionError at the first step
+        ("checkpoint.every_steps", 0, "every_steps"),
     ],
 )
 def test_impossible_config_names_field_and_fix(field, value, needle):
