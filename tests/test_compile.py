@@ -91,6 +91,35 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
 
 
 @needs_aot
+@pytest.mark.slow
+def test_the_decode_engines_program_compiles_with_a_tokens_per_s_bound():
+    """`compile --steps=decode` compiles the engine's own program (engine/engine.py step_program) for one device of
+    the target: SVFormer's paged cache holds (L+1)/(2L) of vanilla's bytes for the same sequences, and the decode
+    step reports its tokens/s bound (rows over the roofline bound)."""
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
+    decode = {}
+    for variant in ("none", "svformer"):
+        report = compile_for_target(
+            accelerator_config(variant, "cuda"),
+            parse_target("h100x8"),
+            steps=("decode",),
+            decode_batch=8,
+            prompt_len=200,
+            log=lambda s: None,
+        )
+        (prefill, token) = report.steps
+        assert (prefill.name, token.name) == ("decode_prefill", "decode_token") and prefill.fits and token.fits
+        decode[variant] = token.to_json()["decode"]
+        assert decode[variant]["rows"] == 8 and decode[variant]["context_tokens"] == 200
+        assert decode[variant]["tokens_per_s_bound"] == pytest.approx(8 / token.roofline["per_op_bound_s"])
+        assert any("tokens/s bound on one device" in line for line in report.lines())
+    L = 3
+    assert decode["svformer"]["kv_cache_bytes"] * 2 * L == decode["none"]["kv_cache_bytes"] * (L + 1)
+
+
+@needs_aot
 def test_muon_state_is_sharded_over_fsdp_and_smaller_than_adamws_in_the_compile_report():
     """Muon keeps one moment per hidden matrix (AdamW two): its train step's arguments (parameters + optimizer state)
     per device are smaller, and sharded over fsdp like AdamW's."""

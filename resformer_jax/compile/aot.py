@@ -5,7 +5,7 @@
 The run is built exactly as on that hardware, by the one builder (train/setup.build): the target's devices as
 the mesh, the platform's attention kernel (splash on TPU, the Pallas/Triton kernel on GPU), bf16 for
 `dtype=auto`, the logical-axis shardings, remat and microbatching of the config. Then the train step, the eval
-step and the decode steps (prefill and one token) go through the target's real compiler: libtpu's for TPU
+step and the decode engine's programs (a prefill chunk and one token; one device) go through the target's real compiler: libtpu's for TPU
 (Mosaic compiles the kernel, XLA assigns HBM and refuses a program over it), XLA:GPU's for CUDA (Triton
 compiles the kernel to GPU machine code, where its shared-memory limit is enforced). Nothing runs; nothing is
 allocated. What a report holds per step: XLA's memory per device against the chip's, the compile time and the
@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -41,8 +42,6 @@ from resformer_jax.compile.targets import Target
 from resformer_jax.config import REMAT_POLICIES
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
-from resformer_jax.model.config import ModelConfig
-from resformer_jax.model.decode import PREFILL_CHUNK, _step, cache_shapes, cache_shardings
 from resformer_jax.model.transformer import needs_unrolled
 from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
 
@@ -53,11 +52,10 @@ KERNEL_NAMES = {
     "__gpu$xla.gpu.triton": "Triton (Pallas)",
     "tpu_custom_call": "Mosaic TPU (Pallas)",
 }
-# What lowers generation's memory (its steps attend over the whole cache with XLA's attention).
+# What lowers the decode programs' memory.
 DECODE_KNOBS = (
-    "generation attends over the whole cache with XLA's attention ([heads, tokens, max_len] scores in "
-    "fp32, the prompt prefilled in chunks of model/decode.PREFILL_CHUNK tokens): lower --decode_batch or "
-    "model.max_seq_len, or --steps=train,eval to check training alone"
+    "the decode engine's cache holds --decode_batch sequences of --prompt_len tokens: lower either, "
+    "or --steps=train,eval to check training alone"
 )
 ELF_MAGIC = b"\x7fELF"  # GPU machine code (cubin) embedded in a serialized executable
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
@@ -82,6 +80,7 @@ class CompiledStep:
     problem: str = ""  # the one-line message where it does not fit
     roofline: dict | None = None  # compile/roofline.py's report of the compiled program (None: chip unknown)
     kernel_resources: list | None = None  # GPU: each Triton kernel's registers and spills (compile/ptxas.py)
+    decode: dict | None = None  # decode_token: rows, context, cache bytes, the tokens/s bound on one device
 
     @property
     def kernels(self) -> list[str]:
@@ -100,6 +99,7 @@ class CompiledStep:
             **({"problem": self.problem} if self.problem else {}),
             **({"roofline": self.roofline} if self.roofline else {}),
             **({"kernel_resources": self.kernel_resources} if self.kernel_resources is not None else {}),
+            **({"decode": self.decode} if self.decode else {}),
         }
 
 
@@ -183,6 +183,13 @@ class CompileReport:
                 )
                 + (f"; bound {r['per_op_bound_s'] * 1e3:.1f} ms" if r.get("per_op_bound_s") else "")
                 + (f"; MFU ceiling {r['mfu_ceiling_model']:.3f}" if r.get("mfu_ceiling_model") is not None else "")
+                + (
+                    f"; {s.decode['tokens_per_s_bound']:,.0f} tokens/s bound on one device ({s.decode['rows']} "
+                    f"sequences at {s.decode['context_tokens']} tokens of context, a paged cache of "
+                    f"{gib(s.decode['kv_cache_bytes'])})"
+                    if s.decode and s.decode.get("tokens_per_s_bound")
+                    else ""
+                )
             )
         return out
 
@@ -448,36 +455,48 @@ def step_model_flops(cfg, sequences: int, devices: int, forward_only: bool = Fal
     return f.per_token * tokens * scale, f.per_token_6n * tokens * scale
 
 
-def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> list[CompiledStep]:
-    """generate's two programs (commands/generate.py): the prompt's prefill (one chunk of it, the program
-    generate runs for a prompt of `prompt_len` tokens, default data.seq_len) and one new token, parameters in the
-    training layout, the KV cache sharded over the batch, spanning model.max_seq_len."""
+DECODE_ROWS = 32  # --decode_batch's default: sequences one device decodes at once
+DECODE_PAGE = 16  # tokens a cache page holds (the engine's default)
 
-    mesh, m = setup.mesh, setup.model_cfg
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    batch = batch or shards
-    max_len = m.max_seq_len
-    prompt = min(prompt_len or setup.cfg.data.seq_len, max_len, PREFILL_CHUNK)
-    cache = cache_shapes(m, batch=batch, max_len=max_len)
-    cache = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, cache_shardings(cache, mesh, batch)
-    )
-    rows = NamedSharding(mesh, P(("data", "fsdp"), None) if batch % shards == 0 else P())
-    mf = ModelConfig.of(m)
+
+def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> list[CompiledStep]:
+    """The decode engine's two programs (engine/engine.py `step_program`) on one device of the target, as a
+    deployment runs an engine a device: a prefill chunk (the engine's 4 rows of up to 256 prompt tokens) and a
+    decode step of `batch` rows (default 32), each attending over `prompt_len` tokens (default data.seq_len) of a
+    paged cache sized for exactly those rows; the parameters unrolled, replicated. The decode step's roofline bound
+    gives its tokens/s bound (`decode` in its JSON): rows over the bound, for one device."""
+    from jax.sharding import Mesh
+
+    from resformer_jax.engine.engine import pool_shapes, step_program, step_shapes
+    from resformer_jax.model.attention import PageLayout
+    from resformer_jax.model.transformer import Transformer, unrolled_params
+
+    m = setup.model_cfg.replace(scan_layers=False, remat="none")
+    rows = batch or DECODE_ROWS
+    context = min(prompt_len or setup.cfg.data.seq_len, m.max_seq_len - 1)
+    pages_per_row = -(-(context + 1) // DECODE_PAGE)
+    model = Transformer(m, pages=PageLayout(rows * pages_per_row + 1, DECODE_PAGE))
+    one = NamedSharding(Mesh(target.devices()[:1], ("x",)), P())
+    on_one = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+    params = on_one(jax.eval_shape(lambda p: unrolled_params(nn.unbox(p), m.num_layers), setup.abstract_state.params))
+    cache = on_one(pool_shapes(model))
+    program = jax.jit(step_program(model), donate_argnums=(1,))
     out = []
-    for name, T in (("decode_prefill", prompt), ("decode_token", 1)):
-        tokens = jax.ShapeDtypeStruct((batch, T), jnp.int32, sharding=rows)
-        out.append(
-            compile_step(
-                name,
-                _step,
-                (setup.abstract_state.params, tokens, cache),
-                target,
-                setup.cfg,
-                kwargs={"m_frozen": mf, "max_len": max_len},
-                log=log,
-            )
+    for name, (r, T) in (("decode_prefill", (4, min(256, context))), ("decode_token", (rows, 1))):
+        step = compile_step(
+            name, program, (params, cache, *on_one(step_shapes(model, r, T, pages_per_row))), target, setup.cfg, log=log
         )
+        if name == "decode_token" and step.roofline:
+            bound = step.roofline["per_op_bound_s"]
+            step.decode = {
+                "rows": rows,
+                "context_tokens": context,
+                "kv_cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)),
+                "bound_s": bound,
+                "tokens_per_s_bound": rows / bound if bound else None,
+                "devices": 1,
+            }
+        out.append(step)
     return out
 
 

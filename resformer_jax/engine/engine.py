@@ -160,7 +160,7 @@ class Engine:
         self.cache = init_pools(self.model)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))
         self.max_len = m.max_seq_len
-        self._step_fn = jax.jit(self._forward, donate_argnums=(1,))
+        self._step_fn = jax.jit(step_program(self.model), donate_argnums=(1,))
         self._next_id = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admitted, in admission order (prefill or decode)
@@ -361,22 +361,6 @@ class Engine:
         )
         return np.asarray(tok), np.asarray(lp)
 
-    def _forward(
-        self, params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B
-    ):
-        h_BxTxE, mutated = self.model.apply(
-            {"params": params, "cache": cache},
-            tokens_BxT,
-            positions_BxT,
-            return_hidden=True,
-            page_table_BxP=table_BxP,
-            mutable=["cache"],
-        )
-        h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
-        logits_BxV = lm_head_logits(self.model_cfg, params, h_BxE)[:, 0, : self.model_cfg.vocab_size]
-        token_B, logprob_B = sample_rows(logits_BxV, temp_B, topk_B, topp_B, seed_B, n_B)
-        return token_B, logprob_B, mutated["cache"]
-
     # ------------------------------------------------------------------ ends
     def _emit(self, r: Request, token: int, logprob: float) -> bool:
         """Records a new token; True if it ended the request."""
@@ -401,6 +385,48 @@ class Engine:
         r.pages, r.state, r.finish_reason = [], "done", reason
         if r.on_token is not None:
             r.on_token(r, -1, 0.0)  # the end: token -1
+
+
+def step_program(model: Transformer):
+    """The engine's one program as a pure function: the paged model over `tokens_BxT` at `positions_BxT` (-1: a
+    padding slot, nothing written), each row's pages in `table_BxP`; the LM head at each row's `last_B` token;
+    per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with the cache donated;
+    `resformer compile --steps=decode` compiles it for a target."""
+    m = model.cfg
+
+    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B):
+        h_BxTxE, mutated = model.apply(
+            {"params": params, "cache": cache},
+            tokens_BxT,
+            positions_BxT,
+            return_hidden=True,
+            page_table_BxP=table_BxP,
+            mutable=["cache"],
+        )
+        h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
+        logits_BxV = lm_head_logits(m, params, h_BxE)[:, 0, : m.vocab_size]
+        token_B, logprob_B = sample_rows(logits_BxV, temp_B, topk_B, topp_B, seed_B, n_B)
+        return token_B, logprob_B, mutated["cache"]
+
+    return forward
+
+
+def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) -> tuple:
+    """step_program's arguments after (params, cache), as shapes: `rows` sequences of `tokens` new tokens each,
+    `pages_per_row` pages in each row's table."""
+    S = jax.ShapeDtypeStruct
+    i32, f32 = jnp.int32, jnp.float32
+    return (
+        S((rows, tokens), i32),  # tokens
+        S((rows, tokens), i32),  # positions
+        S((rows, pages_per_row), i32),  # page table
+        S((rows,), i32),  # last
+        S((rows,), f32),  # temperature
+        S((rows,), i32),  # top_k
+        S((rows,), f32),  # top_p
+        S((rows,), jnp.uint32),  # seed
+        S((rows,), i32),  # tokens generated so far
+    )
 
 
 def pool_shapes(model: Transformer):
