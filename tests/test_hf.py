@@ -283,7 +283,7 @@ CACHE_CASES = [
 def _peaky_export(tmp_path, case):
     from resformer_jax.hf.export import export_params
 
-    c, model, params = _model_and_params(EXPORT_CASES[case])
+    c, _model, params = _model_and_params(EXPORT_CASES[case])
     params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})
     out = str(tmp_path / case)
     hf_cfg = export_params(c.model, jax.device_get(params), out)

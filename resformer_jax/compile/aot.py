@@ -5,9 +5,10 @@
 The run is built exactly as on that hardware, by the one builder (train/setup.build): the target's devices as
 the mesh, the platform's attention kernel (splash on TPU, the Pallas/Triton kernel on GPU), bf16 for
 `dtype=auto`, the logical-axis shardings, remat and microbatching of the config. Then the train step, the eval
-step and the decode engine's programs (a prefill chunk and one token; one device) go through the target's real compiler: libtpu's for TPU
-(Mosaic compiles the kernel, XLA assigns HBM and refuses a program over it), XLA:GPU's for CUDA (Triton
-compiles the kernel to GPU machine code, where its shared-memory limit is enforced). Nothing runs; nothing is
+step and the decode engine's programs (a prefill chunk and one token, on one device) go through the target's real
+compiler: libtpu's for TPU (Mosaic compiles the kernel, XLA assigns HBM and refuses a program over it), XLA:GPU's
+for CUDA (Triton compiles the kernel to GPU machine code, where its shared-memory limit is enforced). Nothing runs;
+nothing is
 allocated. What a report holds per step: XLA's memory per device against the chip's, the compile time and the
 custom calls (the attention kernel) inside the compiled program.
 
@@ -29,7 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -464,12 +464,13 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     deployment runs an engine a device: a prefill chunk (the engine's 4 rows of up to 256 prompt tokens) and a
     decode step of `batch` rows (default 32), each attending over `prompt_len` tokens (default data.seq_len) of a
     paged cache sized for exactly those rows; the parameters unrolled, replicated. The decode step's roofline bound
-    gives its tokens/s bound (`decode` in its JSON): rows over the bound, for one device."""
+    gives its tokens/s bound (`decode` in its JSON): rows over the bound, for one device. The weights are the
+    engine's: in the compute dtype (engine.serving_params)."""
     from jax.sharding import Mesh
 
-    from resformer_jax.engine.engine import pool_shapes, step_program, step_shapes
+    from resformer_jax.engine.engine import pool_shapes, serving_params, step_program, step_shapes
     from resformer_jax.model.attention import PageLayout
-    from resformer_jax.model.transformer import Transformer, unrolled_params
+    from resformer_jax.model.transformer import Transformer
 
     m = setup.model_cfg.replace(scan_layers=False, remat="none")
     rows = batch or DECODE_ROWS
@@ -478,7 +479,7 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     model = Transformer(m, pages=PageLayout(rows * pages_per_row + 1, DECODE_PAGE))
     one = NamedSharding(Mesh(target.devices()[:1], ("x",)), P())
     on_one = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-    params = on_one(jax.eval_shape(lambda p: unrolled_params(nn.unbox(p), m.num_layers), setup.abstract_state.params))
+    params = on_one(jax.eval_shape(lambda p: serving_params(m, p), setup.abstract_state.params))
     cache = on_one(pool_shapes(model))
     program = jax.jit(step_program(model), donate_argnums=(1,))
     out = []

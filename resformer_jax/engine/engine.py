@@ -155,8 +155,7 @@ class Engine:
         self.pool = PagePool(num_pages, self.page_size)
         self.layout = PageLayout(num_pages, self.page_size)
         self.model = Transformer(self.model_cfg, pages=self.layout)
-        params = nn.unbox(params)
-        self.params = unrolled_params(params, m.num_layers) if "layers" in params else params
+        self.params = serving_params(self.model_cfg, params)
         self.cache = init_pools(self.model)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))
         self.max_len = m.max_seq_len
@@ -385,6 +384,18 @@ class Engine:
         r.pages, r.state, r.finish_reason = [], "done", reason
         if r.on_token is not None:
             r.on_token(r, -1, 0.0)  # the end: token -1
+
+
+def serving_params(m: ModelConfig, params):
+    """The parameters as the engine holds them: unrolled (a layer each), and in the compute dtype where it is
+    narrower than float32 (training keeps float32 masters; a decode step that cast them each time would read 4
+    bytes a weight and write 2 before its matmuls read them: decode is bound by those bytes)."""
+    params = nn.unbox(params)
+    params = unrolled_params(params, m.num_layers) if "layers" in params else params
+    if m.dtype in ("bfloat16", "float16"):
+        narrow = jnp.dtype(m.dtype)
+        params = jax.tree.map(lambda x: x.astype(narrow) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return params
 
 
 def step_program(model: Transformer):
