@@ -145,3 +145,25 @@ def test_a_cache_smaller_than_one_sequence_is_named():
     engine = Engine(m, p, cache_bytes=3 * 8 * 1536, page_size=8)  # two usable pages: 16 tokens
     with pytest.raises(EngineError, match="raise the cache budget or lower max_tokens"):
         engine.submit([1] * 10, SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize("variant", ["none", pytest.param("svformer+gqa", marks=pytest.mark.slow)])
+def test_paged_kernel_reads_pages_in_place_and_equals_the_gather_path(variant):
+    """A GPU run's engine (attention_impl=pallas) decodes through JAX's Pallas paged_attention, which reads each
+    row's pages where they lie (kernels/paged_attention.py; interpreted here): the decode step's program holds the
+    kernel and no gather of the pool, and its greedy tokens are the dense-cache generate's."""
+    from resformer_jax.engine.engine import step_program, step_shapes
+
+    m, params = peaky_model(variant.split("+")[0], **VARIANTS.get(variant, {}))
+    m = m.copy_and_resolve_references()
+    m.attention_impl = "pallas"
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
+    jaxpr = str(
+        jax.make_jaxpr(step_program(engine.model))(engine.params, engine.cache, *step_shapes(engine.model, 4, 1, 8))
+    )
+    assert "paged_attention" in jaxpr, "the decode step does not call the paged kernel"
+    prompts = prompts_of(np.random.default_rng(5), 4, m.vocab_size)
+    got = engine.generate(prompts, SamplingParams(max_tokens=6))
+    for p, r in zip(prompts, got):
+        assert r.tokens == dense_greedy(m, params, p, 6), f"{variant}: prompt of {len(p)} tokens"
+    assert engine.pool.used == 0

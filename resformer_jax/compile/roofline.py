@@ -9,7 +9,7 @@ What is counted, per execution (a while body counts its known trip count times; 
 branch): GEMMs (cuBLAS custom calls, `dot` and dot-like `convolution` ops, inside fusions too) at 2 FLOPs a
 multiply-add from their shapes; Pallas kernels (Triton on GPU, Mosaic on TPU) by the kernel's own formula
 (kernels/pallas_attention.kernel_flops: causal block skipping included); every other top-level op's bytes as
-its operands read plus its results written (a slice reads only its slice, an in-place update writes only the
+its operands read plus its results written (a slice reads only its slice, an in-place update or scatter writes only the
 update), elementwise FLOPs ignored. Collectives are counted apart (bytes, and their time on the chip's links) and
 not added to the bound: XLA overlaps them with compute.
 """
@@ -105,6 +105,9 @@ def elements(shape: str) -> int:
 
 # Ops that read more than one element of an operand per result element: a loop fusion holding one is not bounded
 # by its result's size.
+# Fusion roots that write into their first operand's buffer (donated or aliased): a paged cache's scatter of this
+# step's tokens, a dense cache's dynamic-update-slice. They move the update, not the buffer.
+IN_PLACE_UPDATES = ("dynamic-update-slice", "scatter")
 LOOP_READERS = ("reduce", "reduce-window", "convolution", "dot", "scatter", "sort", "select-and-scatter", "fusion")
 
 
@@ -543,8 +546,12 @@ class _Walker:
         if root is not None and root.opcode == "tuple":
             by_name = {i.name: i for i in body}
             roots = [by_name[o] for o in root.operands if o in by_name]
-        if roots and all(r.opcode == "dynamic-update-slice" for r in roots):
-            written = sum(shape_bytes(self.shapes.get(r.operands[1], "")) for r in roots)
+        if roots and all(r.opcode in IN_PLACE_UPDATES for r in roots):
+            # the update's bytes: operand 1 of a dynamic-update-slice, the last operand of a (one-array) scatter
+            written = sum(
+                shape_bytes(self.shapes.get(r.operands[1 if r.opcode == "dynamic-update-slice" else -1], ""))
+                for r in roots
+            )
             in_place = {r.operands[0] for r in roots}
         # A loop fusion computes each result element once from elementwise ops, slices and gathers: it reads at
         # most as many elements of a parameter as it computes (a gather of one logit per row reads that logit).
@@ -558,8 +565,8 @@ class _Walker:
         for n, operand in enumerate(ins.operands):
             p = params.get(n)
             uses = users.get(p, []) if p else []
-            if p in in_place and all(u.opcode == "dynamic-update-slice" for u in uses):
-                continue
+            if p in in_place and all(u.opcode in IN_PLACE_UPDATES and u.operands[0] == p for u in uses):
+                continue  # the buffer updated in place: only the update is written, nothing of it read
             if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == p for u in uses):
                 read += sum(shape_bytes(u.shape) for u in uses)
             else:

@@ -441,7 +441,7 @@ def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) 
 
 
 def pool_shapes(model: Transformer):
-    """The cache pools of a paged model as shapes: {layer: {"k": [pages, page, K, D], "v": ...}} as each layer's
+    """The cache pools of a paged model as shapes: {layer: {"k": [K, pages, page, D], "v": ...}} as each layer's
     equation needs them (nothing allocated)."""
     one = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]

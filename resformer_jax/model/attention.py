@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from resformer_jax import kernels
+from resformer_jax.kernels import paged_attention
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
 
@@ -161,7 +162,7 @@ class LayerTensors(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class PageLayout:
     """A paged decode cache (the engine's): each layer's cache is a pool of `num_pages` pages of `page_size`
-    tokens, [num_pages, page_size, heads, D]; a sequence's tokens sit in the pages its row of the page table
+    tokens, [heads, num_pages, page_size, D]; a sequence's tokens sit in the pages its row of the page table
     lists, in order. Page 0 is never a sequence's: padding tokens write there."""
 
     num_pages: int
@@ -180,6 +181,20 @@ class Context:
     value_embeds: Any = None  # model.value_embeddings: each table's lookup of this call's tokens, [B, T, K, D]
     pages: PageLayout | None = struct.field(pytree_node=False, default=None)  # a paged cache (engine/)
     page_table: Any = None  # paged: [B, P] each row's pages in order (0 past its end)
+
+
+@struct.dataclass
+class PagedKV:
+    """A layer's paged cache as its attention reads it: the pool [heads, pages, page_size, D] and the rows' page
+    tables [B, P]."""
+
+    pool: jax.Array
+    table: jax.Array
+
+
+def dense_kv(x):
+    """A cache as a contiguous [B, S, heads, D] array (a paged one gathered; a dense one as it is)."""
+    return paged_attention.gather_pages(x.pool, x.table) if isinstance(x, PagedKV) else x
 
 
 @struct.dataclass
@@ -468,6 +483,16 @@ class Attention(nn.Module):
         Returns (U_n, the cached K, the cached V)."""
         first: Any = ctx.first
         k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
+        kernel = paged_attention.kernel_for(self.cfg.attention_impl, self.cfg.head_dim)
+        in_place = isinstance(k_all, PagedKV) and isinstance(v_all, PagedKV) and qr_BxTxHxD.shape[1] == 1
+        if kernel and in_place and self.plan.mapping != "cross_layer" and not self.capture:
+            # one new token a row: its pages read where they lie (a padding row, position -1, reads one token)
+            lengths_B = jnp.maximum(ctx.positions[:, 0], 0) + 1
+            u_BxHxD = paged_attention.paged_decode_attention(
+                qr_BxTxHxD[:, 0], k_all.pool, v_all.pool, k_all.table, lengths_B, kernel=kernel
+            )
+            return u_BxHxD[:, None], k_all, v_all
+        k_all, v_all = dense_kv(k_all), dense_kv(v_all)
         # a padding token (paged, position -1) attends to position 0: finite, and discarded
         mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= jnp.maximum(ctx.positions, 0)[:, :, None]
         if self.plan.mapping == "cross_layer" and not self.plan.first:  # Eq. 2 over the caches of layers n and 1
@@ -523,27 +548,27 @@ class Attention(nn.Module):
         if p.value == "own" and p.own_value_heads and p.own_value_heads < m.kv_heads:
             # SkipV1Former: the cache holds the layer's own heads only; layer 1's come from its cache
             own_heads = p.own_value_heads
-            v_all = jnp.concatenate([own("v", v_cur[:, :, :own_heads], own_heads), first.v_all[:, :, own_heads:]], 2)
+            v_own = dense_kv(own("v", v_cur[:, :, :own_heads], own_heads))
+            v_all = jnp.concatenate([v_own, dense_kv(first.v_all)[:, :, own_heads:]], 2)
         elif p.value == "own":
             v_all = own("v", v_cur)
         else:
             v_all = (carry.group if p.value == "group" else (carry.shared or first)).v_all
         return k_all, v_all
 
-    def _paged(self, name: str, cur_BxTxKxD, heads: int, ctx: Context):
+    def _paged(self, name: str, cur_BxTxKxD, heads: int, ctx: Context) -> PagedKV:
         """A paged cache: this call's tokens written at (their row's page for their position, the offset in it),
-        padding (position -1) into page 0; then the row's pages gathered in order, [B, P * page_size, heads, D]
-        (position s of the sequence at index s; past its length masked by the caller)."""
+        padding (position -1) into page 0. The pool is [heads, pages, page_size, D], as JAX's paged kernels read
+        it; returned with the rows' page tables, read in place by a kernel or gathered (kernels/paged_attention)."""
         m, pages = self.cfg, ctx.pages
         assert pages is not None
         dtype = jnp.dtype(m.dtype)
-        pool = self.variable("cache", name, jnp.zeros, (pages.num_pages, pages.page_size, heads, m.head_dim), dtype)
+        pool = self.variable("cache", name, jnp.zeros, (heads, pages.num_pages, pages.page_size, m.head_dim), dtype)
         table_BxP = ctx.page_table
         if not self.is_initializing():
             pos_BxT = ctx.positions
             slot_BxT = jnp.maximum(pos_BxT, 0) // pages.page_size
             page_BxT = jnp.where(pos_BxT >= 0, jnp.take_along_axis(table_BxP, slot_BxT, axis=1), 0)
             offset_BxT = jnp.where(pos_BxT >= 0, pos_BxT % pages.page_size, 0)
-            pool.value = pool.value.at[page_BxT, offset_BxT].set(cur_BxTxKxD.astype(dtype))
-        B, P = table_BxP.shape
-        return pool.value[table_BxP].reshape(B, P * pages.page_size, heads, m.head_dim)
+            pool.value = pool.value.at[:, page_BxT, offset_BxT].set(cur_BxTxKxD.astype(dtype).transpose(2, 0, 1, 3))
+        return PagedKV(pool.value, table_BxP)
