@@ -167,8 +167,9 @@ def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_th
     for inv, wall in zip(invocations, (wall1, wall2)):
         assert abs(sum(inv["seconds"].values()) - inv["wall_s"]) < 0.01
         # The ledger's wall is the process's from its start to the end of training: all but the interpreter's
-        # teardown after the last record (about 0.4 s here, whatever the run's length).
-        assert -0.3 <= wall - inv["wall_s"] <= 0.02 * wall + 1.0, (inv["wall_s"], wall)
+        # teardown after the last record (about 0.4 s here, whatever the run's length; 1.9 s once on a host busy
+        # with compiles besides the suite).
+        assert -0.3 <= wall - inv["wall_s"] <= 0.03 * wall + 2.0, (inv["wall_s"], wall)
     assert invocations[0]["seconds"]["stalled"] >= 4 and invocations[0]["end"] == "stalled"
     assert invocations[1]["recomputed_steps"] == 4 and invocations[1]["end"] == "finished"  # 21-24 ran twice
     scalars = read_jsonl(os.path.join(stalled, "metrics.jsonl"), "goodput/goodput")
