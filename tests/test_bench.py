@@ -335,8 +335,10 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     assert rep["auto"]["choice"] == "chunked"
     assert {s["impl"] for s in rep["train"]["steps"]} == {"chunked", "xla"}
     assert all(s["step_s"] > 0 and 0 < s["mfu_model"] < 1.5 for s in rep["train"]["steps"])
-    dec = {d["variant"]: d for d in rep["decode"]}
-    assert dec["svformer"]["kv_cache_bytes"] < dec["none"]["kv_cache_bytes"]
+    dec = {(d["variant"], d["batch"]): d for d in rep["decode"]}
+    assert set(dec) == {(v, b) for v in ("none", "svformer") for b in (1, 4)}  # the engine's matrix
+    assert dec["svformer", 4]["kv_cache_bytes"] < dec["none", 4]["kv_cache_bytes"]
+    assert all(d["fraction_of_bandwidth"] > 0 and d["decode_tokens_per_s"] > 0 for d in dec.values())
     assert "auto chose 'chunked'" in r.stderr  # the short table
 
 

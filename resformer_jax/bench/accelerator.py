@@ -8,7 +8,7 @@ One JSON report (stdout, and --out FILE) and a short table (stderr), in under 10
   auto       what `attention_impl=auto` chose at the 468M shapes, and why it rejected the others
   train      one ResFormer 468M train step per impl that passed: step time, tokens/s, MFU against the
              chip's datasheet peak, XLA's memory estimate against the measured peak
-  decode     tokens/s of vanilla and SVFormer with a KV cache
+  decode     the decode engine's matrix: tokens/s and bandwidth of vanilla and SVFormer, batch 1 and 64
 
 Rows that need another kind of accelerator are marked not applicable. On a CPU the same check runs
 at reduced shapes (a tiny model, short sequences), so it is exercised by the tests and cannot rot;
@@ -28,7 +28,7 @@ from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 
 from resformer_jax import kernels, perf
 from resformer_jax.bench.attention import time_attention
-from resformer_jax.bench.decode import bench_decode
+from resformer_jax.bench.decode import bench_decode_matrix
 from resformer_jax.bench.train import TrainBench
 from resformer_jax.config import paper_config, tiny_config
 from resformer_jax.train.setup import AttentionChoice
@@ -111,12 +111,6 @@ def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
         "measured_peak_bytes": measured,
         "measured_peak_source": "device peak_bytes_in_use" if measured is not None else "not reported on CPU",
     }
-
-
-def decode(cfg, variant: str, context: int, new_tokens: int) -> dict:
-    cfg.model.value_residual = variant
-    r = bench_decode(cfg, context, new_tokens, batch=1)
-    return {k: v for k, v in r.items() if k != "batch"}
 
 
 def device_target_config() -> str | None:
@@ -224,9 +218,19 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
         }
 
     def decoding():
+        # the decode engine's matrix: batch 1 and 64 (CPU: 1 and 4) at 2,048 tokens of context, vanilla and SVFormer
+        # taking turns, each row's bytes a step against the memory bandwidth measured in this process
         dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
-        context, new = (64, 8) if on_cpu else (2048, 32)
-        return [decode(dcfg.copy_and_resolve_references(), v, context, new) for v in ("none", "svformer")]
+        batches, context, new = ((1, 4), 64, 8) if on_cpu else ((1, 64), 2048, 32)
+        cfgs = []
+        for v in ("none", "svformer"):
+            c = dcfg.copy_and_resolve_references()
+            c.model.value_residual = v
+            cfgs.append(c)
+        rows = bench_decode_matrix(cfgs, batches, (context,), new, rounds=1)
+        for r in rows:  # what the batch holds in the cache, as the table prints it
+            r["kv_cache_bytes"] = r["kv_cache_bytes_held_per_token"] * r["batch"] * (context + new)
+        return rows
 
     for name, fn in (("attention", attention), ("auto", auto), ("train", train), ("decode", decoding)):
         _section(report, name, save, fn)
@@ -269,7 +273,8 @@ def table(report: dict) -> str:
             lines.append(f"train {s['impl']:>8}: {s['status']}")
     for d in report.get("decode", []) if isinstance(report.get("decode"), list) else []:
         lines.append(
-            f"decode {d['variant']:>8}: {d['decode_tokens_per_s']:,.1f} tok/s, KV cache "
+            f"decode {d['variant']:>8} batch {d['batch']:>3}: {d['decode_tokens_per_s']:,.1f} tok/s, "
+            f"{d['fraction_of_bandwidth']:.2f} of the memory bandwidth, KV cache "
             f"{d['kv_cache_bytes'] / 2**20:.1f} MiB at context {d['context']}"
         )
     return "\n".join(lines)

@@ -31,7 +31,10 @@ def gather_pages(pool_KxNxPxD, table_BxP):
 
 def kernel_for(impl: str, head_dim: int) -> str | None:
     """Which paged kernel serves a run whose attention_impl is `impl` ('gpu', 'tpu'), None for the gather path.
-    JAX's TPU kernel lowers only for head_dim a multiple of 128 (Mosaic's lane width; the 468M's 64 is not)."""
+    JAX's TPU kernel lowers only for head_dim a multiple of 128 (Mosaic's lane width; the 468M's 64 is not). An
+    unresolved `auto` (a model built by hand) takes the backend's kernel."""
+    if impl == "auto":
+        impl = {"gpu": GPU_IMPLS[0], "tpu": TPU_IMPLS[0]}.get(target_backend(), impl)
     if impl in GPU_IMPLS:
         return "gpu"
     if impl in TPU_IMPLS and head_dim % 128 == 0:
