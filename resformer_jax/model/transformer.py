@@ -13,6 +13,7 @@ ablation needs, `Carry`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -299,7 +300,14 @@ def unrolled_params(params: dict, num_layers: int) -> dict:
 
 
 def param_shapes(m, boxed: bool = False):
-    """Parameter shapes without allocating them (jax.eval_shape); boxed: keep the logical axis names."""
+    """Parameter shapes without allocating them (jax.eval_shape); boxed: keep the logical axis names. Traced once
+    per model config (a 24-layer trace takes seconds, and the memory estimate asks for it once per setting it
+    weighs); each call gets its own tree."""
+    return jax.tree.map(lambda x: x, _traced_param_shapes(ModelConfig.of(m), boxed))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_param_shapes(m: ModelConfig, boxed: bool):
     model = Transformer(m)
     T = min(8, m.max_seq_len)
     variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32)))
