@@ -107,6 +107,9 @@ def test_import_errors_are_clear(tmp_path):
     )
     with pytest.raises(HFError, match="not a Llama-family model"):
         load_hf_llama(str(tmp_path / "m"))
+    json.dump({"model_type": "llama"}, open(tmp_path / "m" / "config.json", "w"))  # was a KeyError traceback
+    with pytest.raises(HFError, match="lacks vocab_size, num_hidden_layers"):
+        load_hf_llama(str(tmp_path / "m"))
 
 
 def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):

@@ -72,21 +72,18 @@ async def _load(url: str, prompts, max_tokens: int, rate: float, concurrency: in
 def _server_gauges(url: str) -> dict:
     """What the server's /metrics says of its cache after the load: the most sequences it held at once, its pages."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     want = {
         "resformer:max_sequences_cached": "server_max_sequences_cached",
         "resformer:kv_cache_pages_total": "server_cache_pages",
     }
-    out = {}
     try:
         text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return out
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in want:
-            out[want[name]] = int(float(line.rsplit(" ", 1)[1]))
-    return out
+        return {}
+    samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+    return {want[s.name]: int(s.value) for s in samples if s.name in want}
 
 
 def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurrency: int = 0, seed: int = 0) -> dict:

@@ -214,6 +214,11 @@ def run_accelerator(modes: list[str]) -> list[dict]:
 
 
 def run_serve(modes: list[str]) -> list[dict]:
+    import importlib.util
+
+    missing = [m for m in ("httpx", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise cli.ConfigFlagError(f"bench serve needs {', '.join(missing)}; install it: pip install -e '.[serve]'")
     import httpx
 
     from resformer_jax.bench.serve import bench_serve, corpus_prompts

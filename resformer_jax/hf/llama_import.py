@@ -51,11 +51,18 @@ def read_safetensors(folder: str) -> dict[str, np.ndarray]:
     return out
 
 
+# What a LlamaConfig must state; the rest has transformers' defaults.
+REQUIRED_FIELDS = ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
+
+
 def llama_model_config(hf: dict) -> ml_collections.ConfigDict:
     """This project's model config for an HF LlamaConfig / MistralConfig dict."""
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     if hf.get("model_type") not in ("llama", "mistral") and not any("Llama" in a or "Mistral" in a for a in archs):
         raise HFError(f"model_type {hf.get('model_type')!r} ({archs}) is not a Llama-family model")
+    missing = [k for k in REQUIRED_FIELDS if k not in hf]
+    if missing:
+        raise HFError(f"config.json lacks {', '.join(missing)}: not a complete Llama config (re-export the folder)")
     m = base_config().model
     m.vocab_size = int(hf["vocab_size"])
     m.num_layers = int(hf["num_hidden_layers"])

@@ -64,6 +64,6 @@ def paged_decode_attention(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B, 
         v_KxNxPxD,
         table_BxP,
         lengths_B,
-        cuda=lambda *a: call(*a),
-        default=lambda *a: call(*a, interpret=True),
+        cuda=call,
+        default=functools.partial(call, interpret=True),
     )
