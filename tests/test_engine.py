@@ -167,3 +167,44 @@ def test_paged_kernel_reads_pages_in_place_and_equals_the_gather_path(variant):
     for p, r in zip(prompts, got):
         assert r.tokens == dense_greedy(m, params, p, 6), f"{variant}: prompt of {len(p)} tokens"
     assert engine.pool.used == 0
+
+
+def test_blocked_paged_attention_equals_dense_attention_over_ragged_rows():
+    """The CPU's paged decode attention (a loop over blocks of pages, online softmax) against softmax attention over
+    each row's own tokens, for rows of ragged lengths whose pages lie scattered in the pool, GQA included; the loop
+    stops at the longest row, so pages past it may hold anything."""
+    from resformer_jax.kernels.paged_attention import blocked_decode_attention
+
+    rng = np.random.default_rng(0)
+    K, H, D, page, N = 2, 4, 8, 4, 40
+    k_pool, v_pool = (jnp.asarray(rng.normal(size=(K, N, page, D)), jnp.float32) for _ in range(2))
+    lengths = np.array([1, 5, 17, 30])
+    table = np.zeros((4, 8), np.int32)
+    table[:] = rng.permutation(N)[:32].reshape(4, 8)
+    q = jnp.asarray(rng.normal(size=(4, H, D)), jnp.float32)
+    for block_bytes in (1, 2**20):  # one page a block, and every page in one
+        got = np.asarray(
+            blocked_decode_attention(q, k_pool, v_pool, table, jnp.asarray(lengths), block_bytes=block_bytes)
+        )
+        for b, n in enumerate(lengths):
+            idx = [(table[b, s // page], s % page) for s in range(n)]
+            k = np.stack([np.asarray(k_pool)[:, p, o] for p, o in idx], 1)  # [K, n, D]
+            v = np.stack([np.asarray(v_pool)[:, p, o] for p, o in idx], 1)
+            for h in range(H):
+                s_ = k[h // (H // K)] @ np.asarray(q)[b, h] / np.sqrt(D)
+                w = np.exp(s_ - s_.max())
+                want = (w / w.sum()) @ v[h // (H // K)]
+                np.testing.assert_allclose(got[b, h], want, rtol=1e-5, atol=1e-5, err_msg=f"row {b} head {h}")
+
+
+def test_skip_prefill_puts_every_request_in_decode_with_its_pages():
+    """bench decode --prefill=false: the prompts' pages taken, the requests decoding at the next step."""
+    m, p = peaky_model("svformer")
+    engine = Engine(m, p, cache_bytes=2**22, page_size=8, max_batch=4)
+    reqs = [engine.submit([1] * n, SamplingParams(max_tokens=3)) for n in (5, 20, 9)]
+    engine.skip_prefill()
+    assert [r.state for r in reqs] == ["decode"] * 3
+    assert [len(r.pages) for r in reqs] == [1, 3, 2] and [r.cached for r in reqs] == [5, 20, 9]
+    while engine.busy:
+        engine.step()
+    assert engine.stats.prefill_steps == 0 and all(len(r.tokens) == 3 for r in reqs) and engine.pool.used == 0

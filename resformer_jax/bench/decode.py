@@ -37,14 +37,20 @@ def weight_bytes_read(m, params) -> int:
     return n - m.vocab_size * m.d_model * params["embed"]["embedding"].dtype.itemsize
 
 
-def steady_decode(m, params, batch: int, context: int, new_tokens: int, page_size: int = 16) -> dict:
+def steady_decode(
+    m, params, batch: int, context: int, new_tokens: int, page_size: int = 16, prefill: bool = True
+) -> dict:
     """`batch` requests of `context` prompt tokens prefilled, then `new_tokens` decode steps timed (the first,
-    which compiles, excluded)."""
+    which compiles, excluded). prefill=False: each request's pages are taken and its prompt counted as cached
+    without running the prompt (the pages hold zeros: a decode step reads the same bytes), which times large
+    batches and contexts on a CPU in seconds instead of the prefill's minutes."""
     need = (batch + 1) * (context + new_tokens + page_size) * cache_bytes_per_token(m)
     engine = Engine(m, params, cache_bytes=need, page_size=page_size, max_batch=batch, prefill_chunk=512)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
     reqs = [engine.submit(p, SamplingParams(max_tokens=new_tokens + 1)) for p in prompts]
+    if not prefill:
+        engine.skip_prefill()
     while any(r.state != "decode" for r in reqs):
         engine.step()
     engine.step()  # the first decode step at this shape compiles
@@ -80,24 +86,28 @@ def bench_decode(cfg, context, new_tokens, batch) -> dict:
     }
 
 
-def measure_copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s this device reads and writes in an elementwise pass (x + 1 over n_bytes of fp32), best of repeats."""
+def measure_copy_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s this device reads and writes in an elementwise pass (x + 1 over n_bytes of fp32, in place), best of
+    repeats. In place: a fresh output would be paid in the operating system's first touch of its pages (on a
+    2-core CPU that measured 5 GB/s against 32 GB/s in place) and flatter every fraction measured against it."""
 
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = f(jnp.ones((n_bytes // 4,), jnp.float32))
+    x.block_until_ready()
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
-        f(x).block_until_ready()
+        x = f(x)
+        x.block_until_ready()
         best = max(best, 2 * n_bytes / (time.perf_counter() - t))
     return best
 
 
-def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int) -> list[dict]:
+def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int, prefill: bool = True) -> list[dict]:
     """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
     with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
-    fraction of this process's copy bandwidth that implies; and the cache each variant holds a token."""
+    fraction of this process's copy bandwidth that implies; and the cache each variant holds a token.
+    prefill=False: the prompts' pages taken, not computed (steady_decode)."""
 
     bandwidth = measure_copy_bandwidth()
     out = []
@@ -109,7 +119,7 @@ def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int) -
                 runs.append((m, random_params(m), []))
             for _ in range(rounds):
                 for m, params, results in runs:
-                    results.append(steady_decode(m, params, batch, context, new_tokens))
+                    results.append(steady_decode(m, params, batch, context, new_tokens, prefill=prefill))
             for m, params, results in runs:
                 step_s = statistics.median(r["step_s"] for r in results)
                 cached = results[0]["cached_tokens_per_step"]

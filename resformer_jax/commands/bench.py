@@ -83,6 +83,12 @@ flags.DEFINE_string(
     "decode: BATCHES:CONTEXTS, e.g. 1,16:512,2048 -- every combination, the --compare "
     "variants interleaved, with bytes read per token and the fraction of measured memory bandwidth.",
 )
+flags.DEFINE_bool(
+    "prefill",
+    True,
+    "decode --matrix: run the prompts (False: take their pages without computing them; the decode steps read "
+    "the same bytes, and a CPU times batch 32 at 2,048 tokens in seconds, not the prefill's minutes).",
+)
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
 flags.DEFINE_integer(
     "stream",
@@ -140,7 +146,7 @@ def run_decode(modes: list[str]) -> list[dict]:
             raise cli.ConfigFlagError(
                 f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
             ) from None
-        for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds):
+        for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds, prefill=FLAGS.prefill):
             print(json.dumps(r))
         return []
     if FLAGS.stream:

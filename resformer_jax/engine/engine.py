@@ -220,6 +220,17 @@ class Engine:
             self.step()
         return reqs
 
+    def skip_prefill(self) -> None:
+        """Benchmarks: admits every waiting request and counts its prompt as cached without computing it (its pages
+        taken, holding whatever they held): the next steps decode, at the bytes the real prompts would cost."""
+        self._admit()
+        for r in self.running:
+            if r.state == "prefill":
+                if not self._grow(r, len(r.to_cache) + 1):
+                    raise EngineError("skip_prefill: the pool cannot hold every admitted prompt")
+                r.cached, r.state = len(r.to_cache), "decode"
+                r.tokens.append(r.prompt[-1])  # a stand-in first token: the next step's input
+
     # ------------------------------------------------------------------ the scheduler
     def step(self) -> list[Request]:
         """One turn: admit, one prefill step, one decode step. Returns the requests that finished in it."""

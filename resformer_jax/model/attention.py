@@ -485,7 +485,7 @@ class Attention(nn.Module):
         k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
         kernel = paged_attention.kernel_for(self.cfg.attention_impl, self.cfg.head_dim)
         in_place = isinstance(k_all, PagedKV) and isinstance(v_all, PagedKV) and qr_BxTxHxD.shape[1] == 1
-        if kernel and in_place and self.plan.mapping != "cross_layer" and not self.capture:
+        if in_place and self.plan.mapping != "cross_layer" and not self.capture:
             # one new token a row: its pages read where they lie (a padding row, position -1, reads one token)
             lengths_B = jnp.maximum(ctx.positions[:, 0], 0) + 1
             u_BxHxD = paged_attention.paged_decode_attention(
