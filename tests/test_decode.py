@@ -133,6 +133,7 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
             f"--workdir={wd}",
             "--prompt=the cat sat on the mat",
             "--max_new_tokens=24",
+            "--devices=2",  # the engine on a mesh of two host devices: rows and pages split
         ],
         cwd=ROOT,
         capture_output=True,

@@ -208,3 +208,43 @@ def test_skip_prefill_puts_every_request_in_decode_with_its_pages():
     while engine.busy:
         engine.step()
     assert engine.stats.prefill_steps == 0 and all(len(r.tokens) == 3 for r in reqs) and engine.pool.used == 0
+
+
+@pytest.mark.parametrize("params_as", ["replicated", pytest.param("sharded as in training", marks=pytest.mark.slow)])
+def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
+    """On 8 host devices as data 4 x fsdp 2: each device runs its rows over its own pages (the cache split over
+    the mesh), the parameters replicated or left sharded by the training rule table; requests of mixed lengths
+    arriving while others decode, through pools small enough to preempt, give the single-device greedy tokens."""
+    from jax.sharding import Mesh
+
+    from resformer_jax.parallel.mesh import logical_shardings
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
+    m, params = peaky_model("svformer", num_kv_heads=2)
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "fsdp"))
+    placed = params
+    if params_as != "replicated":
+        c = tiny_config("svformer")
+        boxed = Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        placed = jax.device_put(params, nn.unbox(logical_shardings(boxed, mesh, c.mesh)))
+        assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
+    rng = np.random.default_rng(3)
+    prompts = prompts_of(rng, 32, m.vocab_size, 10, 40)
+    one = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=16, prefill_chunk=16)
+    want = [r.tokens for r in one.generate(prompts, SamplingParams(max_tokens=6))]
+    # 7 usable pages of 8 tokens a device: a sequence takes up to 6, two rows a device must preempt
+    engine = Engine(m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, mesh=mesh)
+    assert engine.bytes_per_token == 512 and engine.pool[0].usable == 7
+    pool = jax.tree.leaves(engine.cache)[0]
+    assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"
+    reqs = []
+    for i in range(0, len(prompts), 8):  # eight arrive each step
+        reqs += [engine.submit(p, SamplingParams(max_tokens=6)) for p in prompts[i : i + 8]]
+        engine.step()
+    while engine.busy:
+        engine.step()
+    assert [r.tokens for r in reqs] == want
+    assert len({r.shard for r in reqs}) >= 4, "the rows were not spread over the devices"
+    assert engine.stats.preemptions > 0
+    assert engine.pool.used == 0

@@ -136,6 +136,11 @@ CASES = [
         ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,256"],
         ["256", "vocabulary"],
     ),
+    (
+        "generate on more devices than exist",
+        ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=2", "--devices=99"],
+        ["--devices=99", "devices"],
+    ),
     ("export into another run", ["resformer_jax", "export", "--workdir={run}", "--out={other}"], ["run directory"]),
     ("export into its own run", ["resformer_jax", "export", "--workdir={run}", "--out={run}"], ["run directory"]),
     (

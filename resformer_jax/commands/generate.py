@@ -22,12 +22,15 @@ flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompts_file", None, "File with one prompt per line.")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated token ids (runs without a tokenizer).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.")
-flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB (0: half the free memory).")
+flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB, a device's (0: half the free memory).")
 flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token.")
+flags.DEFINE_integer(
+    "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
+)
 FLAGS = flags.FLAGS
 
 
@@ -99,9 +102,15 @@ def main(argv):
         sys.exit(2)
     # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
     from resformer_jax.engine import Engine, SamplingParams
+    from resformer_jax.engine.engine import engine_mesh
 
     with cli.exit_on_user_error():
-        engine = Engine(cfg.model, params, cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None)
+        engine = Engine(
+            cfg.model,
+            params,
+            cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
+            mesh=engine_mesh(FLAGS.devices),
+        )
         stop = (eot,) if eot is not None else ()
         sampling = [
             SamplingParams(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed + i, stop)

@@ -23,9 +23,12 @@ flags.DEFINE_string(
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
-flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB (0: half the free memory).")
+flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB, a device's (0: half the free memory).")
 flags.DEFINE_integer("max_batch", 64, "Requests decoded together at most.")
 flags.DEFINE_integer("page_size", 16, "Tokens a cache page holds.")
+flags.DEFINE_integer(
+    "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
+)
 flags.DEFINE_string("model_name", None, "The name /v1/models gives (default: the run directory's name).")
 flags.DEFINE_float("shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish.")
 FLAGS = flags.FLAGS
@@ -51,6 +54,7 @@ def main(argv):
     import uvicorn
 
     from resformer_jax.engine import Engine
+    from resformer_jax.engine.engine import engine_mesh
     from resformer_jax.serve.app import make_app
     from resformer_jax.serve.engine_thread import EngineThread
     from resformer_jax.serve.metrics import ServeMetrics
@@ -63,6 +67,7 @@ def main(argv):
             cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
             max_batch=FLAGS.max_batch,
             page_size=FLAGS.page_size,
+            mesh=engine_mesh(FLAGS.devices),
         )
     name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
     metrics = ServeMetrics(name)
@@ -73,6 +78,7 @@ def main(argv):
         f"serving {name} ({step}, {model_cfg.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
         f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
         f"({engine.bytes_per_token} bytes a token)"
+        + (f", on {engine.shards} devices" if engine.shards > 1 else "")
         + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids"),
         file=sys.stderr,
         flush=True,

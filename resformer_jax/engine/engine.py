@@ -24,8 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from resformer_jax.engine.pages import EngineError, PagePool, pages_in_budget
+from resformer_jax.engine.pages import EngineError, ShardedPages, pages_in_budget
 from resformer_jax.engine.sampling import sample_rows
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
@@ -69,7 +71,8 @@ class Request:
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     on_token: Callable[[Request, int, float], Any] | None = None  # streaming: called for each new token
     state: str = "waiting"  # waiting -> prefill -> decode -> done
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)  # numbered within its shard's pool
+    shard: int = 0  # which shard of the cache (a device of the engine's mesh) holds its pages and runs its row
     cached: int = 0  # tokens whose K/V are in the cache
     preemptions: int = 0
 
@@ -117,10 +120,13 @@ class EngineStats:
 
 
 class Engine:
-    """The decode engine over one model's parameters (a run's, `load_run`), on this host's default device.
+    """The decode engine over one model's parameters (a run's, `load_run`), on this host's default device, or on
+    every device of `mesh`: the rows and the cache's pages split over all its axes (each device runs its rows over
+    its own pages, `shard_map`), the parameters replicated, or left as they come (sharded as in training: XLA
+    gathers them into each step).
 
-    cache_bytes: the paged cache's size (every layer together); cache_fraction instead: that fraction of the
-    device's free memory (a CPU: of the host's available memory)."""
+    cache_bytes: the paged cache's size a device (every layer together); cache_fraction instead: that fraction of
+    the device's free memory (a CPU: of the host's available memory)."""
 
     def __init__(
         self,
@@ -133,6 +139,7 @@ class Engine:
         max_batch: int = 64,
         prefill_chunk: int = 256,
         prefill_rows: int = 4,
+        mesh: Mesh | None = None,
     ):
         m = ModelConfig.of(m)
         self.model_cfg = m.replace(scan_layers=False, remat="none")  # a paged cache a layer: no stacked copies
@@ -141,10 +148,13 @@ class Engine:
         if self.page_size < 1 or self.max_batch < 1 or self.prefill_chunk < 1 or self.prefill_rows < 1:
             raise EngineError("page_size, max_batch, prefill_chunk and prefill_rows must be >= 1")
         self.bytes_per_token = cache_bytes_per_token(self.model_cfg)
-        if cache_bytes is None:  # a share of the free memory, no more than max_batch full-context sequences take
+        self.mesh = mesh
+        self.shards = 1 if mesh is None else int(mesh.devices.size)
+        if cache_bytes is None:  # a share of the free memory, no more than a device's rows at full context take
+            rows = -(-self.max_batch // self.shards)
             cache_bytes = min(
                 free_memory_bytes() * (cache_fraction if cache_fraction is not None else 0.5),
-                (self.max_batch * m.max_seq_len + self.page_size) * self.bytes_per_token,
+                (rows * m.max_seq_len + self.page_size) * self.bytes_per_token,
             )
         num_pages = pages_in_budget(cache_bytes, self.bytes_per_token, self.page_size)
         if num_pages < 2:
@@ -152,14 +162,30 @@ class Engine:
                 f"a cache of {cache_bytes / 2**20:.2f} MiB holds less than one page of {self.page_size} tokens "
                 f"({self.bytes_per_token * self.page_size / 2**20:.2f} MiB); raise the cache budget"
             )
-        self.pool = PagePool(num_pages, self.page_size)
-        self.layout = PageLayout(num_pages, self.page_size)
+        self.pool = ShardedPages(self.shards, num_pages, self.page_size)
+        self.layout = PageLayout(num_pages, self.page_size)  # a shard's pages: the model runs per shard
         self.model = Transformer(self.model_cfg, pages=self.layout)
         self.params = serving_params(self.model_cfg, params)
-        self.cache = init_pools(self.model)
-        self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))
+        pools = init_pools(Transformer(self.model_cfg, pages=PageLayout(self.shards * num_pages, self.page_size)))
+        if mesh is None:
+            self.cache = pools
+            self._step_fn = jax.jit(step_program(self.model), donate_argnums=(1,))
+        else:
+            rows, pages = P(mesh.axis_names), P(None, mesh.axis_names)  # [K, pages, page, D]: pages split
+            cache_spec = jax.tree.map(lambda _: pages, pools)
+            self.cache = jax.device_put(pools, NamedSharding(mesh, pages))
+            if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
+                self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
+            per_shard = jax.shard_map(
+                step_program(self.model),
+                mesh=mesh,
+                in_specs=(P(), cache_spec) + (rows,) * 9,
+                out_specs=(rows, rows, cache_spec),
+                check_vma=False,
+            )
+            self._step_fn = jax.jit(per_shard, donate_argnums=(1,))
+        self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
         self.max_len = m.max_seq_len
-        self._step_fn = jax.jit(step_program(self.model), donate_argnums=(1,))
         self._next_id = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admitted, in admission order (prefill or decode)
@@ -193,10 +219,11 @@ class Engine:
                 f"of {self.max_len} tokens; shorten the prompt or lower max_tokens"
             )
         need = self.pool.pages_for(len(prompt) + params.max_tokens)
-        if need > self.pool.usable:
+        if need > self.pool[0].usable:
             raise EngineError(
                 f"one sequence of {len(prompt) + params.max_tokens} tokens needs {need} pages of the cache's "
-                f"{self.pool.usable} ({self.cache_bytes / 2**20:.1f} MiB); raise the cache budget or lower max_tokens"
+                f"{self.pool[0].usable} a device ({self.cache_bytes / self.shards / 2**20:.1f} MiB); raise the cache "
+                "budget or lower max_tokens"
             )
 
     def cancel(self, r: Request, reason: str = "cancelled") -> None:
@@ -248,37 +275,45 @@ class Engine:
         return finished
 
     def _admit(self) -> None:
-        # pages the requests still reading their prompts will take: promised, not yet handed out
-        prefilling = [r for r in self.running if r.state == "prefill"]
-        promised = sum(max(0, self.pool.pages_for(len(r.to_cache) + 1) - len(r.pages)) for r in prefilling)
+        # a shard's pages the requests still reading their prompts will take: promised, not yet handed out
+        promised = [0] * self.shards
+        rows = [0] * self.shards
+        for r in self.running:
+            rows[r.shard] += 1
+            if r.state == "prefill":
+                promised[r.shard] += max(0, self.pool.pages_for(len(r.to_cache) + 1) - len(r.pages))
+        rows_per_shard = -(-self.max_batch // self.shards)
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
             need = self.pool.pages_for(len(r.to_cache) + 1)
-            if self.pool.free - promised < need:
+            room = [self.pool[s].free - promised[s] if rows[s] < rows_per_shard else -1 for s in range(self.shards)]
+            shard = int(np.argmax(room))  # the shard with the most pages to spare
+            if room[shard] < need:
                 break  # the oldest waits for pages (first come, first served)
             self.waiting.popleft()
-            r.state, r.cached = "prefill", 0
+            r.state, r.cached, r.shard = "prefill", 0, shard
             self.running.append(r)
-            promised += need
+            promised[shard] += need
+            rows[shard] += 1
 
     def _grow(self, r: Request, tokens: int) -> bool:
         """Pages for `r` to hold `tokens` tokens; False when the pool has too few."""
         need = self.pool.pages_for(tokens) - len(r.pages)
         if need <= 0:
             return True
-        if need > self.pool.free:
+        if need > self.pool[r.shard].free:
             return False
-        r.pages += self.pool.take(need)
+        r.pages += self.pool[r.shard].take(need)
         self.stats.most_pages_used = max(self.stats.most_pages_used, self.pool.used)
         return True
 
     def _preempt_newest(self, keep: Request) -> Request | None:
-        """Frees the pages of the most recently admitted request other than `keep`: it waits again, first in line,
-        and is recomputed (its generated tokens kept)."""
+        """Frees the pages of the most recently admitted request other than `keep` in `keep`'s shard: it waits
+        again, first in line, and is recomputed (its generated tokens kept)."""
         for victim in reversed(self.running):
-            if victim is not keep and victim.pages:
+            if victim is not keep and victim.pages and victim.shard == keep.shard:
                 self.running.remove(victim)
-                self.pool.give_back(victim.pages)
+                self.pool[victim.shard].give_back(victim.pages)
                 victim.pages, victim.cached, victim.state = [], 0, "waiting"
                 victim.preemptions += 1
                 self.stats.preemptions += 1
@@ -309,12 +344,7 @@ class Engine:
             return []
         # prompt tokens a row: 16, 64, 256, ... (at most the chunk): few compiles, little padding
         T = min(bucket(max(len(c) for _, c in live), at_least=16, base=4), bucket(self.prefill_chunk))
-        tokens, positions, last = self._arrays(len(live), T)
-        for i, (r, c) in enumerate(live):
-            tokens[i, : len(c)] = c
-            positions[i, : len(c)] = np.arange(r.cached, r.cached + len(c))
-            last[i] = len(c) - 1
-        tok, lp = self._run([r for r, _ in live], tokens, positions, last)
+        tok, lp = self._run([r for r, _ in live], [c for _, c in live], T)
         self.stats.prefill_steps += 1
         finished = []
         for i, (r, c) in enumerate(live):
@@ -328,15 +358,11 @@ class Engine:
         return finished
 
     def _decode(self, rows: list[Request]) -> list[Request]:
-        B = len(rows)
-        tokens, positions, last = self._arrays(B, 1)
-        for i, r in enumerate(rows):
-            tokens[i, 0], positions[i, 0] = r.tokens[-1], r.cached
         t0 = time.perf_counter()
-        tok, lp = self._run(rows, tokens, positions, last)
+        tok, lp = self._run(rows, [[r.tokens[-1]] for r in rows], 1)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
-        self.stats.decode_rows += B
+        self.stats.decode_rows += len(rows)
         self.stats.decode_pages_read += sum(self.pool.pages_for(r.cached + 1) for r in rows)
         finished = []
         for i, r in enumerate(rows):
@@ -345,31 +371,37 @@ class Engine:
                 finished.append(r)
         return finished
 
-    def _arrays(self, rows: int, T: int):
-        B = bucket(rows)
-        return np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32), np.zeros((B,), np.int32)
-
-    def _run(self, rows: list[Request], tokens, positions, last):
+    def _run(self, rows: list[Request], new_tokens: list[list[int]], T: int):
+        """One step: row i's `new_tokens[i]` at positions from rows[i].cached on. Rows are laid out shard by shard
+        (each shard's slots padded to one bucket; position -1: a padding slot). Returns (token, logprob) a row."""
         holding = sum(1 for r in self.running if r.pages)  # the pages of this step are allocated by now
         self.stats.most_concurrent = max(self.stats.most_concurrent, holding)
-        B, T = tokens.shape
-        P = bucket(max(len(r.pages) for r in rows), at_least=4)
-        table = np.zeros((B, P), np.int32)
-        temperature = np.zeros((B,), np.float32)
-        top_k = np.zeros((B,), np.int32)
-        top_p = np.ones((B,), np.float32)
-        seeds = np.zeros((B,), np.uint32)
-        counters = np.zeros((B,), np.int32)
-        for i, r in enumerate(rows):
+        per_shard = [0] * self.shards
+        slot = []
+        for r in rows:
+            slot.append(per_shard[r.shard])
+            per_shard[r.shard] += 1
+        Bs = bucket(max(per_shard))  # rows a shard
+        slot = [r.shard * Bs + j for r, j in zip(rows, slot)]
+        B = self.shards * Bs
+        Pn = bucket(max(len(r.pages) for r in rows), at_least=4)
+        tokens, positions = np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32)
+        last, table = np.zeros((B,), np.int32), np.zeros((B, Pn), np.int32)
+        temperature, top_k = np.zeros((B,), np.float32), np.zeros((B,), np.int32)
+        top_p, seeds, counters = np.ones((B,), np.float32), np.zeros((B,), np.uint32), np.zeros((B,), np.int32)
+        for i, r, new in zip(slot, rows, new_tokens):
+            tokens[i, : len(new)] = new
+            positions[i, : len(new)] = np.arange(r.cached, r.cached + len(new))
+            last[i] = len(new) - 1
             table[i, : len(r.pages)] = r.pages
             s = r.params
             temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed % 2**32
             counters[i] = len(r.tokens)
-        self.stats.compiled_shapes.add((B, T, P))
+        self.stats.compiled_shapes.add((B, T, Pn))
         tok, lp, self.cache = self._step_fn(
             self.params, self.cache, tokens, positions, table, last, temperature, top_k, top_p, seeds, counters
         )
-        return np.asarray(tok), np.asarray(lp)
+        return np.asarray(tok)[slot], np.asarray(lp)[slot]
 
     # ------------------------------------------------------------------ ends
     def _emit(self, r: Request, token: int, logprob: float) -> bool:
@@ -391,10 +423,19 @@ class Engine:
     def _finish(self, r: Request, reason: str) -> None:
         if r in self.running:
             self.running.remove(r)
-        self.pool.give_back(r.pages)
+        self.pool[r.shard].give_back(r.pages)
         r.pages, r.state, r.finish_reason = [], "done", reason
         if r.on_token is not None:
             r.on_token(r, -1, 0.0)  # the end: token -1
+
+
+def engine_mesh(devices: int) -> Mesh | None:
+    """The mesh an engine on `devices` devices runs on (-1: every device; 1: none, the default device)."""
+    have = jax.devices()
+    n = len(have) if devices == -1 else devices
+    if n < 1 or n > len(have):
+        raise EngineError(f"--devices={devices}: this host has {len(have)} devices; give 1 to {len(have)}, or -1")
+    return None if n == 1 else Mesh(np.asarray(have[:n]), ("data",))
 
 
 def serving_params(m: ModelConfig, params):

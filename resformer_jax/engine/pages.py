@@ -45,6 +45,33 @@ class PagePool:
         self._free.extend(reversed(pages))
 
 
+class ShardedPages:
+    """One PagePool a shard of the cache (a device of the engine's mesh; one without a mesh): a sequence's pages all
+    come from its shard's pool, numbered within it. Totals over the shards for the metrics."""
+
+    def __init__(self, shards: int, pages_per_shard: int, page_size: int):
+        self.shards = [PagePool(pages_per_shard, page_size) for _ in range(shards)]
+        self.page_size = page_size
+
+    def __getitem__(self, shard: int) -> PagePool:
+        return self.shards[shard]
+
+    @property
+    def usable(self) -> int:
+        return sum(p.usable for p in self.shards)
+
+    @property
+    def free(self) -> int:
+        return sum(p.free for p in self.shards)
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.shards)
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+
 def pages_in_budget(budget_bytes: float, bytes_per_token: int, page_size: int) -> int:
     """Pages (page 0 included) a cache of `budget_bytes` holds, at `bytes_per_token` summed over layers."""
     return int(budget_bytes // (bytes_per_token * page_size))
