@@ -245,35 +245,41 @@ def tiny_config(variant: str = "resformer") -> ml_collections.ConfigDict:
     return c
 
 
+_NO_DEFAULT = object()
+
+
+class MissingField(KeyError):
+    """A dotted path with a part that is not there: `parent` (the node that exists, "" for the root) lacks `part`;
+    `fields` are the parent's fields."""
+
+    def __init__(self, dotted: str, parent: str, part: str, fields: list[str]):
+        super().__init__(dotted)
+        self.dotted, self.parent, self.part, self.fields = dotted, parent, part, fields
+
+
+def get_dotted(tree, dotted: str, default=_NO_DEFAULT):
+    """tree["a"]["b"] for "a.b" (a ConfigDict or nested dicts); MissingField (a KeyError) where a part is missing,
+    unless a default is given. The one walker of dotted config paths."""
+    node, parts = tree, dotted.split(".")
+    for i, part in enumerate(parts):
+        if not hasattr(node, "keys") or part not in node:
+            if default is _NO_DEFAULT:
+                fields = list(node.keys()) if hasattr(node, "keys") else []
+                raise MissingField(dotted, ".".join(parts[:i]), part, fields)
+            return default
+        node = node[part]
+    return node
+
+
+def set_dotted(tree, dotted: str, value) -> None:
+    """tree["a"]["b"] = value for "a.b" (the parents must exist: KeyError otherwise)."""
+    *parents, last = dotted.split(".")
+    node = get_dotted(tree, ".".join(parents)) if parents else tree
+    node[last] = value
+
+
 def _fail(field: str, problem: str, fix: str):
     raise ConfigError(f"config.{field}: {problem}. Fix: {fix}.")
-
-
-def num_kv_heads(m) -> int:
-    return ModelConfig.of(m).kv_heads
-
-
-def head_dim(m) -> int:
-    return ModelConfig.of(m).head_dim
-
-
-def arch(m) -> str:
-    """llama or gpt2 (configs saved before the field existed are llama)."""
-    return ModelConfig.of(m).arch
-
-
-def uses_rope(m) -> bool:
-    return ModelConfig.of(m).uses_rope
-
-
-def ties_embeddings(m) -> bool:
-    """Whether the logits are read off the input embedding (model.tie_embeddings)."""
-    return ModelConfig.of(m).tie_embeddings
-
-
-def output_init_std(m) -> float:
-    """The init std of the output projections (attention out, MLP down): GPT-2's scaled form when asked."""
-    return ModelConfig.of(m).output_init_std
 
 
 # What a run resolves at start and records beside what was asked (the checkpoint's config and config.json hold
@@ -283,13 +289,7 @@ RESOLVED_FIELDS = ("model.dtype", "data.tokenizer_hash", "train.init_from")  # i
 
 def run_record(asked: dict, resolved_cfg) -> dict:
     """What a run saves: the config as the user asked it, and the values resolved at start (RESOLVED_FIELDS)."""
-    resolved = {}
-    for field in RESOLVED_FIELDS:
-        node = resolved_cfg
-        for part in field.split("."):
-            node = node[part]
-        resolved[field] = node
-    return {**asked, "resolved": resolved}
+    return {**asked, "resolved": {field: get_dotted(resolved_cfg, field) for field in RESOLVED_FIELDS}}
 
 
 def as_run(saved: dict) -> dict:
@@ -319,26 +319,6 @@ def with_defaults(saved: dict) -> dict:
         return out
 
     return merge(base_config().to_dict(), saved)
-
-
-def mixes_values(m) -> bool:
-    """ResFormer's mix (Eq. 7) of an earlier value into V_n, alone or with NeuTRENO."""
-    return ModelConfig.of(m).mixes_values
-
-
-def uses_neutreno(m) -> bool:
-    """NeuTRENO's correction (Eq. 8) after the attention."""
-    return ModelConfig.of(m).uses_neutreno
-
-
-def shares_first_value(m) -> bool:
-    """SVFormer (Eq. 10): layers >= 2 take something (V, or Q/K in Fig. 13) from layer 1."""
-    return ModelConfig.of(m).shares_first_value
-
-
-def learns_lambdas(m) -> bool:
-    """ResFormer with trainable mixing weights (logged per layer to TensorBoard)."""
-    return ModelConfig.of(m).learns_lambdas
 
 
 def parse_mixture(value) -> dict[str, float]:
@@ -406,16 +386,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             f"{m.num_heads} heads do not divide d_model={m.d_model}",
             "choose num_heads dividing d_model",
         )
-    if m.num_kv_heads < 0 or m.num_heads % num_kv_heads(m):
+    if m.num_kv_heads < 0 or m.num_heads % ModelConfig.of(m).kv_heads:
         _fail(
             "model.num_kv_heads",
             f"{m.num_kv_heads} kv heads do not divide num_heads={m.num_heads}",
             "choose num_kv_heads dividing num_heads (0 means num_heads)",
         )
-    if head_dim(m) % 2:
+    if ModelConfig.of(m).head_dim % 2:
         _fail(
             "model.num_heads",
-            f"head_dim={head_dim(m)} is odd, RoPE needs an even head_dim",
+            f"head_dim={ModelConfig.of(m).head_dim} is odd, RoPE needs an even head_dim",
             "choose num_heads so d_model/num_heads is even",
         )
     if c.data.seq_len > m.max_seq_len:
@@ -483,7 +463,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for name, allowed in choices.items():
         if m[name] not in allowed:
             _fail(f"model.{name}", f"unknown value {m[name]!r}", f"use one of {', '.join(allowed)}")
-    resformer = mixes_values(m)
+    resformer = ModelConfig.of(m).mixes_values
     for name, default in (("mapping", "attention"), ("residual_on", "v"), ("value_source", "first")):
         if m[name] != default and not resformer:
             _fail(
@@ -606,10 +586,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "use at least 1 (defaults: heartbeat 100, initialization 300)",
             )
     return c
-
-
-def neutreno_lambda(m) -> float:
-    return ModelConfig.of(m).neutreno
 
 
 # A resumed run may change how the model runs (these model fields), and anything outside

@@ -8,8 +8,14 @@ keep in sync. An error that means the run itself went wrong rather than its inpu
 
 from __future__ import annotations
 
+# A process's exit statuses, here alone: schedulers and launchers tell a rerun from a fix by them.
+EXIT_USER_ERROR = 2  # the input must change (a UserError; bad flags)
+EXIT_DIVERGED = 3  # the loss or a gradient became non-finite (NonFiniteError)
+EXIT_PEER_FAILED = 4  # another process of a multi-host run failed: rerun on every host to resume
+EXIT_STALLED = 5  # the watchdog saw no progress within its budget: rerun to resume
+
 
 class UserError(Exception):
     """Something the user must change; the message says what. `exit_code` is the process's exit status."""
 
-    exit_code: int = 2
+    exit_code: int = EXIT_USER_ERROR

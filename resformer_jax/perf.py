@@ -13,30 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax.chips import chip_of_device
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.decode import kv_cache_bytes_per_token
 from resformer_jax.model.transformer import param_counts, param_shapes
 
 # Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-    "RTX 4090": 165e12,
-    "TPU v6": 918e12,
-    "TPU v5p": 459e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5": 459e12,
-    "TPU v4": 275e12,
-    "TPU v3": 123e12,
-}
 
 
 @functools.cache
@@ -101,10 +83,10 @@ def device_peak_flops(dtype: str = "float32") -> tuple[float, str]:
     if devs[0].platform == "cpu":
         name = "bf16" if dtype == "bfloat16" else "fp32"
         return measure_cpu_matmul_peak(dtype=dtype), f"measured {name} matmul peak of this host's CPU"
-    for name, peak in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return peak * len(devs), f"{name} table peak x {len(devs)} devices"
-    return float("nan"), f"unknown device kind {kind!r}: add it to metrics.PEAK_FLOPS"
+    chip = chip_of_device(kind)
+    if chip is not None:
+        return chip.peak_flops * len(devs), f"{chip.kind} table peak x {len(devs)} devices"
+    return float("nan"), f"unknown device kind {kind!r}: add it to resformer_jax/chips.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +149,7 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
     q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
     flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
-    fp32 block of logits. Against the compiled steps (README's table, `resformer compile`): 6-26%
+    fp32 block of logits. Against the compiled steps (docs/kernels-and-compile.md, `resformer compile`): 6-26%
     above XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler needs more memory for the same
     program, and sequences of 8K tokens and more need about 20% more than estimated.
     """
@@ -182,7 +164,7 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
     layer = 2 * mb * T * (4 * E + 3 * F) * act
     attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * T * 4
-    # one fp32 block of logits: its gradient reuses the buffer (compiled for H100, README's table)
+    # one fp32 block of logits: its gradient reuses the buffer (compiled for H100, docs/kernels-and-compile.md)
     logits = mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
     total = state + kept + layer + attention + logits
     return {

@@ -3,7 +3,7 @@
 Every entry point (train, bench, generate, evaluate) calls `configure_xla()`
 before JAX starts its backend. A flag you already put in XLA_FLAGS is never
 overridden; RESFORMER_NO_XLA_DEFAULTS=1 turns all of this off. What each
-setting gained, and how it was measured, is in README's Performance section.
+setting gained, and how it was measured, is in docs/performance.md.
 
 GPU (set when a CUDA plugin for JAX is installed and an NVIDIA driver is present: the `aot` extra installs
 the plugin on CPU machines too, to compile for GPUs): the flags MaxText runs H100 training with, minus the
@@ -208,7 +208,7 @@ def cpu_step_compiler_options(
     """(XLA compiler options for a train/eval step, why; ({}, "") where there is nothing to change).
 
     On an x86 CPU with AVX2 but no AVX-512, a step's large matmuls (`rows` >= EIGEN_STEP_MIN_ROWS tokens per
-    device) go to XLA's Eigen path instead of YNNPACK (measured in README's Performance section). Not on AVX-512
+    device) go to XLA's Eigen path instead of YNNPACK (measured in docs/performance.md). Not on AVX-512
     CPUs (YNNPACK was the faster path there, and XLA:CPU's bf16 fast path) or others (ARM: unmeasured), not for
     fewer rows (YNNPACK multiplies 64-256-row matrices faster: decoding), not over a YNNPACK setting of the
     user's own in XLA_FLAGS, and not with RESFORMER_NO_XLA_DEFAULTS=1. Per program (jit's compiler_options),

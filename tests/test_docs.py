@@ -211,3 +211,52 @@ def test_readme_test_counts_are_the_suites():
 
     for stated, actual, what in ((stated_all, collected(), "all"), (stated_fast, collected("-m", "not slow"), "fast")):
         assert abs(stated - actual) <= 0.15 * actual, f"README says about {stated} tests ({what}); {actual} collected"
+
+
+POINTER_FOLDERS = "model|kernels|train|data|engine|serve|compile|bench|eval|hf|analysis|parallel|storage|commands"
+
+
+def _headings(doc: pathlib.Path) -> list[str]:
+    return [h.strip().lower() for h in re.findall(r"^#+ (.*)$", doc.read_text(), re.M)]
+
+
+def test_every_pointer_in_code_and_docs_resolves():
+    """A comment or doc that says where something is must be right: "README's X section" names a README heading,
+    "docs/<doc>.md" and "docs/<doc>.md (X)" a doc and its heading, "model/attention.py" (any package folder) and
+    "tests/<file>.py" a file, a markdown link its target file and #anchor."""
+    sources = [*sorted((ROOT / "resformer_jax").rglob("*.py")), *sorted((ROOT / "data_prep").glob("*.py"))]
+    sources += [ROOT / "pyproject.toml", *DOCS, *sorted((ROOT / "tests").glob("*.py"))]
+    readme = _headings(ROOT / "README.md")
+    broken = []
+    for src in sources:
+        text = src.read_text()
+        flat = re.sub(r"\s*\n\s*#?\s*", " ", text)  # comments and docstrings wrap: read them as one line
+        where = src.relative_to(ROOT)
+        for name in re.findall(r"README's ([A-Z][\w ,-]*?) sections?\b", flat):
+            for part in re.split(r",? and |, ", name):
+                if not any(part.lower() in h for h in readme):
+                    broken.append(f"{where}: README has no section {part!r}")
+        for doc, section in re.findall(r"\bdocs/([\w-]+\.md)(?: \(([A-Z][\w ,-]+)\))?", flat):
+            path = ROOT / "docs" / doc
+            if not path.is_file():
+                broken.append(f"{where}: docs/{doc} does not exist")
+            elif section and not any(section.lower() in h for h in _headings(path)):
+                broken.append(f"{where}: docs/{doc} has no section {section!r}")
+        for rel in re.findall(rf"(?<![\w/.])((?:{POINTER_FOLDERS})/[\w/]+\.py)\b", text):
+            if not (ROOT / "resformer_jax" / rel).is_file() and not (ROOT / rel).is_file():
+                broken.append(f"{where}: {rel} does not exist")
+        for rel in re.findall(r"(?<![\w/.])(tests/\w+\.py)\b", text):
+            if not (ROOT / rel).is_file():
+                broken.append(f"{where}: {rel} does not exist")
+        if src.suffix == ".md":
+            for target, anchor in re.findall(r"\]\(([^)#\s]*?)(?:#([\w-]+))?\)", text):
+                if target.startswith(("http://", "https://", "mailto:")):
+                    continue
+                path = (src.parent / target) if target else src
+                if not path.exists():
+                    broken.append(f"{where}: link to {target} does not resolve")
+                elif anchor and path.suffix == ".md":
+                    slugs = {re.sub(r"[^\w\- ]", "", h).replace(" ", "-") for h in _headings(path)}
+                    if anchor.lower() not in slugs:
+                        broken.append(f"{where}: {target}#{anchor} names no heading")
+    assert not broken, "pointers that no longer hold:\n" + "\n".join(broken)

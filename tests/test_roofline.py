@@ -20,7 +20,7 @@ MISSING = [
 needs_aot = pytest.mark.skipif(
     bool(MISSING), reason=f"needs {' and '.join(MISSING)}: pip install -e '.[aot]' (CI installs it)"
 )
-H100, V5E = rl.CHIPS["NVIDIA H100 SXM 80GB"], rl.CHIPS["TPU v5e"]
+H100, V5E = rl.chip_for("NVIDIA H100 SXM 80GB"), rl.chip_for("TPU v5e")
 
 HLO = """HloModule m
 

@@ -353,3 +353,18 @@ def test_the_export_writes_the_plan_and_refuses_what_it_cannot_express():
     m = tiny_config("neutreno").model
     with pytest.raises(HFError, match="NeuTRENO"):
         hf_config(m)
+
+
+def test_each_fact_in_one_place():
+    """Exit statuses are named once (errors.py: EXIT_*), never a bare number at an exit; dotted config paths are
+    walked by config.get_dotted alone."""
+    import re
+
+    for f in PKG.rglob("*.py"):
+        text, rel = f.read_text(), f.relative_to(PKG)
+        if rel.name != "errors.py":
+            bare = re.findall(r"(?:sys\.exit|os\._exit|\bexit)\(\s*[2-9]\s*\)|exit_code\s*=\s*[2-9]\b", text)
+            assert not bare, f"{rel}: a bare exit status {bare}; use errors.EXIT_*"
+        if rel.name != "config.py":
+            walks = re.findall(r"for \w+ in (?:dotted|field|key|path|name)\w*\.split\(\"\.\"\)", text)
+            assert not walks, f"{rel} walks a dotted config path by hand ({walks}); use config.get_dotted"

@@ -13,9 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from resformer_jax.errors import EXIT_STALLED
 from resformer_jax.train import goodput
 from resformer_jax.train.faults import Faults
-from resformer_jax.train.watchdog import EXIT_STALLED, Budgets, Watchdog
+from resformer_jax.train.watchdog import Budgets, Watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from resformer_jax.config import get_dotted
+
 
 @dataclasses.dataclass
 class RunCurves:
@@ -31,12 +33,7 @@ def get_field(config: dict, dotted: str):
     model.value_residual+model.resformer_lambdas) joins their values with '/' (resformer/convex)."""
     if "+" in dotted:
         return "/".join(str(get_field(config, part)) for part in dotted.split("+"))
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise KeyError(dotted)
-        node = node[part]
-    return node
+    return get_dotted(config, dotted)
 
 
 def smoothed(curve: dict[int, float], window_steps: int) -> dict[int, float]:

@@ -43,15 +43,12 @@ import time
 
 import jax
 
+from resformer_jax.compile.hlo import parse_module
+
 GROUPS = ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer", "host_overhead")
 _SCOPES = (("optimizer", "optimizer"), ("lm_head_xent", "lm_head_xent"), ("attention_kernel", "attention"))
 _CONTROL = ("while", "conditional", "call")
 _MATMUL_OPS = ("dot", "convolution")
-
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
-)
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,32 +60,26 @@ class Instruction:
 
 
 def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
-    """{instruction name: Instruction} and {computation name: opcodes it holds} of an HLO module's text.
+    """{instruction name: Instruction} and {computation name: opcodes it holds} of an HLO module's text (read by
+    compile/hlo.py, the roofline's reader too).
 
     An instruction without a name scope of its own takes the scope of the instruction that calls its computation
     (ops XLA builds inside a loop body, e.g. under a `lax.map`, may carry no metadata)."""
-    insts, comps, current = {}, {}, None
+    insts, comps = {}, {}
     computation_of, caller_of = {}, {}
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if m:
-            rest = m.group("rest")
-            op_name = re.search(r'op_name="([^"]*)"', rest)
-            calls = re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest)
-            target = re.search(r'custom_call_target="([^"]*)"', rest)
-            insts[m.group("name")] = Instruction(
-                m.group("op"), op_name.group(1) if op_name else "", tuple(calls), target.group(1) if target else ""
-            )
-            computation_of[m.group("name")] = current
+    module, _ = parse_module(hlo_text)
+    for current, instrs in module.items():
+        comps[current] = {ins.opcode for ins in instrs}
+        for ins in instrs:
+            calls = [
+                c
+                for key in ("calls", "to_apply", "body", "condition", "branch_computations")
+                for c in ins.attr_computations(key)
+            ]
+            insts[ins.name] = Instruction(ins.opcode, ins.op_name, tuple(calls), ins.custom_call_target)
+            computation_of[ins.name] = current
             for c in calls:
-                caller_of.setdefault(c, m.group("name"))
-            if current is not None:
-                comps[current].add(m.group("op"))
-            continue
-        c = _COMPUTATION.match(line)
-        if c and " = " not in line:
-            current = c.group("name")
-            comps.setdefault(current, set())
+                caller_of.setdefault(c, ins.name)
 
     def scope(name, depth=0):
         inst = insts[name]

@@ -1,7 +1,7 @@
 """Every entry point, and only they: each parses its flags (absl; `harness` passes lm-eval's own), calls the
 library, and turns a `UserError` into one line on stderr and its exit code (common.py). Nothing in the library
-imports this folder; the `python -m resformer_jax.<command>` paths README shows are two-line modules that call
-the command here."""
+imports this folder; `python -m resformer_jax.main`, `.bench` and `.compile` are two-line entry files that run
+their command here."""
 
 from resformer_jax.runtime import quiet_absent_accelerators, restart_with_host_memory_defaults
 

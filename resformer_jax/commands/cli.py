@@ -4,6 +4,8 @@ one entry point, so `resformer --help` lists every command, each command keeps i
 import importlib
 import sys
 
+from resformer_jax.errors import EXIT_USER_ERROR
+
 # (command, module under resformer_jax.commands, what it does)
 COMMANDS = (
     ("train", "main", "pretrain, resume, or print a config's summary (python -m resformer_jax.main is the same)"),
@@ -33,7 +35,7 @@ def run(name: str, argv: list[str]) -> None:
     modules = {command: module for command, module, _ in COMMANDS}
     if name not in modules:
         sys.stderr.write(f"resformer: unknown command {name!r}.\n\n{usage()}")
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     module = importlib.import_module(f"resformer_jax.commands.{modules[name]}")
     sys.argv = [f"resformer {name}", *argv]
     sys.modules["__main__"].__doc__ = module.__doc__  # absl's --help prints the program's docstring

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from resformer_jax.errors import UserError
+from resformer_jax.errors import EXIT_USER_ERROR, UserError
 
 
 def start():
@@ -38,9 +38,9 @@ def report_user_error(e: BaseException) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return 2
+        return EXIT_USER_ERROR
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return getattr(e, "exit_code", 2)
+    return getattr(e, "exit_code", EXIT_USER_ERROR)
 
 
 @contextlib.contextmanager
@@ -90,6 +90,8 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
     a value of the wrong type. Exits 2 with one line on the first problem."""
     import difflib
 
+    from resformer_jax.config import MissingField, get_dotted
+
     path, fields = default_config, []
     args = list(argv[1:])
     for i, a in enumerate(args):
@@ -109,23 +111,18 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
             return
         cfg = load_config_file(path)
         for field, value in fields:
-            node, parts = cfg, field.split(".")
-            for j, part in enumerate(parts):
-                keys = list(node.keys()) if hasattr(node, "keys") else []
-                if part not in keys:
-                    where = ".".join(parts[:j]) or "the config"
-                    close = difflib.get_close_matches(part, keys, n=3)
-                    raise ConfigFlagError(
-                        f"--{name}.{field}: {where} has no field {part!r}"
-                        + (f"; did you mean {', '.join(close)}?" if close else f"; its fields: {', '.join(keys)}")
-                    )
-                if j < len(parts) - 1:
-                    node = node[part]
-            current = node[parts[-1]]
+            try:
+                current = get_dotted(cfg, field)
+            except MissingField as e:
+                close = difflib.get_close_matches(e.part, e.fields, n=3)
+                raise ConfigFlagError(
+                    f"--{name}.{field}: {e.parent or 'the config'} has no field {e.part!r}"
+                    + (f"; did you mean {', '.join(close)}?" if close else f"; its fields: {', '.join(e.fields)}")
+                ) from None
             _check_type(f"--{name}.{field}", value, current)
     except ConfigFlagError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
 
 
 def _check_type(flag: str, value: str, current):

@@ -33,6 +33,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from resformer_jax.errors import EXIT_USER_ERROR
+
 config_flags.DEFINE_config_file(
     "config", None, "Config file (ml_collections get_config()), as for training.", lock_config=True
 )
@@ -59,7 +61,7 @@ def main(argv):
 
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}; flags are --name=value", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # not common.start(): the XLA flags are the target's (cli_main)
@@ -88,7 +90,7 @@ def main(argv):
         print(json.dumps(report.to_json()), flush=True)
         if not report.fits:
             print(f"error: {report.first_problem}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            sys.exit(EXIT_USER_ERROR)
 
 
 def run_tune(target, log):
@@ -109,7 +111,7 @@ def run_tune(target, log):
             "(--nodes) or lower config.data.seq_len",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     best = fitting[0]
     print(
         f"best for {target.hardware}: {best.flags()} (bound {best.bound_s * 1e3:.1f} ms, MFU ceiling "

@@ -15,6 +15,7 @@ import time
 from absl import flags
 
 from resformer_jax.commands import common as cli
+from resformer_jax.errors import EXIT_USER_ERROR
 
 flags.DEFINE_string("workdir", None, "Run directory with checkpoints/ and tokenizer.json.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
@@ -83,13 +84,13 @@ def main(argv):
                 texts += [ln.rstrip("\n") for ln in f if ln.strip()]
         if not texts:
             print("error: give --prompt, --prompts_file or --prompt_ids", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(EXIT_USER_ERROR)
         if tok is None:
             print(
                 f"error: {tok_path} not found (a run on synthetic data has no tokenizer); use --prompt_ids",
                 file=sys.stderr,
             )
-            sys.exit(2)
+            sys.exit(EXIT_USER_ERROR)
         prompts = [tok.encode(t, add_special_tokens=False).ids or [0] for t in texts]
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
@@ -99,7 +100,7 @@ def main(argv):
             "lower --max_new_tokens",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
     from resformer_jax.engine import Engine, SamplingParams
     from resformer_jax.engine.engine import engine_mesh

@@ -11,6 +11,8 @@ resformer_jax/eval/lm_eval_model.py, and then runs lm-eval's own CLI.)
 
 from __future__ import annotations
 
+from resformer_jax.errors import EXIT_USER_ERROR
+
 
 def cli_main():
     import importlib.util
@@ -33,7 +35,7 @@ def cli_main():
             "pip install -e '.[lm_eval]'",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     from lm_eval.__main__ import cli_evaluate
 
     if sys.argv[1:] in (["--help"], ["-h"]):  # this command's own words first, then lm-eval's flags

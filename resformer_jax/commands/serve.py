@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from absl import flags
 
+from resformer_jax.errors import EXIT_USER_ERROR
+
 flags.DEFINE_string(
     "workdir",
     None,
@@ -50,7 +52,7 @@ def main(argv):
             f"error: serving needs {', '.join(missing)}, not installed; install the extra: pip install -e '.[serve]'",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(EXIT_USER_ERROR)
     import uvicorn
 
     from resformer_jax.engine import Engine

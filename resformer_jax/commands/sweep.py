@@ -72,14 +72,14 @@ def _run_value(v) -> str:
 
 
 def _get(cfg, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        if part not in node:
-            raise SweepError(
-                f"--set {dotted}: no such config field ({part!r} is not in {sorted(node.keys())}); check the spelling"
-            )
-        node = node[part]
-    return node
+    from resformer_jax.config import MissingField, get_dotted
+
+    try:
+        return get_dotted(cfg, dotted)
+    except MissingField as e:
+        raise SweepError(
+            f"--set {dotted}: no such config field ({e.part!r} is not in {sorted(e.fields)}); check the spelling"
+        ) from None
 
 
 def parse_value(text: str, like):
@@ -158,17 +158,13 @@ def plan_runs(workdir: str, grid: dict) -> list[Run]:
 def check_runs(cfg, runs: list[Run]) -> None:
     """Every combination's config as its run will validate it, before anything is written or submitted (a value
     the config rejects is found here, not on the cluster)."""
-    from resformer_jax.config import ConfigError, validate
+    from resformer_jax.config import ConfigError, set_dotted, validate
 
     for r in runs:
         c = cfg.copy_and_resolve_references()
         for field, value in r.values.items():
-            *parents, last = field.split(".")
-            node = c
-            for part in parents:
-                node = node[part]
             try:
-                node[last] = value
+                set_dotted(c, field, value)
             except (TypeError, ValueError) as e:
                 raise SweepError(f"run {r.name}: config.{field}={value!r} does not fit the field ({e})") from None
         try:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from resformer_jax.commands import common
+from resformer_jax.errors import EXIT_PEER_FAILED
 
 
 def run(cfg, workdir: str, **dist) -> int:
@@ -49,7 +50,7 @@ def run(cfg, workdir: str, **dist) -> int:
             flush=True,
         )
         sys.stdout.flush()
-        os._exit(4)
+        os._exit(EXIT_PEER_FAILED)
 
 
 PEER_FAILURE_MARKS = (

@@ -36,10 +36,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resformer_jax import perf
-from resformer_jax.compile.ptxas import ARCH, kernel_resources
+from resformer_jax.chips import chip_named
+from resformer_jax.compile.ptxas import kernel_resources
 from resformer_jax.compile.roofline import chip_for, roofline
 from resformer_jax.compile.targets import Target
-from resformer_jax.config import REMAT_POLICIES
+from resformer_jax.config import REMAT_POLICIES, set_dotted
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.model.transformer import needs_unrolled
@@ -170,7 +171,11 @@ class CompileReport:
             out.extend("    " + ln for ln in roofline_lines(s.roofline))
         if self.estimate.get("total"):
             train = next((s for s in self.steps if s.name == "train" and s.memory), None)
-            ratio = f" ({self.estimate['total'] / train.memory.total:.2f}x the compiled train step)" if train else ""
+            ratio = (
+                f" ({self.estimate['total'] / train.memory.total:.2f}x the compiled train step)"
+                if train and train.memory
+                else ""
+            )
             out.append(f"  --mode=summary's estimate: {gib(self.estimate['total'])} per device{ratio}")
         for s in self.steps:  # the verdict last, one line a step
             r = s.roofline or {}
@@ -275,7 +280,8 @@ def check_packages(platform: str):
             f"compiling for {platform} needs {need[1]}, which is not installed here; "
             "pip install -e '.[aot]' (about 2 GB)"
         )
-    if platform == "cuda" and (jax.config.jax_platforms or "").strip().lower() != "cpu":
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    if platform == "cuda" and (platforms or "").strip().lower() != "cpu":
         raise AotUnavailable(
             "compiling for cuda needs JAX_PLATFORMS=cpu set before JAX starts (python -m "
             "resformer_jax.compile sets it); otherwise the CUDA plugin looks for a local GPU"
@@ -300,6 +306,7 @@ def _refusal(e: Exception, what: str, target: Target, knobs: str) -> Exception:
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
     if "Shared memory size limit exceeded" in text:
         m = re.search(r"Shared memory size limit exceeded[^\n]*", text)
+        assert m is not None
         return CompileError(
             f"{what} does not compile for {target.hardware}: a Triton kernel needs more shared "
             f"memory than the GPU has ({m.group(0)}); the attention kernel's blocks are too large "
@@ -332,7 +339,7 @@ def compile_step(
     t0 = time.perf_counter()
     # JAX's persistent compilation cache cannot hold these: a compile-only client cannot load an entry back
     # ("PjRtCompiler must be constructed with a Client"), so writing one only costs time.
-    cache_was = jax.config.jax_enable_compilation_cache
+    cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     jax.config.update("jax_enable_compilation_cache", False)
     dump = tempfile.mkdtemp(prefix="resformer_ptx_") if target.platform == "cuda" else None
     try:
@@ -368,11 +375,14 @@ def compile_step(
         roofline=step_roofline(compiled, hlo, target, model_flops),
     )
     if dump:
+        chip = chip_named(target.kind)
         try:
             step.kernel_resources = [
                 dataclasses.asdict(k)
                 for k in kernel_resources(
-                    dump, set(re.findall(r"/([\w$]+)/pallas_call", hlo)), ARCH.get(target.kind, "sm_90a")
+                    dump,
+                    set(re.findall(r"/([\w$]+)/pallas_call", hlo)),
+                    chip.arch if chip is not None and chip.arch else "sm_90a",
                 )
             ]
         finally:
@@ -559,8 +569,7 @@ def tune(
             continue
         c = cfg.copy_and_resolve_references()
         for key, value in cand.items():
-            section, field = key.split(".")
-            c[section][field] = value
+            set_dotted(c, key, value)
         est = perf.estimate_train_memory(c, target.num_devices).get("total", 0)
         if est > TUNE_SKIP_FACTOR * target.hbm_bytes:  # far over: compiling would only say so, slowly
             why = f"the estimate ({est / 2**30:.0f} GiB) is over {TUNE_SKIP_FACTOR:g}x the chip's memory; not compiled"

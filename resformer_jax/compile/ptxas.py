@@ -14,7 +14,6 @@ import shutil
 import subprocess
 
 # The GPU architecture ptxas compiles for, per target GPU (H100/H200: sm_90a, as XLA emits; A100: sm_80).
-ARCH = {"NVIDIA H100 SXM 80GB": "sm_90a", "NVIDIA H200 SXM 141GB": "sm_90a", "NVIDIA A100 SXM 80GB": "sm_80"}
 
 
 @dataclasses.dataclass(frozen=True)

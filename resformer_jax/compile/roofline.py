@@ -17,35 +17,13 @@ not added to the bound: XLA overlaps them with compute.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
+from resformer_jax.chips import Chip, chip_named
+from resformer_jax.compile.hlo import Instr, arrays, dtype_bytes, elements, parse_module, shape_bytes
 from resformer_jax.kernels import pallas_attention, tpu_attention
 
-DTYPE_BYTES = {
-    "pred": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-    "tf32": 4,
-}
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
 FREE = {
     "parameter",
     "get-tuple-element",
@@ -83,205 +61,12 @@ COLLECTIVES = {
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 
 
-def dtype_bytes(dtype: str) -> float:
-    if dtype.startswith("f8"):
-        return 1
-    return DTYPE_BYTES.get(dtype, 0)
-
-
-def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dims) of every array in a (possibly tuple) HLO shape."""
-    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)]
-
-
-def shape_bytes(shape: str) -> float:
-    return sum(dtype_bytes(d) * math.prod(dims) for d, dims in arrays(shape))
-
-
-def elements(shape: str) -> int:
-    """Elements of the largest array in a (possibly tuple) HLO shape."""
-    return max((math.prod(dims) for _, dims in arrays(shape)), default=0)
-
-
 # Ops that read more than one element of an operand per result element: a loop fusion holding one is not bounded
 # by its result's size.
 # Fusion roots that write into their first operand's buffer (donated or aliased): a paged cache's scatter of this
 # step's tokens, a dense cache's dynamic-update-slice. They move the update, not the buffer.
 IN_PLACE_UPDATES = ("dynamic-update-slice", "scatter")
 LOOP_READERS = ("reduce", "reduce-window", "convolution", "dot", "scatter", "sort", "select-and-scatter", "fusion")
-
-
-@dataclasses.dataclass
-class Instr:
-    name: str
-    shape: str  # the result's HLO shape
-    opcode: str
-    operands: list[str]
-    attrs: str  # everything after the operand list
-    arg: str = ""  # the operand list as written (a parameter's number)
-
-    def attr_computations(self, key: str) -> list[str]:
-        m = re.search(rf"\b{key}=\{{?([^}},]+(?:,\s*%[^}},]+)*)\}}?", self.attrs)
-        return [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
-
-    @property
-    def op_name(self) -> str:
-        m = re.search(r'op_name="([^"]*)"', self.attrs)
-        return m.group(1) if m else ""
-
-    @property
-    def backend_config(self) -> dict:
-        start = self.attrs.find("backend_config={")
-        if start < 0:
-            return {}
-        start += len("backend_config=")
-        end, depth = start, 0
-        for end in range(start, len(self.attrs)):
-            depth += {"{": 1, "}": -1}.get(self.attrs[end], 0)
-            if depth == 0:
-                break
-        try:
-            return json.loads(self.attrs[start : end + 1])
-        except ValueError:
-            return {}
-
-    @property
-    def custom_call_target(self) -> str:
-        m = re.search(r'custom_call_target="([^"]+)"', self.attrs)
-        return m.group(1) if m else ""
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the parenthesis that closes the one at `start`."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "(":
-            depth += 1
-        elif text[i] == ")":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
-
-
-def parse_instr(line: str) -> Instr | None:
-    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
-    if not m:
-        return None
-    name, rest = m.group(1), m.group(2).strip()
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
-        shape, rest = rest[:end], rest[end:].lstrip()
-    else:
-        shape, _, rest = rest.partition(" ")
-    op = re.match(r"([\w\-$.]+)\(", rest)
-    if not op:
-        return None
-    end = _balanced(rest, op.end() - 1)
-    operands = re.findall(r"%([\w.\-$]+)", rest[op.end() : end - 1])
-    return Instr(name, shape, op.group(1), operands, rest[end:].lstrip(", "), rest[op.end() : end - 1])
-
-
-def _depth(text: str, depth: int = 0) -> int:
-    """Open brackets ({ and ( ) left after `text`, outside double-quoted strings."""
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            escaped = ch == "\\" and not escaped
-            if ch == '"' and not escaped:
-                in_string = False
-            continue
-        if ch == '"':
-            in_string = True
-        elif ch in "{(":
-            depth += 1
-        elif ch in "})":
-            depth -= 1
-    return depth
-
-
-def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """({computation: [instructions]}, the entry computation's name) of an HLO module's text. An instruction may
-    span several lines (libtpu prints kernel metadata over many)."""
-    comps: dict[str, list[Instr]] = {}
-    entry, current, pending, depth = "", None, "", 0
-    for line in text.splitlines():
-        if pending:
-            pending += "\n" + line
-            depth = _depth(line, depth)
-            if depth <= 0:
-                ins = parse_instr(pending.replace("\n", " "))
-                if ins is not None and current is not None:
-                    comps[current].append(ins)
-                pending = ""
-            continue
-        h = _HEADER.match(line)
-        if h:
-            current = h.group(2)
-            comps[current] = []
-            if h.group(1):
-                entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        if current is not None and _INSTR.match(line):
-            depth = _depth(line)
-            if depth > 0:
-                pending = line
-                continue
-            ins = parse_instr(line)
-            if ins is not None:
-                comps[current].append(ins)
-    return comps, entry
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One device's datasheet numbers: dense bf16 FLOP/s, HBM bytes/s, interconnect bytes/s each way."""
-
-    kind: str
-    peak_flops: float
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float
-    source: str
-
-
-CHIPS = {
-    "NVIDIA H100 SXM 80GB": Chip(
-        "NVIDIA H100 SXM 80GB",
-        989e12,
-        3.35e12,
-        450e9,
-        "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 900 GB/s",
-    ),
-    "NVIDIA H200 SXM 141GB": Chip(
-        "NVIDIA H200 SXM 141GB",
-        989e12,
-        4.8e12,
-        450e9,
-        "NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s",
-    ),
-    "NVIDIA A100 SXM 80GB": Chip(
-        "NVIDIA A100 SXM 80GB",
-        312e12,
-        2.039e12,
-        300e9,
-        "NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense BF16, 2,039 GB/s, NVLink 600 GB/s",
-    ),
-    "TPU v4": Chip(
-        "TPU v4", 275e12, 1.228e12, 300e9, "Cloud TPU v4 docs: 275 TFLOP/s BF16, 1,228 GB/s HBM, ICI 2,400 Gbps"
-    ),
-    "TPU v5p": Chip(
-        "TPU v5p", 459e12, 2.765e12, 600e9, "Cloud TPU v5p docs: 459 TFLOP/s BF16, 2,765 GB/s HBM, ICI 4,800 Gbps"
-    ),
-    "TPU v5e": Chip(
-        "TPU v5e", 197e12, 0.819e12, 200e9, "Cloud TPU v5e docs: 197 TFLOP/s BF16, 819 GB/s HBM, ICI 1,600 Gbps"
-    ),
-    "TPU v6e": Chip(
-        "TPU v6e", 918e12, 1.64e12, 448e9, "Cloud TPU v6e docs: 918 TFLOP/s BF16, 1,640 GB/s HBM, ICI 3,584 Gbps"
-    ),
-}
 
 
 @dataclasses.dataclass
@@ -700,4 +485,6 @@ def roofline(hlo_text: str, chip: Chip) -> Roofline:
 
 
 def chip_for(kind: str) -> Chip | None:
-    return CHIPS.get(kind)
+    """The chip a compile target's `kind` names, where the roofline knows its numbers."""
+    chip = chip_named(kind)
+    return chip if chip is not None and chip.has_roofline else None

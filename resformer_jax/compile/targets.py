@@ -21,9 +21,8 @@ import re
 
 from jax.experimental import topologies
 
+from resformer_jax.chips import GIB, chip_named, gpu_target
 from resformer_jax.errors import UserError
-
-GIB = 2**30
 
 
 class TargetError(UserError, ValueError):
@@ -40,12 +39,18 @@ class TpuChip:
     kind: str
 
 
+def _tpu(topology_prefix: str, chip_config: str, dims: int, cores_in_name: bool, kind: str) -> TpuChip:
+    """A TPU generation's topology facts here; its memory from the one chip table (chips.py)."""
+    chip = chip_named(kind)
+    assert chip is not None and chip.hbm_bytes, kind
+    return TpuChip(topology_prefix, chip_config, dims, cores_in_name, chip.hbm_bytes, kind)
+
+
 TPU_CHIPS = {
-    "v4": TpuChip("v4", "megacore", 3, True, 32 * GIB, "TPU v4"),
-    "v5p": TpuChip("v5", "megacore", 3, True, 95 * GIB, "TPU v5p"),
-    # v5e: 16 GiB per chip of which libtpu's compiler reports 15.75 GiB available to a program.
-    "v5e": TpuChip("v5e", "default", 2, False, int(15.75 * GIB), "TPU v5e"),
-    "v6e": TpuChip("v6e", "default", 2, False, 32 * GIB, "TPU v6e"),
+    "v4": _tpu("v4", "megacore", 3, True, "TPU v4"),
+    "v5p": _tpu("v5", "megacore", 3, True, "TPU v5p"),
+    "v5e": _tpu("v5e", "default", 2, False, "TPU v5e"),
+    "v6e": _tpu("v6e", "default", 2, False, "TPU v6e"),
 }
 TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v5": "v5p"}
 # chips -> slice shape (Cloud TPU's topologies for each count)
@@ -65,17 +70,6 @@ SHAPES_3D = {
 SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuModel:
-    spec_file: str  # in resformer_jax/compile/gpu_specs/
-    kind: str
-
-
-GPU_MODELS = {
-    "h100": GpuModel("h100_sxm.txtpb", "NVIDIA H100 SXM 80GB"),
-    "h200": GpuModel("h200_sxm.txtpb", "NVIDIA H200 SXM 141GB"),
-    "a100": GpuModel("a100_sxm_80gb.txtpb", "NVIDIA A100 SXM 80GB"),
-}
 # JAX's GPU allocator takes this fraction of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
 # (XLA_PYTHON_CLIENT_PREALLOCATE=false still caps at the card's memory).
 JAX_GPU_MEM_FRACTION = 0.75
@@ -150,6 +144,8 @@ class Target:
 
 def _gpu_memory(spec_text: str) -> int:
     m = re.search(r"device_memory_size:\s*(\d+)", spec_text)
+    if m is None:
+        raise TargetError("the GPU's XLA target config gives no device_memory_size; compile/gpu_specs/ is damaged")
     return int(m.group(1))
 
 
@@ -159,10 +155,11 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
     if nodes < 1 or slices < 1:
         raise TargetError(f"--nodes={nodes} / --slices={slices}: both must be >= 1")
     gpu = re.fullmatch(r"([a-z]\d+)x(\d+)", raw)
-    if gpu and gpu.group(1) in GPU_MODELS:
+    if gpu and gpu_target(gpu.group(1)) is not None:
         if slices != 1:
             raise TargetError(f"--slices is for TPU multislice; for several GPU nodes use --nodes (got {name})")
-        model, per_node = GPU_MODELS[gpu.group(1)], int(gpu.group(2))
+        model, per_node = gpu_target(gpu.group(1)), int(gpu.group(2))
+        assert model is not None
         if not 1 <= per_node <= 8:
             raise TargetError(f"{name}: {per_node} GPUs a node; an NVLink node has 1 to 8 (use --nodes for more)")
         t = Target(
@@ -188,8 +185,9 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
         raise TargetError(f"--nodes is for GPU targets ({name} is not one); a TPU slice's size is in its name")
     libtpu = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+){1,2})", raw)
     short = re.fullmatch(r"([a-z0-9]+?)-(\d+)", raw)
-    if libtpu or short:
-        gen = (libtpu or short).group(1)
+    found = libtpu or short
+    if found is not None:
+        gen = found.group(1)
         gen = TPU_ALIASES.get(gen, gen)
         if gen not in TPU_CHIPS:
             raise TargetError(f"unknown TPU generation {gen!r} in {name!r}; known: {KNOWN}")
@@ -197,7 +195,7 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
         if libtpu:
             dims = tuple(int(d) for d in libtpu.group(2).split("x"))
         else:
-            n = int(short.group(2))
+            n = int(found.group(2))
             chips = n // 2 if chip.cores_in_name else n
             if chip.cores_in_name and n % 2:
                 raise TargetError(f"{name}: {gen} names count TensorCores, two per chip; use an even number")

@@ -171,16 +171,16 @@ class Engine:
             self.cache = pools
             self._step_fn = jax.jit(step_program(self.model), donate_argnums=(1,))
         else:
-            rows, pages = P(mesh.axis_names), P(None, mesh.axis_names)  # [K, pages, page, D]: pages split
-            cache_spec = jax.tree.map(lambda _: pages, pools)
-            self.cache = jax.device_put(pools, NamedSharding(mesh, pages))
+            row_spec, split = P(mesh.axis_names), P(None, mesh.axis_names)  # [K, pages, page, D]: pages split
+            cache_spec = jax.tree.map(lambda _: split, pools)
+            self.cache = jax.device_put(pools, NamedSharding(mesh, split))
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
             per_shard = jax.shard_map(
                 step_program(self.model),
                 mesh=mesh,
-                in_specs=(P(), cache_spec) + (rows,) * 9,
-                out_specs=(rows, rows, cache_spec),
+                in_specs=(P(), cache_spec) + (row_spec,) * 9,
+                out_specs=(row_spec, row_spec, cache_spec),
                 check_vma=False,
             )
             self._step_fn = jax.jit(per_shard, donate_argnums=(1,))

@@ -16,6 +16,8 @@ log-likelihoods agree.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -23,6 +25,9 @@ from resformer_jax.errors import UserError
 from resformer_jax.eval.loglik import ContinuationScorer, prepare
 from resformer_jax.rundir import RunDir
 from resformer_jax.train.setup import load_run
+
+if TYPE_CHECKING:
+    from resformer_jax.engine import Engine
 
 
 class HarnessError(UserError, ValueError):
@@ -60,7 +65,7 @@ class ResformerLM(LM):
             )
 
         self.scorer = ContinuationScorer(self.cfg.model, self.params, self.max_length, self.batch)
-        self._engine = None  # the decode engine, made at the first generation request
+        self._engine: Engine | None = None  # the decode engine, made at the first generation request
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):

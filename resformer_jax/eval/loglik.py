@@ -85,8 +85,8 @@ class ContinuationScorer:
 
         if mesh is None:
             self._score = jax.jit(score)
-            self._place = lambda x: x
-            self._fetch = np.asarray
+            self._place: Callable[[Any], Any] = lambda x: x
+            self._fetch: Callable[[Any], np.ndarray] = np.asarray
         else:
             rep = NamedSharding(mesh, PartitionSpec())
             self._score = jax.jit(score, out_shardings=(rep, rep))
@@ -122,4 +122,4 @@ class ContinuationScorer:
             b += len(idx)
             if progress is not None:
                 progress(ScoreProgress(b, len(requests), time.perf_counter() - t0))
-        return out
+        return [x for x in out if x is not None]  # every request scored (one row each)

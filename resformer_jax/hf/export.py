@@ -10,7 +10,6 @@ import os
 import jax
 import numpy as np
 
-from resformer_jax.config import ties_embeddings
 from resformer_jax.hf.llama_import import HFError
 from resformer_jax.model import attention as eq
 from resformer_jax.model.attention import plan_layer
@@ -104,7 +103,7 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
     if tokenizer_meta:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
 
-    cfg["tie_word_embeddings"] = ties_embeddings(m)
+    cfg["tie_word_embeddings"] = ModelConfig.of(m).tie_embeddings
     rope_type = ModelConfig.of(m).rope_type
     if rope_type != "default":  # an imported Llama 3.1 (llama3) or linear-scaled model, written back as HF writes it
         cfg["rope_scaling"] = {"rope_type": rope_type, "factor": m.rope_factor}

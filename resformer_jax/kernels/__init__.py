@@ -170,7 +170,7 @@ def probe_auto(
         seconds[impl] = best
     if not seconds:
         raise KernelUnavailable(f"no attention impl runs here: {rejected}")
-    choice = min(seconds, key=seconds.get)
+    choice = min(seconds, key=lambda k: seconds[k])
     times = "".join(f"; {k} {v * 1e3:.2f} ms" for k, v in seconds.items()) if timed else ""
     msg = (
         f"attention_impl=auto chose {choice!r}"

@@ -21,8 +21,8 @@ sharded and must not become a loop) every pair runs at once.
 
 Why it exists: on CPU the step is bound by memory traffic over the [B, H, T, S]
 logits, not by FLOPs (jax.nn.dot_product_attention's xla path materialises and
-masks all of it). The measurements (`bench attention`) are in README's
-Attention kernels and Performance sections.
+masks all of it). The measurements (`bench attention`) are in
+docs/kernels-and-compile.md (Attention kernels) and docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """XLA:CPU's fast forms of the model's matmuls (config.model.matmuls="cpu", chosen by train/setup on CPU hosts):
 bf16 matmuls accumulated in fp32 with canonical operand layouts, and the SwiGLU MLP with its own VJP. The model
 calls them through model/layers.dense and swiglu; accelerators take the plain forms there. What each form
-gains on CPU is measured in README's Performance section."""
+gains on CPU is measured in docs/performance.md."""
 
 from __future__ import annotations
 

@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from resformer_jax.chips import AMPERE_SMEM, chip_of_device
 from resformer_jax.kernels.names import ATTENTION_RESIDUALS, target_backend, target_device_kind
 
 log = logging.getLogger(__name__)
@@ -65,20 +66,14 @@ def _warn_interpreted(backend: str):
 
 
 NUM_STAGES = 2  # Triton software pipelining of the streamed tiles
-SMEM_BUDGET_BYTES = 163 * 1024  # A100's opt-in shared memory per block: the budget where the GPU is not known
-# Opt-in shared memory per block by GPU (CUDA's per-architecture limits): Hopper 227 KiB, Ampere A100 163 KiB.
-SMEM_BY_GPU = (
-    ("H100", 227 * 1024),
-    ("H200", 227 * 1024),
-    ("H800", 227 * 1024),
-    ("A100", 163 * 1024),
-    ("A800", 163 * 1024),
-)
+SMEM_BUDGET_BYTES = AMPERE_SMEM  # A100's opt-in shared memory per block: the budget where the GPU is not known
 
 
 def smem_budget(device_kind: str) -> int:
-    """The shared memory one kernel block may use on `device_kind` (SMEM_BUDGET_BYTES where it is not listed)."""
-    return next((b for name, b in SMEM_BY_GPU if name in device_kind), SMEM_BUDGET_BYTES)
+    """The shared memory one kernel block may use on `device_kind` (chips.py; SMEM_BUDGET_BYTES where it is not
+    listed)."""
+    chip = chip_of_device(device_kind)
+    return chip.smem_bytes_per_block if chip is not None and chip.smem_bytes_per_block else SMEM_BUDGET_BYTES
 
 
 def smem_bytes(bq: int, bk: int, D: int, itemsize: int, num_stages: int = NUM_STAGES) -> int:

@@ -64,8 +64,8 @@ def _step(params, tokens_BxT, cache, *, m_frozen, max_len):
 
 
 # Prompt tokens one prefill call takes. The cache's attention is plain XLA over the whole cache, so a call holds
-# [heads, tokens, max_len] fp32 scores: a 64K prompt in one call needs 270 GiB on a GPU (compiled for H100,
-# README), in chunks of 2,048 a few GiB. Chunks attend to the cache written by the earlier ones (the cache's
+# [heads, tokens, max_len] fp32 scores: a 64K prompt in one call needs 270 GiB on a GPU (compiled for
+# H100), in chunks of 2,048 a few GiB. Chunks attend to the cache written by the earlier ones (the cache's
 # index advances), so the result is the one-call prefill's.
 PREFILL_CHUNK = 2048
 

@@ -6,7 +6,7 @@
   learnable_plus  l1 = lambda_scale * softmax(lambda_logits) over layers; one lambda2 per layer
   convex          one fp32 `lambda` per layer >= 2: l1 = lambda, l2 = 1 - lambda (modded-nanogpt's record of
                   2024-11-06: V = (1 - l) V_n + l V_1, l initialised to lambda_init[0], 0.5)
-  gated           no scalars: the mix is a gate of the layer input (model/attention.py, eq_gated_value)
+  gated           no scalars: the mix is a gate of the layer input (model/attention.py, gated_value)
 
 The stack resolves a [N-1, 2] array (stack_lambdas); each block may replace its
 row with its own parameters (block_lambdas). `read_lambdas` reads the values back

@@ -32,10 +32,10 @@ from resformer_jax.checkpoint import (
     no_fresh_start,
     params_layout,
 )
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, parse_init_from, run_record, validate, with_defaults
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, run_record, validate, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
-from resformer_jax.errors import UserError
+from resformer_jax.errors import EXIT_DIVERGED, UserError
 from resformer_jax.eval.zero_shot import check_tasks, zero_shot
 from resformer_jax.model.lambdas import gate_intermediates, gate_means, read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
@@ -60,13 +60,7 @@ class NonFiniteError(UserError, RuntimeError):
     """The loss or a gradient became non-finite; the message names the step and the fix. Exit code 3: the run
     itself diverged (its input may be fine)."""
 
-    exit_code = 3
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        d = d.get(part, {}) if isinstance(d, dict) else {}
-    return d
+    exit_code = EXIT_DIVERGED
 
 
 def forked(cfg, run: RunDir):
@@ -261,7 +255,7 @@ class Trainer:
                 + " or a new --workdir"
             )
         if corpus is not None:
-            corpus.check_tokenizer(_get(with_defaults(old), "data.tokenizer_hash"))
+            corpus.check_tokenizer(get_dotted(with_defaults(old), "data.tokenizer_hash", {}))
         for field, (a, b) in ({} if quiet else diff).items():
             if field != "data.tokenizer_hash":
                 self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")

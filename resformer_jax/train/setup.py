@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from resformer_jax import kernels, perf, runtime
 from resformer_jax.checkpoint import CheckpointError, failure_reason
-from resformer_jax.config import head_dim, num_kv_heads, validate, with_defaults
+from resformer_jax.config import validate, with_defaults
 from resformer_jax.errors import UserError
 from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import backend_of
@@ -87,11 +87,11 @@ def resolve_attention(
             f"auto times {', '.join(candidates)} and keeps the fastest)"
         )
         return AttentionChoice(choice, rejected, False)
-    m = cfg.model
+    m, mc = cfg.model, ModelConfig.of(cfg.model)
     if batch is None:
         batch = sequences_per_device(cfg, len(jax.devices()))
     choice, rejected = kernels.probe_auto(
-        (batch, cfg.data.seq_len, m.num_heads, head_dim(m)), num_kv_heads(m), jnp.dtype(m.dtype), log
+        (batch, cfg.data.seq_len, m.num_heads, mc.head_dim), mc.kv_heads, jnp.dtype(m.dtype), log
     )
     return AttentionChoice(choice, rejected, True)
 

@@ -27,8 +27,7 @@ from collections.abc import Callable
 from etils import epath
 
 from resformer_jax import storage
-
-EXIT_STALLED = 5  # a stalled process's exit status (2: a user error, 3: diverged, 4: a peer process failed)
+from resformer_jax.errors import EXIT_STALLED
 
 
 @dataclasses.dataclass(frozen=True)
