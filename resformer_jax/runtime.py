@@ -310,11 +310,20 @@ def quiet_absent_accelerators() -> None:
             register()
 
 
+def prepare_command_process() -> None:
+    """What a command's process needs before it imports JAX, called by the entry point (commands/cli.run), never on
+    import: on a CPU host the process restarts once with huge pages for XLA's buffers
+    (`restart_with_host_memory_defaults`); on a host without GPU or TPU, the accelerator plugins the aot extra
+    installs are kept quiet."""
+    restart_with_host_memory_defaults()
+    quiet_absent_accelerators()
+
+
 def restart_with_host_memory_defaults():
     """Re-executes this process (same PID, interpreter and argv) with `host_memory_tunables()` in its environment,
     when that says so and the process is a resformer_jax command (`python -m resformer_jax.X`); otherwise returns.
-    Called once, by `resformer_jax/commands/__init__.py` (imported before any command module, so before JAX);
-    the restarted process finds the tunable set and goes on."""
+    Called once, by `prepare_command_process` before any command module is imported (so before JAX); the
+    restarted process finds the tunable set and goes on."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is None or not spec.name.startswith("resformer_jax."):

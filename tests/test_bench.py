@@ -183,6 +183,7 @@ def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
     its HLO has no YNNPACK matmul where the general step has them, and one step from the same state and batch gives
     the same loss, gradient norm and parameters within fp32 summation-order tolerance."""
     from resformer_jax import runtime
+    from resformer_jax.resolve import resolve
     from resformer_jax.train.setup import build
 
     monkeypatch.setattr(runtime, "EIGEN_STEP_MIN_ROWS", 1)  # the tiny model's 256-row step counts as large
@@ -191,7 +192,7 @@ def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
     for name, features in (("eigen", frozenset({"avx2"})), ("general", frozenset({"avx2", "avx512f"}))):
         monkeypatch.setattr(runtime, "cpu_features", lambda f=features: f)
         cfg = tiny_config("resformer")
-        setup = build(cfg, log=lambda m: None)
+        setup = build(resolve(cfg, log=lambda m: None))
         compiled, _, _ = setup.compile()
         hlo = compiled.as_text()
         state, metrics = compiled(setup.init_state(), tokens)

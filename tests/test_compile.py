@@ -24,6 +24,7 @@ import pytest
 
 from resformer_jax import kernels
 from resformer_jax.config import tiny_config
+from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
@@ -339,12 +340,12 @@ def test_cudnn_attention_cannot_be_compiled_without_a_gpu_and_says_why():
 def test_a_named_impl_that_cannot_run_raises_and_never_falls_back():
     c = tiny_config("resformer")
     c.model.attention_impl = "cudnn"
-    from resformer_jax.train.setup import resolve_attention
+    from resformer_jax.resolve import resolve_attention
 
     choice = resolve_attention(c)  # named: kept as it is, nothing probed
     assert choice.impl == "cudnn" and not choice.probed
     with pytest.raises(kernels.KernelUnavailable, match="cudnn"):
-        build(c, log=lambda s: None)
+        build(resolve(c, log=lambda s: None))
 
 
 def test_auto_on_tpu_times_jax_splash_kernel_against_xla():

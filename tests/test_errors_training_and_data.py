@@ -299,7 +299,7 @@ def test_disk_full_while_saving(tmp_path):
 
 def test_memory_advice_leaves_out_knobs_already_at_their_limit():
     from resformer_jax.config import tiny_config
-    from resformer_jax.train.setup import memory_knobs
+    from resformer_jax.memory import memory_knobs
 
     c = tiny_config("resformer")
     c.train.global_batch, c.train.microbatch, c.model.remat, c.mesh.fsdp = 8, 0, "none", 1
@@ -315,7 +315,7 @@ def test_memory_advice_leaves_out_knobs_already_at_their_limit():
 def test_the_sized_for_check_takes_a_config_whose_dtype_is_auto():
     """The demo's model.dtype=auto is resolved after the start-up checks: the memory estimate works without it."""
     from resformer_jax.commands.common import load_config_file
-    from resformer_jax.train.setup import too_big_for_here
+    from resformer_jax.memory import too_big_for_here
 
     demo = load_config_file(os.path.join(ROOT, "configs", "demo.py"))
     assert demo.model.dtype == "auto"

@@ -211,8 +211,8 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     from resformer_jax.analysis.per_layer import analysis_sequences, analyze_run, layer_tensors
     from resformer_jax.commands.training import run
     from resformer_jax.config import ConfigError, tiny_config
+    from resformer_jax.load import load_run
     from resformer_jax.model import Transformer
-    from resformer_jax.train.setup import load_run
 
     c = tiny_config("resformer")
     c.train.steps, c.train.warmup_steps, c.mesh.num_devices = 3, 1, 1

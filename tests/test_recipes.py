@@ -218,12 +218,13 @@ def test_z_loss_is_logged_apart_from_the_cross_entropy(tmp_path):
 
 @pytest.mark.slow
 def test_a_loss_spike_is_skipped_and_counted_and_no_spike_changes_nothing():
+    from resformer_jax.resolve import resolve
     from resformer_jax.train.setup import build
 
     def setup(sigma):
         c = tiny(40, spike_sigma=sigma, spike_window=16)
         c.train.global_batch, c.data.seq_len = 4, 32
-        return build(c, log=lambda m: None)
+        return build(resolve(c, log=lambda m: None))
 
     rng = np.random.default_rng(0)
     fixed = jnp.asarray(np.tile(np.arange(33) % 7, (4, 1)), jnp.int32)  # a pattern the model learns quickly
@@ -335,13 +336,14 @@ def test_layer_norms_are_the_norms_of_each_layers_leaves():
 
 @pytest.mark.slow
 def test_the_steps_telemetry_is_its_gradient_parameter_and_update_norms():
+    from resformer_jax.resolve import resolve
     from resformer_jax.train.setup import build
     from resformer_jax.train.step import loss_fn
     from resformer_jax.train.telemetry import layer_norms
 
     c = tiny(4, telemetry=True)
     c.train.global_batch, c.data.seq_len = 4, 32
-    s = build(c, log=lambda m: None)
+    s = build(resolve(c, log=lambda m: None))
     state = s.init_state()
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 33)), jnp.int32)
     grads = jax.grad(lambda p: loss_fn(p, s.model, batch, c.train.loss_chunk_len))(state.params)

@@ -101,9 +101,9 @@ def greedy(client, prompt, n=12, **kw):
 
 
 def test_greedy_text_equals_the_models_own_and_streaming_equals_it(server, run_dir):
+    from resformer_jax.load import load_run
     from resformer_jax.model.decode import generate
     from resformer_jax.rundir import RunDir
-    from resformer_jax.train.setup import load_run
 
     cfg, params, _ = load_run(run_dir)
     tok = RunDir(run_dir).tokenizer()
@@ -183,7 +183,7 @@ def test_bad_input_is_an_openai_error_and_the_server_goes_on(server, body, statu
 def test_a_cache_for_4_sequences_queues_16_concurrent_requests(run_dir):
     # 16-token pages; a sequence of up to 10 + 40 tokens takes 4 pages: 17 pages hold 4 sequences
     from resformer_jax.engine.engine import cache_bytes_per_token
-    from resformer_jax.train.setup import load_run
+    from resformer_jax.load import load_run
 
     cfg, _, _ = load_run(run_dir)
     gib = 18 * 16 * cache_bytes_per_token(cfg.model) / 2**30

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -183,9 +184,19 @@ def _top_level_imports(path: pathlib.Path) -> set[str]:
     return mods
 
 
+# The building's doors, above every floor: `python -m resformer_jax COMMAND` and `python -m resformer_jax.main`
+# (the console script's module, commands/cli.py, is the third). No other file is exempt: bench/__main__.py and
+# compile/__main__.py run the package's own entry point without importing a command.
+ENTRY_FILES = ("__main__.py", "main.py")
+
+
 def _library_files():
-    """Every module but the commands and the `python -m` entry files (`__main__.py`) that only call one."""
-    return [f for f in PKG.rglob("*.py") if "commands" not in f.relative_to(PKG).parts and f.name != "__main__.py"]
+    """Every module but the commands and the package's two entry files."""
+    return [
+        f
+        for f in PKG.rglob("*.py")
+        if "commands" not in f.relative_to(PKG).parts and str(f.relative_to(PKG)) not in ENTRY_FILES
+    ]
 
 
 def _module_name(f: pathlib.Path) -> str:
@@ -368,3 +379,42 @@ def test_each_fact_in_one_place():
         if rel.name != "config.py":
             walks = re.findall(r"for \w+ in (?:dotted|field|key|path|name)\w*\.split\(\"\.\"\)", text)
             assert not walks, f"{rel} walks a dotted config path by hand ({walks}); use config.get_dotted"
+
+
+def test_the_run_is_resolved_in_one_place():
+    """config.validate is called by resolve.py alone (resolve.check for a command that only inspects a config), and
+    the one builder takes the resolved Run, not a ConfigDict."""
+    import inspect
+
+    from resformer_jax.resolve import Run
+    from resformer_jax.train import setup
+
+    def calls_validate(tree) -> bool:
+        return any(
+            isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "validate"
+            for n in ast.walk(tree)
+        )
+
+    callers = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if calls_validate(ast.parse(f.read_text())))
+    assert callers == ["resolve.py"], f"config.validate called outside resolve.py: {callers}"
+    assert inspect.signature(setup.build).parameters["run"].annotation in (Run, "Run")
+
+
+def test_importing_a_library_module_changes_nothing():
+    """No library module does anything at import but define: no call at module level (a custom VJP's defvjp and
+    the flags a command defines excepted), so nothing sets an environment variable, restarts the process or starts
+    a thread on import (the process start-up is runtime.prepare_command_process, called by commands/cli.run)."""
+    allowed = re.compile(r"^(\w+\.defvjp\(|(config_)?flags\.DEFINE)")
+    offenders = []
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(PKG)
+        if str(rel) in ENTRY_FILES or rel.name == "__main__.py":
+            continue  # entry files run their command: that is what they are for
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                text = ast.unparse(node)
+                if not allowed.match(text) or (
+                    text.startswith(("flags.", "config_flags.")) and "commands" not in rel.parts
+                ):
+                    offenders.append(f"{rel}:{node.lineno}: {text[:80]}")
+    assert not offenders, "module-level calls (work done on import): " + "; ".join(offenders)

@@ -44,7 +44,7 @@ def full_vocab_logliks(cfg, params, pairs_ids, max_len, batch=4):
 def trained(tmp_path_factory):
     """A tiny ResFormer trained a few steps on the demo corpus (which has a tokenizer), context 256."""
     from resformer_jax.commands.training import run
-    from resformer_jax.train.setup import load_run
+    from resformer_jax.load import load_run
 
     wd = str(tmp_path_factory.mktemp("zero_shot_run"))
     assert run(tokenized_tiny_config(), wd) == 0

@@ -15,9 +15,9 @@ from tokenizers import Tokenizer
 from resformer_jax.analysis import measures
 from resformer_jax.data.pipeline import train_reader, validation_sets
 from resformer_jax.hf.llama_import import HFError
+from resformer_jax.load import load_run
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.train.setup import load_run
 
 
 class RunningMean:

@@ -16,7 +16,9 @@ import jax
 from resformer_jax import perf
 from resformer_jax.bench.step_profile import profile_step
 from resformer_jax.bench.timing import random_tokens
-from resformer_jax.train.setup import build, memory_knobs, memory_precheck
+from resformer_jax.memory import memory_knobs, memory_precheck
+from resformer_jax.resolve import resolve
+from resformer_jax.train.setup import build
 
 
 def _rss_bytes() -> int:
@@ -30,7 +32,7 @@ class TrainBench:
     def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr)):
 
         self.cfg = cfg
-        self.setup = build(cfg, attention=attention, log=log)
+        self.setup = build(resolve(cfg, attention=attention, log=log))
         # train.telemetry: time the logged steps' program (the per-layer norms); the others run the plain step
         self.compiled, compile_s, mem = self.setup.compile(telemetry=bool(cfg.train.telemetry))
         self.mem = mem

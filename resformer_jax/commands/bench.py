@@ -121,7 +121,7 @@ FLAGS = flags.FLAGS
 
 def run_train(modes: list[str]) -> list[dict]:
     from resformer_jax.bench.train import bench_train
-    from resformer_jax.train.setup import resolve_attention, resolve_dtype
+    from resformer_jax.resolve import resolve_attention, resolve_dtype
 
     if not FLAGS.compare_dtypes:
         # model.dtype=auto: measured once, so every compared variant runs in the same dtype

@@ -36,6 +36,9 @@ def run(name: str, argv: list[str]) -> None:
     if name not in modules:
         sys.stderr.write(f"resformer: unknown command {name!r}.\n\n{usage()}")
         sys.exit(EXIT_USER_ERROR)
+    from resformer_jax.runtime import prepare_command_process
+
+    prepare_command_process()  # before the command imports JAX: it may restart the process once
     module = importlib.import_module(f"resformer_jax.commands.{modules[name]}")
     sys.argv = [f"resformer {name}", *argv]
     sys.modules["__main__"].__doc__ = module.__doc__  # absl's --help prints the program's docstring

@@ -66,10 +66,10 @@ def evaluate():
 
     from resformer_jax.commands.common import ConfigFlagError
     from resformer_jax.eval.zero_shot import check_tasks, zero_shot
+    from resformer_jax.load import load_run
     from resformer_jax.metrics import Writer
     from resformer_jax.rundir import RunDir
     from resformer_jax.storage import write_json
-    from resformer_jax.train.setup import load_run
 
     if FLAGS.batch < 0 or FLAGS.limit < 0:
         raise ConfigFlagError(

@@ -64,7 +64,7 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
 def main(argv):
     cli.start()
 
-    from resformer_jax.train.setup import load_run
+    from resformer_jax.load import load_run
 
     with cli.exit_on_user_error():
         check_sampling_flags()

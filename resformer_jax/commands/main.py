@@ -32,16 +32,15 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; fields are set as --config.section.field=value")
     cfg = FLAGS.config
     if FLAGS.mode == "summary":
-        from resformer_jax.config import validate
         from resformer_jax.perf import summary
-        from resformer_jax.train.setup import resolve_dtype
+        from resformer_jax.resolve import AttentionChoice, resolve
 
-        with common.exit_on_user_error():
-            validate(cfg)
-        cfg.model.dtype = resolve_dtype(cfg, log=lambda m: print(m, file=sys.stderr))  # the summary's own copy
-        print(json.dumps(summary(cfg), default=list))
+        with common.exit_on_user_error():  # the attention impl as written: the summary counts, it runs nothing
+            unprobed = AttentionChoice(cfg.model.attention_impl, {}, False)
+            run = resolve(cfg, attention=unprobed, log=lambda m: print(m, file=sys.stderr))
+        print(json.dumps(summary(run.cfg), default=list))
         return
-    # training validates the config once, in the one builder (train/setup.build)
+    # training resolves the run once (resolve.resolve), after its cheap checks
     workdir = FLAGS.workdir or os.path.join(
         "runs",
         os.path.splitext(

@@ -123,7 +123,7 @@ def _load(path: str, step: int | None):
         model_cfg, params = load_hf_llama(path)
         tok = os.path.join(path, "tokenizer.json")
         return model_cfg, params, "exported", Tokenizer.from_file(tok) if os.path.isfile(tok) else None
-    from resformer_jax.train.setup import load_run
+    from resformer_jax.load import load_run
 
     run = RunDir(path)
     cfg, params, loaded = load_run(run.workdir, step)

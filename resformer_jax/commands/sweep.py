@@ -158,7 +158,8 @@ def plan_runs(workdir: str, grid: dict) -> list[Run]:
 def check_runs(cfg, runs: list[Run]) -> None:
     """Every combination's config as its run will validate it, before anything is written or submitted (a value
     the config rejects is found here, not on the cluster)."""
-    from resformer_jax.config import ConfigError, set_dotted, validate
+    from resformer_jax.config import ConfigError, set_dotted
+    from resformer_jax.resolve import check
 
     for r in runs:
         c = cfg.copy_and_resolve_references()
@@ -168,7 +169,7 @@ def check_runs(cfg, runs: list[Run]) -> None:
             except (TypeError, ValueError) as e:
                 raise SweepError(f"run {r.name}: config.{field}={value!r} does not fit the field ({e})") from None
         try:
-            validate(c)
+            check(c)
         except (ConfigError, TypeError, ValueError) as e:
             raise SweepError(f"run {r.name}: {e}") from None
 

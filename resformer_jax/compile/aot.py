@@ -43,8 +43,10 @@ from resformer_jax.compile.targets import Target
 from resformer_jax.config import REMAT_POLICIES, set_dotted
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
+from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_line, memory_precheck
 from resformer_jax.model.transformer import needs_unrolled
-from resformer_jax.train.setup import MemoryPrecheckError, build, memory_knobs, memory_line, memory_precheck
+from resformer_jax.resolve import resolve
+from resformer_jax.train.setup import build
 
 STEPS = ("train", "eval", "decode")
 
@@ -413,7 +415,9 @@ def compile_for_target(
     cfg = cfg.copy_and_resolve_references()
     cfg.mesh.device_memory_limit_gb = 0.0  # the target's memory is the limit, not this machine's
     with compiling_for(target.platform, target.kind):
-        setup = build(cfg, devices=target.devices(), platform=target.platform, log=log)
+        target_devices = target.devices()
+        run = resolve(cfg, platform=target.platform, devices=len(target_devices), log=log)
+        setup = build(run, devices=target_devices)
     out = []
     if "train" in steps:
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)

@@ -23,8 +23,8 @@ from lm_eval.api.registry import register_model
 
 from resformer_jax.errors import UserError
 from resformer_jax.eval.loglik import ContinuationScorer, prepare
+from resformer_jax.load import load_run
 from resformer_jax.rundir import RunDir
-from resformer_jax.train.setup import load_run
 
 if TYPE_CHECKING:
     from resformer_jax.engine import Engine

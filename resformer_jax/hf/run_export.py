@@ -13,8 +13,8 @@ from etils import epath
 from resformer_jax import storage
 from resformer_jax.errors import UserError
 from resformer_jax.hf.export import export_params
+from resformer_jax.load import load_run
 from resformer_jax.rundir import RunDir
-from resformer_jax.train.setup import load_run
 
 
 class ExportError(UserError):

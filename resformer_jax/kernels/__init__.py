@@ -139,7 +139,7 @@ def probe_auto(
     `repeats` runs after its compile) and the fastest is kept, each time logged; on a CPU the first that runs
     (chunked, causal blocks in plain XLA ops, is faster than xla there). `backend` defaults to JAX's default
     backend (tests inject one). Returns (choice, {rejected impl: reason}); it records nothing: the caller carries
-    the choice into the model's config (train/setup.py).
+    the choice into the model's config (resolve.py).
     """
     backend = backend or jax.default_backend()
     candidates, rejected = auto_candidates(backend)

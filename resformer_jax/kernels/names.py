@@ -5,7 +5,7 @@ import contextvars
 
 import jax
 
-# auto: resolved once at setup by probing at the run's shapes (train/setup.py).
+# auto: resolved once per run by probing at the run's shapes (resolve.py).
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -32,27 +31,22 @@ from resformer_jax.checkpoint import (
     no_fresh_start,
     params_layout,
 )
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, run_record, validate, with_defaults
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import EXIT_DIVERGED, UserError
 from resformer_jax.eval.zero_shot import check_tasks, zero_shot
+from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_precheck, too_big_for_here
 from resformer_jax.model.lambdas import gate_intermediates, gate_means, read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
+from resformer_jax.resolve import check, fork_point, resolve
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
 from resformer_jax.train import goodput, telemetry
 from resformer_jax.train.faults import Faults
 from resformer_jax.train.interrupt import StartupInterrupt
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
-from resformer_jax.train.setup import (
-    MemoryPrecheckError,
-    TrainSetup,
-    build,
-    memory_knobs,
-    memory_precheck,
-    too_big_for_here,
-)
+from resformer_jax.train.setup import TrainSetup, build
 from resformer_jax.train.watchdog import PHASES, Budgets, Watchdog
 
 
@@ -61,16 +55,6 @@ class NonFiniteError(UserError, RuntimeError):
     itself diverged (its input may be fine)."""
 
     exit_code = EXIT_DIVERGED
-
-
-def forked(cfg, run: RunDir):
-    """The config a run forked from another (train.init_from=RUN:STEP) runs: the WSD decay starting at STEP (a
-    cooldown), where no decay_start_step is set. A copy; what was asked is not changed."""
-    if not cfg.train.init_from or cfg.train.schedule != "wsd" or cfg.train.decay_start_step:
-        return cfg
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    out.train.decay_start_step = parse_init_from(cfg.train.init_from)[1]
-    return out
 
 
 @dataclasses.dataclass
@@ -337,47 +321,11 @@ class Trainer:
         self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
         return state, step, progress
 
-    def _resolve_fork(self, cfg):
-        """train.init_from=RUN (no step) as RUN:STEP with STEP its newest finished checkpoint; a resumed fork keeps
-        the step its start resolved (config.json's record). A copy where it changes; what was asked stays."""
-        value = cfg.train.init_from
-        if not value or parse_init_from(value)[1] is not None:
-            return cfg
-        if self.run.config_json.is_file() and self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir()):
-            resolved = with_defaults(self.run.read_config())["train"]["init_from"]
-        else:
-            run = parse_init_from(value)[0]
-            source = RunDir(run)
-            steps = source.finished_steps() if source.checkpoints.is_dir() else []
-            if not steps:
-                raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
-            resolved = f"{run}:{steps[-1]}"
-            self.say(f"train.init_from={run}: forking from its newest checkpoint, step {steps[-1]}")
-        out = ml_collections.ConfigDict(cfg.to_dict())
-        out.train.init_from = resolved
-        return out
-
-    def _resolved_dtype(self, cfg):
-        """model.dtype=auto is decided once per run: a resumed run keeps the dtype its start chose (config.json's
-        record), never measures again (a busy host could choose otherwise). A copy where it changes."""
-        if cfg.model.dtype != "auto" or not self.run.finished_steps() or not self.run.config_json.is_file():
-            return cfg
-        try:
-            chosen = self.run.read_config().get("resolved", {}).get("model.dtype")
-        except (OSError, ValueError):
-            return cfg
-        if chosen in (None, "auto"):
-            return cfg
-        self.say(f"model.dtype=auto: {chosen}, as chosen at the run's start (its config.json)")
-        out = ml_collections.ConfigDict(cfg.to_dict())
-        out.model.dtype = chosen
-        return out
-
     def _check_fork(self, cfg, corpus):
-        """train.init_from=RUN:STEP before anything costly or written: the run, the step and the model."""
+        """train.init_from before anything costly or written: the run, the step and the model."""
         if not cfg.train.init_from or (self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir())):
             return
-        run, step = parse_init_from(cfg.train.init_from)
+        run, step = parse_init_from(fork_point(cfg, self.run, log=lambda _: None))
         source = RunDir(run)
         if not source.checkpoints.is_dir():
             raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
@@ -415,8 +363,9 @@ class Trainer:
         new), the run's files, the first evaluation: the Session the loop runs on."""
         cfg = self.asked
         # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
-        # model, the memory the config needs; then the builder's attention probe (at the microbatch) and the compile.
-        validate(cfg)
+        # model, the fork, the memory the config needs; then the resolution (the dtype measured, the attention
+        # probed at the microbatch) and the compile.
+        check(cfg)
         done = self._check_run_dir(cfg)  # the newest finished step if the run looks finished
         if cfg.eval.tasks:  # the task names and files, before anything costly
             check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
@@ -426,14 +375,14 @@ class Trainer:
             self._check_fits_here(cfg, error=e)  # a config that cannot fit here says so in the same line
             raise
         self._check_workdir_model(cfg, corpus)
-        cfg = self._resolve_fork(cfg)
         self._check_fork(cfg, corpus)
         self._check_fits_here(cfg)
-        cfg = forked(cfg, self.run)
-        cfg = self._resolved_dtype(cfg)
-        # The one builder: validation, dtype, mesh, divisibility, attention, model, optimizer, shardings, steps.
-        setup = build(cfg, log=self.say)
-        cfg = setup.cfg  # the run as it runs: model.dtype resolved (data.tokenizer_hash below)
+        # The run resolved once, then the one builder: mesh, model, optimizer, shardings, steps.
+        run = resolve(
+            cfg, run=self.run, tokenizer_hash=corpus.tokenizer_sha256 if corpus is not None else None, log=self.say
+        )
+        setup = build(run)
+        cfg = run.cfg  # the run as it runs, frozen
         if done is not None and self._restores(setup, done):
             raise NothingToDo(done)  # finished, its last checkpoint intact: no compile for nothing
         # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
@@ -450,12 +399,10 @@ class Trainer:
         self._enter("start-up")
         if self.is_main and corpus is not None:
             corpus.copy_tokenizer(self.run.tokenizer_json)
-        if corpus is not None:
-            cfg.data.tokenizer_hash = corpus.tokenizer_sha256
         if self.is_main:
             self.run.path.mkdir(parents=True, exist_ok=True)
             # What was asked and what was resolved, readable without the checkpoint library (compare reads it).
-            self.run.write_config(json.dumps(run_record(self.asked.to_dict(), cfg), indent=1, default=list))
+            self.run.write_config(json.dumps(run.record(), indent=1, default=list))
         sink = None
         if cfg.train.wandb_project and self.is_main:
             local = self.run.path if not is_remote(self.run.path) else tempfile.mkdtemp(prefix="resformer_wandb_")
@@ -463,7 +410,7 @@ class Trainer:
                 cfg.train.wandb_project,
                 self.run.path / "wandb_run_id",
                 os.fspath(local),
-                run_record(self.asked.to_dict(), cfg),
+                run.record(),
                 name=self.run.path.name,
             )
         writer = metrics.Writer(self.run.tensorboard, enabled=self.is_main, jsonl=self.run.metrics_jsonl, wandb=sink)
@@ -644,7 +591,7 @@ class Trainer:
             "tokens": step * s.setup.global_batch_shape[0] * s.cfg.data.seq_len,
             "elapsed_s": s.elapsed_before + time.perf_counter() - s.t_start,
         }
-        s.ckpt.save(step, s.state, s.data, run_record(self.asked.to_dict(), s.cfg), progress, force=force)
+        s.ckpt.save(step, s.state, s.data, s.setup.run.record(), progress, force=force)
         self.ledger.write()
 
     def _nonfinite(self, s: Session, step: int):

@@ -1,0 +1,119 @@
+"""A finished run's checkpoint read back for inference and analysis (generate, evaluate, export, analyze, serve,
+the lm-eval adapter): `load_run`, which reads only, and names a damaged checkpoint without moving it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import ml_collections
+
+from resformer_jax.checkpoint import CheckpointError, failure_reason
+from resformer_jax.config import with_defaults
+from resformer_jax.model import Transformer
+from resformer_jax.resolve import model_config, resolve_attention
+from resformer_jax.rundir import RunDir
+from resformer_jax.train.optimizer import make_optimizer
+from resformer_jax.train.setup import spike_window, state_template
+
+
+@contextlib.contextmanager
+def _library_reports_held():
+    """While a reader tries a checkpoint: Orbax's own error logs and its threads' tracebacks are held back (a
+    damaged checkpoint's failure is said in one line by load_run; a reader writes nothing into the run)."""
+
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
+    levels = [lg.level for lg in loggers]
+    hook = threading.excepthook
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    threading.excepthook = lambda args: None
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        threading.excepthook = hook
+
+
+class LoadedRun(NamedTuple):
+    cfg: ml_collections.ConfigDict  # the run's config, attention_impl resolved for this machine
+    params: Any
+    step: int
+
+
+def load_run(
+    workdir: str,
+    step: int | None = None,
+    *,
+    attention_impl: str | None = None,
+    log: Callable[[str], Any] = lambda s: None,
+    warn: Callable[[str], Any] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> LoadedRun:
+    """A run's checkpoint (newest that restores, or `step`) on the default device, for inference and analysis.
+    `attention_impl` overrides the run's impl (analyze uses `reference`); `auto` is probed here.
+
+    Reads only: a damaged newest checkpoint is named through `warn` and the newest one that restores is used (as
+    training does), but nothing is moved, since another process may be training in the run."""
+    run = RunDir(workdir)
+    if not run.checkpoints.is_dir():
+        what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
+        raise CheckpointError(
+            f"run directory {workdir} {what}; check --workdir (train first with "
+            f"python -m resformer_jax.main --workdir={workdir})"
+        )
+    ck = run.checkpointer(read_only=True)
+    try:
+        steps = ck.all_steps()
+        if not steps:
+            raise CheckpointError(
+                f"no checkpoint in {ck.dir}; train first (python -m resformer_jax.main --workdir={workdir})"
+            )
+        if step is not None and step not in steps:
+            raise CheckpointError(f"no checkpoint at step {step} in {ck.dir}; available: {steps}")
+        failures = []
+        for candidate in [step] if step is not None else list(reversed(steps)):
+            try:
+                cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(candidate)))
+                model = Transformer(cfg.model)
+                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len, spike_window(cfg.train))
+                abstract = jax.tree.map(
+                    lambda x, dev=dev: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed)
+                )
+                with _library_reports_held():
+                    state, _, _ = ck.restore(candidate, abstract)
+            except Exception as e:
+                failures.append((candidate, failure_reason(e)[:300]))
+                continue
+            if failures:
+                warn(
+                    f"WARNING: checkpoint at step {failures[0][0]} ({ck.dir}/{failures[0][0]}) does not restore "
+                    f"({failures[0][1]}); using step {candidate}, the newest that restores (pass --step={candidate}"
+                    " to choose it; nothing in the run was moved)"
+                )
+            step = candidate
+            break
+        else:
+            if len(failures) == 1 and len(steps) > 1:
+                others = [s for s in steps if s != failures[0][0]]
+                raise CheckpointError(
+                    f"the checkpoint at step {failures[0][0]} in {ck.dir} does not restore "
+                    f"({failures[0][1]}); pass another --step (available: {others})"
+                )
+            raise CheckpointError(
+                f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
+                "restore the run directory from a copy"
+            )
+    finally:
+        ck.mngr.close()
+    choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
+    # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
+    cfg.model = ml_collections.ConfigDict(model_config(cfg, choice).to_dict())
+    return LoadedRun(cfg, state.params, step)

@@ -1,0 +1,210 @@
+"""What the user asked, resolved once into the run as it runs: one frozen `Run` that the builder, the trainer's
+session, the summary, the compile command and the benchmarks take.
+
+  resolve(asked, ...) -> Run: validation (here alone), the fork's run and step (train.init_from=RUN -> RUN:STEP),
+      the WSD decay's start of a fork, the compute dtype (`auto` measured once; a resumed run keeps its start's),
+      the corpus's tokenizer hash, the attention impl (`auto` probed once), the typed model with its attention and
+      matmul forms, and the XLA options the steps compile with.
+
+The ConfigDict is the command line's format: `Run.cfg` is a frozen copy of it with the resolved values in place,
+and `Run.record()` what a checkpoint and config.json keep (the config as asked plus the resolved fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from resformer_jax import kernels, perf, runtime
+from resformer_jax.checkpoint import CheckpointError
+from resformer_jax.config import parse_init_from, run_record, set_dotted, validate, with_defaults
+from resformer_jax.kernels import cpu_matmul
+from resformer_jax.kernels.names import backend_of
+from resformer_jax.model.config import ModelConfig
+from resformer_jax.rundir import RunDir
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """The concrete attention impl a run uses, and why (what `auto` rejected)."""
+
+    impl: str
+    rejected: dict
+    probed: bool  # True when `auto` was resolved by probing
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run as it runs. `asked`: the config as the user gave it (never changed); `cfg`: the same with the
+    resolved values in place (frozen); `model`: cfg.model typed, attention impl and matmul forms resolved for the
+    platform; `compiler_options`: the XLA options its steps compile with (usually none)."""
+
+    asked: ml_collections.FrozenConfigDict
+    cfg: ml_collections.FrozenConfigDict
+    model: ModelConfig
+    attention: AttentionChoice
+    compiler_options: tuple[tuple[str, Any], ...]
+    platform: str
+
+    def record(self) -> dict:
+        """What a run saves: the config as asked and the values resolved at start (config.RESOLVED_FIELDS)."""
+        return run_record(self.asked.to_dict(), self.cfg)
+
+    def thawed(self) -> ml_collections.ConfigDict:
+        """A mutable copy of the resolved config (for a command that derives another run from this one)."""
+        return ml_collections.ConfigDict(self.cfg.to_dict())
+
+
+def sequences_per_device(cfg, devices: int) -> int:
+    """Sequences one device computes per microbatch (at least 1): the batch the probes and per-step choices see."""
+    return max(1, (cfg.train.microbatch or cfg.train.global_batch) // max(1, devices))
+
+
+def resolve_attention(
+    cfg,
+    *,
+    override: str | None = None,
+    batch: int | None = None,
+    log: Callable[[str], Any] = print,
+    platform: str | None = None,
+) -> AttentionChoice:
+    """`auto` -> the impl kernels.probe_auto picks at the run's shapes (per-device batch, seq_len, heads): on an
+    accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`, as bench
+    and analyze pass) is kept as it is: if it cannot run, the first call raises, it never falls back.
+
+    `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (compile/aot.py); `auto`
+    is then that platform's own kernel (splash on TPU, this project's Pallas/Triton kernel on GPU), chosen
+    without probing. On the hardware itself the probe times every candidate and keeps the fastest, which
+    nothing here can know; whether the platform kernel compiles is what aot checks."""
+    impl = override or cfg.model.attention_impl
+    if impl != "auto":
+        return AttentionChoice(impl, {}, False)
+    if platform is not None:
+        candidates, rejected = kernels.auto_candidates(backend_of(platform))
+        choice = kernels.unprobed_auto(backend_of(platform))
+        log(
+            f"attention_impl=auto is {choice!r} on {platform} here (compiled, not probed: on the hardware "
+            f"auto times {', '.join(candidates)} and keeps the fastest)"
+        )
+        return AttentionChoice(choice, rejected, False)
+    m, mc = cfg.model, ModelConfig.of(cfg.model)
+    if batch is None:
+        batch = sequences_per_device(cfg, len(jax.devices()))
+    choice, rejected = kernels.probe_auto(
+        (batch, cfg.data.seq_len, m.num_heads, mc.head_dim), mc.kv_heads, jnp.dtype(m.dtype), log
+    )
+    return AttentionChoice(choice, rejected, True)
+
+
+def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None = None) -> str:
+    """`model.dtype=auto` -> a concrete compute dtype (returned; `cfg` is not changed): bfloat16 on accelerators
+    (also a compile target's `platform`); on CPU whichever multiplies the model's shapes faster here (measured,
+    printed). A named dtype is kept."""
+    platform = platform or jax.devices()[0].platform
+    if cfg.model.dtype != "auto":
+        if cfg.model.dtype == "bfloat16" and platform == "cpu" and not perf.cpu_has_bf16_matmul():
+            log(
+                "note: model.dtype=bfloat16 on a CPU without AVX-512 BF16 or AMX, where bf16 matmuls are usually "
+                "slower than fp32; --config.model.dtype=auto measures both once and picks"
+            )
+        return cfg.model.dtype
+    if platform != "cpu":
+        choice, why = "bfloat16", f"{platform} computes in bf16 natively"
+    else:
+        choice, why = perf.faster_cpu_dtype(cfg.model, sequences_per_device(cfg, jax.device_count()) * cfg.data.seq_len)
+    log(f"model.dtype=auto chose {choice}: {why}")
+    return choice
+
+
+def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -> ModelConfig:
+    """The typed model config the modules are built from: the run's, with the attention impl resolved and, for
+    `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere).
+    (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
+    m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
+    if m.matmuls == "auto":
+        m = m.replace(matmuls=cpu_matmul.forms_for(platform or jax.devices()[0].platform))
+    return m
+
+
+def fork_point(cfg, run: RunDir | None, log: Callable[[str], Any] = print) -> str:
+    """train.init_from as RUN:STEP: RUN alone is its newest finished checkpoint; a resumed fork keeps the step its
+    start resolved (config.json's record)."""
+    value = cfg.train.init_from
+    if not value or parse_init_from(value)[1] is not None:
+        return value
+    if run is not None and run.config_json.is_file() and run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
+        return with_defaults(run.read_config())["train"]["init_from"]
+    source_name = parse_init_from(value)[0]
+    source = RunDir(source_name)
+    steps = source.finished_steps() if source.checkpoints.is_dir() else []
+    if not steps:
+        raise CheckpointError(f"train.init_from: run directory {source_name} has no checkpoints; check the path")
+    log(f"train.init_from={source_name}: forking from its newest checkpoint, step {steps[-1]}")
+    return f"{source_name}:{steps[-1]}"
+
+
+def recorded_dtype(run: RunDir | None, log: Callable[[str], Any] = print) -> str | None:
+    """The dtype a resumed run's start chose for model.dtype=auto (config.json's record): decided once per run,
+    never measured again (a busy host could choose otherwise). None for a new run."""
+    if run is None or not run.finished_steps() or not run.config_json.is_file():
+        return None
+    try:
+        chosen = run.read_config().get("resolved", {}).get("model.dtype")
+    except (OSError, ValueError):
+        return None
+    if chosen in (None, "auto"):
+        return None
+    log(f"model.dtype=auto: {chosen}, as chosen at the run's start (its config.json)")
+    return chosen
+
+
+def check(asked) -> None:
+    """Every field that could make a run impossible (config.validate): the one place it is called, for a run
+    and for a command that only inspects a config (the summary, a sweep's points)."""
+    validate(asked)
+
+
+def resolve(
+    asked,
+    *,
+    run: RunDir | None = None,
+    tokenizer_hash: str | None = None,
+    attention: AttentionChoice | str | None = None,
+    platform: str | None = None,
+    devices: int | None = None,
+    log: Callable[[str], Any] = print,
+) -> Run:
+    """The run `asked` describes, resolved once (see the module's docstring). `run`: its directory, whose record a
+    resumed run keeps (the fork's step, the dtype); `attention`: a choice made already, or an impl to use instead
+    of the config's (bench, analyze); `platform`/`devices`: compiling for other hardware (compile/aot.py)."""
+    check(asked)
+    cfg = ml_collections.ConfigDict(asked.to_dict())
+    cfg.train.init_from = fork_point(cfg, run, log)
+    if cfg.train.init_from and cfg.train.schedule == "wsd" and not cfg.train.decay_start_step:
+        cfg.train.decay_start_step = parse_init_from(cfg.train.init_from)[1]  # a fork of a WSD run: its cooldown
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype = recorded_dtype(run, log) or "auto"
+    cfg.model.dtype = resolve_dtype(cfg, log=log, platform=platform)
+    if tokenizer_hash is not None:
+        set_dotted(cfg, "data.tokenizer_hash", tokenizer_hash)
+    if not isinstance(attention, AttentionChoice):
+        attention = resolve_attention(cfg, override=attention, log=log, platform=platform)
+    platform = platform or jax.devices()[0].platform
+    n = devices or cfg.mesh.get("num_devices", 0) or jax.device_count()
+    rows = sequences_per_device(cfg, n) * cfg.data.seq_len
+    options, why = runtime.cpu_step_compiler_options(platform, rows)
+    if options:
+        log(f"train and eval steps: {why}")
+    return Run(
+        asked=ml_collections.FrozenConfigDict(asked),
+        cfg=ml_collections.FrozenConfigDict(cfg),
+        model=model_config(cfg, attention, platform),
+        attention=attention,
+        compiler_options=tuple(sorted(options.items())),
+        platform=platform,
+    )
