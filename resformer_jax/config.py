@@ -63,6 +63,14 @@ def base_config() -> ml_collections.ConfigDict:
     d.num_threads = 2
     d.prefetch = 4
     d.tokenizer_hash = ""  # filled at start from metadata.json, checked on resume.
+    # Packed documents: attention within each document only, positions restarting at each (model.document_eot,
+    # resolved at start from the corpus's end-of-text token). Off: every token attends to every earlier one of its
+    # sequence, across documents, as the paper trains.
+    d.document_mask = False
+    d.eot_id = -1  # the end-of-text token when the data does not say (synthetic data); -1: the corpus's own
+    # With document_mask: whether the loss counts the target after an end-of-text token (a document's first token,
+    # predicted from the end of the one before); False leaves it out, as a run of each document alone would.
+    d.document_start_loss = True
 
     c.train = t = ml_collections.ConfigDict()
     t.global_batch = 1024  # sequences per optimizer step
@@ -284,7 +292,8 @@ def _fail(field: str, problem: str, fix: str):
 
 # What a run resolves at start and records beside what was asked (the checkpoint's config and config.json hold
 # the asked config plus {"resolved": {field: value}}): the compute dtype `auto` chose, the corpus's tokenizer.
-RESOLVED_FIELDS = ("model.dtype", "data.tokenizer_hash", "train.init_from")  # init_from: RUN -> RUN:STEP
+# init_from: RUN -> RUN:STEP; document_eot: data.document_mask's end-of-text token, from the corpus
+RESOLVED_FIELDS = ("model.dtype", "data.tokenizer_hash", "train.init_from", "model.document_eot")
 
 
 def run_record(asked: dict, resolved_cfg) -> dict:
@@ -571,6 +580,22 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     parse_mixture(c.data.mixture)
     if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
         _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
+    if c.data.get("document_mask", False):
+        eot = int(c.data.get("eot_id", -1))
+        if c.data.source == "synthetic" and not 0 <= eot < m.vocab_size:
+            _fail(
+                "data.document_mask",
+                "synthetic data has no end-of-text token to split documents at",
+                f"set --config.data.eot_id to a token id below {m.vocab_size}, or use a prepared corpus",
+            )
+        if m.attention_impl == "cudnn":
+            _fail(
+                "data.document_mask",
+                "cuDNN's attention (through jax.nn.dot_product_attention) takes no document mask",
+                "use --config.model.attention_impl=pallas (or auto, which picks among the kernels that mask)",
+            )
+        if m.mapping == "cross_layer":
+            _fail("data.document_mask", "Eq. 2's cross-layer attention has no document mask", "turn one of them off")
     for field in ("startup_s", "compile_s", "step_factor", "min_step_s", "eval_s", "checkpoint_s"):
         if "watchdog" in c and not float(c.watchdog[field]) > 0:
             _fail(
@@ -598,6 +623,7 @@ RUNTIME_MODEL_FIELDS = (
     "model.max_seq_len",
     "model.dropout",
     "model.matmuls",
+    "model.document_eot",  # data.document_mask: a run may switch it on for a cooldown, or off
 )
 
 

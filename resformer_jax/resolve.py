@@ -22,7 +22,7 @@ import ml_collections
 
 from resformer_jax import kernels, perf, runtime
 from resformer_jax.checkpoint import CheckpointError
-from resformer_jax.config import parse_init_from, run_record, set_dotted, validate, with_defaults
+from resformer_jax.config import ConfigError, parse_init_from, run_record, set_dotted, validate, with_defaults
 from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import backend_of
 from resformer_jax.model.config import ModelConfig
@@ -96,7 +96,11 @@ def resolve_attention(
     if batch is None:
         batch = sequences_per_device(cfg, len(jax.devices()))
     choice, rejected = kernels.probe_auto(
-        (batch, cfg.data.seq_len, m.num_heads, mc.head_dim), mc.kv_heads, jnp.dtype(m.dtype), log
+        (batch, cfg.data.seq_len, m.num_heads, mc.head_dim),
+        mc.kv_heads,
+        jnp.dtype(m.dtype),
+        log,
+        documents=bool(cfg.data.get("document_mask", False)),
     )
     return AttentionChoice(choice, rejected, True)
 
@@ -174,6 +178,7 @@ def resolve(
     *,
     run: RunDir | None = None,
     tokenizer_hash: str | None = None,
+    eot_id: int | None = None,
     attention: AttentionChoice | str | None = None,
     platform: str | None = None,
     devices: int | None = None,
@@ -192,6 +197,14 @@ def resolve(
     cfg.model.dtype = resolve_dtype(cfg, log=log, platform=platform)
     if tokenizer_hash is not None:
         set_dotted(cfg, "data.tokenizer_hash", tokenizer_hash)
+    if cfg.data.get("document_mask", False):  # the token documents end with: set, or the corpus's
+        eot = int(cfg.data.eot_id) if int(cfg.data.get("eot_id", -1)) >= 0 else eot_id
+        if eot is None or eot < 0:
+            raise ConfigError(
+                "config.data.document_mask: the corpus's metadata.json names no end-of-text token (eot_id). "
+                "Fix: set --config.data.eot_id to the token that ends each document."
+            )
+        cfg.model.document_eot = eot
     if not isinstance(attention, AttentionChoice):
         attention = resolve_attention(cfg, override=attention, log=log, platform=platform)
     platform = platform or jax.devices()[0].platform

@@ -53,8 +53,18 @@ def reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, mask_Bx
     return out
 
 
-def _dpa(q, k, v, causal, implementation):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+def _dpa(q, k, v, causal, implementation, segments_BxT=None):
+    mask = None if segments_BxT is None else same_document(segments_BxT, segments_BxT)[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=implementation)
+
+
+def same_document(q_segments_BxT, k_segments_BxS):
+    """[B, T, S]: whether query t and key s lie in the same document (a packed sequence's block-diagonal mask)."""
+    return q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :]
+
+
+# Impls that mask documents (segment ids); cudnn (through jax.nn.dot_product_attention) takes no mask of this kind.
+DOCUMENT_MASK_IMPLS = ("reference", "xla", "chunked", "pallas", "splash")
 
 
 # Kernels lowered as custom calls (Triton, Mosaic) cannot be partitioned by XLA: under a mesh they run
@@ -63,8 +73,21 @@ CUSTOM_CALL_IMPLS = ("pallas", "splash")
 
 
 @_scoped
-def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh=None, batch_axes=("data", "fsdp")):
+def attention(
+    q_BxTxHxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    *,
+    causal=True,
+    impl="auto",
+    mesh=None,
+    batch_axes=("data", "fsdp"),
+    segments_BxT=None,
+):
     """Causal multi-head attention; dispatches to the chosen implementation.
+
+    `segments_BxT`: packed documents (T == S): query t attends to key s only within its own document (equal
+    segment ids), block-diagonal causal attention; None: one sequence.
 
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
     unresolved `auto` (a model built by hand, shape-only tracing) is `unprobed_auto`: the backend's first
@@ -74,26 +97,49 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh
     """
     if impl == "auto":
         impl = unprobed_auto(target_backend())
+    if segments_BxT is not None and impl not in DOCUMENT_MASK_IMPLS:
+        raise KernelUnavailable(
+            f"attention_impl={impl!r} cannot mask documents (data.document_mask=True); use one of "
+            f"{', '.join(DOCUMENT_MASK_IMPLS)}, or auto"
+        )
     shards = math.prod(mesh.shape[a] for a in batch_axes) if mesh is not None else 1
     # A batch that does not divide (model.init traces batch 1) runs whole; train and eval batches
     # always divide (parallel/mesh.check_divisibility).
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
         spec = jax.sharding.PartitionSpec(batch_axes)
+        if segments_BxT is not None:
+            per_shard_docs = functools.partial(attention, causal=causal, impl=impl)
+            return jax.shard_map(
+                lambda q, k, v, s: per_shard_docs(q, k, v, segments_BxT=s),
+                mesh=mesh,
+                in_specs=(spec,) * 4,
+                out_specs=spec,
+                check_vma=False,
+            )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT)
         per_shard = functools.partial(attention, causal=causal, impl=impl)
         return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
             q_BxTxHxD, k_BxSxKxD, v_BxSxKxD
         )
     if impl == "reference":
-        return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+        mask = None
+        if segments_BxT is not None:
+            T = q_BxTxHxD.shape[1]
+            mask = same_document(segments_BxT, segments_BxT) & (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])
+        return reference_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, mask_BxTxS=mask)
     if impl == "chunked":
         from resformer_jax.kernels.chunked_attention import chunked_attention
 
         # a loop over (batch, head) pairs on CPU, unless the batch is sharded over a mesh (chunked_attention.py)
         return chunked_attention(
-            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, pairs=0 if mesh is not None and mesh.size > 1 else None
+            q_BxTxHxD,
+            k_BxSxKxD,
+            v_BxSxKxD,
+            causal=causal,
+            pairs=0 if mesh is not None and mesh.size > 1 else None,
+            segments_BxT=segments_BxT,
         )
     if impl == "xla":
-        return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla")
+        return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla", segments_BxT)
     if impl == "cudnn":
         if jax.default_backend() != "gpu":
             # also when compiling for a GPU from a CPU (compile/aot.py): cuDNN's attention asks the local CUDA
@@ -106,16 +152,27 @@ def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, impl="auto", mesh
     if impl == "pallas":
         from resformer_jax.kernels import pallas_attention
 
-        return pallas_attention.flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+        return pallas_attention.flash_attention(
+            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, segments_BxT=segments_BxT
+        )
     if impl == "splash":
         from resformer_jax.kernels import tpu_attention
 
-        return tpu_attention.splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal)
+        return tpu_attention.splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, segments_BxT=segments_BxT)
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
 
 
-def auto_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
-    """(impls `auto` tries in order on this backend, {impl: why it is not tried})."""
+def auto_candidates(backend: str, documents: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(impls `auto` tries in order on this backend, {impl: why it is not tried}); documents: only the impls that
+    mask packed documents."""
+    candidates, rejected = _backend_candidates(backend)
+    if documents:
+        rejected.update({i: "it takes no document mask" for i in candidates if i not in DOCUMENT_MASK_IMPLS})
+        candidates = [i for i in candidates if i in DOCUMENT_MASK_IMPLS]
+    return candidates, rejected
+
+
+def _backend_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
     if backend == "gpu":
         return ["pallas", "cudnn", "xla"], {"splash": "backend 'gpu' is not a TPU"}
     if backend == "tpu":
@@ -131,7 +188,14 @@ def unprobed_auto(backend: str) -> str:
 
 
 def probe_auto(
-    q_shape, kv_heads, dtype, log_fn=print, backend: str | None = None, repeats: int = 3, clock=time.perf_counter
+    q_shape,
+    kv_heads,
+    dtype,
+    log_fn=print,
+    backend: str | None = None,
+    repeats: int = 3,
+    clock=time.perf_counter,
+    documents: bool = False,
 ):
     """The impl `auto` resolves to at the real shapes: every candidate that compiles and runs forward+backward.
 
@@ -142,7 +206,7 @@ def probe_auto(
     the choice into the model's config (resolve.py).
     """
     backend = backend or jax.default_backend()
-    candidates, rejected = auto_candidates(backend)
+    candidates, rejected = auto_candidates(backend, documents)
     timed = backend in ("gpu", "tpu")
     B, T, H, D = q_shape
     seconds: dict[str, float] = {}

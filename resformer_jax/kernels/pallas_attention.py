@@ -194,7 +194,13 @@ def _tdot(a, b):  # a.T @ b
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, kv_len):
+def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs):
+    # docs: packed documents, three more inputs: the query block's segment ids, every key's, and where each
+    # query's document starts (key blocks before the block's first document are skipped, not just masked)
+    if docs:
+        q_ref, k_ref, v_ref, segq_ref, segk_ref, start_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, D]
     D = q.shape[-1]
@@ -209,6 +215,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, k
         mask = k_idx[None, :] < kv_len
         if causal:
             mask = mask & (q_idx[:, None] >= k_idx[None, :])
+        if docs:
+            mask = mask & (segq_ref[...][:, None] == segk_ref[pl.ds(j * bk, bk)][None, :])
         s = jnp.where(mask, s, MASK)
         m_new = jnp.maximum(m, s.max(axis=-1))
         corr = jnp.exp(m - m_new)
@@ -220,20 +228,46 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, k
     n_k = pl.cdiv(kv_len, bk)
     if causal:  # blocks wholly above the diagonal are never visited
         n_k = jnp.minimum(n_k, lax.div((i + 1) * bq + bk - 1, bk))
+    first = lax.div(jnp.min(start_ref[...]), bk) if docs else 0
     init = (jnp.zeros((bq, D), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n_k, body, init)
+    acc, m, l = lax.fori_loop(first, n_k, body, init)
     l = jnp.where(l == 0, 1.0, l)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
-def _forward(q, k, v, causal, bq, bk):
+def document_tables(seg_BxT, Tp: int, Sp: int):
+    """Packed documents' per-position tables, padded: (segment ids of the queries [B, Tp] (-1 past T), of the keys
+    [B, Sp] (-2 past S), where each query's document starts [B, Tp] (Tp past T), one past where each key's
+    document ends [B, Sp] (0 past S)). Segment ids are non-decreasing along a sequence."""
+    seg = seg_BxT.astype(jnp.int32)
+    B, T = seg.shape
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    starts_here = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    ends_here = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((B, 1), bool)], axis=1)
+    start = lax.cummax(jnp.where(starts_here, idx, 0), axis=1)
+    end = lax.cummin(jnp.where(ends_here, idx + 1, T), axis=1, reverse=True)
+
+    def pad(x, to, value):
+        return jnp.pad(x, ((0, 0), (0, to - T)), constant_values=value)
+
+    return pad(seg, Tp, -1), pad(seg, Sp, -2), pad(start, Tp, Tp), pad(end, Sp, 0)
+
+
+def _forward(q, k, v, causal, bq, bk, seg=None):
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
-    kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S)
+    docs = seg is not None
+    kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs)
+    extra_specs, extra = [], []
+    if docs:
+        segq, segk, start, _ = document_tables(seg, Tp, Sp)
+        row_q = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
+        extra_specs = [row_q, pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)), row_q]
+        extra = [segq, segk, start]
     o, lse = _pallas(
         kernel,
         num_warps_=num_warps(bq, bk),
@@ -242,6 +276,7 @@ def _forward(q, k, v, causal, bq, bk):
             pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
             pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+            *extra_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
@@ -249,16 +284,20 @@ def _forward(q, k, v, causal, bq, bk):
         ],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         name="flash_attention_fwd",
-    )(qp, kp, vp)
+    )(qp, kp, vp, *extra)
     return o, lse  # padded along T
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, bk, kv_len, q_blocks
-):
+def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs):
+    # docs: every query's segment id, the key block's, and one past where each key's document ends (query
+    # blocks after the block's last document are skipped)
+    if docs:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref, end_ref, dk_ref, dv_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
@@ -276,6 +315,8 @@ def _dkdv_kernel(
         mask = k_idx[None, :] < kv_len
         if causal:
             mask = mask & (q_idx[:, None] >= k_idx[None, :])
+        if docs:
+            mask = mask & (segq_ref[pl.ds(i * bq, bq)][:, None] == segk_ref[...][None, :])
         p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)  # recomputed from the saved lse
         dv = dv + _tdot(p.astype(do.dtype), do)
         dp = _dot_t(do, v)
@@ -284,13 +325,18 @@ def _dkdv_kernel(
         return dk, dv
 
     start = lax.div(j * bk, bq) if causal else 0  # query blocks wholly before this key block see none of it
+    stop = jnp.minimum(q_blocks, lax.div(jnp.max(end_ref[...]) + bq - 1, bq)) if docs else q_blocks
     init = (jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
-    dk, dv = lax.fori_loop(start, q_blocks, body, init)
+    dk, dv = lax.fori_loop(start, stop, body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk, kv_len):
+def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs):
+    if docs:  # as the forward's
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref, start_ref, dq_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
@@ -307,6 +353,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
         mask = k_idx[None, :] < kv_len
         if causal:
             mask = mask & (q_idx[:, None] >= k_idx[None, :])
+        if docs:
+            mask = mask & (segq_ref[...][:, None] == segk_ref[pl.ds(j * bk, bk)][None, :])
         p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
         ds = p * (_dot_t(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k) * scale
@@ -314,11 +362,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
     n_k = pl.cdiv(kv_len, bk)
     if causal:
         n_k = jnp.minimum(n_k, lax.div((i + 1) * bq + bk - 1, bk))
-    dq = lax.fori_loop(0, n_k, body, jnp.zeros((bq, D), jnp.float32))
+    first = lax.div(jnp.min(start_ref[...]), bk) if docs else 0
+    dq = lax.fori_loop(first, n_k, body, jnp.zeros((bq, D), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
+def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None):
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -328,33 +377,45 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk):
     # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
     delta = jnp.einsum("bthd,bthd->bht", o_p.astype(jnp.float32), dop.astype(jnp.float32))
     scale = 1.0 / math.sqrt(D)
+    docs = seg is not None
+    dkdv_extra_specs, dkdv_extra, dq_extra_specs, dq_extra = [], [], [], []
+    if docs:
+        segq, segk, start, end = document_tables(seg, Tp, Sp)
+        key_rows = pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
+        dkdv_extra_specs = [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), key_rows, key_rows]
+        dkdv_extra = [segq, segk, end]
+        query_rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
+        dq_extra_specs = [query_rows, pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)), query_rows]
+        dq_extra = [segq, segk, start]
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
     dk_h, dv_h = _pallas(
-        functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, q_blocks=Tp // bq),
+        functools.partial(
+            _dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, q_blocks=Tp // bq, docs=docs
+        ),
         grid=(Sp // bk, B, H),
-        in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full],
+        in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full, *dkdv_extra_specs],
         out_specs=[out_block, out_block],
         # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
         # the input dtype (the fp32 accumulators rounded once, as the cast after would)
         out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)] * 2,
         num_warps_=num_warps(bq, bk),
         name="flash_attention_dkdv",
-    )(qp, kp, vp, dop, lse, delta)
+    )(qp, kp, vp, dop, lse, delta, *dkdv_extra)
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     dq = _pallas(
-        functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S),
+        functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs),
         grid=(Tp // bq, B, H),
-        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block],
+        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block, *dq_extra_specs],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
         num_warps_=num_warps(bq, bk),
         name="flash_attention_dq",
-    )(qp, kp, vp, dop, lse, delta)
+    )(qp, kp, vp, dop, lse, delta, *dq_extra)
     # GQA: a kv head's gradient is the sum over the query heads that read it.
     dk = dk_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(k.dtype)
     dv = dv_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(v.dtype)
@@ -385,9 +446,30 @@ def _flash_bwd(causal, bq, bk, res, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash_docs(q, k, v, seg, causal, bq, bk):
+    o, _ = _forward(q, k, v, causal, bq, bk, seg)
+    return o[:, : q.shape[1]]
+
+
+def _flash_docs_fwd(q, k, v, seg, causal, bq, bk):
+    o_p, lse = _forward(q, k, v, causal, bq, bk, seg)
+    q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
+    return o_p[:, : q.shape[1]], (q, k, v, seg, o_p, lse)
+
+
+def _flash_docs_bwd(causal, bq, bk, res, do):
+    q, k, v, seg, o_p, lse = res
+    return (*_backward(q, k, v, o_p, lse, do, causal, bq, bk, seg), None)  # segment ids: integers
+
+
+_flash_docs.defvjp(_flash_docs_fwd, _flash_docs_bwd)
+
+
+def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128, segments_BxT=None):
     """Causal (or full) attention with q [B, T, H, D], k/v [B, S, K, D]; blocks capped at block_q/block_k
-    and shrunk to the shared-memory budget (choose_blocks)."""
+    and shrunk to the shared-memory budget (choose_blocks). `segments_BxT` (causal): packed documents, each
+    query attending within its own; blocks outside a block's documents are skipped."""
     _B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
@@ -397,4 +479,8 @@ def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128
     bq, bk = choose_blocks(
         T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k, budget=smem_budget(target_device_kind())
     )
+    if segments_BxT is not None:
+        if not causal:
+            raise ValueError("packed documents (segment ids) are for causal attention")
+        return _flash_docs(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, causal, bq, bk)
     return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)

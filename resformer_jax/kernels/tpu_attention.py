@@ -89,7 +89,8 @@ def _pad(x, axis, to):
     return jnp.pad(x, widths)
 
 
-def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True):
+def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, segments_BxT=None):
+    """`segments_BxT`: packed documents, splash's own segment ids (its kernels skip the blocks they mask)."""
     B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
@@ -105,8 +106,23 @@ def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True):
     k_BxKxSxD = _pad(k_BxSxKxD, 1, Sp).transpose(0, 2, 1, 3)
     v_BxKxSxD = _pad(v_BxSxKxD, 1, Sp).transpose(0, 2, 1, 3)
 
-    def run(interpret):
-        return lambda q, k, v: jax.vmap(jax.vmap(_kernel(Tp, Sp, G, causal, interpret)))(q, k, v)
+    if segments_BxT is not None:
+        seg = segments_BxT.astype(jnp.int32)
+        segq = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=-1)
+        segk = jnp.pad(seg, ((0, 0), (0, Sp - S)), constant_values=-2)
+
+        def run(interpret):
+            def per_row(q, k, v, sq, sk):
+                kernel = _kernel(Tp, Sp, G, causal, interpret)
+                ids = splash.SegmentIds(q=sq, kv=sk)
+                return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q, k, v)
+
+            return lambda q, k, v: jax.vmap(per_row)(q, k, v, segq, segk)
+
+    else:
+
+        def run(interpret):
+            return lambda q, k, v: jax.vmap(jax.vmap(_kernel(Tp, Sp, G, causal, interpret)))(q, k, v)
 
     backend = target_backend()  # the compile target inside names.compiling_for (compile/aot.py)
     if backend != "tpu":

@@ -181,6 +181,7 @@ class Context:
     value_embeds: Any = None  # model.value_embeddings: each table's lookup of this call's tokens, [B, T, K, D]
     pages: PageLayout | None = struct.field(pytree_node=False, default=None)  # a paged cache (engine/)
     page_table: Any = None  # paged: [B, P] each row's pages in order (0 past its end)
+    segments: Any = None  # packed documents (model.document_eot): [B, T] each token's document, None: one
 
 
 @struct.dataclass
@@ -456,7 +457,13 @@ class Attention(nn.Module):
             u_BxTxHxD = self._attend_captured(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
         else:
             u_BxTxHxD = kernels.attention(
-                qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, causal=True, impl=m.attention_impl, mesh=ctx.mesh
+                qr_BxTxHxD,
+                kr_BxTxKxD,
+                v_att_BxTxKxD,
+                causal=True,
+                impl=m.attention_impl,
+                mesh=ctx.mesh,
+                segments_BxT=ctx.segments,
             )
 
         # Corrections after the attention: Eq. 6's identity mapping, Eq. 8's NeuTRENO.

@@ -70,6 +70,10 @@ class ModelConfig:
     cla_share: str = "kv"  # kv | k | v (Fig. 4)
     svformer_anchors: tuple[int, ...] = ()  # 1-based layers that recompute the shared value (Fig. 14)
     svformer_share: str = "v"  # v | q | k (Fig. 13)
+    # Packed documents (data.document_mask, resolved from the corpus): the token that ends a document; attention
+    # is block-diagonal causal (a token attends within its own document) and positions restart at each one.
+    # -1: one sequence, as the paper trains.
+    document_eot: int = -1
     dtype: str = "float32"  # compute dtype (auto: resolved by the setup); parameters are always float32
     scan_layers: bool = True
     remat: str = "none"  # none | dots | full

@@ -119,6 +119,18 @@ def needs_unrolled(m) -> str | None:
     return None
 
 
+def document_segments(tokens_BxT, eot: int):
+    """Packed documents, each ended by the `eot` token: (each token's document [B, T], its position within it
+    [B, T]). The end-of-text token is its document's last; the token after it starts the next at position 0."""
+    B, T = tokens_BxT.shape
+    is_eot_BxT = (tokens_BxT == eot).astype(jnp.int32)
+    segments_BxT = jnp.cumsum(is_eot_BxT, axis=1) - is_eot_BxT
+    idx_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    starts_BxT = jnp.concatenate([jnp.ones((B, 1), jnp.int32), is_eot_BxT[:, :-1]], axis=1)
+    first_BxT = jax.lax.cummax(jnp.where(starts_BxT > 0, idx_BxT, 0), axis=1)
+    return segments_BxT, idx_BxT - first_BxT
+
+
 class DecoderBlock(nn.Module):
     """Pre-norm block: h + Attn(RMSNorm(h)), then h + SwiGLU(RMSNorm(h))."""
 
@@ -196,10 +208,15 @@ class Transformer(nn.Module):
             positions_BxT = jnp.broadcast_to(index + jnp.arange(T)[None], (B, T))
             if not self.is_initializing():
                 cache_index.value = index + T
+        segments_BxT = None
+        if positions_BxT is None and not self.decode and self.pages is None and m.document_eot >= 0:
+            segments_BxT, positions_BxT = document_segments(tokens_BxT, m.document_eot)
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
         if self.pages is None:
-            ctx = Context(positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh)
+            ctx = Context(
+                positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh, segments=segments_BxT
+            )
         decode = self.decode or self.pages is not None
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)

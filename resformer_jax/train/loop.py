@@ -379,7 +379,11 @@ class Trainer:
         self._check_fits_here(cfg)
         # The run resolved once, then the one builder: mesh, model, optimizer, shardings, steps.
         run = resolve(
-            cfg, run=self.run, tokenizer_hash=corpus.tokenizer_sha256 if corpus is not None else None, log=self.say
+            cfg,
+            run=self.run,
+            tokenizer_hash=corpus.tokenizer_sha256 if corpus is not None else None,
+            eot_id=corpus.meta.get("eot_id") if corpus is not None else None,
+            log=self.say,
         )
         setup = build(run)
         cfg = run.cfg  # the run as it runs, frozen

@@ -49,11 +49,11 @@ def head_plan(cpu_matmuls: bool) -> HeadPlan:
 
 
 def cross_entropy(logits_BxTxV, targets_BxT):
-    """Mean next-token cross entropy in fp32."""
+    """Mean next-token cross entropy in fp32 (a target of -1 counts as 0, as in chunked_lm_loss)."""
     logits = logits_BxTxV.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked)
+    picked = jnp.take_along_axis(logits, jnp.maximum(targets_BxT, 0)[..., None], axis=-1)[..., 0]
+    return jnp.mean(jnp.where(targets_BxT >= 0, logz - picked, 0.0))
 
 
 def _blocks(h_BxTxE, targets_BxT, chunk_len):
@@ -93,8 +93,9 @@ def cross_entropy_and_z(logits_BxTxV, targets_BxT):
     """(mean next-token cross entropy, mean log Z^2) in fp32, Z the softmax's normaliser (PaLM's z-loss term)."""
     logits = logits_BxTxV.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked), jnp.mean(logz**2)
+    picked = jnp.take_along_axis(logits, jnp.maximum(targets_BxT, 0)[..., None], axis=-1)[..., 0]
+    kept = targets_BxT >= 0
+    return jnp.mean(jnp.where(kept, logz - picked, 0.0)), jnp.mean(jnp.where(kept, logz**2, 0.0))
 
 
 def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, chunk_len: int = 128, plan: HeadPlan = CPU_HEAD):

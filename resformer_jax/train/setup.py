@@ -120,6 +120,7 @@ def build(run: Run, *, mesh=None, devices=None) -> TrainSetup:
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
     rep = replicated(mesh)
     options = dict(run.compiler_options)
+    document_starts = bool(cfg.data.get("document_start_loss", True))
 
     def jitted_step(telemetry: bool):
         return jax.jit(
@@ -133,6 +134,7 @@ def build(run: Run, *, mesh=None, devices=None) -> TrainSetup:
                 z_loss=t.z_loss,
                 spike_sigma=t.spike_sigma,
                 telemetry=telemetry,
+                document_starts=document_starts,
             ),
             in_shardings=(state_sh, batch_sh),
             out_shardings=(state_sh, rep),
@@ -142,7 +144,7 @@ def build(run: Run, *, mesh=None, devices=None) -> TrainSetup:
 
     train_step = jitted_step(False)
     eval_step = jax.jit(
-        make_eval_step(model, t.loss_chunk_len),
+        make_eval_step(model, t.loss_chunk_len, document_starts),
         in_shardings=(state_sh.params, batch_sh),
         out_shardings=rep,
         compiler_options=options or None,

@@ -82,16 +82,37 @@ def init_state(model, tx, rng, seq_len: int, spike_window: int = 0):
     )
 
 
-def lm_loss(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None, z_loss: float = 0.0):
+def lm_loss(
+    params,
+    model,
+    tokens_BxTp1,
+    chunk_len: int = LOSS_CHUNK_LEN,
+    dropout_rng=None,
+    z_loss: float = 0.0,
+    document_starts: bool = True,
+):
     """(the loss to minimise, mean log Z^2 for logging): next-token cross entropy, plus z_loss times the mean
     squared log-normaliser of the logits (PaLM's z-loss) where z_loss > 0. Sequences hold seq_len + 1 tokens:
     inputs are [:-1], targets [1:].
 
     chunk_len > 0: the LM head and cross entropy run fused, chunk_len positions
     at a time (train/loss.py); 0: full logits, then cross entropy. dropout_rng: training with
-    model.dropout > 0 (evaluation passes none: no dropout).
+    model.dropout > 0 (evaluation passes none: no dropout). document_starts=False (packed documents,
+    model.document_eot): the target after an end-of-text token, a document's first token predicted from the
+    previous document's end, is left out, and the mean is over the targets kept.
     """
     inputs_BxT, targets_BxT = tokens_BxTp1[:, :-1], tokens_BxTp1[:, 1:]
+    eot = model.cfg.document_eot
+    if document_starts or eot < 0:
+        return _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss)
+    crossing_BxT = inputs_BxT == eot
+    targets_BxT = jnp.where(crossing_BxT, -1, targets_BxT)  # -1: ignored by both losses
+    scale = targets_BxT.size / jnp.maximum(targets_BxT.size - crossing_BxT.sum(), 1)
+    loss, z_mean = _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss)
+    return loss * scale, z_mean * scale
+
+
+def _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss):
     rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
     if chunk_len <= 0:
         logits = model.apply({"params": params}, inputs_BxT, rngs=rngs)
@@ -108,9 +129,9 @@ def lm_loss(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropou
         return loss, jax.lax.stop_gradient(z_mean)
 
 
-def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None):
+def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None, document_starts=True):
     """The mean next-token cross entropy (what evaluation reports)."""
-    return lm_loss(params, model, tokens_BxTp1, chunk_len, dropout_rng)[0]
+    return lm_loss(params, model, tokens_BxTp1, chunk_len, dropout_rng, document_starts=document_starts)[0]
 
 
 def make_train_step(
@@ -123,13 +144,16 @@ def make_train_step(
     z_loss: float = 0.0,
     spike_sigma: float = 0.0,
     telemetry: bool = False,
+    document_starts: bool = True,
 ):
     """One optimizer step over the global batch, accumulating grads over microbatches with lax.scan. With
     model.dropout > 0 the dropout key is a function of (seed, step, microbatch), so a resumed run drops the same
     units as an uninterrupted one. A step is not applied when its loss or gradient is non-finite, or (spike_sigma
     > 0, the state holding a SpikeWindow) when either is a spike against the recent applied steps. telemetry: the
     per-layer norms in the metrics (a second program, run on logged steps only: train/setup.py)."""
-    grad_fn = jax.value_and_grad(lambda p, model, t, r: lm_loss(p, model, t, loss_chunk_len, r, z_loss), has_aux=True)
+    grad_fn = jax.value_and_grad(
+        lambda p, model, t, r: lm_loss(p, model, t, loss_chunk_len, r, z_loss, document_starts), has_aux=True
+    )
     uses_dropout = model.cfg.dropout > 0
 
     def dropout_key(step, micro):
@@ -193,8 +217,8 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model, loss_chunk_len: int = LOSS_CHUNK_LEN):
+def make_eval_step(model, loss_chunk_len: int = LOSS_CHUNK_LEN, document_starts: bool = True):
     def eval_step(params, tokens_BxTp1):
-        return loss_fn(params, model, tokens_BxTp1, loss_chunk_len)
+        return loss_fn(params, model, tokens_BxTp1, loss_chunk_len, document_starts=document_starts)
 
     return eval_step

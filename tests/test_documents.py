@@ -1,0 +1,193 @@
+"""Packed documents (data.document_mask): a sequence holding several documents, each ended by the end-of-text
+token, gives each document's logits and gradients as if it were run alone (positions restarted), through every
+attention kernel (the GPU and TPU ones interpreted), every value-residual mode and GQA; runs without it are
+unchanged; bad settings are named."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from resformer_jax import kernels
+from resformer_jax.config import ConfigError, tiny_config, validate
+from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.transformer import document_segments
+
+EOT = 7
+LENGTHS = (9, 14, 17)  # three documents packed into one sequence of 40 tokens
+
+
+def packed(rng, vocab):
+    """One packed row: documents of LENGTHS (each but the last ended by EOT), and each document alone."""
+    docs = []
+    for n in LENGTHS:
+        d = rng.integers(EOT + 1, vocab, size=n)
+        docs.append(d)
+    for d in docs[:-1]:
+        d[-1] = EOT
+    return np.concatenate(docs)[None], [d[None] for d in docs]
+
+
+def test_segments_and_positions_restart_after_each_end_of_text():
+    tokens = jnp.asarray([[3, 4, EOT, 5, EOT, 6, 6, 6], [EOT, 1, 2, 3, 4, 5, 6, 8]])
+    seg, pos = document_segments(tokens, EOT)
+    assert seg.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 0, 1, 2, 3, 4, 5, 6]]
+
+
+def _grads_of_each_document(m, params, docs):
+    return [jax.grad(lambda p, d=d: Transformer(m).apply({"params": p}, jnp.asarray(d)).sum())(params) for d in docs]
+
+
+CASES = [
+    ("none", {}, "reference"),
+    ("resformer", {}, "xla"),
+    ("svformer", {}, "chunked"),
+    ("skipv1", {"num_kv_heads": 2}, "chunked"),
+    ("resformer", {"num_kv_heads": 2}, "pallas"),
+    ("svformer", {"value_embeddings": 1}, "xla"),
+    ("resformer", {"resformer_lambdas": "gated"}, "chunked"),
+]
+
+
+FAST = {0, 4}  # the others over 12 s each on 2 cores: the slow tier
+
+
+@pytest.mark.parametrize(
+    "variant,fields,impl",
+    [pytest.param(*c, marks=() if i in FAST else pytest.mark.slow) for i, c in enumerate(CASES)],
+    ids=[f"{v}-{i}-{'+'.join(f)}" for v, f, i in CASES],
+)
+def test_a_packed_sequence_is_its_documents_run_alone(variant, fields, impl):
+    """Logits of each document's tokens, and the gradient of every parameter, equal (to fp32 precision) those of
+    the documents run one at a time with their positions from 0: nothing crosses a document boundary, and V_1
+    of a token is its own in every variant."""
+    c = tiny_config(variant)
+    c.model.update(dtype="float32", attention_impl=impl, document_eot=EOT, scan_layers=False, **fields)
+    m = ModelConfig.of(c.model)
+    rng = np.random.default_rng(0)
+    row, docs = packed(rng, m.vocab_size)
+    params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
+    logits = np.asarray(Transformer(m).apply({"params": params}, jnp.asarray(row)))[0]
+    alone = m.replace(document_eot=-1)
+    start = 0
+    for d in docs:
+        want = np.asarray(Transformer(alone).apply({"params": params}, jnp.asarray(d)))[0]
+        np.testing.assert_allclose(logits[start : start + d.shape[1]], want, rtol=2e-4, atol=2e-4)
+        start += d.shape[1]
+    g_packed = jax.grad(lambda p: Transformer(m).apply({"params": p}, jnp.asarray(row)).sum())(params)
+    g_alone = jax.tree.map(lambda *g: sum(g), *_grads_of_each_document(alone, params, docs))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_packed), jax.tree.leaves(g_alone)):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_without_the_mask_the_documents_see_each_other_and_runs_are_as_before():
+    """Off (the default): one sequence, as the paper trains: the second document's logits depend on the first."""
+    c = tiny_config("resformer")
+    c.model.dtype = "float32"
+    m = ModelConfig.of(c.model)
+    assert m.document_eot == -1
+    row, docs = packed(np.random.default_rng(0), m.vocab_size)
+    params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
+    logits = np.asarray(Transformer(m).apply({"params": params}, jnp.asarray(row)))[0]
+    second = np.asarray(Transformer(m).apply({"params": params}, jnp.asarray(docs[1])))[0]
+    assert not np.allclose(logits[LENGTHS[0] : LENGTHS[0] + LENGTHS[1]], second, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_splash_masks_documents_interpreted():
+    """The TPU kernel (splash, interpreted here) with segment ids against the reference, forward and gradients."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 256, n, 128)), jnp.float32) for n in (2, 1, 1))
+    seg = jnp.asarray(np.repeat([0, 1, 2], [100, 100, 56])[None], jnp.int32)
+
+    def f(impl):
+        return lambda q, k, v: kernels.attention(q, k, v, impl=impl, segments_BxT=seg)
+
+    np.testing.assert_allclose(f("splash")(q, k, v), f("reference")(q, k, v), atol=1e-5)
+    loss = lambda impl: lambda *a: (f(impl)(*a) ** 2).sum()
+    for a, b in zip(jax.grad(loss("splash"), (0, 1, 2))(q, k, v), jax.grad(loss("reference"), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_pallas_skips_blocks_outside_a_blocks_documents_and_stays_exact(block):
+    """The GPU kernel (interpreted) with blocks smaller than a document: the key blocks before a query block's
+    first document are skipped (forward and dQ), the query blocks after a key block's last document too (dK/dV);
+    outputs and gradients equal the reference's, GQA included."""
+    from resformer_jax.kernels.pallas_attention import flash_attention
+
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 40, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 40, 2, 8)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.stack([np.repeat([0, 1, 2], [10, 17, 13]), np.repeat([0, 1], [33, 7])]), jnp.int32)
+    ref = lambda *a: kernels.attention(*a, impl="reference", segments_BxT=seg)
+    got = lambda *a: flash_attention(*a, segments_BxT=seg, block_q=block, block_k=block)
+    np.testing.assert_allclose(got(q, k, v), ref(q, k, v), atol=1e-5)
+    sq = lambda f: lambda *a: (f(*a) ** 2).sum()
+    for a, b in zip(jax.grad(sq(got), (0, 1, 2))(q, k, v), jax.grad(sq(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_settings_are_named():
+    c = tiny_config("resformer")
+    c.data.document_mask = True  # synthetic data: no end-of-text token unless given
+    with pytest.raises(ConfigError, match="data.eot_id"):
+        validate(c)
+    c.data.eot_id = EOT
+    validate(c)
+    c.model.attention_impl = "cudnn"
+    with pytest.raises(ConfigError, match="attention_impl=pallas"):
+        validate(c)
+    with pytest.raises(kernels.KernelUnavailable, match="cannot mask documents"):
+        q = jnp.zeros((1, 8, 2, 8))
+        kernels.attention(q, q, q, impl="cudnn", segments_BxT=jnp.zeros((1, 8), jnp.int32))
+    candidates, rejected = kernels.auto_candidates("gpu", documents=True)
+    assert "cudnn" not in candidates and "document mask" in rejected["cudnn"]
+
+
+@pytest.mark.parametrize("chunk_len", [8, 0])
+def test_a_packed_batchs_loss_is_the_documents_loss_run_separately(chunk_len):
+    """document_start_loss=False: the target after each end-of-text token is left out and the mean is over the rest,
+    so a packed row's loss is the token-weighted mean of its documents' losses run alone (fused and full-logits
+    heads alike)."""
+    from resformer_jax.train.step import lm_loss
+
+    c = tiny_config("svformer")
+    c.model.update(dtype="float32", attention_impl="chunked", document_eot=EOT)
+    m = ModelConfig.of(c.model)
+    row, docs = packed(np.random.default_rng(3), m.vocab_size)
+    model, alone = Transformer(m), Transformer(m.replace(document_eot=-1))
+    params = nn.unbox(model.init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
+    got = lm_loss(params, model, jnp.asarray(row), chunk_len, document_starts=False)[0]
+    each = [float(lm_loss(params, alone, jnp.asarray(d), chunk_len)[0]) for d in docs]
+    want = sum(e * (n - 1) for e, n in zip(each, LENGTHS)) / sum(n - 1 for n in LENGTHS)
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    counted = lm_loss(params, model, jnp.asarray(row), chunk_len)[0]  # the default counts the crossing targets
+    assert float(counted) != pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_run_with_document_masking_trains_records_its_token_and_resumes(tmp_path):
+    """data.document_mask on a run: the end-of-text token is resolved into the run's record (model.document_eot),
+    the loss falls, and the run resumes with it."""
+    import json
+
+    from resformer_jax.commands.training import run
+
+    c = tiny_config("resformer")
+    c.data.update(document_mask=True, eot_id=EOT, document_start_loss=False)
+    c.train.update(steps=8, log_every=2, eval_every=4)
+    c.checkpoint.every_steps = 4
+    c.mesh.num_devices = 1
+    wd = str(tmp_path / "run")
+    assert run(c, wd) == 0
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["resolved"]["model.document_eot"] == EOT and record["data"]["document_mask"] is True
+    c.train.steps = 12
+    assert run(c, wd) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = sorted({r["step"] for r in rows if "train/loss" in r})
+    assert steps[-1] == 12
