@@ -212,7 +212,8 @@ def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
 
 _HOST_MEMORY = """
 import ctypes, os, resource
-import resformer_jax.commands  # what every command imports first
+from resformer_jax.runtime import prepare_command_process
+prepare_command_process()  # what commands/cli.run does before it imports a command
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

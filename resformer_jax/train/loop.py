@@ -23,15 +23,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from resformer_jax import metrics, perf
-from resformer_jax.checkpoint import (
-    CheckpointError,
-    checkpoint_history,
-    config_diff,
-    failure_reason,
-    no_fresh_start,
-    params_layout,
-)
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, with_defaults
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import EXIT_DIVERGED, UserError
@@ -39,13 +30,14 @@ from resformer_jax.eval.zero_shot import check_tasks, zero_shot
 from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_precheck, too_big_for_here
 from resformer_jax.model.lambdas import gate_intermediates, gate_means, read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
-from resformer_jax.resolve import check, fork_point, resolve
+from resformer_jax.resolve import check, resolve
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
 from resformer_jax.train import goodput, telemetry
 from resformer_jax.train.faults import Faults
 from resformer_jax.train.interrupt import StartupInterrupt
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
+from resformer_jax.train.resume import Resume
 from resformer_jax.train.setup import TrainSetup, build
 from resformer_jax.train.watchdog import PHASES, Budgets, Watchdog
 
@@ -134,6 +126,7 @@ class Trainer:
             jax.process_count(),
         )
         self.watchdog.on_stall.append(self._record_stall)
+        self.resume = Resume(self.run, self.say, self._warn, self._enter)
         self._gate_forward: Any = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations
         self.faults = Faults.from_env(jax.process_index())  # tests' injected stalls and spikes; unset: nothing
 
@@ -164,55 +157,6 @@ class Trainer:
             check_compatible(corpus.meta, cfg.data.seq_len, cfg.model.vocab_size, "", corpus.path)
         return corpus
 
-    def _check_run_dir(self, cfg) -> int | None:
-        """The run directory, from the file system alone, before anything takes seconds: a file or an unwritable
-        folder, checkpoints that were deleted, a run already finished. Returns the finished run's step (nothing to
-        do), else None."""
-        path = self.run.path
-        if not is_remote(self.workdir):
-            if path.exists() and not path.is_dir():
-                raise UserError(f"--workdir {self.workdir} is a file, not a directory; give a folder for the run")
-            existing = next((p for p in [path, *path.parents] if p.exists()), None)
-            if existing is not None and not os.access(os.fspath(existing), os.W_OK | os.X_OK):
-                raise UserError(
-                    f"--workdir {self.workdir}: {existing} is not writable by this user; fix its permissions or "
-                    "give another --workdir"
-                )
-        steps = self.run.finished_steps() if self.run.checkpoints.is_dir() else []
-        if not steps and not cfg.checkpoint.allow_fresh_start:
-            history = checkpoint_history(self.run.checkpoints_damaged, self.run.checkpoints_written_marker)
-            if history:
-                raise no_fresh_start(self.workdir, history)
-        end = min(cfg.train.stop_at or cfg.train.steps, cfg.train.steps)
-        if steps and steps[-1] >= end:
-            return steps[-1]
-        return None
-
-    def _restores(self, setup: TrainSetup, step: int) -> bool:
-        """Whether the checkpoint at `step` restores with every array's fingerprint intact (a damaged one is left
-        to the normal path, which sets it aside and resumes from the one before)."""
-        ck = self.run.checkpointer(read_only=True)
-        try:
-            ck.restore(step, setup.abstract_state)
-            return True
-        except Exception:
-            return False
-        finally:
-            ck.mngr.close()
-
-    def _check_workdir_model(self, cfg, corpus):
-        """The run directory's model against this config, every differing field in one line, before the probe and
-        the compile (a resumed run cannot change the model)."""
-        if not self.run.checkpoints.is_dir():
-            return
-        ck = self.run.checkpointer(read_only=True)
-        try:
-            newest = ck.newest_config()
-        finally:
-            ck.mngr.close()
-        if newest is not None:
-            self._check_resumed_config(newest[1], cfg, corpus, quiet=True)
-
     def _check_fits_here(self, cfg, error: UserError | None = None):
         """The analytic memory estimate at the run's shape against this machine's devices: a config sized for other
         hardware (the paper presets: 8x H100) stops here, saying what it is sized for and what would fit, before
@@ -225,48 +169,6 @@ class Trainer:
             raise MemoryPrecheckError(why)
         if error is not None:
             raise error
-
-    def _check_resumed_config(self, old: dict, cfg, corpus, quiet: bool = False):
-        new = cfg.to_dict()
-        diff = config_diff(with_defaults(old), new)  # a field added since the run started is not a change
-        model = {f: ab for f, ab in diff.items() if f.startswith("model.") and f not in RUNTIME_MODEL_FIELDS}
-        if model:
-            raise CheckpointError(
-                f"the run in {self.workdir} was started with another model ("
-                + ", ".join(f"config.{f} is {b!r}, the run's {a!r}" for f, (a, b) in model.items())
-                + "); a resumed run cannot change the model. Use "
-                + " ".join(f"--config.{f}={a!r}" for f, (a, _) in model.items())
-                + " or a new --workdir"
-            )
-        if corpus is not None:
-            corpus.check_tokenizer(get_dotted(with_defaults(old), "data.tokenizer_hash", {}))
-        for field, (a, b) in ({} if quiet else diff).items():
-            if field != "data.tokenizer_hash":
-                self.say(f"note: config.{field} changed on resume: {a!r} -> {b!r}")
-
-    def _check_params_fit(self, ckpt, setup: TrainSetup, cfg, step: int, old: dict):
-        """The checkpoint's parameter tree against the one this config builds: a difference is a changed
-        config, not damage, so nothing is moved (derived from the trees, not a list of fields)."""
-        saved = ckpt.saved_params_layout(step)
-        if saved is None:
-            return
-        want = params_layout(setup.abstract_state.params)
-        if saved == want:
-            return
-        only_saved, only_new = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
-        reshaped = sorted(p for p in set(saved) & set(want) if saved[p] != want[p])
-        parts = (
-            ([f"only in the checkpoint: {only_saved[:3]}"] if only_saved else [])
-            + ([f"only in this config: {only_new[:3]}"] if only_new else [])
-            + [f"{p}: {saved[p]} saved, {want[p]} now" for p in reshaped[:3]]
-        )
-        fields = list(config_diff(old.get("model", {}), cfg.model.to_dict()))
-        raise CheckpointError(
-            f"the checkpoint at step {step} in {self.workdir} holds other parameters than this config builds "
-            f"({'; '.join(parts)}); "
-            + (f"changed model fields: {', '.join('config.model.' + f for f in fields)}; " if fields else "")
-            + "use the run's original config or a new --workdir (nothing was moved)"
-        )
 
     def _warn(self, msg):
         print(msg, file=sys.stderr, flush=True)
@@ -298,66 +200,6 @@ class Trainer:
             self.say(f"compiled the logged steps' train step with per-layer telemetry in {norms_s:.1f}s")
         return compiled, with_norms
 
-    def _restore(self, cfg, setup: TrainSetup, ckpt, data, corpus) -> tuple[Any, int, dict]:
-        """(state, its step, the restored progress): the newest checkpoint that restores, or a fresh state."""
-        # The run's parameter tree before touching its state: a shape change is the user's mistake, not a damaged
-        # checkpoint, and must not set good checkpoints aside (the config's fields were compared at start).
-        self._enter("restore")
-        newest = ckpt.newest_config()
-        if newest is not None:
-            self._check_params_fit(ckpt, setup, cfg, *newest)
-        restored = ckpt.restore_latest(setup.abstract_state, data, warn=self._warn)
-        if restored is None and cfg.train.init_from and not ckpt.history():
-            return self._fork(cfg, setup, data, corpus)
-        if restored is None:
-            history = ckpt.history()
-            if history and not cfg.checkpoint.allow_fresh_start:
-                raise no_fresh_start(self.workdir, history)
-            self.say(f"starting a new run in {self.workdir}")
-            self._enter("start-up")  # nothing restored: a new state is start-up work
-            return setup.init_state(), 0, {}
-        step, state, old_cfg, progress = restored
-        self._check_resumed_config(old_cfg, cfg, corpus)
-        self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
-        return state, step, progress
-
-    def _check_fork(self, cfg, corpus):
-        """train.init_from before anything costly or written: the run, the step and the model."""
-        if not cfg.train.init_from or (self.run.checkpoints.is_dir() and any(self.run.checkpoints.iterdir())):
-            return
-        run, step = parse_init_from(fork_point(cfg, self.run, log=lambda _: None))
-        source = RunDir(run)
-        if not source.checkpoints.is_dir():
-            raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
-        src = source.checkpointer(read_only=True)
-        try:
-            steps = src.all_steps()
-            if step not in steps:
-                raise CheckpointError(f"train.init_from: no checkpoint at step {step} in {src.dir}; available: {steps}")
-            self._check_resumed_config(src.read_config(step), cfg, corpus, quiet=True)
-        finally:
-            src.mngr.close()
-
-    def _fork(self, cfg, setup: TrainSetup, data, corpus) -> tuple[Any, int, dict]:
-        """A new run from another run's checkpoint (train.init_from=RUN:STEP): its parameters, optimizer state and
-        data position at STEP; the WSD decay starts there (set before the build, `forked`)."""
-        run, step = parse_init_from(cfg.train.init_from)
-        assert step is not None  # config.validate requires RUN:STEP
-        src = RunDir(run).checkpointer(read_only=True)
-        try:
-            try:
-                state, _, progress = src.restore(step, setup.abstract_state)
-            except Exception as e:  # a damaged source is the user's to choose around: nothing here is moved
-                raise CheckpointError(
-                    f"train.init_from: the checkpoint at step {step} in {src.dir} does not restore "
-                    f"({failure_reason(e)}); fork from another step (available: {src.all_steps()})"
-                ) from None
-            src.restore_data(step, data, self._warn)
-        finally:
-            src.mngr.close()
-        self.say(f"forked from {run} at step {step}: its parameters, optimizer state and data position")
-        return state, step, progress
-
     def _start(self) -> Session:
         """The checks, the one builder, the compiled step (and the memory precheck), data, the state (resumed or
         new), the run's files, the first evaluation: the Session the loop runs on."""
@@ -366,7 +208,7 @@ class Trainer:
         # model, the fork, the memory the config needs; then the resolution (the dtype measured, the attention
         # probed at the microbatch) and the compile.
         check(cfg)
-        done = self._check_run_dir(cfg)  # the newest finished step if the run looks finished
+        done = self.resume.check_run_dir(cfg)  # the newest finished step if the run looks finished
         if cfg.eval.tasks:  # the task names and files, before anything costly
             check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
         try:
@@ -374,8 +216,8 @@ class Trainer:
         except DataError as e:
             self._check_fits_here(cfg, error=e)  # a config that cannot fit here says so in the same line
             raise
-        self._check_workdir_model(cfg, corpus)
-        self._check_fork(cfg, corpus)
+        self.resume.check_workdir_model(cfg, corpus)
+        self.resume.check_fork(cfg, corpus)
         self._check_fits_here(cfg)
         # The run resolved once, then the one builder: mesh, model, optimizer, shardings, steps.
         run = resolve(
@@ -387,7 +229,7 @@ class Trainer:
         )
         setup = build(run)
         cfg = run.cfg  # the run as it runs, frozen
-        if done is not None and self._restores(setup, done):
+        if done is not None and self.resume.restores(setup, done):
             raise NothingToDo(done)  # finished, its last checkpoint intact: no compile for nothing
         # Compiled first: a step that cannot fit stops here, before the state is allocated, the validation
         # batches are cut or anything is written in the workdir.
@@ -399,7 +241,7 @@ class Trainer:
         )
         eval_bytes = self._eval_bytes(cfg, corpus, eval_sets)
         ckpt = self.run.checkpointer(cfg.checkpoint)
-        state, start_step, progress = self._restore(cfg, setup, ckpt, data, corpus)
+        state, start_step, progress = self.resume.restore(cfg, setup, ckpt, data, corpus)
         self._enter("start-up")
         if self.is_main and corpus is not None:
             corpus.copy_tokenizer(self.run.tokenizer_json)
