@@ -197,6 +197,30 @@ def test_pallas_kernel_forward_and_backward_compile_to_gpu_machine_code_at_468m_
 
 
 @needs_aot
+@pytest.mark.slow
+def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
+    """data.document_mask's Pallas kernels (segment ids, the blocks outside a block's documents skipped) lower
+    through Triton for an H100 at the 468M's shape, forward and backward, as the plain ones do."""
+    from resformer_jax.compile.aot import compile_step
+    from resformer_jax.kernels.pallas_attention import flash_attention
+
+    target, sds = _one_device("h100x1")
+    B, T, H, D = 2, 2048, 16, 64
+    loss = lambda q, k, v, s: flash_attention(q, k, v, segments_BxT=s).astype(jnp.float32).sum()
+    qkv = [sds((B, T, H, D), jnp.bfloat16)] * 3
+    step = compile_step(
+        "attention",
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
+        (*qkv, sds((B, T), jnp.int32)),
+        target,
+        tiny_config(),
+        log=lambda s: None,
+    )
+    assert step.fits and step.custom_calls.get(TRITON) == 3, (step.problem, step.custom_calls)
+    assert "GPU ELF" in step.machine_code, step.machine_code
+
+
+@needs_aot
 def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
     """Blocks of 512 x 512 at head_dim 128 in bf16 need 1,179,648 bytes of shared memory per block (H100: 232,448):
     Triton's compilation refuses it; the project says so in one line, naming the kernel and the fix."""
