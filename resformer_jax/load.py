@@ -4,6 +4,7 @@ the lm-eval adapter): `load_run`, which reads only, and names a damaged checkpoi
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import sys
 import threading
@@ -25,21 +26,25 @@ from resformer_jax.train.setup import spike_window, state_template
 
 @contextlib.contextmanager
 def _library_reports_held():
-    """While a reader tries a checkpoint: Orbax's own error logs and its threads' tracebacks are held back (a
-    damaged checkpoint's failure is said in one line by load_run; a reader writes nothing into the run)."""
+    """While a reader tries a checkpoint: Orbax's own error logs, its threads' tracebacks and the failed reads it
+    leaves behind (coroutines and futures whose errors nobody retrieved, reported by asyncio and the interpreter when
+    they are collected) are held back: a damaged checkpoint's failure is said in one line by load_run; a reader
+    writes nothing into the run."""
 
-    loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax", "asyncio")]
     levels = [lg.level for lg in loggers]
-    hook = threading.excepthook
+    hooks = threading.excepthook, sys.unraisablehook
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
     threading.excepthook = lambda args: None
+    sys.unraisablehook = lambda args: None
     try:
         yield
     finally:
+        gc.collect()  # the failed reads' leftovers are reported now, while held, not at a later collection
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-        threading.excepthook = hook
+        threading.excepthook, sys.unraisablehook = hooks
 
 
 class LoadedRun(NamedTuple):

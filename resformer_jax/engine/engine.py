@@ -434,7 +434,11 @@ def engine_mesh(devices: int) -> Mesh | None:
     have = jax.devices()
     n = len(have) if devices == -1 else devices
     if n < 1 or n > len(have):
-        raise EngineError(f"--devices={devices}: this host has {len(have)} devices; give 1 to {len(have)}, or -1")
+        choices = "1" if len(have) == 1 else f"1 to {len(have)}"
+        raise EngineError(
+            f"--devices={devices}: this host has {len(have)} device{'s' if len(have) > 1 else ''}; give {choices}, "
+            "or -1 (every device)"
+        )
     return None if n == 1 else Mesh(np.asarray(have[:n]), ("data",))
 
 

@@ -107,19 +107,12 @@ def attention(
     # always divide (parallel/mesh.check_divisibility).
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
         spec = jax.sharding.PartitionSpec(batch_axes)
-        if segments_BxT is not None:
-            per_shard_docs = functools.partial(attention, causal=causal, impl=impl)
-            return jax.shard_map(
-                lambda q, k, v, s: per_shard_docs(q, k, v, segments_BxT=s),
-                mesh=mesh,
-                in_specs=(spec,) * 4,
-                out_specs=spec,
-                check_vma=False,
-            )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT)
-        per_shard = functools.partial(attention, causal=causal, impl=impl)
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
-            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD
-        )
+        args = (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD) + (() if segments_BxT is None else (segments_BxT,))
+
+        def per_shard(q, k, v, *segments):
+            return attention(q, k, v, causal=causal, impl=impl, segments_BxT=segments[0] if segments else None)
+
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
     if impl == "reference":
         mask = None
         if segments_BxT is not None:
