@@ -327,7 +327,7 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     rep = json.loads(out.read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1]) == rep
     assert rep["backend"] == "cpu" and rep["reduced_shapes"] and rep["complete"]
-    assert set(rep["seconds"]) == {"attention", "auto", "train", "decode"}  # saved part by part
+    assert set(rep["seconds"]) == {"attention", "auto", "decode", "train", "variants"}  # saved part by part
     rows = {x["impl"]: x for x in rep["attention"]["rows"]}
     assert rows["cudnn"]["status"].startswith("not applicable") and "NVIDIA GPU" in rows["cudnn"]["status"]
     for impl in ("pallas", "splash", "chunked", "xla"):
@@ -337,6 +337,14 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     assert rep["auto"]["choice"] == "chunked"
     assert {s["impl"] for s in rep["train"]["steps"]} == {"chunked", "xla"}
     assert all(s["step_s"] > 0 and 0 < s["mfu_model"] < 1.5 for s in rep["train"]["steps"])
+    assert all(s["bound"] is None and s["measured_over_bound"] is None for s in rep["train"]["steps"])  # no chip
+    # the variants taking turns with auto's choice, each step paired with vanilla's of the same round
+    var = {s["variant"]: s for s in rep["variants"]["rows"]}
+    assert list(var) == ["none", "resformer", "svformer", "skipv1"] and rep["variants"]["impl"] == "chunked"
+    assert var["none"]["paired_step_ratio_to_vanilla"] == 1.0
+    assert all(0.2 < s["paired_step_ratio_to_vanilla"] < 5 and s["loss"] > 0 for s in var.values())
+    assert "bench train resformer: state initialised in" in r.stderr  # each phase's seconds, for a check cut short
+    assert "bench decode svformer batch 4 context 64:" in r.stderr
     dec = {(d["variant"], d["batch"]): d for d in rep["decode"]}
     assert set(dec) == {(v, b) for v in ("none", "svformer") for b in (1, 4)}  # the engine's matrix
     assert dec["svformer", 4]["kv_cache_bytes"] < dec["none", 4]["kv_cache_bytes"]

@@ -321,3 +321,41 @@ def test_the_costliest_computations_merge_an_ops_copies():
     assert [r["scope"] for r in top] == ["lm_head/dot_general", "mlp/silu"]
     assert top[0]["copies"] == 10 and top[0]["executions"] == 10
     assert top[0]["bound_s"] == pytest.approx(10 * ops[0].bound_s(H100))
+
+
+CUDNN_HLO = """HloModule m
+
+ENTRY %main (q: bf16[4,2048,16,64], k: bf16[4,2048,4,64], v: bf16[4,2048,4,64], do: bf16[4,2048,16,64]) -> bf16[4,2048,16,64] {
+  %q = bf16[4,2048,16,64]{3,2,1,0} parameter(0)
+  %k = bf16[4,2048,4,64]{3,2,1,0} parameter(1)
+  %v = bf16[4,2048,4,64]{3,2,1,0} parameter(2)
+  %do = bf16[4,2048,16,64]{3,2,1,0} parameter(3)
+  %f = (bf16[4,16,2048,64]{3,2,1,0}, f32[4,16,2048]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
+  %o = bf16[4,16,2048,64]{3,2,1,0} get-tuple-element(%f), index=0
+  %b = (bf16[4,2048,16,64]{3,2,1,0}, bf16[4,2048,4,64]{3,2,1,0}, bf16[4,2048,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v, %do), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
+  ROOT %dq = bf16[4,2048,16,64]{3,2,1,0} get-tuple-element(%b), index=0
+}
+"""
+
+
+def test_cudnn_fused_attention_counts_its_causal_matmuls():
+    r = rl.roofline(CUDNN_HLO, H100)
+    pair = 2 * 4 * 16 * 2048 * 2048 * 64 / 2  # one causal [T, S] matmul over every head, 2 FLOPs a multiply-add
+    fwd, bwd = (next(o for o in r.ops if o.name == n) for n in ("f", "b"))
+    assert fwd.kind == bwd.kind == "kernel"
+    assert fwd.flops == 2 * pair and bwd.flops == 5 * pair  # QK^T and PV; S recomputed, dP, dQ, dK, dV
+    full = rl.roofline(CUDNN_HLO.replace('"CAUSAL"', '"NO_MASK"'), H100)
+    assert next(o for o in full.ops if o.name == "f").flops == 4 * pair
+
+
+def test_a_benchmarked_steps_bound_is_read_from_its_own_program():
+    from resformer_jax.bench.train import TrainBench
+    from resformer_jax.config import tiny_config
+
+    b = TrainBench(tiny_config("resformer"), log=lambda m: None)
+    assert b.bound() is None  # a CPU: no datasheet numbers to bound it with
+    bound = b.bound(chip=H100)
+    assert bound["chip"] == H100.kind and bound["per_op_bound_ms"] > 0
+    parts = bound["by_part_ms"]
+    assert set(parts) == {"gemm", "kernel", "fusion", "other", "collective"} and parts["fusion"] > 0
+    assert sum(v for k, v in parts.items() if k != "collective") == pytest.approx(bound["per_op_bound_ms"], abs=0.05)

@@ -18,6 +18,7 @@ its speed numbers there say nothing about an accelerator.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -37,6 +38,8 @@ GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
 INTERPRETABLE = ("pallas", "splash")  # Pallas kernels that run (slowly) in interpret mode elsewhere
 HALF_ONLY = ("cudnn",)  # cuDNN's fused attention takes fp16/bf16/fp8 inputs only: its fp32 row is not applicable
 IMPLS = ("pallas", "cudnn", "jax_pallas_gpu", "splash", "chunked", "xla")
+VARIANTS = ("none", "resformer", "svformer", "skipv1")  # vanilla first: the others' ratios are to it
+TRAIN_IMPLS = 2  # train-step rows for the fastest impls by the attention rows (each 468M row costs minutes)
 
 
 def applicable(impl: str, backend: str) -> tuple[bool, str]:
@@ -90,17 +93,13 @@ def speed(impl: str, shape, dtype, peak: float, repeats: int = 5) -> dict:
     return {name: {**r, "tflops": round(r["tflops"], 3)} for name, r in out.items()}
 
 
-def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
-    """One impl's train step, built as training builds it (bench/train.py's TrainBench)."""
-    bench = TrainBench(cfg, AttentionChoice(impl, {}, False), log=lambda s: None)
-    bench.warm_up(1)
-    for _ in range(steps):
-        bench.timed_step()
+def _step_row(bench: TrainBench, peak: float) -> dict:
     r = bench.report(peak, "")
-    bench.release()  # one 468M state on the device at a time
     measured = r["peak_memory_bytes"] if r["peak_memory_source"].startswith("device") else None
+    bound = bench.bound()
     return {
-        "impl": impl,
+        "variant": r["variant"],
+        "impl": r["attention_impl"],
         "compile_s": round(r["compile_s"], 2),
         "step_s": round(r["median_step_s"], 4),
         "tokens_per_s": r["tokens_per_s"],
@@ -110,7 +109,43 @@ def train_step(cfg, impl: str, steps: int, peak: float) -> dict:
         "xla_memory_estimate_bytes": r["xla_memory_bytes_per_device"],
         "measured_peak_bytes": measured,
         "measured_peak_source": "device peak_bytes_in_use" if measured is not None else "not reported on CPU",
+        # the compiled bound of this same program on this chip, by part: "measured / bound" in one column
+        "bound": bound,
+        "measured_over_bound": round(r["median_step_s"] * 1e3 / bound["per_op_bound_ms"], 3) if bound else None,
     }
+
+
+def train_step(cfg, impl: str, steps: int, peak: float, log=lambda s: None) -> dict:
+    """One impl's train step, built as training builds it (bench/train.py's TrainBench)."""
+    bench = TrainBench(cfg, AttentionChoice(impl, {}, False), log=log)
+    bench.warm_up(1)
+    for _ in range(steps):
+        bench.timed_step()
+    row = _step_row(bench, peak)
+    bench.release()  # one 468M state on the device at a time
+    return row
+
+
+def variant_steps(cfg, impl: str, steps: int, peak: float, log=lambda s: None) -> dict:
+    """Vanilla, ResFormer, SVFormer and SkipV1Former at the same setting, taking turns step by step (a slow spell
+    of the device touches each alike); each step's ratio to vanilla's in the same round, the median of them."""
+    benches = []
+    for mode in VARIANTS:
+        c = cfg.copy_and_resolve_references()
+        c.model.value_residual = mode
+        benches.append(TrainBench(c, AttentionChoice(impl, {}, False), log=log))
+    for b in benches:
+        b.warm_up(1)
+    for _ in range(steps):
+        for b in benches:
+            b.timed_step()
+    rows = [_step_row(b, peak) for b in benches]
+    for row, b in zip(rows, benches):
+        row["paired_step_ratio_to_vanilla"] = round(
+            statistics.median(t / t0 for t, t0 in zip(b.times, benches[0].times)), 4
+        )
+        b.release()
+    return {"impl": impl, "rows": rows}
 
 
 def device_target_config() -> str | None:
@@ -198,16 +233,24 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
         )
     cfg.mesh.data, cfg.mesh.fsdp = -1, 1
 
+    def fastest_impls() -> list[str]:
+        """The impls that passed, fastest forward + backward first (the comparison kernel is no config impl)."""
+        rows = [
+            r
+            for r in report["attention"].get("rows", [])
+            if r["status"] == "ok" and r["impl"] != "jax_pallas_gpu" and "speed_bf16" in r
+        ]
+        return [r["impl"] for r in sorted(rows, key=lambda r: r["speed_bf16"]["fwd_bwd"]["ms"])]
+
     def train():
         steps = []
-        for row in report["attention"].get("rows", []):
-            if row["status"] != "ok" or row["impl"] == "jax_pallas_gpu":  # the comparison kernel is no config impl
-                continue
+        impls = fastest_impls()
+        for impl in impls[: TRAIN_IMPLS if not on_cpu else len(impls)]:
             try:
-                steps.append(train_step(cfg.copy_and_resolve_references(), row["impl"], train_steps, peak))
+                steps.append(train_step(cfg.copy_and_resolve_references(), impl, train_steps, peak, log))
             except Exception as e:
-                steps.append({"impl": row["impl"], "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
-            log(f"train step {row['impl']:>8}: {steps[-1]}")
+                steps.append({"impl": impl, "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+            log(f"train step {impl:>8}: {steps[-1]}")
             report["train"] = {"steps": steps, "status": "running"}
             save(report)
         return {
@@ -215,24 +258,37 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
             "batch": cfg.train.global_batch,
             "seq_len": cfg.data.seq_len,
             "steps": steps,
+            "impls_not_stepped": impls[len(steps) :],
         }
+
+    def variants():
+        impl = report.get("auto", {}).get("choice") or (fastest_impls() or ["xla"])[0]
+        out = {"config": described, **variant_steps(cfg, impl, train_steps, peak, log)}
+        for row in out["rows"]:
+            log(
+                f"variant {row['variant']:>9}: {row['step_s']:.4f} s/step, MFU {row['mfu_model']:.3f}, "
+                f"{row['paired_step_ratio_to_vanilla']:.4f}x vanilla (paired), bound {row['bound']}"
+            )
+        return out
 
     def decoding():
         # the decode engine's matrix: batch 1 and 64 (CPU: 1 and 4) at 2,048 tokens of context, vanilla and SVFormer
         # taking turns, each row's bytes a step against the memory bandwidth measured in this process
         dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
-        batches, context, new = ((1, 4), 64, 8) if on_cpu else ((1, 64), 2048, 32)
+        batches, context, new = ((1, 4), 64, 8) if on_cpu else ((1, 64), 2048, 16)
         cfgs = []
         for v in ("none", "svformer"):
             c = dcfg.copy_and_resolve_references()
             c.model.value_residual = v
             cfgs.append(c)
-        rows = bench_decode_matrix(cfgs, batches, (context,), new, rounds=1)
+        rows = list(bench_decode_matrix(cfgs, batches, (context,), new, rounds=1, prefill=False, log=log))
         for r in rows:  # what the batch holds in the cache, as the table prints it
             r["kv_cache_bytes"] = r["kv_cache_bytes_held_per_token"] * r["batch"] * (context + new)
         return rows
 
-    for name, fn in (("attention", attention), ("auto", auto), ("train", train), ("decode", decoding)):
+    # decode before the train steps: the train rows are the longest part, and a check cut short keeps the rest
+    parts = (("attention", attention), ("auto", auto), ("decode", decoding), ("train", train), ("variants", variants))
+    for name, fn in parts:
         _section(report, name, save, fn)
     report["complete"] = True
     save(report)
@@ -255,7 +311,7 @@ def table(report: dict) -> str:
             f"{r['impl']:>15} {e32:9.1e} {e16:9.1e} {sp.get('fwd', {}).get('ms', float('nan')):8.2f} "
             f"{sp.get('fwd_bwd', {}).get('ms', float('nan')):11.2f}  {r['status'][:60]}"
         )
-    for name in ("attention", "auto", "train", "decode"):
+    for name in ("attention", "auto", "decode", "train", "variants"):
         part = report.get(name)
         if isinstance(part, dict) and str(part.get("status", "")).startswith("failed"):
             lines.append(f"{name}: {part['status']}")
@@ -268,9 +324,27 @@ def table(report: dict) -> str:
                 f"{s['mfu_model']:.3f} (model) {s['mfu_6n']:.3f} (6N), XLA estimate "
                 f"{(s['xla_memory_estimate_bytes'] or 0) / 2**30:.2f} GiB, measured peak "
                 + (f"{s['measured_peak_bytes'] / 2**30:.2f} GiB" if s["measured_peak_bytes"] else "n/a")
+                + (
+                    f", bound {s['bound']['per_op_bound_ms']:.1f} ms (measured/bound {s['measured_over_bound']:.2f})"
+                    if s.get("bound")
+                    else ""
+                )
             )
         else:
             lines.append(f"train {s['impl']:>8}: {s['status']}")
+    for s in report.get("variants", {}).get("rows", []):
+        b = s["bound"]
+        lines.append(
+            f"{s['variant']:>9} ({s['impl']}): {s['step_s']:.4f} s/step, MFU {s['mfu_model']:.3f} (model), "
+            f"{s['paired_step_ratio_to_vanilla']:.4f}x vanilla's step (paired)"
+            + (
+                f"; bound {b['per_op_bound_ms']:.1f} ms (gemm {b['by_part_ms']['gemm']:.1f}, attention "
+                f"{b['by_part_ms']['kernel']:.1f}, fusions {b['by_part_ms']['fusion']:.1f}), measured/bound "
+                f"{s['measured_over_bound']:.2f}"
+                if b
+                else ""
+            )
+        )
     for d in report.get("decode", []) if isinstance(report.get("decode"), list) else []:
         lines.append(
             f"decode {d['variant']:>8} batch {d['batch']:>3}: {d['decode_tokens_per_s']:,.1f} tok/s, "

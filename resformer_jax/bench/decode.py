@@ -5,7 +5,9 @@ sequences the budget held at once)."""
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
@@ -103,29 +105,42 @@ def measure_copy_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     return best
 
 
-def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int, prefill: bool = True) -> list[dict]:
+def bench_decode_matrix(
+    cfgs, batches, contexts, new_tokens: int, rounds: int, prefill: bool = True, log=lambda m: print(m, file=sys.stderr)
+) -> Iterator[dict]:
     """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
     with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
     fraction of this process's copy bandwidth that implies; and the cache each variant holds a token.
-    prefill=False: the prompts' pages taken, not computed (steady_decode)."""
+    prefill=False: the prompts' pages taken, not computed (steady_decode). Rows are yielded as each (batch,
+    context) finishes, and each phase's seconds logged, so a run cut short keeps what it measured."""
 
+    t0 = time.perf_counter()
     bandwidth = measure_copy_bandwidth()
-    out = []
+    log(f"bench decode: copy bandwidth {bandwidth / 1e9:.1f} GB/s, measured in {time.perf_counter() - t0:.1f} s")
+    longest = max(contexts) + new_tokens + 1
+    runs = []  # parameters built once per variant, at the longest context
+    for cfg in cfgs:
+        t0 = time.perf_counter()
+        m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, longest))
+        runs.append((m, random_params(m)))
+        log(f"bench decode {m.value_residual}: parameters built in {time.perf_counter() - t0:.1f} s")
     for batch in batches:
         for context in contexts:
-            runs = []
-            for cfg in cfgs:
-                m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, context + new_tokens + 1))
-                runs.append((m, random_params(m), []))
+            measured: list[list[dict]] = [[] for _ in runs]
             for _ in range(rounds):
-                for m, params, results in runs:
-                    results.append(steady_decode(m, params, batch, context, new_tokens, prefill=prefill))
-            for m, params, results in runs:
+                for (m, params), res in zip(runs, measured):
+                    t0 = time.perf_counter()
+                    res.append(steady_decode(m, params, batch, context, new_tokens, prefill=prefill))
+                    log(
+                        f"bench decode {m.value_residual} batch {batch} context {context}: "
+                        f"{time.perf_counter() - t0:.1f} s ({res[-1]['step_s'] * 1e3:.2f} ms a step)"
+                    )
+            for (m, params), results in zip(runs, measured):
                 step_s = statistics.median(r["step_s"] for r in results)
                 cached = results[0]["cached_tokens_per_step"]
                 weights = weight_bytes_read(m, params)
                 cache = kv_bytes_read_per_token(m) * cached
-                out.append(
+                yield (
                     {
                         "variant": m.value_residual,
                         "batch": batch,
@@ -141,7 +156,6 @@ def bench_decode_matrix(cfgs, batches, contexts, new_tokens: int, rounds: int, p
                         "compiled_shapes": results[0]["compiled_shapes"],
                     }
                 )
-    return out
 
 
 def bench_decode_stream(

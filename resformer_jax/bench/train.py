@@ -13,9 +13,10 @@ import time
 
 import jax
 
-from resformer_jax import perf
+from resformer_jax import chips, perf
 from resformer_jax.bench.step_profile import profile_step
 from resformer_jax.bench.timing import random_tokens
+from resformer_jax.compile.roofline import roofline
 from resformer_jax.memory import memory_knobs, memory_precheck
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
@@ -31,10 +32,15 @@ class TrainBench:
 
     def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr)):
 
-        self.cfg = cfg
+        self.cfg, self.log, t0 = cfg, log, time.perf_counter()
         self.setup = build(resolve(cfg, attention=attention, log=log))
         # train.telemetry: time the logged steps' program (the per-layer norms); the others run the plain step
         self.compiled, compile_s, mem = self.setup.compile(telemetry=bool(cfg.train.telemetry))
+        # each phase's seconds on stderr: a check cut short by its time limit says where it was
+        log(
+            f"bench train {cfg.model.value_residual}: built in {time.perf_counter() - t0:.1f} s "
+            f"({compile_s:.1f} s compile)"
+        )
         self.mem = mem
         self.shape = self.setup.global_batch_shape
         self.out = {
@@ -61,11 +67,18 @@ class TrainBench:
 
         # a clear error before a step that cannot fit, as training does
         memory_precheck(self.mem, self.cfg.mesh, knobs=memory_knobs(self.cfg, self.setup.mesh.devices.size))
+        t0 = time.perf_counter()
         self.state = self.setup.init_state(seed=0)
         self.tokens = self._tokens()
+        jax.block_until_ready(self.state)
+        t1 = time.perf_counter()
         for _ in range(steps):
             self.state, m = self.compiled(self.state, self.tokens)
         jax.block_until_ready(m)
+        self.log(
+            f"bench train {self.cfg.model.value_residual}: state initialised in {t1 - t0:.1f} s, {steps} warm-up "
+            f"step(s) in {time.perf_counter() - t1:.1f} s"
+        )
 
     def timed_step(self):
 
@@ -77,9 +90,13 @@ class TrainBench:
     def profiled_step(self, profile_dir: str):
         """One step under the profiler (step_profile.py); its trace stays in profile_dir."""
 
+        t0 = time.perf_counter()
         self.hlo = self.hlo or self.compiled.as_text()
         p = profile_step(self.compiled, self.state, self.tokens, self.hlo, profile_dir)
         self.state, self.metrics = p.state, p.metrics
+        self.log(
+            f"bench train {self.cfg.model.value_residual}: a step profiled and read in {time.perf_counter() - t0:.1f} s"
+        )
         # Against the fastest unprofiled step so far: a shared host's slow spells only ever lengthen a step, and
         # pairing with one round's step made the ratio as noisy as that round (0.79 once in CI, the profile faster).
         self.profiles.append(
@@ -100,6 +117,21 @@ class TrainBench:
 
     def release(self):
         self.state = self.tokens = None
+
+    def bound(self, chip=None) -> dict | None:
+        """The compiled bound of this very program (compile/roofline.py: each op at the chip's datasheet peak or
+        bandwidth), by part, so a measured step reads as "measured / bound"; None where the chip's numbers are
+        not known (a CPU). `chip`: another chip's numbers (tests)."""
+        chip = chip or chips.chip_of_device(jax.devices()[0].device_kind)
+        if chip is None or not chip.has_roofline:
+            return None
+        self.hlo = self.hlo or self.compiled.as_text()
+        r = roofline(self.hlo, chip)
+        return {
+            "chip": chip.kind,
+            "per_op_bound_ms": round(r.per_op_bound_s * 1e3, 2),
+            "by_part_ms": {kind: round(v["bound_s"] * 1e3, 2) for kind, v in r.by_kind().items()},
+        }
 
     def report(self, peak, peak_src, peak_median=None) -> dict:
 

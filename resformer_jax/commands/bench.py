@@ -147,7 +147,7 @@ def run_decode(modes: list[str]) -> list[dict]:
                 f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
             ) from None
         for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds, prefill=FLAGS.prefill):
-            print(json.dumps(r))
+            print(json.dumps(r), flush=True)  # each row as it is measured
         return []
     if FLAGS.stream:
         from resformer_jax.bench.decode import bench_decode_stream

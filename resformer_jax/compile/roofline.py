@@ -278,6 +278,19 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> f
     return 0.0
 
 
+def cudnn_attention_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`, q [B, T, H, D] and
+    k [B, S, K, D] its first operands) by the attention formula: 2 matmuls forward, 5 backward (S recomputed, dP,
+    dQ, dK, dV), causal at half. cuDNN's own blocking is not known here, so its skipped work is taken as exact."""
+    q, k = (arrays(shapes.get(o, "")) for o in ins.operands[:2])
+    if not q or not k or len(q[0][1]) != 4 or len(k[0][1]) != 4:
+        return 0.0
+    (B, T, H, D), S = q[0][1], k[0][1][1]
+    matmuls = 5 if "Backward" in ins.custom_call_target else 2
+    causal = 0.5 if "CAUSAL" in ins.attrs.upper() else 1.0
+    return float(matmuls * 2 * B * H * T * S * D * causal)
+
+
 class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], device_kind: str = ""):
         self.comps, self.device_kind = comps, device_kind
@@ -455,6 +468,8 @@ class _Walker:
                 )  # s8: a workspace
                 if target in GEMM_TARGETS:
                     self._add(ins, "gemm", n, dot_flops(ins, self.shapes), nbytes)
+                elif "cudnn$fmha" in target:
+                    self._add(ins, "kernel", n, cudnn_attention_flops(ins, self.shapes), nbytes)
                 elif target in ("__gpu$xla.gpu.triton", "tpu_custom_call") or "cudnn" in target:
                     self._add(ins, "kernel", n, kernel_flops(ins, self.shapes, self.device_kind), nbytes)
                 else:
