@@ -13,6 +13,7 @@ import importlib.util
 import ml_collections
 
 from resformer_jax.errors import UserError
+from resformer_jax.kernels.names import CONTEXT_PARALLEL_IMPLS
 from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
 from resformer_jax.model.config import ModelConfig
 
@@ -130,6 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1
     c.mesh.fsdp = 1
+    # Context parallelism: each sequence split over this many devices (its tokens' activations a slice a device);
+    # attention gathers keys and values over the axis. 1: off.
+    c.mesh.context = 1
     c.mesh.num_devices = 0  # 0: every device; n: the first n (e.g. to compare with one device)
     # Logical axis -> mesh axes. Parameters shard their `embed` axis over fsdp.
     c.mesh.rules = (
@@ -496,6 +500,22 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             _fail("model.sparse_layers", f"layer {a} outside 2..{m.num_layers}", "list 1-based layer numbers >= 2")
     if m.num_layers < 2 and m.value_residual != "none":
         _fail("model.num_layers", "value residual needs at least 2 layers", "use num_layers >= 2")
+
+    context = int(c.mesh.get("context", 1))
+    if context < 1:
+        _fail("mesh.context", f"must be >= 1, got {context}", "use 1 (off) or the devices a sequence is split over")
+    if context > 1 and c.data.seq_len % context:
+        _fail(
+            "mesh.context",
+            f"{context} does not divide data.seq_len={c.data.seq_len}",
+            "choose a context size that divides the sequence length",
+        )
+    if context > 1 and m.attention_impl not in ("auto", *CONTEXT_PARALLEL_IMPLS):
+        _fail(
+            "model.attention_impl",
+            f"{m.attention_impl!r} does not run context-parallel (mesh.context={context}) yet",
+            f"use one of {', '.join(CONTEXT_PARALLEL_IMPLS)} or auto, or mesh.context=1",
+        )
 
     t = c.train
     if t.global_batch <= 0:

@@ -84,6 +84,11 @@ def resolve_attention(
     impl = override or cfg.model.attention_impl
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
+    context = int(cfg.mesh.get("context", 1))
+    if context > 1:  # the one impl XLA partitions over the sequence; the kernels do not run context-parallel yet
+        rejected = {i: "it does not run context-parallel yet" for i in kernels.IMPLS if i not in ("auto", "xla")}
+        log(f"attention_impl=auto is 'xla' with mesh.context={context} (keys and values gathered over the axis)")
+        return AttentionChoice("xla", rejected, False)
     if platform is not None:
         candidates, rejected = kernels.auto_candidates(backend_of(platform))
         choice = kernels.unprobed_auto(backend_of(platform))

@@ -51,7 +51,7 @@ def test_fsdp_mesh_matches_one_device_and_shards_params(tmp_path, one_device_los
     t = Trainer(cfg(data=2, fsdp=4), str(tmp_path))
     assert t.train() == 0
     np.testing.assert_allclose(losses(str(tmp_path)), one_device_losses, rtol=1e-5, atol=1e-5)
-    assert dict(t.session.setup.mesh.shape) == {"data": 2, "fsdp": 4}
+    assert dict(t.session.setup.mesh.shape) == {"data": 2, "fsdp": 4, "context": 1}
     checked = 0
     for (path, leaf), sh in zip(
         jax.tree_util.tree_leaves_with_path(t.session.state.params), jax.tree.leaves(t.session.setup.state_sh.params)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from resformer_jax.errors import UserError
-from resformer_jax.kernels.names import IMPLS, target_backend
+from resformer_jax.kernels.names import CONTEXT_PARALLEL_IMPLS, IMPLS, target_backend
 
 
 class KernelUnavailable(UserError, RuntimeError):
@@ -97,6 +97,8 @@ def attention(
     """
     if impl == "auto":
         impl = unprobed_auto(target_backend())
+    if context_size(mesh) > 1 and q_BxTxHxD.shape[0] % math.prod(mesh.shape[a] for a in batch_axes) == 0:
+        return _context_parallel(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, batch_axes, segments_BxT)
     if segments_BxT is not None and impl not in DOCUMENT_MASK_IMPLS:
         raise KernelUnavailable(
             f"attention_impl={impl!r} cannot mask documents (data.document_mask=True); use one of "
@@ -153,6 +155,35 @@ def attention(
 
         return tpu_attention.splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, segments_BxT=segments_BxT)
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
+
+
+def context_size(mesh) -> int:
+    """Devices each sequence is split over (the mesh's `context` axis; 1 without one)."""
+    return int(dict(mesh.shape).get("context", 1)) if mesh is not None else 1
+
+
+def on_context(x, mesh, batch_axes=("data", "fsdp"), split: bool = True):
+    """x [B, T, ...] laid out with its batch over `batch_axes` and its tokens split over the `context` axis
+    (split=False: every token on every device of the axis, an all-gather where it was split)."""
+    spec = jax.sharding.PartitionSpec(batch_axes, "context" if split else None, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _context_parallel(q, k, v, causal, impl, mesh, batch_axes, segments_BxT):
+    """Context parallelism: each device keeps its slice of the queries and gathers every key and value over the
+    `context` axis (one all-gather of K and one of V a layer; SVFormer's V_1 arrives gathered once, from the
+    model). The program is the whole sequence's attention, partitioned by XLA: a query's causal mask and
+    document are those of its global position, and every device computes T/N x T scores (the causal work
+    balanced by construction: no block is skipped)."""
+    if impl not in CONTEXT_PARALLEL_IMPLS:
+        raise KernelUnavailable(
+            f"attention_impl={impl!r} does not run context-parallel (mesh.context={context_size(mesh)}) yet; "
+            f"use one of {', '.join(CONTEXT_PARALLEL_IMPLS)} or auto, or mesh.context=1"
+        )
+    q = on_context(q, mesh, batch_axes)
+    k, v = on_context(k, mesh, batch_axes, split=False), on_context(v, mesh, batch_axes, split=False)
+    out = attention(q, k, v, causal=causal, impl=impl, segments_BxT=segments_BxT)
+    return on_context(out, mesh, batch_axes)
 
 
 def auto_candidates(backend: str, documents: bool = False) -> tuple[list[str], dict[str, str]]:

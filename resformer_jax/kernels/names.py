@@ -8,6 +8,9 @@ import jax
 # auto: resolved once per run by probing at the run's shapes (resolve.py).
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
+# Impls that run context-parallel (mesh.context > 1): XLA partitions them over the sequence, keys and values
+# gathered (kernels.attention); the custom-call kernels and chunked's loop over blocks do not yet.
+CONTEXT_PARALLEL_IMPLS = ("xla", "reference")
 
 # The platform a program is being compiled for when it is not this machine's backend (compile/aot.py compiles for
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what

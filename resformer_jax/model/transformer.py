@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax import kernels
 from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import ATTENTION_RESIDUALS
 from resformer_jax.model.attention import (
@@ -191,6 +192,13 @@ class Transformer(nn.Module):
         object.__setattr__(self, "cfg", m)
         super().__post_init__()
 
+    def _context_parallel(self, batch: int) -> bool:
+        """Whether the sequence is split over the mesh's context axis (a batch that does not divide over the batch
+        axes, as model.init's, runs whole)."""
+        if kernels.context_size(self.mesh) == 1:
+            return False
+        return batch % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]) == 0
+
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False, page_table_BxP=None):
         """return_hidden: stop before the LM head and return RMSNorm(H_N) [B, T, E]
@@ -226,6 +234,9 @@ class Transformer(nn.Module):
             )
             h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
         h_BxTxE = dropout(self, m, h_BxTxE)
+        context = not decode and self._context_parallel(B)
+        if context:  # each device keeps its slice of the sequence from here on (mesh.context)
+            h_BxTxE = kernels.on_context(h_BxTxE, self.mesh)
         if m.value_embeddings:  # one lookup a table, [B, T, K, D], read by the layers that add it to their value
             K, D = m.kv_heads, m.head_dim
             ctx = dataclasses.replace(
@@ -249,6 +260,8 @@ class Transformer(nn.Module):
         carry, first = block_cls(m, 1, decode, self.capture, self.planner, name="layer_1")(
             Carry(h=h_BxTxE), ctx, lams_Nx2[0]
         )
+        if context and first.v is not None:  # V_1 gathered over the context axis once, read by every later layer
+            first = first._replace(v=kernels.on_context(first.v, self.mesh, split=False))
         ctx = dataclasses.replace(ctx, first=first)
         carry = first_carry(m, carry.h, first)
 

@@ -48,13 +48,19 @@ def maybe_initialize_distributed(
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-    """A (data, fsdp) mesh; one of the two may be -1 (fill with the remaining devices)."""
+    """A (data, fsdp, context) mesh; one of data and fsdp may be -1 (fill with the remaining devices)."""
     devices = list(devices if devices is not None else jax.devices())
     if getattr(mesh_cfg, "num_devices", 0):
         if mesh_cfg.num_devices > len(devices):
             raise MeshError(f"config.mesh.num_devices={mesh_cfg.num_devices} but only {len(devices)} devices exist")
         devices = devices[: mesh_cfg.num_devices]
-    n = len(devices)
+    context = int(getattr(mesh_cfg, "context", 1) or 1)  # older runs' configs have no context axis
+    if len(devices) % context:
+        raise MeshError(
+            f"config.mesh.context={context} does not divide the {len(devices)} devices; choose a divisor of "
+            f"{len(devices)}"
+        )
+    n = len(devices) // context  # what data x fsdp share
     data, fsdp = int(mesh_cfg.data), int(mesh_cfg.fsdp)
     if data == -1 and fsdp == -1:
         raise MeshError("config.mesh.data and config.mesh.fsdp are both -1; set at most one to -1")
@@ -68,10 +74,11 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
         fsdp = n // data
     if data * fsdp != n:
         raise MeshError(
-            f"mesh data={data} x fsdp={fsdp} = {data * fsdp} but {n} devices are present; "
-            "set one of config.mesh.data / config.mesh.fsdp to -1"
+            f"mesh data={data} x fsdp={fsdp} x context={context} = {data * fsdp * context} but {n * context} "
+            "devices are present; set one of config.mesh.data / config.mesh.fsdp to -1"
         )
-    return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
+    # context innermost: a sequence's slices on neighbouring devices (the same host, the fastest links)
+    return Mesh(np.asarray(devices).reshape(data, fsdp, context), ("data", "fsdp", "context"))
 
 
 def rules(mesh_cfg):

@@ -1,0 +1,138 @@
+"""Context parallelism (mesh.context): each sequence split over devices, keys and values gathered over the axis.
+The partitioned program must be the whole sequence's program: logits and gradients equal to one device's, for
+every value-residual variant, with data and fsdp axes beside it and with packed documents; SVFormer's V_1
+crosses the axis once, not once a layer."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from resformer_jax.config import ConfigError, tiny_config, validate
+from resformer_jax.parallel.mesh import MeshError, make_mesh
+from resformer_jax.resolve import resolve
+from resformer_jax.train.setup import build
+
+VARIANTS = ("none", "resformer", "svformer", "skipv1")
+
+
+def config(variant, context, data=-1, fsdp=1, documents=False, num_devices=0):
+    c = tiny_config(variant)
+    c.model.attention_impl = "xla"
+    c.model.num_kv_heads = 2
+    c.model.scan_layers = False
+    c.data.seq_len = 32
+    c.train.global_batch = 4
+    c.mesh.data, c.mesh.fsdp, c.mesh.context, c.mesh.num_devices = data, fsdp, context, num_devices
+    if documents:
+        c.data.document_mask = True
+        c.data.eot_id = 0
+    return c
+
+
+def loss_and_grads(c, tokens):
+    setup = build(resolve(c, log=lambda m: None))
+    state = setup.init_state(seed=0)
+    params = state.params
+    model = setup.model
+
+    def loss(p, t):
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), t[:, 1:, None], -1))
+
+    tokens = jax.device_put(tokens, setup.batch_sh)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, tokens)
+    return float(value), jax.tree.map(np.asarray, grads), setup
+
+
+def tokens_for(c, documents=False):
+    rng = np.random.default_rng(0)
+    t = rng.integers(1, c.model.vocab_size, (c.train.global_batch, c.data.seq_len + 1)).astype(np.int32)
+    if documents:
+        t[:, [5, 14, 20]] = 0  # end-of-text tokens: four documents a row
+    return t
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("mesh", [dict(context=2, data=2, fsdp=2), dict(context=4, data=2, fsdp=1)])
+def test_a_sequence_split_over_devices_gives_one_devices_loss_and_gradients(variant, mesh):
+    assert len(jax.devices()) == 8
+    one = config(variant, 1, data=1, fsdp=1, num_devices=1)
+    t = tokens_for(one)
+    loss1, grads1, _ = loss_and_grads(one, t)
+    loss_n, grads_n, setup = loss_and_grads(config(variant, **mesh), t)
+    assert dict(setup.mesh.shape) == {"data": mesh["data"], "fsdp": mesh["fsdp"], "context": mesh["context"]}
+    assert abs(loss_n - loss1) < 1e-5, (loss_n, loss1)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_n), jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("variant", ("resformer", "svformer"))
+def test_packed_documents_split_over_devices_match_one_device(variant):
+    one = config(variant, 1, data=1, fsdp=1, num_devices=1, documents=True)
+    t = tokens_for(one, documents=True)
+    loss1, grads1, _ = loss_and_grads(one, t)
+    loss_n, grads_n, setup = loss_and_grads(config(variant, 4, data=2, documents=True), t)
+    assert setup.model.cfg.document_eot == 0  # the documents are masked
+    assert abs(loss_n - loss1) < 1e-5
+    for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+
+
+def test_activations_are_split_and_svformer_gathers_v1_once():
+    """In the compiled forward (layers unrolled, context 2, no fsdp: every all-gather is attention's), vanilla
+    gathers K and V in each of its L layers, SVFormer each layer's K and V_1 once; the hidden states stay split."""
+
+    def gathers(variant):
+        c = config(variant, 2, data=4)
+        setup = build(resolve(c, log=lambda m: None))
+        params = setup.init_state(seed=0).params
+        tokens = jax.device_put(tokens_for(c)[:, :-1], setup.batch_sh)
+        f = jax.jit(lambda p, t: setup.model.apply({"params": p}, t, return_hidden=True))
+        h = f(params, tokens)
+        assert h.sharding.is_equivalent_to(NamedSharding(setup.mesh, P(("data", "fsdp"), "context", None)), 3)
+        hlo = f.lower(params, tokens).compile().as_text()
+        return len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)), c.model.num_layers
+
+    vanilla, L = gathers("none")
+    svformer, _ = gathers("svformer")
+    assert vanilla == 2 * L, vanilla
+    assert svformer == L + 1, svformer
+
+
+def test_bad_context_settings_are_named():
+    with pytest.raises(ConfigError, match=r"mesh.context.*does not divide data.seq_len=32"):
+        validate(config("svformer", 3))
+    c = config("svformer", 2)
+    c.model.attention_impl = "pallas"
+    with pytest.raises(ConfigError, match=r"'pallas' does not run context-parallel.*use one of xla, reference"):
+        validate(c)
+    with pytest.raises(MeshError, match="mesh.context=3 does not divide the 8 devices"):
+        make_mesh(config("svformer", 3).mesh)
+    c = config("svformer", 2)
+    c.model.attention_impl = "auto"
+    logged = []
+    assert resolve(c, log=logged.append).model.attention_impl == "xla"
+    assert any("mesh.context=2" in m for m in logged)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_run_trains_as_one_device_does(tmp_path):
+    """The trainer end to end (layers scanned, V_1 a broadcast input of the scan): the same losses."""
+    from test_parallel import losses
+
+    from resformer_jax.commands.training import run
+
+    def cfg(**mesh):
+        c = config("svformer", **mesh)
+        c.model.scan_layers = True
+        c.train.steps, c.train.log_every, c.train.eval_every, c.checkpoint.every_steps = 4, 1, 1000, 1000
+        return c
+
+    assert run(cfg(context=1, data=1, num_devices=1), str(tmp_path / "one")) == 0
+    assert run(cfg(context=2, data=2, fsdp=2), str(tmp_path / "cp")) == 0
+    np.testing.assert_allclose(losses(str(tmp_path / "cp")), losses(str(tmp_path / "one")), rtol=1e-5, atol=1e-5)
