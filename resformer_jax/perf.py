@@ -138,7 +138,14 @@ def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]
 
 def fsdp_devices(cfg, devices: int) -> int:
     """The devices the state is sharded over (config.mesh.fsdp; -1 or 0: all of them)."""
-    return cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else devices
+    if cfg.mesh.fsdp > 0:
+        return cfg.mesh.fsdp
+    return max(1, devices // (context_devices(cfg) * max(1, cfg.mesh.data)))
+
+
+def context_devices(cfg) -> int:
+    """The devices each sequence is split over (config.mesh.context)."""
+    return max(1, int(cfg.mesh.get("context", 1)))
 
 
 def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> dict:
@@ -158,14 +165,19 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     fsdp = max(1, fsdp_devices(cfg, devices))
     n_params = model_flops(m, cfg.data.seq_len).params_total
     act = jnp.dtype(m.dtype).itemsize
-    mb = max(1, (t.microbatch or t.global_batch) // devices)
-    T, E, F, H, L = cfg.data.seq_len, m.d_model, m.ffn_dim, m.num_heads, m.num_layers
+    context = context_devices(cfg)  # each sequence's tokens split over these devices; keys and values gathered
+    mb = max(1, (t.microbatch or t.global_batch) // max(1, devices // context))
+    S, E, F, H, L = cfg.data.seq_len, m.d_model, m.ffn_dim, m.num_heads, m.num_layers
+    T = S // context  # the tokens a device holds
     state = 16 * n_params / fsdp
     kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
     layer = 2 * mb * T * (4 * E + 3 * F) * act
-    attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * T * 4
+    if context > 1:  # one layer's gathered keys and values (and their gradients)
+        mc = ModelConfig.of(m)
+        layer += 2 * 2 * mb * S * mc.kv_heads * mc.head_dim * act
+    attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * S * 4
     # one fp32 block of logits: its gradient reuses the buffer (compiled for H100, docs/kernels-and-compile.md)
-    logits = mb * max(1, t.loss_chunk_len or T) * m.vocab_size * 4
+    logits = mb * max(1, min(t.loss_chunk_len or T, T)) * m.vocab_size * 4
     total = state + kept + layer + attention + logits
     return {
         "state": int(state),

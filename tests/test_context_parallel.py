@@ -136,3 +136,21 @@ def test_a_context_parallel_run_trains_as_one_device_does(tmp_path):
     assert run(cfg(context=1, data=1, num_devices=1), str(tmp_path / "one")) == 0
     assert run(cfg(context=2, data=2, fsdp=2), str(tmp_path / "cp")) == 0
     np.testing.assert_allclose(losses(str(tmp_path / "cp")), losses(str(tmp_path / "one")), rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_estimate_counts_a_devices_slice_of_the_sequence():
+    from resformer_jax.perf import estimate_train_memory
+
+    c = config("svformer", 1, data=-1)
+    c.data.seq_len, c.train.global_batch = 4096, 8
+    one = estimate_train_memory(c, 8)
+    c.mesh.context, c.mesh.data = 4, 2
+    split = estimate_train_memory(c, 8)
+    # the same sequences a device (8 over data 2 x context 4: 4 a device), a quarter of each one's tokens
+    assert split["per_device_micro_batch"] == 4 * one["per_device_micro_batch"]
+    assert split["activations_kept"] == one["activations_kept"]
+    assert split["state"] == one["state"]
+    c.mesh.context, c.mesh.data = 8, 1
+    whole = estimate_train_memory(c, 8)  # every device holds an eighth of all 8 sequences: one sequence's worth
+    assert whole["activations_kept"] == one["activations_kept"]
+    assert whole["one_layer"] > one["one_layer"]  # plus the gathered keys and values
