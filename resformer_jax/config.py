@@ -504,11 +504,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     context = int(c.mesh.get("context", 1))
     if context < 1:
         _fail("mesh.context", f"must be >= 1, got {context}", "use 1 (off) or the devices a sequence is split over")
-    if context > 1 and c.data.seq_len % context:
+    if context > 1 and c.data.seq_len % (2 * context):
         _fail(
             "mesh.context",
-            f"{context} does not divide data.seq_len={c.data.seq_len}",
-            "choose a context size that divides the sequence length",
+            f"data.seq_len={c.data.seq_len} does not split into 2 x {context} equal slices (each device holds two, "
+            "one from each end, for the causal work to balance)",
+            "choose a context size with 2 x context dividing the sequence length",
         )
     if context > 1 and m.attention_impl not in ("auto", *CONTEXT_PARALLEL_IMPLS):
         _fail(

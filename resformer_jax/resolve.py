@@ -85,10 +85,14 @@ def resolve_attention(
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
     context = int(cfg.mesh.get("context", 1))
-    if context > 1:  # the one impl XLA partitions over the sequence; the kernels do not run context-parallel yet
-        rejected = {i: "it does not run context-parallel yet" for i in kernels.IMPLS if i not in ("auto", "xla")}
-        log(f"attention_impl=auto is 'xla' with mesh.context={context} (keys and values gathered over the axis)")
-        return AttentionChoice("xla", rejected, False)
+    if context > 1:  # a GPU's own kernel on each device's slices, XLA's attention elsewhere
+        gpu = (backend_of(platform) if platform is not None else jax.default_backend()) == "gpu"
+        choice = "pallas" if gpu else "xla"
+        rejected = {
+            i: "it does not run context-parallel yet" for i in kernels.IMPLS if i not in kernels.CONTEXT_PARALLEL_IMPLS
+        }
+        log(f"attention_impl=auto is {choice!r} with mesh.context={context} (keys and values gathered over the axis)")
+        return AttentionChoice(choice, rejected, False)
     if platform is not None:
         candidates, rejected = kernels.auto_candidates(backend_of(platform))
         choice = kernels.unprobed_auto(backend_of(platform))

@@ -20,9 +20,9 @@ from resformer_jax.train.setup import build
 VARIANTS = ("none", "resformer", "svformer", "skipv1")
 
 
-def config(variant, context, data=-1, fsdp=1, documents=False, num_devices=0):
+def config(variant, context, data=-1, fsdp=1, documents=False, num_devices=0, impl="xla"):
     c = tiny_config(variant)
-    c.model.attention_impl = "xla"
+    c.model.attention_impl = impl
     c.model.num_kv_heads = 2
     c.model.scan_layers = False
     c.data.seq_len = 32
@@ -58,25 +58,35 @@ def tokens_for(c, documents=False):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("mesh", [dict(context=2, data=2, fsdp=2), dict(context=4, data=2, fsdp=1)])
+@pytest.mark.parametrize(
+    "mesh",
+    [dict(context=2, data=2, fsdp=2), dict(context=4, data=2, fsdp=1), dict(context=4, data=2, impl="pallas")],
+    ids=["xla-data2-fsdp2-context2", "xla-data2-context4", "pallas-data2-context4"],
+)
 def test_a_sequence_split_over_devices_gives_one_devices_loss_and_gradients(variant, mesh):
+    """The balanced layout (each device two slices of the sequence, one from each end) included: the logits come
+    back in the sequence's order, every query attends by its position."""
     assert len(jax.devices()) == 8
     one = config(variant, 1, data=1, fsdp=1, num_devices=1)
     t = tokens_for(one)
     loss1, grads1, _ = loss_and_grads(one, t)
     loss_n, grads_n, setup = loss_and_grads(config(variant, **mesh), t)
-    assert dict(setup.mesh.shape) == {"data": mesh["data"], "fsdp": mesh["fsdp"], "context": mesh["context"]}
+    assert dict(setup.mesh.shape) == {
+        "data": 2,
+        "fsdp": mesh.get("fsdp", 8 // 2 // mesh["context"]),
+        "context": mesh["context"],
+    }
     assert abs(loss_n - loss1) < 1e-5, (loss_n, loss1)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_n), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("variant", ("resformer", "svformer"))
-def test_packed_documents_split_over_devices_match_one_device(variant):
+@pytest.mark.parametrize("variant,impl", [("resformer", "xla"), ("svformer", "xla"), ("svformer", "pallas")])
+def test_packed_documents_split_over_devices_match_one_device(variant, impl):
     one = config(variant, 1, data=1, fsdp=1, num_devices=1, documents=True)
     t = tokens_for(one, documents=True)
     loss1, grads1, _ = loss_and_grads(one, t)
-    loss_n, grads_n, setup = loss_and_grads(config(variant, 4, data=2, documents=True), t)
+    loss_n, grads_n, setup = loss_and_grads(config(variant, 4, data=2, documents=True, impl=impl), t)
     assert setup.model.cfg.document_eot == 0  # the documents are masked
     assert abs(loss_n - loss1) < 1e-5
     for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads1)):
@@ -84,8 +94,9 @@ def test_packed_documents_split_over_devices_match_one_device(variant):
 
 
 def test_activations_are_split_and_svformer_gathers_v1_once():
-    """In the compiled forward (layers unrolled, context 2, no fsdp: every all-gather is attention's), vanilla
-    gathers K and V in each of its L layers, SVFormer each layer's K and V_1 once; the hidden states stay split."""
+    """In the compiled forward (layers unrolled, context 2, no fsdp: every all-gather but the last is attention's),
+    vanilla gathers K and V in each of its L layers, SVFormer each layer's K and V_1 once; the hidden states stay
+    split."""
 
     def gathers(variant):
         c = config(variant, 2, data=4)
@@ -100,16 +111,17 @@ def test_activations_are_split_and_svformer_gathers_v1_once():
 
     vanilla, L = gathers("none")
     svformer, _ = gathers("svformer")
-    assert vanilla == 2 * L, vanilla
-    assert svformer == L + 1, svformer
+    # + 1: the last hidden states put back in the sequence's order (from the balanced layout)
+    assert vanilla == 2 * L + 1, vanilla
+    assert svformer == L + 1 + 1, svformer
 
 
 def test_bad_context_settings_are_named():
-    with pytest.raises(ConfigError, match=r"mesh.context.*does not divide data.seq_len=32"):
+    with pytest.raises(ConfigError, match=r"data.seq_len=32 does not split into 2 x 3 equal slices"):
         validate(config("svformer", 3))
     c = config("svformer", 2)
-    c.model.attention_impl = "pallas"
-    with pytest.raises(ConfigError, match=r"'pallas' does not run context-parallel.*use one of xla, reference"):
+    c.model.attention_impl = "cudnn"
+    with pytest.raises(ConfigError, match=r"'cudnn' does not run context-parallel.*use one of pallas, xla, reference"):
         validate(c)
     with pytest.raises(MeshError, match="mesh.context=3 does not divide the 8 devices"):
         make_mesh(config("svformer", 3).mesh)
@@ -154,3 +166,40 @@ def test_the_memory_estimate_counts_a_devices_slice_of_the_sequence():
     whole = estimate_train_memory(c, 8)  # every device holds an eighth of all 8 sequences: one sequence's worth
     assert whole["activations_kept"] == one["activations_kept"]
     assert whole["one_layer"] > one["one_layer"]  # plus the gathered keys and values
+
+
+@pytest.mark.parametrize("documents", (False, True))
+@pytest.mark.parametrize("block", (16, 32))
+def test_the_pallas_kernel_attends_from_a_devices_slices_of_the_sequence(documents, block):
+    """flash_attention_at (interpreted): queries at two slices of the sequence (a device's under the balanced
+    layout) against every key in order equal softmax attention with the mask by position, outputs and gradients,
+    GQA, a slice shorter than a block (the padding) included."""
+    from resformer_jax.kernels import pallas_attention
+
+    S, H, K, D = 96, 4, 2, 16
+    positions = np.concatenate([np.arange(16, 40), np.arange(72, 84)])[None].repeat(2, 0)  # 36 queries
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, positions.shape[1], H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, S, K, D)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.cumsum(rng.random((2, S)) < 0.05, axis=1), jnp.int32) if documents else None
+
+    def reference(q, k, v):
+        kk, vv = jnp.repeat(k, H // K, 2), jnp.repeat(v, H // K, 2)
+        s = jnp.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(D)
+        mask = jnp.arange(S)[None, None, :] <= jnp.asarray(positions)[:, :, None]
+        if documents:
+            mask = mask & (jnp.take_along_axis(seg, jnp.asarray(positions), 1)[:, :, None] == seg[:, None, :])
+        p = jax.nn.softmax(jnp.where(mask[:, None], s, -1e30), axis=-1)
+        return jnp.einsum("bhts,bshd->bthd", p, vv)
+
+    def kernel(q, k, v):
+        return pallas_attention.flash_attention_at(
+            q, k, v, jnp.asarray(positions), segments_BxS=seg, block_q=block, block_k=block
+        )
+
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    want = jax.vjp(reference, q, k, v)
+    got = jax.vjp(kernel, q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    for g, w in zip(got[1](do), want[1](do)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

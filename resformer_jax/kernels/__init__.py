@@ -12,9 +12,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from resformer_jax.errors import UserError
-from resformer_jax.kernels.names import CONTEXT_PARALLEL_IMPLS, IMPLS, target_backend
+from resformer_jax.kernels.names import CONTEXT_PARALLEL_IMPLS, IMPLS, balanced_order, target_backend
 
 
 class KernelUnavailable(UserError, RuntimeError):
@@ -170,19 +172,55 @@ def on_context(x, mesh, batch_axes=("data", "fsdp"), split: bool = True):
 
 
 def _context_parallel(q, k, v, causal, impl, mesh, batch_axes, segments_BxT):
-    """Context parallelism: each device keeps its slice of the queries and gathers every key and value over the
+    """Context parallelism: the sequence arrives in the balanced order (names.balanced_order: device r holds
+    slices r and 2N - 1 - r of it); each device keeps its queries and gathers every key and value over the
     `context` axis (one all-gather of K and one of V a layer; SVFormer's V_1 arrives gathered once, from the
-    model). The program is the whole sequence's attention, partitioned by XLA: a query's causal mask and
-    document are those of its global position, and every device computes T/N x T scores (the causal work
-    balanced by construction: no block is skipped)."""
+    model). A query attends by its position in the sequence, never by where the layout put it.
+
+    xla, reference: the whole sequence's attention with the mask by position, partitioned by XLA (each device
+    computes its T/N x T scores). pallas: the kernel on each device's queries at their positions against the keys
+    put back in order (flash_attention_at), key blocks past a query block skipped."""
     if impl not in CONTEXT_PARALLEL_IMPLS:
         raise KernelUnavailable(
             f"attention_impl={impl!r} does not run context-parallel (mesh.context={context_size(mesh)}) yet; "
             f"use one of {', '.join(CONTEXT_PARALLEL_IMPLS)} or auto, or mesh.context=1"
         )
+    if not causal:
+        raise ValueError("context parallelism is for causal attention")
+    T, N = q.shape[1], context_size(mesh)
+    order = balanced_order(T, N)
     q = on_context(q, mesh, batch_axes)
     k, v = on_context(k, mesh, batch_axes, split=False), on_context(v, mesh, batch_axes, split=False)
-    out = attention(q, k, v, causal=causal, impl=impl, segments_BxT=segments_BxT)
+    if impl == "pallas":
+        from resformer_jax.kernels import pallas_attention
+
+        in_order = np.argsort(order)  # the keys (in the balanced order) put back in the sequence's
+
+        def per_device(q, k, v, *segments):
+            r = jax.lax.axis_index("context")
+            mine = jax.lax.dynamic_slice_in_dim(jnp.asarray(order, jnp.int32), r * (T // N), T // N)
+            positions = jnp.broadcast_to(mine[None], q.shape[:2])
+            seg = segments[0][:, in_order] if segments else None
+            return pallas_attention.flash_attention_at(q, k[:, in_order], v[:, in_order], positions, segments_BxS=seg)
+
+        split, whole = P(batch_axes, "context"), P(batch_axes)
+        args = (q, k, v) + (() if segments_BxT is None else (segments_BxT,))
+        out = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(split, whole, whole, whole)[: len(args)],
+            out_specs=split,
+            check_vma=False,
+        )(*args)
+        return on_context(out, mesh, batch_axes)
+    idx = jnp.asarray(order, jnp.int32)
+    mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S]: key s at or before query t in the sequence
+    if segments_BxT is not None:
+        mask = mask & same_document(segments_BxT, segments_BxT)
+    if impl == "reference":
+        out = reference_attention(q, k, v, causal=False, mask_BxTxS=mask)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
     return on_context(out, mesh, batch_axes)
 
 

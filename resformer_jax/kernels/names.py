@@ -8,9 +8,9 @@ import jax
 # auto: resolved once per run by probing at the run's shapes (resolve.py).
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
-# Impls that run context-parallel (mesh.context > 1): XLA partitions them over the sequence, keys and values
-# gathered (kernels.attention); the custom-call kernels and chunked's loop over blocks do not yet.
-CONTEXT_PARALLEL_IMPLS = ("xla", "reference")
+# Impls that run context-parallel (mesh.context > 1, kernels.attention): xla and reference partitioned by XLA,
+# the Pallas GPU kernel on each device's slices (queries at their positions); not yet cudnn, splash, chunked.
+CONTEXT_PARALLEL_IMPLS = ("pallas", "xla", "reference")
 
 # The platform a program is being compiled for when it is not this machine's backend (compile/aot.py compiles for
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what
@@ -58,3 +58,14 @@ def backend_of(platform: str) -> str:
 
 
 ATTENTION_RESIDUALS = "attention_residuals"  # checkpoint_name of what an attention kernel's backward reads
+
+
+def balanced_order(T: int, context: int):
+    """The order a sequence's T tokens take under a context axis of `context` devices: cut into 2 x context
+    slices, device r holds slices r and 2 x context - 1 - r (MaxText's and torchtitan's causal load balancing: each
+    device's queries see as many keys as every other's). Device r's tokens are positions
+    order[r * T // context : (r + 1) * T // context], ascending."""
+    import numpy as np
+
+    slices = np.arange(T).reshape(2 * context, T // (2 * context))
+    return np.concatenate([np.concatenate([slices[r], slices[2 * context - 1 - r]]) for r in range(context)])

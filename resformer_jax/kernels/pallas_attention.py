@@ -194,17 +194,26 @@ def _tdot(a, b):  # a.T @ b
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs):
+def _split_refs(refs, docs: bool, positions: bool, n_in: int):
+    """(the n_in tensor inputs, the three document tables or None, the query positions or None, the outputs)."""
+    ins, rest = refs[:n_in], refs[n_in:]
+    tables = rest[:3] if docs else None
+    rest = rest[3:] if docs else rest
+    qpos = rest[0] if positions else None
+    return ins, tables, qpos, rest[1:] if positions else rest
+
+
+def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
     # docs: packed documents, three more inputs: the query block's segment ids, every key's, and where each
-    # query's document starts (key blocks before the block's first document are skipped, not just masked)
-    if docs:
-        q_ref, k_ref, v_ref, segq_ref, segk_ref, start_ref, o_ref, lse_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    # query's document starts (key blocks before the block's first document are skipped, not just masked).
+    # positions: the query block's positions in the sequence (context parallelism: a device's queries are two
+    # slices of it; the keys are the whole sequence in order), for the causal mask and the blocks skipped
+    (q_ref, k_ref, v_ref), tables, qpos_ref, (o_ref, lse_ref) = _split_refs(refs, docs, positions, 3)
+    segq_ref, segk_ref, start_ref = tables or (None, None, None)
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, D]
     D = q.shape[-1]
-    q_idx = i * bq + jnp.arange(bq)
+    q_idx = qpos_ref[...] if positions else i * bq + jnp.arange(bq)
 
     def body(j, carry):
         acc, m, l = carry
@@ -227,7 +236,7 @@ def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs):
 
     n_k = pl.cdiv(kv_len, bk)
     if causal:  # blocks wholly above the diagonal are never visited
-        n_k = jnp.minimum(n_k, lax.div((i + 1) * bq + bk - 1, bk))
+        n_k = jnp.minimum(n_k, lax.div((jnp.max(q_idx) if positions else (i + 1) * bq - 1) + bk, bk))
     first = lax.div(jnp.min(start_ref[...]), bk) if docs else 0
     init = (jnp.zeros((bq, D), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
     acc, m, l = lax.fori_loop(first, n_k, body, init)
@@ -254,20 +263,48 @@ def document_tables(seg_BxT, Tp: int, Sp: int):
     return pad(seg, Tp, -1), pad(seg, Sp, -2), pad(start, Tp, Tp), pad(end, Sp, 0)
 
 
-def _forward(q, k, v, causal, bq, bk, seg=None):
+def position_tables(qpos_BxT, S: int, Tp: int, Sp: int, bq: int, seg_BxS=None):
+    """Context parallelism's tables: a device's queries at positions `qpos_BxT` (ascending) against the whole
+    sequence's S keys in order. Returns (the positions padded [B, Tp] (the last one repeated), for each key the
+    first query block that sees it [B, Sp] (past the queries: Tp // bq), and with the keys' segment ids
+    `seg_BxS` the document tables as document_tables returns them for these queries (a key's document end
+    counted in this device's queries) or None)."""
+    qpos = qpos_BxT.astype(jnp.int32)
+    B, T = qpos.shape
+    keys = jnp.arange(Sp, dtype=jnp.int32)
+    first_query = jax.vmap(lambda p: jnp.searchsorted(p, keys, side="left"))(qpos)  # [B, Sp]
+    qstart = jnp.where(keys[None] < S, first_query // bq, Tp // bq).astype(jnp.int32)
+    qpos_p = jnp.concatenate([qpos, jnp.broadcast_to(qpos[:, -1:], (B, Tp - T))], axis=1)
+    if seg_BxS is None:
+        return qpos_p, qstart, None
+    seg_all, segk, start_all, end = document_tables(seg_BxS, S, Sp)
+    take = jax.vmap(lambda x, p: x[p])
+    segq = jnp.pad(take(seg_all, qpos), ((0, 0), (0, Tp - T)), constant_values=-1)
+    start = jnp.pad(take(start_all, qpos), ((0, 0), (0, Tp - T)), constant_values=Sp)
+    end_local = jax.vmap(lambda p, e: jnp.searchsorted(p, e, side="left"))(qpos, end).astype(jnp.int32)
+    return qpos_p, qstart, (segq, segk, start, end_local)
+
+
+def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
-    docs = seg is not None
-    kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs)
+    docs, positions = seg is not None, qpos is not None
+    kernel = functools.partial(
+        _fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions
+    )
     extra_specs, extra = [], []
+    row_q = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
+    if positions:
+        qpos_p, _, tables = position_tables(qpos, S, Tp, Sp, bq, seg)
     if docs:
-        segq, segk, start, _ = document_tables(seg, Tp, Sp)
-        row_q = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
+        segq, segk, start, _ = tables if positions else document_tables(seg, Tp, Sp)
         extra_specs = [row_q, pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)), row_q]
         extra = [segq, segk, start]
+    if positions:
+        extra_specs, extra = [*extra_specs, row_q], [*extra, qpos_p]
     o, lse = _pallas(
         kernel,
         num_warps_=num_warps(bq, bk),
@@ -291,13 +328,14 @@ def _forward(q, k, v, causal, bq, bk, seg=None):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs):
+def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False):
     # docs: every query's segment id, the key block's, and one past where each key's document ends (query
-    # blocks after the block's last document are skipped)
-    if docs:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref, end_ref, dk_ref, dv_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+    # blocks after the block's last document are skipped). positions: every query's position, and for each key
+    # of the block the first query block that sees it (query blocks before it are skipped)
+    ins, tables, qpos_ref, (dk_ref, dv_ref) = _split_refs(refs, docs, positions, 6 + (1 if positions else 0))
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    qstart_ref = ins[6] if positions else None
+    segq_ref, segk_ref, end_ref = tables or (None, None, None)
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
@@ -310,7 +348,7 @@ def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs):
         do = do_ref[pl.ds(i * bq, bq), :]
         lse = lse_ref[pl.ds(i * bq, bq)]
         delta = delta_ref[pl.ds(i * bq, bq)]
-        q_idx = i * bq + jnp.arange(bq)
+        q_idx = qpos_ref[pl.ds(i * bq, bq)] if positions else i * bq + jnp.arange(bq)
         s = _dot_t(q, k) * scale
         mask = k_idx[None, :] < kv_len
         if causal:
@@ -325,6 +363,8 @@ def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs):
         return dk, dv
 
     start = lax.div(j * bk, bq) if causal else 0  # query blocks wholly before this key block see none of it
+    if causal and positions:
+        start = jnp.min(qstart_ref[...])
     stop = jnp.minimum(q_blocks, lax.div(jnp.max(end_ref[...]) + bq - 1, bq)) if docs else q_blocks
     init = (jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
     dk, dv = lax.fori_loop(start, stop, body, init)
@@ -332,18 +372,19 @@ def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs):
-    if docs:  # as the forward's
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref, start_ref, dq_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
+def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
+    # as the forward's
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), tables, qpos_ref, (dq_ref,) = _split_refs(
+        refs, docs, positions, 6
+    )
+    segq_ref, segk_ref, start_ref = tables or (None, None, None)
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     D = q.shape[-1]
-    q_idx = i * bq + jnp.arange(bq)
+    q_idx = qpos_ref[...] if positions else i * bq + jnp.arange(bq)
 
     def body(j, dq):
         k = k_ref[pl.ds(j * bk, bk), :]
@@ -361,13 +402,13 @@ def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs):
 
     n_k = pl.cdiv(kv_len, bk)
     if causal:
-        n_k = jnp.minimum(n_k, lax.div((i + 1) * bq + bk - 1, bk))
+        n_k = jnp.minimum(n_k, lax.div((jnp.max(q_idx) if positions else (i + 1) * bq - 1) + bk, bk))
     first = lax.div(jnp.min(start_ref[...]), bk) if docs else 0
     dq = lax.fori_loop(first, n_k, body, jnp.zeros((bq, D), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None):
+def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -377,38 +418,65 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None):
     # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
     delta = jnp.einsum("bthd,bthd->bht", o_p.astype(jnp.float32), dop.astype(jnp.float32))
     scale = 1.0 / math.sqrt(D)
-    docs = seg is not None
+    docs, positions = seg is not None, qpos is not None
     dkdv_extra_specs, dkdv_extra, dq_extra_specs, dq_extra = [], [], [], []
+    key_rows = pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
+    query_rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
+    if positions:
+        qpos_p, qstart, tables = position_tables(qpos, S, Tp, Sp, bq, seg)
     if docs:
-        segq, segk, start, end = document_tables(seg, Tp, Sp)
-        key_rows = pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
+        segq, segk, start, end = tables if positions else document_tables(seg, Tp, Sp)
         dkdv_extra_specs = [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), key_rows, key_rows]
         dkdv_extra = [segq, segk, end]
-        query_rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
         dq_extra_specs = [query_rows, pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)), query_rows]
         dq_extra = [segq, segk, start]
+    dkdv_first_specs, dkdv_first = [], []
+    if positions:
+        dkdv_first_specs, dkdv_first = [key_rows], [qstart]
+        dkdv_extra_specs = [*dkdv_extra_specs, pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0))]
+        dkdv_extra = [*dkdv_extra, qpos_p]
+        dq_extra_specs, dq_extra = [*dq_extra_specs, query_rows], [*dq_extra, qpos_p]
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
     dk_h, dv_h = _pallas(
         functools.partial(
-            _dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, q_blocks=Tp // bq, docs=docs
+            _dkdv_kernel,
+            scale=scale,
+            causal=causal,
+            bq=bq,
+            bk=bk,
+            kv_len=S,
+            q_blocks=Tp // bq,
+            docs=docs,
+            positions=positions,
         ),
         grid=(Sp // bk, B, H),
-        in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full, *dkdv_extra_specs],
+        in_specs=[
+            q_spec_full,
+            kv_block,
+            kv_block,
+            q_spec_full,
+            row_full,
+            row_full,
+            *dkdv_first_specs,
+            *dkdv_extra_specs,
+        ],
         out_specs=[out_block, out_block],
         # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
         # the input dtype (the fp32 accumulators rounded once, as the cast after would)
         out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)] * 2,
         num_warps_=num_warps(bq, bk),
         name="flash_attention_dkdv",
-    )(qp, kp, vp, dop, lse, delta, *dkdv_extra)
+    )(qp, kp, vp, dop, lse, delta, *dkdv_first, *dkdv_extra)
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     dq = _pallas(
-        functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs),
+        functools.partial(
+            _dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions
+        ),
         grid=(Tp // bq, B, H),
         in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block, *dq_extra_specs],
         out_specs=q_block,
@@ -464,6 +532,42 @@ def _flash_docs_bwd(causal, bq, bk, res, do):
 
 
 _flash_docs.defvjp(_flash_docs_fwd, _flash_docs_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash_positions(q, k, v, qpos, seg, causal, bq, bk):
+    o, _ = _forward(q, k, v, causal, bq, bk, seg, qpos)
+    return o[:, : q.shape[1]]
+
+
+def _flash_positions_fwd(q, k, v, qpos, seg, causal, bq, bk):
+    o_p, lse = _forward(q, k, v, causal, bq, bk, seg, qpos)
+    q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
+    return o_p[:, : q.shape[1]], (q, k, v, qpos, seg, o_p, lse)
+
+
+def _flash_positions_bwd(causal, bq, bk, res, do):
+    q, k, v, qpos, seg, o_p, lse = res
+    return (*_backward(q, k, v, o_p, lse, do, causal, bq, bk, seg, qpos), None, None)  # positions, segments
+
+
+_flash_positions.defvjp(_flash_positions_fwd, _flash_positions_bwd)
+
+
+def flash_attention_at(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT, *, segments_BxS=None, block_q=128, block_k=128):
+    """Causal attention of queries at sequence positions `positions_BxT` (ascending: a device's slices of the
+    sequence under context parallelism) over the whole sequence's keys and values [B, S, K, D], in order: query t
+    attends key s for s <= positions[t] (and, with the keys' segment ids `segments_BxS`, within its document).
+    Key blocks past a query block's last position, and query blocks before a key block's first reader, are
+    skipped."""
+    _B, T, H, D = q_BxTxHxD.shape
+    S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+    if H % K:
+        raise ValueError(f"{K} kv heads do not divide {H} query heads")
+    bq, bk = choose_blocks(
+        T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k, budget=smem_budget(target_device_kind())
+    )
+    return _flash_positions(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT, segments_BxS, True, bq, bk)
 
 
 def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128, segments_BxT=None):

@@ -221,11 +221,16 @@ class Transformer(nn.Module):
             segments_BxT, positions_BxT = document_segments(tokens_BxT, m.document_eot)
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
+        decode = self.decode or self.pages is not None
+        context = not decode and self._context_parallel(B)
+        if context:  # the sequence in the balanced order of a context axis (kernels.balanced_order); undone below
+            order = kernels.balanced_order(T, kernels.context_size(self.mesh))
+            tokens_BxT, positions_BxT = tokens_BxT[:, order], positions_BxT[:, order]
+            segments_BxT = None if segments_BxT is None else segments_BxT[:, order]
         if self.pages is None:
             ctx = Context(
                 positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh, segments=segments_BxT
             )
-        decode = self.decode or self.pages is not None
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
         if m.arch == "gpt2":  # learned absolute positions
@@ -234,8 +239,7 @@ class Transformer(nn.Module):
             )
             h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
         h_BxTxE = dropout(self, m, h_BxTxE)
-        context = not decode and self._context_parallel(B)
-        if context:  # each device keeps its slice of the sequence from here on (mesh.context)
+        if context:  # each device keeps its slices of the sequence from here on (mesh.context)
             h_BxTxE = kernels.on_context(h_BxTxE, self.mesh)
         if m.value_embeddings:  # one lookup a table, [B, T, K, D], read by the layers that add it to their value
             K, D = m.kv_heads, m.head_dim
@@ -292,6 +296,8 @@ class Transformer(nn.Module):
                     outputs.append(carry.h)
                     carry = dataclasses.replace(carry, h=DenseFormerAverage(len(outputs), name=f"dwa_{n}")(outputs))
         h_BxTxE = carry.h
+        if context:  # back in the sequence's order, still split over the context axis
+            h_BxTxE = kernels.on_context(h_BxTxE[:, np.argsort(order)], self.mesh)
 
         h_BxTxE = norm(m, dtype, "final_norm")(h_BxTxE)
         if self.capture:
