@@ -172,9 +172,11 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     state = 16 * n_params / fsdp
     kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
     layer = 2 * mb * T * (4 * E + 3 * F) * act
-    if context > 1:  # one layer's gathered keys and values (and their gradients)
+    if context > 1:  # the gathered keys and values: one layer's (and their gradients), every layer's kept
         mc = ModelConfig.of(m)
-        layer += 2 * 2 * mb * S * mc.kv_heads * mc.head_dim * act
+        kv = 2 * mb * S * mc.kv_heads * mc.head_dim * act
+        layer += 2 * kv
+        kept += 0 if m.remat == "full" else L * kv
     attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * S * 4
     # one fp32 block of logits: its gradient reuses the buffer (compiled for H100, docs/kernels-and-compile.md)
     logits = mb * max(1, min(t.loss_chunk_len or T, T)) * m.vocab_size * 4

@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         object.__setattr__(self, "cfg", m)
         super().__post_init__()
 
-    def _context_parallel(self, batch: int) -> bool:
+    def context_parallel(self, batch: int) -> bool:
         """Whether the sequence is split over the mesh's context axis (a batch that does not divide over the batch
         axes, as model.init's, runs whole)."""
         if kernels.context_size(self.mesh) == 1:
@@ -222,7 +222,7 @@ class Transformer(nn.Module):
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
         decode = self.decode or self.pages is not None
-        context = not decode and self._context_parallel(B)
+        context = not decode and self.context_parallel(B)
         if context:  # the sequence in the balanced order of a context axis (kernels.balanced_order); undone below
             order = kernels.balanced_order(T, kernels.context_size(self.mesh))
             tokens_BxT, positions_BxT = tokens_BxT[:, order], positions_BxT[:, order]

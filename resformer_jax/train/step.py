@@ -9,7 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from resformer_jax import kernels
 from resformer_jax.config import LOSS_CHUNK_LEN
 from resformer_jax.model.layers import uses_cpu_matmuls
 from resformer_jax.model.transformer import output_embedding
@@ -122,11 +125,22 @@ def _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_l
             ce, z_mean = cross_entropy_and_z(logits, targets_BxT)
             return ce + z_loss * z_mean, jax.lax.stop_gradient(z_mean)
     h_BxTxE = model.apply({"params": params}, inputs_BxT, return_hidden=True, rngs=rngs)
+    if model.context_parallel(h_BxTxE.shape[0]):  # the LM head's block loop over each device's own tokens
+        h_BxTxE, targets_BxT = (_context_rows(x, model.mesh) for x in (h_BxTxE, targets_BxT))
     with jax.named_scope("lm_head_xent"):  # named for the step profile (step_profile.py)
         w_ExV = output_embedding(params, model.cfg)
         plan = head_plan(uses_cpu_matmuls(model.cfg.matmuls))
         loss, z_mean = chunked_lm_loss(h_BxTxE, w_ExV, targets_BxT, chunk_len, z_loss, plan)
         return loss, jax.lax.stop_gradient(z_mean)
+
+
+def _context_rows(x_BxTx, mesh):
+    """[B, T, ...] split over the mesh's context axis -> [B * N, T / N, ...]: each device's slice of each sequence
+    a row of its own (the mean over tokens unchanged), laid out over every mesh axis."""
+    B, T, N = x_BxTx.shape[0], x_BxTx.shape[1], kernels.context_size(mesh)
+    rows = x_BxTx.reshape(B * N, T // N, *x_BxTx.shape[2:])
+    spec = P(("data", "fsdp", "context"), *([None] * (rows.ndim - 1)))
+    return jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, spec))
 
 
 def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropout_rng=None, document_starts=True):
