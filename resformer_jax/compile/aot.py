@@ -528,6 +528,7 @@ class TuneResult:
         return " ".join(f"--config.{k}={v}" for k, v in self.overrides.items())
 
 
+LONG_SEQUENCE = 16384  # --tune also tries the context axis (each sequence split over devices) from here on
 TUNE_SKIP_FACTOR = 2.0  # --tune compiles no candidate whose --mode=summary estimate is over this x the memory
 # A candidate must leave this share of the chip's memory free: the bound is not a timing, and a real run's
 # allocator, NCCL buffers and fragmentation need room the compiled estimate does not show.
@@ -537,21 +538,32 @@ TUNE_HEADROOM = 0.10
 def tune_candidates(cfg, devices: int) -> list[dict]:
     """The settings a user would try by hand: each remat policy, per-device microbatches halving from the whole
     batch to one sequence, the layers scanned or unrolled (a scan stacks what the backward keeps into [L, ...]
-    buffers, a copy per saved tensor; unrolled layers keep them in place), and (with several devices) the state
-    sharded over all of them (fsdp) or replicated."""
-    per_device = max(1, cfg.train.global_batch // devices)
-    micro = []
-    while per_device >= 1:
-        micro.append(per_device * devices)
-        per_device //= 2
+    buffers, a copy per saved tensor; unrolled layers keep them in place), (with several devices) the state
+    sharded over all of them (fsdp) or replicated, and for long sequences each sequence split over 2, 4, ...
+    devices (mesh.context)."""
+
+    def microbatches(context: int) -> list[int]:  # a sequence's devices hold one sequence between them
+        shards = devices // context
+        per_device, out = max(1, cfg.train.global_batch // shards), []
+        while per_device >= 1:
+            out.append(per_device * shards)
+            per_device //= 2
+        return out
+
     meshes = [{"mesh.data": -1, "mesh.fsdp": 1}] + ([{"mesh.data": 1, "mesh.fsdp": -1}] if devices > 1 else [])
+    meshes = [{**m, "mesh.context": 1} for m in meshes]
+    T = cfg.data.seq_len
+    if T >= LONG_SEQUENCE or int(cfg.mesh.get("context", 1)) > 1:  # long sequences: split each over devices too
+        for context in (2**i for i in range(1, devices.bit_length())):
+            if devices % context == 0 and T % (2 * context) == 0:
+                meshes.append({"mesh.data": -1, "mesh.fsdp": 1, "mesh.context": context})
     layouts = [False] if needs_unrolled(cfg.model) else [True, False]
     return [
         {"model.remat": r, "model.scan_layers": scan, "train.microbatch": mb, **mesh}
         for mesh in meshes
         for scan in layouts
         for r in REMAT_POLICIES
-        for mb in micro
+        for mb in microbatches(mesh["mesh.context"])
     ]
 
 

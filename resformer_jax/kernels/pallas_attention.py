@@ -113,6 +113,9 @@ def visited_blocks(Tp: int, Sp: int, bq: int, bk: int, causal: bool = True) -> i
     nq, nk = Tp // bq, Sp // bk
     if not causal:
         return nq * nk
+    if Tp < Sp:  # a device's queries under context parallelism (flash_attention_at): two slices, one from each
+        # end of the sequence, see half the keys on average; plus a partial block on each slice's diagonal
+        return -(-nq * nk // 2) + nq
     return sum(min(nk, ((i + 1) * bq + bk - 1) // bk) for i in range(nq))
 
 
