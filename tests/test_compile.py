@@ -71,7 +71,7 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
     steps = ("train", "eval", "decode") if variant == "svformer" else ("train", "eval")
     report = compile_for_target(accelerator_config(variant, platform), target, steps=steps, log=lambda s: None)
     assert report.attention_impl == {"cuda": "pallas", "tpu": "splash"}[platform]
-    assert report.mesh == {"data": 2, "fsdp": target.num_devices // 2} and report.dtype == "bfloat16"
+    assert report.mesh == {"data": 2, "fsdp": target.num_devices // 2, "context": 1} and report.dtype == "bfloat16"
     by = {s.name: s for s in report.steps}
     assert set(by) == ({"train", "eval", "decode_prefill", "decode_token"} if "decode" in steps else {"train", "eval"})
     kernel = TRITON if platform == "cuda" else MOSAIC
