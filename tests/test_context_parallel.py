@@ -57,6 +57,7 @@ def tokens_for(c, documents=False):
     return t
 
 
+@pytest.mark.slow  # a compile a mesh and variant: minutes together
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "mesh",
@@ -81,6 +82,7 @@ def test_a_sequence_split_over_devices_gives_one_devices_loss_and_gradients(vari
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # a compile a mesh and variant: minutes together
 @pytest.mark.parametrize("variant,impl", [("resformer", "xla"), ("svformer", "xla"), ("svformer", "pallas")])
 def test_packed_documents_split_over_devices_match_one_device(variant, impl):
     one = config(variant, 1, data=1, fsdp=1, num_devices=1, documents=True)
@@ -93,6 +95,7 @@ def test_packed_documents_split_over_devices_match_one_device(variant, impl):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
 
 
+@pytest.mark.slow  # a compile a mesh and variant: minutes together
 def test_activations_are_split_and_svformer_gathers_v1_once():
     """In the compiled forward (layers unrolled, context 2, no fsdp: every all-gather but the last is attention's),
     vanilla gathers K and V in each of its L layers, SVFormer each layer's K and V_1 once; the hidden states stay
