@@ -1,25 +1,25 @@
-"""Config schema: defaults, paper sizes, validation with clear errors.
+"""Config schema: the typed sections, defaults, paper sizes, validation with clear errors.
 
-Every run is described by one ml_collections ConfigDict. `base_config()` holds
-every field with its default; `paper_config(size, variant)` fills paper
-Table 4; `validate(cfg)` stops on an impossible config with one message that
-names the field and the fix.
+A run's config is typed and frozen (`RunConfig`: ModelConfig and the sections below, each checking its own fields
+beside their declarations); the command line edits it as an ml_collections ConfigDict built from the same
+defaults (`base_config()`). `paper_config(size, variant)` fills paper Table 4; `validate(cfg)` types a ConfigDict,
+stopping on an impossible config with one message that names the field and the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import ml_collections
 
-from resformer_jax.errors import UserError
+from resformer_jax.errors import ConfigError
 from resformer_jax.kernels.names import CONTEXT_PARALLEL_IMPLS
-from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
-from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.config import REMAT_POLICIES, RESFORMER_LAMBDAS, VALUE_RESIDUAL_MODES, ModelConfig
 
-VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno", "skipv1")
-RESFORMER_LAMBDAS = ("fixed", "learnable", "learnable_plus", "sparse", "convex", "gated")
-REMAT_POLICIES = ("none", "dots", "attention", "full")
+__all__ = ["REMAT_POLICIES", "RESFORMER_LAMBDAS", "VALUE_RESIDUAL_MODES", "ConfigError"]
+
+DATA_SOURCES = ("synthetic", "array_record", "tfds", "demo")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
@@ -45,138 +45,10 @@ PAPER_MIXTURE = {
 }
 
 
-class ConfigError(UserError, ValueError):
-    """An impossible or inconsistent config; the message names field and fix."""
-
-
 def base_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-
-    # The model's fields, their defaults and what each means: model/config.py (ModelConfig).
-    c.model = ml_collections.ConfigDict(ModelConfig().to_dict())
-
-    c.data = d = ml_collections.ConfigDict()
-    d.source = "synthetic"  # synthetic | array_record | tfds | demo
-    d.path = ""
-    d.seq_len = 2048
-    d.mixture = ""  # "DOMAIN=WEIGHT,DOMAIN=WEIGHT" (renormalised); empty: the paper's Table 2 mixture.
-    d.seed = 0
-    d.num_threads = 2
-    d.prefetch = 4
-    d.tokenizer_hash = ""  # filled at start from metadata.json, checked on resume.
-    # Packed documents: attention within each document only, positions restarting at each (model.document_eot,
-    # resolved at start from the corpus's end-of-text token). Off: every token attends to every earlier one of its
-    # sequence, across documents, as the paper trains.
-    d.document_mask = False
-    d.eot_id = -1  # the end-of-text token when the data does not say (synthetic data); -1: the corpus's own
-    # With document_mask: whether the loss counts the target after an end-of-text token (a document's first token,
-    # predicted from the end of the one before); False leaves it out, as a run of each document alone would.
-    d.document_start_loss = True
-
-    c.train = t = ml_collections.ConfigDict()
-    t.global_batch = 1024  # sequences per optimizer step
-    t.microbatch = 0  # sequences per microbatch (0: no accumulation)
-    t.steps = 10000
-    t.peak_lr = 6e-4
-    t.init_lr = 1e-7
-    t.final_lr_ratio = 0.1
-    t.warmup_steps = 120
-    t.b1 = 0.9
-    t.b2 = 0.95
-    t.eps = 1e-8
-    t.weight_decay = 0.1
-    t.grad_clip = 1.0
-    t.seed = 0
-    t.log_every = 10
-    t.eval_every = 500
-    t.eval_batches = 4
-    t.skip_nonfinite_steps = False
-    t.loss_chunk_len = LOSS_CHUNK_LEN
-    t.stop_at = 0  # >0: save and exit after this step (for time-limited jobs); the schedule still spans `steps`
-    # adamw (the paper) | muon: Muon on the hidden weight matrices (each layer's own, orthogonalised by
-    # Newton-Schulz), AdamW with peak_lr on embeddings, LM head, norms, biases and the value-residual scalars.
-    t.optimizer = "adamw"
-    t.muon_lr = 0.02
-    t.muon_momentum = 0.95
-    # cosine (the paper: warmup_steps, then cosine to final_lr_ratio) | wsd (warmup, stable, decay: fractions of
-    # `steps` summing to 1, the decay in wsd_decay_shape) | constant (warmup_steps, then peak_lr)
-    t.schedule = "cosine"
-    t.wsd_fractions = (0.01, 0.79, 0.2)
-    t.wsd_decay_shape = "1-sqrt"  # linear | cosine | 1-sqrt
-    t.decay_start_step = 0  # >0: the WSD decay starts here (a cooldown forked with init_from sets it)
-    # RUN:STEP (or RUN, its newest step): start this new run from that run's checkpoint (parameters, optimizer
-    # state, the data's position) with the WSD decay starting there: a cooldown forked from a stable run.
-    t.init_from = ""
-    t.z_loss = 0.0  # PaLM's z-loss: z_loss * mean(log Z^2) of the logits' log-normaliser, added to the loss
-    # Loss-spike skipping: a step whose loss or gradient norm is more than spike_sigma standard deviations above
-    # the mean of the last spike_window applied steps is not applied (0: off; non-finite steps: skip_nonfinite).
-    t.spike_sigma = 0.0
-    t.spike_window = 100
-    # Per-layer telemetry at each log: gradient, parameter and update norms per layer and kind (attention, MLP,
-    # norms, scalars; embeddings and LM head), to TensorBoard as telemetry/{what}/{kind}/layer_NN.
-    t.telemetry = False
-    # Weights & Biases (pip install -e '.[wandb]'): every scalar also to this project, from process 0; the run id is
-    # kept in the run directory, so a resumed run appends to the same W&B run. WANDB_MODE=offline needs no network.
-    t.wandb_project = ""
-
-    # In-loop evaluation beyond the validation loss (and its bits per byte, always reported with a tokenizer):
-    # every tasks_every steps, zero-shot accuracy on these tasks (`resformer evaluate`'s, from local files in
-    # task_data; task_limit > 0 scores the first items only), to TensorBoard as tasks/{task}/acc.
-    c.eval = ml_collections.ConfigDict()
-    c.eval.tasks = ""  # comma-separated, e.g. piqa,arc_easy
-    c.eval.tasks_every = 0
-    c.eval.task_data = ""
-    c.eval.task_limit = 0
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1
-    c.mesh.fsdp = 1
-    # Context parallelism: each sequence split over this many devices (its tokens' activations a slice a device);
-    # attention gathers keys and values over the axis. 1: off.
-    c.mesh.context = 1
-    c.mesh.num_devices = 0  # 0: every device; n: the first n (e.g. to compare with one device)
-    # Logical axis -> mesh axes. Parameters shard their `embed` axis over fsdp.
-    c.mesh.rules = (
-        ("batch", ("data", "fsdp")),
-        ("embed", "fsdp"),
-        ("vocab", None),
-        ("mlp", None),
-        ("q_heads", None),
-        ("kv_heads", None),
-        ("head_dim", None),
-        ("layers", None),
-        ("seq", None),
-    )
-    c.mesh.device_memory_limit_gb = 0.0  # >0: refuse steps needing more per device.
-    c.mesh.target = ""  # the hardware a preset is sized for, e.g. "8x H100 80GB" (reported by --mode=summary)
-
-    # Multi-host (jax.distributed): how long JAX's coordination service waits. A process that stops sending
-    # heartbeats for heartbeat_timeout_s is declared dead and every other process is stopped (so a surviving host
-    # lives on about that long after a peer dies); initialization_timeout_s bounds the wait for all processes to
-    # join at start-up.
-    c.distributed = ml_collections.ConfigDict()
-    c.distributed.heartbeat_timeout_s = 100
-    c.distributed.initialization_timeout_s = 300
-
-    # A stalled run says so (train/watchdog.py): when a phase outlives its budget, every thread's stack goes to
-    # RUN/watchdog/process_I.txt and stderr and the process exits with status 5, so the rerun resumes.
-    c.watchdog = w = ml_collections.ConfigDict()
-    w.enabled = True
-    w.startup_s = 1800.0  # process start to the compile: imports, distributed init, data, the attention probe
-    w.compile_s = 3600.0  # the train step's compile, and the loop until its first log window is timed
-    w.step_factor = 20.0  # then a batch read or a step may take step_factor x the median log window,
-    w.min_step_s = 600.0  # and never less than this
-    w.eval_s = 3600.0  # one evaluation (validation sets, in-loop tasks)
-    w.checkpoint_s = 1800.0  # a restore, a save's blocking part, the wait for the last save
-
-    c.checkpoint = k = ml_collections.ConfigDict()
-    k.every_steps = 1000
-    k.max_to_keep = 3
-    k.keep_period = 0  # >0: also keep every K-th step for the record.
-    k.async_save = True
-    k.allow_fresh_start = False  # True: start from step 0 even though this workdir once held checkpoints
-
-    return c
+    """Every field with its default, as the command line edits it (`--config.train.steps=...`): the typed sections'
+    defaults (ModelConfig in model/config.py, the others below), one ConfigDict section each."""
+    return ml_collections.ConfigDict(RunConfig().to_dict())
 
 
 def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
@@ -270,16 +142,20 @@ class MissingField(KeyError):
 
 
 def get_dotted(tree, dotted: str, default=_NO_DEFAULT):
-    """tree["a"]["b"] for "a.b" (a ConfigDict or nested dicts); MissingField (a KeyError) where a part is missing,
-    unless a default is given. The one walker of dotted config paths."""
+    """tree["a"]["b"] for "a.b" (a ConfigDict, nested dicts or the typed RunConfig); MissingField (a KeyError)
+    where a part is missing, unless a default is given. The one walker of dotted config paths."""
     node, parts = tree, dotted.split(".")
     for i, part in enumerate(parts):
-        if not hasattr(node, "keys") or part not in node:
+        fields = (
+            [f.name for f in dataclasses.fields(node)]
+            if dataclasses.is_dataclass(node)
+            else list(getattr(node, "keys", list)())
+        )
+        if part not in fields:
             if default is _NO_DEFAULT:
-                fields = list(node.keys()) if hasattr(node, "keys") else []
                 raise MissingField(dotted, ".".join(parts[:i]), part, fields)
             return default
-        node = node[part]
+        node = getattr(node, part) if dataclasses.is_dataclass(node) else node[part]
     return node
 
 
@@ -288,10 +164,6 @@ def set_dotted(tree, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
     node = get_dotted(tree, ".".join(parents)) if parents else tree
     node[last] = value
-
-
-def _fail(field: str, problem: str, fix: str):
-    raise ConfigError(f"config.{field}: {problem}. Fix: {fix}.")
 
 
 # What a run resolves at start and records beside what was asked (the checkpoint's config and config.json hold
@@ -370,268 +242,387 @@ def parse_init_from(value: str) -> tuple[str, int | None]:
     return (run, int(step)) if sep and step.isdigit() else (value, None)
 
 
-def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks every field that could make a run impossible; returns c."""
-    m = c.model
-    if m.value_residual not in VALUE_RESIDUAL_MODES:
-        _fail(
-            "model.value_residual",
-            f"unknown mode {m.value_residual!r}",
-            f"use one of {', '.join(VALUE_RESIDUAL_MODES)}",
-        )
-    for name, val in [
-        ("num_layers", m.num_layers),
-        ("num_heads", m.num_heads),
-        ("d_model", m.d_model),
-        ("ffn_dim", m.ffn_dim),
-        ("vocab_size", m.vocab_size),
-        ("max_seq_len", m.max_seq_len),
-    ]:
-        if not isinstance(val, int) or val <= 0:
-            _fail(f"model.{name}", f"must be a positive integer, got {val!r}", "set a positive integer")
-    if m.rope_type not in ("default", "linear", "llama3"):
-        _fail("model.rope_type", f"unknown RoPE type {m.rope_type!r}", "use default, linear or llama3")
-    if not 0.0 <= float(m.dropout) < 1.0:
-        _fail("model.dropout", f"{m.dropout} is not a probability below 1", "use 0 (the paper) or e.g. 0.1 (GPT-2)")
-    if m.d_model % m.num_heads:
-        _fail(
-            "model.num_heads",
-            f"{m.num_heads} heads do not divide d_model={m.d_model}",
-            "choose num_heads dividing d_model",
-        )
-    if m.num_kv_heads < 0 or m.num_heads % ModelConfig.of(m).kv_heads:
-        _fail(
-            "model.num_kv_heads",
-            f"{m.num_kv_heads} kv heads do not divide num_heads={m.num_heads}",
-            "choose num_kv_heads dividing num_heads (0 means num_heads)",
-        )
-    if ModelConfig.of(m).head_dim % 2:
-        _fail(
-            "model.num_heads",
-            f"head_dim={ModelConfig.of(m).head_dim} is odd, RoPE needs an even head_dim",
-            "choose num_heads so d_model/num_heads is even",
-        )
-    if c.data.seq_len > m.max_seq_len:
-        _fail(
-            "data.seq_len",
-            f"{c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
-            "lower data.seq_len or raise model.max_seq_len",
-        )
-    if c.data.seq_len < 1:
-        _fail("data.seq_len", f"must be positive, got {c.data.seq_len}", "set data.seq_len >= 1")
-    if m.remat not in REMAT_POLICIES:
-        _fail("model.remat", f"unknown policy {m.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
-    if m.matmuls not in ("auto", "cpu", "plain"):
-        _fail("model.matmuls", f"unknown form {m.matmuls!r}", "use auto, cpu or plain")
-    if m.attention_impl not in ATTENTION_IMPLS:
-        _fail("model.attention_impl", f"unknown impl {m.attention_impl!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
-    if m.dtype not in ("float32", "bfloat16", "float16", "auto"):
-        _fail("model.dtype", f"unknown dtype {m.dtype!r}", "use float32, bfloat16 or auto (the faster on this host)")
-    if m.resformer_lambdas not in RESFORMER_LAMBDAS:
-        _fail(
-            "model.resformer_lambdas",
-            f"unknown {m.resformer_lambdas!r}",
-            f"use one of {', '.join(RESFORMER_LAMBDAS)}",
-        )
-    kv = m.num_kv_heads or m.num_heads
-    if not 0 <= m.value_embeddings <= m.num_layers // 2:
-        _fail(
-            "model.value_embeddings",
-            f"{m.value_embeddings} U-Net pairs of tables need {2 * m.value_embeddings} of the {m.num_layers} layers",
-            f"use 0..{m.num_layers // 2}",
-        )
-    if m.value_embeddings and m.value_residual in ("svformer", "skipv1"):
-        _fail(
-            "model.value_embeddings",
-            f"value embeddings add to a layer's own value V_n, and value_residual={m.value_residual!r} layers >= 2 "
-            "have none or only some heads of it",
-            "use value_residual none or resformer with value embeddings",
-        )
-    if m.value_residual == "skipv1" and m.skipv1_reused_heads < 0 and kv % 2:
-        _fail(
-            "model.skipv1_reused_heads",
-            f"SkipV1Former reuses half the value heads, but there are {kv} (odd)",
-            f"set --config.model.skipv1_reused_heads=R with R in 0..{kv} (R of each layer's value heads from layer 1)",
-        )
-    if m.value_residual == "skipv1" and m.skipv1_reused_heads > kv:
-        _fail(
-            "model.skipv1_reused_heads",
-            f"{m.skipv1_reused_heads} reused heads, but layers have {kv} value heads",
-            f"use 0..{kv} (or -1: half)",
-        )
-    if len(tuple(m.lambda_init)) != 2:
-        _fail(
-            "model.lambda_init",
-            f"needs two values (l1, l2), got {m.lambda_init!r}",
-            "set e.g. --config.model.lambda_init='(0.5,0.5)'",
-        )
-    choices = {
-        "arch": ("llama", "gpt2"),
-        "value_source": ("first", "previous", "mean_of_previous", "mean_of_previous_mixed"),
-        "residual_on": ("v", "q", "k"),
-        "mapping": ("attention", "identity", "cross_layer"),
-        "cla_share": ("kv", "k", "v"),
-        "svformer_share": ("v", "q", "k"),
-    }
-    for name, allowed in choices.items():
-        if m[name] not in allowed:
-            _fail(f"model.{name}", f"unknown value {m[name]!r}", f"use one of {', '.join(allowed)}")
-    resformer = ModelConfig.of(m).mixes_values
-    for name, default in (("mapping", "attention"), ("residual_on", "v"), ("value_source", "first")):
-        if m[name] != default and not resformer:
-            _fail(
-                f"model.{name}",
-                f"{m[name]!r} is a ResFormer ablation but value_residual={m.value_residual!r}",
-                f"set model.value_residual='resformer' or leave this field at {default!r}",
-            )
-    if (m.svformer_share != "v" or tuple(m.svformer_anchors)) and m.value_residual != "svformer":
-        _fail(
-            "model.svformer_share",
-            "anchors and Q/K sharing are SVFormer options",
-            "set model.value_residual='svformer'",
-        )
-    if m.cla_share_every < 1:
-        _fail("model.cla_share_every", "must be >= 1", "use 1 (off) or 2 (CLA2)")
-    for a in m.svformer_anchors:
-        if not 1 <= a <= m.num_layers:
-            _fail("model.svformer_anchors", f"layer {a} outside 1..{m.num_layers}", "list 1-based layer numbers")
-    for a in m.sparse_layers:
-        if not 2 <= a <= m.num_layers:
-            _fail("model.sparse_layers", f"layer {a} outside 2..{m.num_layers}", "list 1-based layer numbers >= 2")
-    if m.num_layers < 2 and m.value_residual != "none":
-        _fail("model.num_layers", "value residual needs at least 2 layers", "use num_layers >= 2")
+def _fail(field: str, problem: str, fix: str):
+    raise ConfigError(f"config.{field}: {problem}. Fix: {fix}.")
 
-    context = int(c.mesh.get("context", 1))
-    if context < 1:
-        _fail("mesh.context", f"must be >= 1, got {context}", "use 1 (off) or the devices a sequence is split over")
-    if context > 1 and c.data.seq_len % (2 * context):
-        _fail(
-            "mesh.context",
-            f"data.seq_len={c.data.seq_len} does not split into 2 x {context} equal slices (each device holds two, "
-            "one from each end, for the causal work to balance)",
-            "choose a context size with 2 x context dividing the sequence length",
-        )
-    if context > 1 and m.attention_impl not in ("auto", *CONTEXT_PARALLEL_IMPLS):
-        _fail(
-            "model.attention_impl",
-            f"{m.attention_impl!r} does not run context-parallel (mesh.context={context}) yet",
-            f"use one of {', '.join(CONTEXT_PARALLEL_IMPLS)} or auto, or mesh.context=1",
+
+def _positive_steps(field: str, every: int) -> None:
+    if every <= 0:  # each also happens at the last step: N = train.steps means only there
+        _fail(field, f"must be a positive number of steps, got {every}", "set N >= 1 (train.steps: only at the end)")
+
+
+# The run's config sections, typed and frozen: each field with its default and what it means, and each section's
+# __post_init__ checking its own fields (`RunConfig` checks the fields that depend on two sections). The
+# ConfigDict the command line edits is built from these defaults (base_config); `RunConfig.of` turns it back.
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | array_record | tfds | demo
+    path: str = ""
+    seq_len: int = 2048
+    mixture: str = ""  # "DOMAIN=WEIGHT,DOMAIN=WEIGHT" (renormalised); empty: the paper's Table 2 mixture.
+    seed: int = 0
+    num_threads: int = 2
+    prefetch: int = 4
+    tokenizer_hash: str = ""  # filled at start from metadata.json, checked on resume.
+    # Packed documents: attention within each document only, positions restarting at each (model.document_eot,
+    # resolved at start from the corpus's end-of-text token). Off: every token attends to every earlier one of its
+    # sequence, across documents, as the paper trains.
+    document_mask: bool = False
+    eot_id: int = -1  # the end-of-text token when the data does not say (synthetic data); -1: the corpus's own
+    # With document_mask: whether the loss counts the target after an end-of-text token (a document's first token,
+    # predicted from the end of the one before); False leaves it out, as a run of each document alone would.
+    document_start_loss: bool = True
+
+    def __post_init__(self):
+        if self.seq_len < 1:
+            _fail("data.seq_len", f"must be positive, got {self.seq_len}", "set data.seq_len >= 1")
+        parse_mixture(self.mixture)
+        if self.source not in DATA_SOURCES:
+            _fail("data.source", f"unknown source {self.source!r}", f"use {', '.join(DATA_SOURCES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    global_batch: int = 1024  # sequences per optimizer step
+    microbatch: int = 0  # sequences per microbatch (0: no accumulation)
+    steps: int = 10000
+    peak_lr: float = 6e-4
+    init_lr: float = 1e-7
+    final_lr_ratio: float = 0.1
+    warmup_steps: int = 120
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 500
+    eval_batches: int = 4
+    skip_nonfinite_steps: bool = False
+    loss_chunk_len: int = LOSS_CHUNK_LEN
+    stop_at: int = 0  # >0: save and exit after this step (for time-limited jobs); the schedule still spans `steps`
+    # adamw (the paper) | muon: Muon on the hidden weight matrices (each layer's own, orthogonalised by
+    # Newton-Schulz), AdamW with peak_lr on embeddings, LM head, norms, biases and the value-residual scalars.
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    # cosine (the paper: warmup_steps, then cosine to final_lr_ratio) | wsd (warmup, stable, decay: fractions of
+    # `steps` summing to 1, the decay in wsd_decay_shape) | constant (warmup_steps, then peak_lr)
+    schedule: str = "cosine"
+    wsd_fractions: tuple[float, ...] = (0.01, 0.79, 0.2)
+    wsd_decay_shape: str = "1-sqrt"  # linear | cosine | 1-sqrt
+    decay_start_step: int = 0  # >0: the WSD decay starts here (a cooldown forked with init_from sets it)
+    # RUN:STEP (or RUN, its newest step): start this new run from that run's checkpoint (parameters, optimizer
+    # state, the data's position) with the WSD decay starting there: a cooldown forked from a stable run.
+    init_from: str = ""
+    z_loss: float = 0.0  # PaLM's z-loss: z_loss * mean(log Z^2) of the logits' log-normaliser, added to the loss
+    # Loss-spike skipping: a step whose loss or gradient norm is more than spike_sigma standard deviations above
+    # the mean of the last spike_window applied steps is not applied (0: off; non-finite steps: skip_nonfinite).
+    spike_sigma: float = 0.0
+    spike_window: int = 100
+    # Per-layer telemetry at each log: gradient, parameter and update norms per layer and kind (attention, MLP,
+    # norms, scalars; embeddings and LM head), to TensorBoard as telemetry/{what}/{kind}/layer_NN.
+    telemetry: bool = False
+    # Weights & Biases (pip install -e '.[wandb]'): every scalar also to this project, from process 0; the run id is
+    # kept in the run directory, so a resumed run appends to the same W&B run. WANDB_MODE=offline needs no network.
+    wandb_project: str = ""
+
+    def __post_init__(self):
+        if self.global_batch <= 0:
+            _fail("train.global_batch", f"must be positive, got {self.global_batch}", "set a positive batch")
+        if self.microbatch and self.global_batch % self.microbatch:
+            _fail(
+                "train.microbatch",
+                f"{self.microbatch} does not divide global_batch={self.global_batch}",
+                "choose a microbatch dividing the global batch",
+            )
+        if self.steps <= 0:
+            _fail("train.steps", f"must be positive, got {self.steps}", "set train.steps >= 1")
+        _positive_steps("train.log_every", self.log_every)
+        _positive_steps("train.eval_every", self.eval_every)
+        if self.loss_chunk_len < 0:
+            _fail(
+                "train.loss_chunk_len",
+                f"must be >= 0, got {self.loss_chunk_len}",
+                "set a positive block length (e.g. 128), or 0 for full logits",
+            )
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            _fail(
+                "train.warmup_steps",
+                f"{self.warmup_steps} not in [0, train.steps={self.steps})",
+                "use fewer warmup steps than total steps",
+            )
+        if self.optimizer not in OPTIMIZERS:
+            _fail("train.optimizer", f"unknown optimizer {self.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "muon" and not (self.muon_lr > 0 and 0 <= self.muon_momentum < 1):
+            _fail(
+                "train.muon_lr",
+                f"muon_lr={self.muon_lr}, muon_momentum={self.muon_momentum}",
+                "use lr > 0, 0 <= momentum < 1",
+            )
+        if self.schedule not in SCHEDULES:
+            _fail("train.schedule", f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        fractions = tuple(float(x) for x in self.wsd_fractions)
+        if self.schedule == "wsd" and (len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6):
+            _fail(
+                "train.wsd_fractions",
+                f"{self.wsd_fractions} are not three non-negative fractions (warmup, stable, decay) summing to 1",
+                "e.g. --config.train.wsd_fractions='(0.01,0.79,0.2)'",
+            )
+        if self.wsd_decay_shape not in DECAY_SHAPES:
+            _fail(
+                "train.wsd_decay_shape",
+                f"unknown shape {self.wsd_decay_shape!r}",
+                f"use one of {', '.join(DECAY_SHAPES)}",
+            )
+        if self.decay_start_step < 0 or self.decay_start_step >= self.steps:
+            _fail(
+                "train.decay_start_step",
+                f"{self.decay_start_step} not in [0, train.steps={self.steps})",
+                "leave it 0 (the wsd fractions decide) or set a step before train.steps",
+            )
+        if self.init_from and not parse_init_from(self.init_from)[0].strip():
+            _fail(
+                "train.init_from",
+                f"{self.init_from!r} names no run",
+                "give the run directory to fork from: --config.train.init_from=RUN (its newest checkpoint) or RUN:STEP",
+            )
+        if self.z_loss < 0:
+            _fail("train.z_loss", f"must be >= 0, got {self.z_loss}", "use 0 (off) or e.g. 1e-4")
+        if self.spike_sigma < 0 or self.spike_window < 2:
+            _fail(
+                "train.spike_sigma",
+                f"spike_sigma={self.spike_sigma}, spike_window={self.spike_window}",
+                "use spike_sigma 0 (off) or e.g. 6, and a window of at least 2 steps",
+            )
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            _fail(
+                "train.wandb_project",
+                "Weights & Biases is not installed",
+                "pip install -e '.[wandb]', or leave train.wandb_project empty",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """In-loop evaluation beyond the validation loss (and its bits per byte, always reported with a tokenizer):
+    every tasks_every steps, zero-shot accuracy on these tasks (`resformer evaluate`'s, from local files in
+    task_data; task_limit > 0 scores the first items only), to TensorBoard as tasks/{task}/acc."""
+
+    tasks: str = ""  # comma-separated, e.g. piqa,arc_easy
+    tasks_every: int = 0
+    task_data: str = ""
+    task_limit: int = 0
+
+    def __post_init__(self):
+        if self.tasks and (self.tasks_every <= 0 or not self.task_data):
+            _fail(
+                "eval.tasks",
+                f"{self.tasks!r} given with tasks_every={self.tasks_every} and task_data={self.task_data!r}",
+                "set --config.eval.tasks_every=N and --config.eval.task_data=DIR (the tasks' local files)",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+    # Context parallelism: each sequence split over this many devices (its tokens' activations a slice a device);
+    # attention gathers keys and values over the axis. 1: off.
+    context: int = 1
+    num_devices: int = 0  # 0: every device; n: the first n (e.g. to compare with one device)
+    # Logical axis -> mesh axes. Parameters shard their `embed` axis over fsdp.
+    rules: tuple = (
+        ("batch", ("data", "fsdp")),
+        ("embed", "fsdp"),
+        ("vocab", None),
+        ("mlp", None),
+        ("q_heads", None),
+        ("kv_heads", None),
+        ("head_dim", None),
+        ("layers", None),
+        ("seq", None),
+    )
+    device_memory_limit_gb: float = 0.0  # >0: refuse steps needing more per device.
+    target: str = ""  # the hardware a preset is sized for, e.g. "8x H100 80GB" (reported by --mode=summary)
+
+    def __post_init__(self):
+        if self.context < 1:
+            _fail(
+                "mesh.context",
+                f"must be >= 1, got {self.context}",
+                "use 1 (off) or the devices a sequence is split over",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host (jax.distributed): how long JAX's coordination service waits. A process that stops sending
+    heartbeats for heartbeat_timeout_s is declared dead and every other process is stopped (so a surviving host
+    lives on about that long after a peer dies); initialization_timeout_s bounds the wait for all processes to
+    join at start-up."""
+
+    heartbeat_timeout_s: int = 100
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self):
+        for field in ("heartbeat_timeout_s", "initialization_timeout_s"):
+            if int(getattr(self, field)) < 1:
+                _fail(
+                    f"distributed.{field}",
+                    f"{getattr(self, field)} is not a positive number of seconds",
+                    "use at least 1 (defaults: heartbeat 100, initialization 300)",
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchdogConfig:
+    """A stalled run says so (train/watchdog.py): when a phase outlives its budget, every thread's stack goes to
+    RUN/watchdog/process_I.txt and stderr and the process exits with status 5, so the rerun resumes."""
+
+    enabled: bool = True
+    startup_s: float = 1800.0  # process start to the compile: imports, distributed init, data, the attention probe
+    compile_s: float = 3600.0  # the train step's compile, and the loop until its first log window is timed
+    step_factor: float = 20.0  # then a batch read or a step may take step_factor x the median log window,
+    min_step_s: float = 600.0  # and never less than this
+    eval_s: float = 3600.0  # one evaluation (validation sets, in-loop tasks)
+    checkpoint_s: float = 1800.0  # a restore, a save's blocking part, the wait for the last save
+
+    def __post_init__(self):
+        for field in ("startup_s", "compile_s", "step_factor", "min_step_s", "eval_s", "checkpoint_s"):
+            if not float(getattr(self, field)) > 0:
+                _fail(
+                    f"watchdog.{field}",
+                    f"{getattr(self, field)} is not positive",
+                    "use a positive number, or --config.watchdog.enabled=False to switch the watchdog off",
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 1000
+    max_to_keep: int = 3
+    keep_period: int = 0  # >0: also keep every K-th step for the record.
+    async_save: bool = True
+    allow_fresh_start: bool = False  # True: start from step 0 even though this workdir once held checkpoints
+
+    def __post_init__(self):
+        _positive_steps("checkpoint.every_steps", self.every_steps)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "mesh": MeshConfig,
+    "distributed": DistributedConfig,
+    "watchdog": WatchdogConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def _section(cls, name: str, tree, strict: bool):
+    """One section's typed value from its ConfigDict or dict: the fields it lacks take their defaults; a field the
+    section does not have is an error where the user wrote it (`strict`), and left out of a saved run's."""
+    if isinstance(tree, cls):
+        return tree
+    given = dict(tree.to_dict() if hasattr(tree, "to_dict") else (tree or {}))
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - known)
+    if unknown and strict:
+        _fail(f"{name}.{unknown[0]}", f"not a field of config.{name}", f"use one of {', '.join(sorted(known))}")
+    if cls is ModelConfig:
+        return ModelConfig.of({k: v for k, v in given.items() if k in known})
+    return cls(**{k: _frozen(v) for k, v in given.items() if k in known})
+
+
+def _frozen(value):
+    """Lists (a saved run's JSON) as tuples, nested too: a section is hashable, a static argument to jit."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A run's config, typed and frozen: the sections above, and the checks that read two of them."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    @classmethod
+    def of(cls, tree, strict: bool = True) -> RunConfig:
+        """The typed config of a ConfigDict (the command line's) or a dict (a saved run's: `strict=False` leaves
+        out the fields this version no longer has). ConfigError names the first impossible field."""
+        if isinstance(tree, RunConfig):
+            return tree
+        sections = set(tree.keys())
+        unknown = sorted(sections - set(SECTIONS))
+        if unknown and strict:
+            _fail(unknown[0], "not a section of the config", f"use one of {', '.join(SECTIONS)}")
+        return cls(
+            **{name: _section(kind, name, tree[name], strict) for name, kind in SECTIONS.items() if name in sections}
         )
 
-    t = c.train
-    if t.global_batch <= 0:
-        _fail("train.global_batch", f"must be positive, got {t.global_batch}", "set a positive batch")
-    if t.microbatch and t.global_batch % t.microbatch:
-        _fail(
-            "train.microbatch",
-            f"{t.microbatch} does not divide global_batch={t.global_batch}",
-            "choose a microbatch dividing the global batch",
-        )
-    if t.steps <= 0:
-        _fail("train.steps", f"must be positive, got {t.steps}", "set train.steps >= 1")
-    for field, every in (
-        ("train.log_every", t.log_every),
-        ("train.eval_every", t.eval_every),
-        ("checkpoint.every_steps", c.checkpoint.every_steps),
-    ):
-        if every <= 0:  # each also happens at the last step: N = train.steps means only there
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def replace(self, **sections) -> RunConfig:
+        return dataclasses.replace(self, **sections)
+
+    def __post_init__(self):
+        m, d = self.model, self.data
+        if d.seq_len > m.max_seq_len:
             _fail(
-                field, f"must be a positive number of steps, got {every}", "set N >= 1 (train.steps: only at the end)"
+                "data.seq_len",
+                f"{d.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+                "lower data.seq_len or raise model.max_seq_len",
             )
-    if t.loss_chunk_len < 0:
-        _fail(
-            "train.loss_chunk_len",
-            f"must be >= 0, got {t.loss_chunk_len}",
-            "set a positive block length (e.g. 128), or 0 for full logits",
-        )
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        _fail(
-            "train.warmup_steps",
-            f"{t.warmup_steps} not in [0, train.steps={t.steps})",
-            "use fewer warmup steps than total steps",
-        )
-    if t.optimizer not in OPTIMIZERS:
-        _fail("train.optimizer", f"unknown optimizer {t.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
-    if t.optimizer == "muon" and not (t.muon_lr > 0 and 0 <= t.muon_momentum < 1):
-        _fail("train.muon_lr", f"muon_lr={t.muon_lr}, muon_momentum={t.muon_momentum}", "use lr > 0, 0 <= momentum < 1")
-    if t.schedule not in SCHEDULES:
-        _fail("train.schedule", f"unknown schedule {t.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-    fractions = tuple(float(x) for x in t.wsd_fractions)
-    if t.schedule == "wsd" and (len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6):
-        _fail(
-            "train.wsd_fractions",
-            f"{t.wsd_fractions} are not three non-negative fractions (warmup, stable, decay) summing to 1",
-            "e.g. --config.train.wsd_fractions='(0.01,0.79,0.2)'",
-        )
-    if t.wsd_decay_shape not in DECAY_SHAPES:
-        _fail("train.wsd_decay_shape", f"unknown shape {t.wsd_decay_shape!r}", f"use one of {', '.join(DECAY_SHAPES)}")
-    if t.decay_start_step < 0 or t.decay_start_step >= t.steps:
-        _fail(
-            "train.decay_start_step",
-            f"{t.decay_start_step} not in [0, train.steps={t.steps})",
-            "leave it 0 (the wsd fractions decide) or set a step before train.steps",
-        )
-    if t.init_from and not parse_init_from(t.init_from)[0].strip():
-        _fail(
-            "train.init_from",
-            f"{t.init_from!r} names no run",
-            "give the run directory to fork from: --config.train.init_from=RUN (its newest checkpoint) or RUN:STEP",
-        )
-    if t.z_loss < 0:
-        _fail("train.z_loss", f"must be >= 0, got {t.z_loss}", "use 0 (off) or e.g. 1e-4")
-    if t.spike_sigma < 0 or t.spike_window < 2:
-        _fail(
-            "train.spike_sigma",
-            f"spike_sigma={t.spike_sigma}, spike_window={t.spike_window}",
-            "use spike_sigma 0 (off) or e.g. 6, and a window of at least 2 steps",
-        )
-    if t.wandb_project and importlib.util.find_spec("wandb") is None:
-        _fail(
-            "train.wandb_project",
-            "Weights & Biases is not installed",
-            "pip install -e '.[wandb]', or leave train.wandb_project empty",
-        )
-    e = c.eval
-    if e.tasks and (e.tasks_every <= 0 or not e.task_data):
-        _fail(
-            "eval.tasks",
-            f"{e.tasks!r} given with tasks_every={e.tasks_every} and task_data={e.task_data!r}",
-            "set --config.eval.tasks_every=N and --config.eval.task_data=DIR (the tasks' local files)",
-        )
-    parse_mixture(c.data.mixture)
-    if c.data.source not in ("synthetic", "array_record", "tfds", "demo"):
-        _fail("data.source", f"unknown source {c.data.source!r}", "use synthetic, array_record, tfds or demo")
-    if c.data.get("document_mask", False):
-        eot = int(c.data.get("eot_id", -1))
-        if c.data.source == "synthetic" and not 0 <= eot < m.vocab_size:
+        context = self.mesh.context
+        if context > 1 and d.seq_len % (2 * context):
             _fail(
-                "data.document_mask",
-                "synthetic data has no end-of-text token to split documents at",
-                f"set --config.data.eot_id to a token id below {m.vocab_size}, or use a prepared corpus",
+                "mesh.context",
+                f"data.seq_len={d.seq_len} does not split into 2 x {context} equal slices (each device holds two, "
+                "one from each end, for the causal work to balance)",
+                "choose a context size with 2 x context dividing the sequence length",
             )
-        if m.attention_impl == "cudnn":
+        if context > 1 and m.attention_impl not in ("auto", *CONTEXT_PARALLEL_IMPLS):
             _fail(
-                "data.document_mask",
-                "cuDNN's attention (through jax.nn.dot_product_attention) takes no document mask",
-                "use --config.model.attention_impl=pallas (or auto, which picks among the kernels that mask)",
+                "model.attention_impl",
+                f"{m.attention_impl!r} does not run context-parallel (mesh.context={context}) yet",
+                f"use one of {', '.join(CONTEXT_PARALLEL_IMPLS)} or auto, or mesh.context=1",
             )
-        if m.mapping == "cross_layer":
-            _fail("data.document_mask", "Eq. 2's cross-layer attention has no document mask", "turn one of them off")
-    for field in ("startup_s", "compile_s", "step_factor", "min_step_s", "eval_s", "checkpoint_s"):
-        if "watchdog" in c and not float(c.watchdog[field]) > 0:
-            _fail(
-                f"watchdog.{field}",
-                f"{c.watchdog[field]} is not positive",
-                "use a positive number, or --config.watchdog.enabled=False to switch the watchdog off",
-            )
-    for field in ("heartbeat_timeout_s", "initialization_timeout_s"):
-        if int(c.distributed[field]) < 1:
-            _fail(
-                f"distributed.{field}",
-                f"{c.distributed[field]} is not a positive number of seconds",
-                "use at least 1 (defaults: heartbeat 100, initialization 300)",
-            )
-    return c
+        if d.document_mask:
+            if d.source == "synthetic" and not 0 <= d.eot_id < m.vocab_size:
+                _fail(
+                    "data.document_mask",
+                    "synthetic data has no end-of-text token to split documents at",
+                    f"set --config.data.eot_id to a token id below {m.vocab_size}, or use a prepared corpus",
+                )
+            if m.attention_impl == "cudnn":
+                _fail(
+                    "data.document_mask",
+                    "cuDNN's attention (through jax.nn.dot_product_attention) takes no document mask",
+                    "use --config.model.attention_impl=pallas (or auto, which picks among the kernels that mask)",
+                )
+            if m.mapping == "cross_layer":
+                _fail(
+                    "data.document_mask", "Eq. 2's cross-layer attention has no document mask", "turn one of them off"
+                )
+
+
+def validate(c) -> RunConfig:
+    """Every field that could make a run impossible, checked by typing the config (each section's own checks,
+    then RunConfig's): the run's typed config, or ConfigError naming the field and the fix."""
+    return RunConfig.of(c)
 
 
 # A resumed run may change how the model runs (these model fields), and anything outside

@@ -19,3 +19,7 @@ class UserError(Exception):
     """Something the user must change; the message says what. `exit_code` is the process's exit status."""
 
     exit_code: int = EXIT_USER_ERROR
+
+
+class ConfigError(UserError, ValueError):
+    """An impossible or inconsistent config; the message names field and fix."""

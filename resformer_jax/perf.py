@@ -145,7 +145,7 @@ def fsdp_devices(cfg, devices: int) -> int:
 
 def context_devices(cfg) -> int:
     """The devices each sequence is split over (config.mesh.context)."""
-    return max(1, int(cfg.mesh.get("context", 1)))
+    return max(1, cfg.mesh.context)
 
 
 def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> dict:

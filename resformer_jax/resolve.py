@@ -6,8 +6,9 @@ session, the summary, the compile command and the benchmarks take.
       the corpus's tokenizer hash, the attention impl (`auto` probed once), the typed model with its attention and
       matmul forms, and the XLA options the steps compile with.
 
-The ConfigDict is the command line's format: `Run.cfg` is a frozen copy of it with the resolved values in place,
-and `Run.record()` what a checkpoint and config.json keep (the config as asked plus the resolved fields).
+The ConfigDict is the command line's format: `Run.cfg` is the typed config (config.RunConfig) with the resolved
+values in place, and `Run.record()` what a checkpoint and config.json keep (the config as asked plus the resolved
+fields).
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ import ml_collections
 
 from resformer_jax import kernels, perf, runtime
 from resformer_jax.checkpoint import CheckpointError
-from resformer_jax.config import ConfigError, parse_init_from, run_record, set_dotted, validate, with_defaults
+from resformer_jax.config import (
+    ConfigError,
+    RunConfig,
+    parse_init_from,
+    run_record,
+    set_dotted,
+    validate,
+    with_defaults,
+)
 from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import backend_of
 from resformer_jax.model.config import ModelConfig
@@ -40,12 +49,12 @@ class AttentionChoice:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """A run as it runs. `asked`: the config as the user gave it (never changed); `cfg`: the same with the
-    resolved values in place (frozen); `model`: cfg.model typed, attention impl and matmul forms resolved for the
+    """A run as it runs. `asked`: the config as the user gave it (never changed); `cfg`: the same, typed, with the
+    resolved values in place; `model`: cfg.model typed, attention impl and matmul forms resolved for the
     platform; `compiler_options`: the XLA options its steps compile with (usually none)."""
 
     asked: ml_collections.FrozenConfigDict
-    cfg: ml_collections.FrozenConfigDict
+    cfg: RunConfig
     model: ModelConfig
     attention: AttentionChoice
     compiler_options: tuple[tuple[str, Any], ...]
@@ -84,7 +93,7 @@ def resolve_attention(
     impl = override or cfg.model.attention_impl
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
-    context = int(cfg.mesh.get("context", 1))
+    context = cfg.mesh.context
     if context > 1:  # a GPU's own kernel on each device's slices, XLA's attention elsewhere
         gpu = (backend_of(platform) if platform is not None else jax.default_backend()) == "gpu"
         choice = "pallas" if gpu else "xla"
@@ -109,7 +118,7 @@ def resolve_attention(
         mc.kv_heads,
         jnp.dtype(m.dtype),
         log,
-        documents=bool(cfg.data.get("document_mask", False)),
+        documents=bool(cfg.data.document_mask),
     )
     return AttentionChoice(choice, rejected, True)
 
@@ -206,8 +215,8 @@ def resolve(
     cfg.model.dtype = resolve_dtype(cfg, log=log, platform=platform)
     if tokenizer_hash is not None:
         set_dotted(cfg, "data.tokenizer_hash", tokenizer_hash)
-    if cfg.data.get("document_mask", False):  # the token documents end with: set, or the corpus's
-        eot = int(cfg.data.eot_id) if int(cfg.data.get("eot_id", -1)) >= 0 else eot_id
+    if cfg.data.document_mask:  # the token documents end with: set, or the corpus's
+        eot = int(cfg.data.eot_id) if cfg.data.eot_id >= 0 else eot_id
         if eot is None or eot < 0:
             raise ConfigError(
                 "config.data.document_mask: the corpus's metadata.json names no end-of-text token (eot_id). "
@@ -217,14 +226,14 @@ def resolve(
     if not isinstance(attention, AttentionChoice):
         attention = resolve_attention(cfg, override=attention, log=log, platform=platform)
     platform = platform or jax.devices()[0].platform
-    n = devices or cfg.mesh.get("num_devices", 0) or jax.device_count()
+    n = devices or cfg.mesh.num_devices or jax.device_count()
     rows = sequences_per_device(cfg, n) * cfg.data.seq_len
     options, why = runtime.cpu_step_compiler_options(platform, rows)
     if options:
         log(f"train and eval steps: {why}")
     return Run(
         asked=ml_collections.FrozenConfigDict(asked),
-        cfg=ml_collections.FrozenConfigDict(cfg),
+        cfg=RunConfig.of(cfg),
         model=model_config(cfg, attention, platform),
         attention=attention,
         compiler_options=tuple(sorted(options.items())),

@@ -115,7 +115,7 @@ def forward_general(p, tokens, m):
         q = proj("query") if "query" in a else Q1
         k = proj("key") if "key" in a else (k_prev if cla_reuse else K1)
         v = proj("value") if "value" in a else (v_prev if cla_reuse else None)
-        N = m.get("value_embeddings", 0)  # U-Net pairs: layers i and L+1-i share table i - 1
+        N = m.value_embeddings  # U-Net pairs: layers i and L+1-i share table i - 1
         table = n - 1 if n <= N else (L - n if n > L - N else -1)
         if table >= 0:  # modded-nanogpt's value embeddings: a V_n + b VE[token], or V_n + 2 sigmoid(x W) VE
             ve = p[f"value_embed_{table}"]["embedding"][tokens].reshape(v.shape)

@@ -35,7 +35,7 @@ def validation_table(cfg, params, data: str | None, batch: int, say=print) -> di
     from resformer_jax.model import Transformer
 
     model = Transformer(cfg.model)
-    f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.get("loss_chunk_len", 128)))
+    f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.loss_chunk_len))
     sets = validation_sets(cfg, batch, 0, all_records=True)
     total, done, t0, last = sum(len(b) for b in sets.values()), 0, time.perf_counter(), time.perf_counter()
     say(f"validation: {total} batches of {batch} sequences over {len(sets)} domains (the first compiles) ...")

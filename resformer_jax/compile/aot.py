@@ -553,7 +553,7 @@ def tune_candidates(cfg, devices: int) -> list[dict]:
     meshes = [{"mesh.data": -1, "mesh.fsdp": 1}] + ([{"mesh.data": 1, "mesh.fsdp": -1}] if devices > 1 else [])
     meshes = [{**m, "mesh.context": 1} for m in meshes]
     T = cfg.data.seq_len
-    if T >= LONG_SEQUENCE or int(cfg.mesh.get("context", 1)) > 1:  # long sequences: split each over devices too
+    if T >= LONG_SEQUENCE or cfg.mesh.context > 1:  # long sequences: split each over devices too
         for context in (2**i for i in range(1, devices.bit_length())):
             if devices % context == 0 and T % (2 * context) == 0:
                 meshes.append({"mesh.data": -1, "mesh.fsdp": 1, "mesh.context": context})

@@ -12,6 +12,25 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from resformer_jax.errors import ConfigError
+from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
+
+VALUE_RESIDUAL_MODES = ("none", "resformer", "svformer", "neutreno", "resformer+neutreno", "skipv1")
+RESFORMER_LAMBDAS = ("fixed", "learnable", "learnable_plus", "sparse", "convex", "gated")
+REMAT_POLICIES = ("none", "dots", "attention", "full")
+# The other fields with a closed set of values.
+CHOICES = (
+    ("arch", ("llama", "gpt2")),
+    ("rope_type", ("default", "linear", "llama3")),
+    ("value_source", ("first", "previous", "mean_of_previous", "mean_of_previous_mixed")),
+    ("residual_on", ("v", "q", "k")),
+    ("mapping", ("attention", "identity", "cross_layer")),
+    ("cla_share", ("kv", "k", "v")),
+    ("svformer_share", ("v", "q", "k")),
+    ("matmuls", ("auto", "cpu", "plain")),
+    ("dtype", ("float32", "bfloat16", "float16", "auto")),
+)
+
 # NeuTRENO's lambda when model.neutreno_lambda < 0 (the paper's defaults, Sec. 4.4): alone, and with ResFormer.
 NEUTRENO_DEFAULT = 0.4
 NEUTRENO_WITH_RESFORMER = 0.2
@@ -76,9 +95,110 @@ class ModelConfig:
     document_eot: int = -1
     dtype: str = "float32"  # compute dtype (auto: resolved by the setup); parameters are always float32
     scan_layers: bool = True
-    remat: str = "none"  # none | dots | full
+    remat: str = "none"  # none | dots | attention | full
     attention_impl: str = "auto"  # resolved by the setup into a concrete kernel before the model is built
     matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (the setup, per platform)
+
+    def __post_init__(self):
+        """The model's own fields checked where they are declared: ConfigError names the first impossible one."""
+        if self.value_residual not in VALUE_RESIDUAL_MODES:
+            _fail(
+                "value_residual",
+                f"unknown mode {self.value_residual!r}",
+                f"use one of {', '.join(VALUE_RESIDUAL_MODES)}",
+            )
+        for name in ("num_layers", "num_heads", "d_model", "ffn_dim", "vocab_size", "max_seq_len"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val <= 0:
+                _fail(name, f"must be a positive integer, got {val!r}", "set a positive integer")
+        for name, allowed in CHOICES:
+            if getattr(self, name) not in allowed:
+                _fail(name, f"unknown value {getattr(self, name)!r}", f"use one of {', '.join(allowed)}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            _fail("dropout", f"{self.dropout} is not a probability below 1", "use 0 (the paper) or e.g. 0.1 (GPT-2)")
+        if self.d_model % self.num_heads:
+            _fail(
+                "num_heads",
+                f"{self.num_heads} heads do not divide d_model={self.d_model}",
+                "choose num_heads dividing d_model",
+            )
+        if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
+            _fail(
+                "num_kv_heads",
+                f"{self.num_kv_heads} kv heads do not divide num_heads={self.num_heads}",
+                "choose num_kv_heads dividing num_heads (0 means num_heads)",
+            )
+        if self.head_dim % 2:
+            _fail(
+                "num_heads",
+                f"head_dim={self.head_dim} is odd, RoPE needs an even head_dim",
+                "choose num_heads so d_model/num_heads is even",
+            )
+        if self.remat not in REMAT_POLICIES:
+            _fail("remat", f"unknown policy {self.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            _fail("attention_impl", f"unknown impl {self.attention_impl!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
+        if self.resformer_lambdas not in RESFORMER_LAMBDAS:
+            _fail(
+                "resformer_lambdas",
+                f"unknown {self.resformer_lambdas!r}",
+                f"use one of {', '.join(RESFORMER_LAMBDAS)}",
+            )
+        kv = self.kv_heads
+        if not 0 <= self.value_embeddings <= self.num_layers // 2:
+            _fail(
+                "value_embeddings",
+                f"{self.value_embeddings} U-Net pairs of tables need {2 * self.value_embeddings} of the "
+                f"{self.num_layers} layers",
+                f"use 0..{self.num_layers // 2}",
+            )
+        if self.value_embeddings and self.value_residual in ("svformer", "skipv1"):
+            _fail(
+                "value_embeddings",
+                f"value embeddings add to a layer's own value V_n, and value_residual={self.value_residual!r} "
+                "layers >= 2 have none or only some heads of it",
+                "use value_residual none or resformer with value embeddings",
+            )
+        if self.value_residual == "skipv1" and self.skipv1_reused_heads < 0 and kv % 2:
+            _fail(
+                "skipv1_reused_heads",
+                f"SkipV1Former reuses half the value heads, but there are {kv} (odd)",
+                f"set --config.model.skipv1_reused_heads=R with R in 0..{kv} (R of each layer's value heads from "
+                "layer 1)",
+            )
+        if self.value_residual == "skipv1" and self.skipv1_reused_heads > kv:
+            _fail(
+                "skipv1_reused_heads",
+                f"{self.skipv1_reused_heads} reused heads, but layers have {kv} value heads",
+                f"use 0..{kv} (or -1: half)",
+            )
+        if len(tuple(self.lambda_init)) != 2:
+            _fail(
+                "lambda_init",
+                f"needs two values (l1, l2), got {self.lambda_init!r}",
+                "set e.g. --config.model.lambda_init='(0.5,0.5)'",
+            )
+        for name, default in (("mapping", "attention"), ("residual_on", "v"), ("value_source", "first")):
+            if getattr(self, name) != default and not self.mixes_values:
+                _fail(
+                    name,
+                    f"{getattr(self, name)!r} is a ResFormer ablation but value_residual={self.value_residual!r}",
+                    f"set model.value_residual='resformer' or leave this field at {default!r}",
+                )
+        if (self.svformer_share != "v" or tuple(self.svformer_anchors)) and self.value_residual != "svformer":
+            _fail(
+                "svformer_share", "anchors and Q/K sharing are SVFormer options", "set model.value_residual='svformer'"
+            )
+        if self.cla_share_every < 1:
+            _fail("cla_share_every", "must be >= 1", "use 1 (off) or 2 (CLA2)")
+        for a in self.svformer_anchors:
+            if not 1 <= a <= self.num_layers:
+                _fail("svformer_anchors", f"layer {a} outside 1..{self.num_layers}", "list 1-based layer numbers")
+        for a in self.sparse_layers:
+            if not 2 <= a <= self.num_layers:
+                _fail("sparse_layers", f"layer {a} outside 2..{self.num_layers}", "list 1-based layer numbers >= 2")
+        if self.num_layers < 2 and self.value_residual != "none":
+            _fail("num_layers", "value residual needs at least 2 layers", "use num_layers >= 2")
 
     @classmethod
     def of(cls, m: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
@@ -185,3 +305,7 @@ class ModelConfig:
         if self.neutreno_lambda >= 0:
             return float(self.neutreno_lambda)
         return NEUTRENO_WITH_RESFORMER if self.value_residual == "resformer+neutreno" else NEUTRENO_DEFAULT
+
+
+def _fail(field: str, problem: str, fix: str):
+    raise ConfigError(f"config.model.{field}: {problem}. Fix: {fix}.")

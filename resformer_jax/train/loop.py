@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from resformer_jax import metrics, perf
+from resformer_jax.config import RunConfig
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import EXIT_DIVERGED, UserError
@@ -120,7 +121,7 @@ class Trainer:
         # Where the time goes (written by process 0 once the run has started) and the watchdog over each phase.
         self.ledger = goodput.Ledger(self.run.goodput_json)
         self.watchdog = Watchdog(
-            Budgets.of(cfg.watchdog) if "watchdog" in cfg else Budgets(),
+            Budgets.of(RunConfig.of(cfg).watchdog),
             self.run.watchdog_stacks(jax.process_index()),
             jax.process_index(),
             jax.process_count(),
@@ -267,7 +268,7 @@ class Trainer:
             )
         flops = perf.model_flops(cfg.model, cfg.data.seq_len)
         peak, peak_src = perf.device_peak_flops(cfg.model.dtype)
-        writer.text("config", "```\n" + cfg.to_json_best_effort(indent=2) + "\n```")
+        writer.text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2, default=str) + "\n```")
         self.say(
             f"model: {flops.params_total:,} params ({flops.params_non_embedding:,} non-embedding), "
             f"{cfg.model.value_residual}; {flops.per_token / 1e9:.3f} GFLOP/token; {jax.device_count()} "

@@ -32,7 +32,7 @@ def _names(path) -> list[str]:
 def decay_start(t) -> int:
     """The step the WSD decay starts at: `decay_start_step` where set (a cooldown forked from a checkpoint), else
     after the warmup and stable fractions of `steps`."""
-    if t.get("decay_start_step", 0) > 0:
+    if t.decay_start_step > 0:
         return int(t.decay_start_step)
     warmup, stable, _ = t.wsd_fractions
     return round((warmup + stable) * t.steps)
@@ -45,7 +45,7 @@ def lr_schedule(t):
     `steps` (the paper). wsd: warmup over wsd_fractions[0] of the steps, peak_lr until the decay starts
     (`decay_start`), then down to final_lr_ratio * peak at `steps` in the wsd_decay_shape (linear, cosine, or
     1-sqrt: 1 - sqrt of the decay's progress). constant: warmup, then peak_lr."""
-    schedule = t.get("schedule", "cosine")
+    schedule = t.schedule
     final = t.peak_lr * t.final_lr_ratio
     if schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
@@ -130,7 +130,7 @@ def muon_lr_schedule(t):
 def make_optimizer(t) -> optax.GradientTransformation:
     clip = optax.clip_by_global_norm(t.grad_clip)
     adamw = optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay_mask)
-    if t.get("optimizer", "adamw") == "adamw":
+    if t.optimizer == "adamw":
         return optax.chain(clip, adamw)
     muon = optax.contrib.muon(
         muon_lr_schedule(t),
@@ -149,7 +149,7 @@ class GroupSizes:
     adamw: int
 
     def describe(self, t) -> str:
-        if t.get("optimizer", "adamw") == "adamw":
+        if t.optimizer == "adamw":
             return f"optimizer adamw on all {self.muon + self.adamw:,} parameters"
         return (
             f"optimizer muon on {self.muon:,} parameters (hidden matrices, lr {t.muon_lr:g}, momentum "

@@ -31,7 +31,7 @@ from resformer_jax.train.step import TrainState, init_state, make_eval_step, mak
 
 def spike_window(t) -> int:
     """The loss-spike window the train state holds (0: spike skipping off, nothing in the state)."""
-    return int(t.spike_window) if t.get("spike_sigma", 0.0) > 0 else 0
+    return int(t.spike_window) if t.spike_sigma > 0 else 0
 
 
 def state_template(model, tx, seq_len: int, spikes: int = 0):
@@ -120,7 +120,7 @@ def build(run: Run, *, mesh=None, devices=None) -> TrainSetup:
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
     rep = replicated(mesh)
     options = dict(run.compiler_options)
-    document_starts = bool(cfg.data.get("document_start_loss", True))
+    document_starts = bool(cfg.data.document_start_loss)
 
     def jitted_step(telemetry: bool):
         return jax.jit(

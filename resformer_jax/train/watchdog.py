@@ -27,6 +27,7 @@ from collections.abc import Callable
 from etils import epath
 
 from resformer_jax import storage
+from resformer_jax.config import WatchdogConfig
 from resformer_jax.errors import EXIT_STALLED
 
 
@@ -49,19 +50,14 @@ PHASES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Budgets:
-    enabled: bool = True
-    startup_s: float = 1800.0
-    compile_s: float = 3600.0
-    step_factor: float = 20.0
-    min_step_s: float = 600.0
-    eval_s: float = 3600.0
-    checkpoint_s: float = 1800.0
+class Budgets(WatchdogConfig):
+    """The run's config.watchdog (its budgets and their defaults: config.WatchdogConfig) and how often to look."""
+
     poll_s: float = 1.0
 
     @classmethod
-    def of(cls, section) -> Budgets:
-        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section})
+    def of(cls, section: WatchdogConfig) -> Budgets:
+        return cls(**dataclasses.asdict(section))
 
 
 class Watchdog:
