@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import ml_collections
 
 from resformer_jax.checkpoint import CheckpointError, failure_reason
-from resformer_jax.config import with_defaults
+from resformer_jax.config import RunConfig, with_defaults
 from resformer_jax.model import Transformer
 from resformer_jax.resolve import model_config, resolve_attention
 from resformer_jax.rundir import RunDir
@@ -48,7 +47,7 @@ def _library_reports_held():
 
 
 class LoadedRun(NamedTuple):
-    cfg: ml_collections.ConfigDict  # the run's config, attention_impl resolved for this machine
+    cfg: RunConfig  # the run's config, typed; its model's attention impl and matmul forms resolved for this machine
     params: Any
     step: int
 
@@ -85,7 +84,7 @@ def load_run(
         failures = []
         for candidate in [step] if step is not None else list(reversed(steps)):
             try:
-                cfg = ml_collections.ConfigDict(with_defaults(ck.read_config(candidate)))
+                cfg = RunConfig.of(with_defaults(ck.read_config(candidate)), strict=False)
                 model = Transformer(cfg.model)
                 dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
                 boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len, spike_window(cfg.train))
@@ -120,5 +119,4 @@ def load_run(
         ck.mngr.close()
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
     # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
-    cfg.model = ml_collections.ConfigDict(model_config(cfg, choice).to_dict())
-    return LoadedRun(cfg, state.params, step)
+    return LoadedRun(cfg.replace(model=model_config(cfg, choice)), state.params, step)

@@ -5,13 +5,14 @@ trainer, the compile command and the benchmarks."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
 import jax
-import ml_collections
 
 from resformer_jax import perf
+from resformer_jax.config import RunConfig
 from resformer_jax.errors import UserError
 from resformer_jax.resolve import sequences_per_device
 
@@ -67,9 +68,9 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     the compile, with what the config is sized for and what would fit here; a step the estimate lets through still
     meets the compiled step's precheck."""
     limit, source = device_memory_limit(cfg.mesh)
+    cfg = RunConfig.of(cfg)
     if cfg.model.dtype == "auto":  # resolved later (build); bf16, the smaller choice, keeps this a lower bound
-        cfg = ml_collections.ConfigDict(cfg.to_dict())
-        cfg.model.dtype = "bfloat16"
+        cfg = cfg.replace(model=cfg.model.replace(dtype="bfloat16"))
     est = perf.estimate_train_memory(cfg, devices)
     if not limit or est["total"] <= limit:
         return None
@@ -87,14 +88,16 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     for remat, fsdp in dict.fromkeys(((cfg.model.remat, fsdp_now), ("full", fsdp_now), ("full", devices))):
         per_device = sequences_per_device(cfg, devices)
         while per_device >= 1 and fits is None:
-            trial = ml_collections.ConfigDict(cfg.to_dict())
-            trial.model.remat, trial.train.microbatch, trial.mesh.fsdp = remat, per_device * devices, fsdp
-            if (
-                t.global_batch % trial.train.microbatch == 0
-                and perf.estimate_train_memory(trial, devices)["total"] <= limit
-            ):
+            microbatch = per_device * devices
+            if t.global_batch % microbatch == 0:
+                trial = cfg.replace(
+                    model=cfg.model.replace(remat=remat),
+                    train=dataclasses.replace(cfg.train, microbatch=microbatch),
+                    mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp),
+                )
+            if t.global_batch % microbatch == 0 and perf.estimate_train_memory(trial, devices)["total"] <= limit:
                 fits = (
-                    f"--config.train.microbatch={trial.train.microbatch}"
+                    f"--config.train.microbatch={microbatch}"
                     + (f" --config.model.remat={remat}" if remat != cfg.model.remat else "")
                     + (f" --config.mesh.fsdp={fsdp} --config.mesh.data=1" if fsdp != fsdp_now else "")
                 )

@@ -8,15 +8,18 @@ import dataclasses
 import functools
 import re
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.chips import chip_of_device
-from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.decode import kv_cache_bytes_per_token
 from resformer_jax.model.transformer import param_counts, param_shapes
+
+if TYPE_CHECKING:
+    from resformer_jax.config import RunConfig
 
 # Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
 
@@ -110,7 +113,6 @@ def flops_per_token(m, seq_len: int) -> float:
     """
 
     shapes = param_shapes(m)
-    m = ModelConfig.of(m)
     matmul = 0
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
         if getattr(path[-1], "key", None) == "kernel":
@@ -148,7 +150,7 @@ def context_devices(cfg) -> int:
     return max(1, cfg.mesh.context)
 
 
-def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> dict:
+def estimate_train_memory(cfg: RunConfig, devices: int, flash_attention: bool = True) -> dict:
     """An analytic estimate of one device's memory for a train step (bytes), for presets sized for hardware
     this machine does not have; the trainer's precheck measures the compiled step itself.
 
@@ -173,8 +175,7 @@ def estimate_train_memory(cfg, devices: int, flash_attention: bool = True) -> di
     kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
     layer = 2 * mb * T * (4 * E + 3 * F) * act
     if context > 1:  # the gathered keys and values: one layer's (and their gradients), every layer's kept
-        mc = ModelConfig.of(m)
-        kv = 2 * mb * S * mc.kv_heads * mc.head_dim * act
+        kv = 2 * mb * S * m.kv_heads * m.head_dim * act
         layer += 2 * kv
         kept += 0 if m.remat == "full" else L * kv
     attention = mb * H * T * 4 * 2 if flash_attention else mb * H * T * S * 4
@@ -215,7 +216,11 @@ def step_memory(compiled) -> StepMemory | None:
 
 def summary(cfg) -> dict:
     """Parameter counts, training FLOPs per token, KV-cache bytes per token and the memory estimate per
-    device, as `--mode=summary` prints them (allocates nothing)."""
+    device, as `--mode=summary` prints them (allocates nothing). `cfg`: the run's typed config, or a ConfigDict
+    as written (typed here: a config file's summary before any run)."""
+    from resformer_jax.config import RunConfig
+
+    cfg = RunConfig.of(cfg)
 
     f = model_flops(cfg.model, cfg.data.seq_len)
     out = {

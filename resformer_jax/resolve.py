@@ -138,7 +138,9 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
     if platform != "cpu":
         choice, why = "bfloat16", f"{platform} computes in bf16 natively"
     else:
-        choice, why = perf.faster_cpu_dtype(cfg.model, sequences_per_device(cfg, jax.device_count()) * cfg.data.seq_len)
+        choice, why = perf.faster_cpu_dtype(
+            ModelConfig.of(cfg.model), sequences_per_device(cfg, jax.device_count()) * cfg.data.seq_len
+        )
     log(f"model.dtype=auto chose {choice}: {why}")
     return choice
 

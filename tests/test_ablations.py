@@ -14,6 +14,7 @@ import reference as ref
 
 from resformer_jax.config import apply_ablation, paper_config, tiny_config, validate
 from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.perf import summary
 from resformer_jax.train.step import init_state, make_train_step
 
@@ -52,7 +53,7 @@ def test_every_ablation_config_is_valid_at_82m():
 @pytest.mark.parametrize("name", NAMES)
 def test_ablation_matches_its_equation(name):
     c = tiny(name)
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
     # Mixing weights start at values that hide their equation (one-hot DenseFormer weights, equal
@@ -88,7 +89,7 @@ def test_ablation_matches_its_equation(name):
 )
 def test_scanned_ablations_equal_unrolled(name):
     c_un, c_sc = tiny(name, scan=False), tiny(name, scan=True)
-    model_un, model_sc = Transformer(c_un.model), Transformer(c_sc.model)
+    model_un, model_sc = Transformer(ModelConfig.of(c_un.model)), Transformer(ModelConfig.of(c_sc.model))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c_un.model.vocab_size)
     params = nn.unbox(jax.jit(model_un.init)(jax.random.PRNGKey(0), tokens)["params"])
     stacked = ref.stack_unrolled(params, c_un.model.num_layers)
@@ -117,7 +118,7 @@ def test_every_ablation_trains_a_few_steps_on_its_tiny_override():
         c = tiny(name, scan=True)
         c.model.num_layers = 3
         c.model.attention_impl = "xla"
-        model = Transformer(c.model)
+        model = Transformer(ModelConfig.of(c.model))
         tx = optax.sgd(0.05)  # plain SGD: the point is the ablation's forward and backward, compiled fast
         state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
         step = jax.jit(make_train_step(model, tx, 1))

@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep.prepare import PrepareError, prepare
 from resformer_jax.data.records import DomainSource, load_metadata
+from resformer_jax.data_prep.prepare import PrepareError, prepare
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
@@ -117,8 +117,8 @@ def test_ranged_reads_of_a_large_jsonl_yield_every_document_once_in_order(tmp_pa
     """Large .jsonl files are read in byte ranges by several workers: each line belongs to the range it starts in."""
     import json
 
-    from data_prep import beam_pipeline
-    from data_prep.prepare import read_documents
+    from resformer_jax.data_prep import beam_pipeline
+    from resformer_jax.data_prep.prepare import read_documents
 
     path = tmp_path / "big.jsonl"
     docs = [{"text": f"doc {i} " + "x" * (i * 7 % 50), "meta": {"redpajama_set_name": "D"}} for i in range(200)]

@@ -24,7 +24,7 @@ def test_flop_count_matches_xla_cost_analysis():
     m.num_layers, m.num_heads, m.d_model, m.ffn_dim, m.vocab_size, m.max_seq_len = 4, 4, 256, 768, 4096, 256
     m.scan_layers = False  # XLA's cost analysis counts a while loop's body once, not per layer
     c.data.seq_len = 256
-    validate(c)
+    m = validate(c).model
     B, T = 2, c.data.seq_len
     model = Transformer(m)
     params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32))["params"]))

@@ -100,7 +100,7 @@ def cloud(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small prepared corpus on local disk (ArrayRecord reads local files only) and its tokenizer."""
-    from data_prep.prepare import prepare
+    from resformer_jax.data_prep.prepare import prepare
 
     d = tmp_path_factory.mktemp("corpus")
     line = "the cat sat on the mat and the dog ate the bone. "
@@ -285,7 +285,7 @@ def test_cloud_outputs_of_analyze_compare_export_and_prepare(cloud, corpus, tmp_
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in (epath.Path(wd) / "hf").iterdir()}
 
     # Prepared corpora: written straight to the bucket (metadata last); training from it says how to read it.
-    from data_prep.prepare import prepare
+    from resformer_jax.data_prep.prepare import prepare
 
     raw = tmp_path / "raw" / "train"
     raw.mkdir(parents=True)

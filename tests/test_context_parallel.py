@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resformer_jax.config import ConfigError, tiny_config, validate
+from resformer_jax.config import ConfigError, RunConfig, tiny_config, validate
 from resformer_jax.parallel.mesh import MeshError, make_mesh
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
@@ -157,17 +157,18 @@ def test_the_memory_estimate_counts_a_devices_slice_of_the_sequence():
     from resformer_jax.perf import estimate_train_memory
 
     c = config("svformer", 1, data=-1)
-    c.data.seq_len, c.train.global_batch = 4096, 8
-    one = estimate_train_memory(c, 8)
+    c.data.seq_len, c.model.max_seq_len, c.train.global_batch = 4096, 4096, 8
+    one = estimate_train_memory(RunConfig.of(c), 8)
     c.mesh.context, c.mesh.data = 4, 2
-    split = estimate_train_memory(c, 8)
+    split = estimate_train_memory(RunConfig.of(c), 8)
     # the same sequences a device (8 over data 2 x context 4: 4 a device), a quarter of each one's tokens
     assert split["per_device_micro_batch"] == 4 * one["per_device_micro_batch"]
     kv = 3 * 4 * 4096 * 2 * 2 * 16 * 4  # layers x sequences x tokens x (K and V) x kv heads x head_dim x fp32
     assert split["activations_kept"] == one["activations_kept"] + kv
     assert split["state"] == one["state"]
     c.mesh.context, c.mesh.data = 8, 1
-    whole = estimate_train_memory(c, 8)  # every device holds an eighth of all 8 sequences: one sequence's worth
+    # every device holds an eighth of all 8 sequences: one sequence's worth
+    whole = estimate_train_memory(RunConfig.of(c), 8)
     assert whole["activations_kept"] > one["activations_kept"]  # plus every layer's gathered keys and values
     assert whole["one_layer"] > one["one_layer"]
 

@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep.prepare import PrepareError, prepare
 from resformer_jax.config import tiny_config
 from resformer_jax.data.pipeline import (
     BatchReader,
@@ -20,6 +19,7 @@ from resformer_jax.data.pipeline import (
     train_iterator,
     train_reader,
 )
+from resformer_jax.data_prep.prepare import PrepareError, prepare
 
 SEQ = 128
 

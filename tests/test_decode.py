@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def assert_decode_equals_forward(c):
     """A 5-token prefill and 7 single-token steps through the KV cache give the full forward's logits."""
     validate(c)
-    m = Transformer(c.model)
+    m = Transformer(ModelConfig.of(c.model))
     toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
     p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
     full = jax.jit(m.apply)({"params": p}, toks)
@@ -54,7 +54,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_one_call_prefill(mode):
     c = tiny_config(mode)
     c.model.num_kv_heads = 2
     validate(c)
-    m = Transformer(c.model)
+    m = Transformer(ModelConfig.of(c.model))
     toks = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, c.model.vocab_size)
     p = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), toks)["params"])
     mf = ModelConfig.of(c.model)
@@ -80,7 +80,11 @@ def test_svformer_cache_is_L_plus_1_over_2L_of_vanilla_and_matches_summary(kv):
         c = tiny_config(mode)
         c.model.num_layers, c.model.num_kv_heads = 8, kv
         validate(c)
-        p = nn.unbox(jax.jit(Transformer(c.model).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+        p = nn.unbox(
+            jax.jit(Transformer(ModelConfig.of(c.model)).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))[
+                "params"
+            ]
+        )
         cache = init_cache(ModelConfig.of(c.model), p, 3, 40)
         sizes[mode] = kv_bytes(cache)
         assert sizes[mode] == summary(c)["kv_cache_bytes_per_token"] * 3 * 40
@@ -107,8 +111,8 @@ def test_sampling_limits():
 
 @pytest.mark.slow
 def test_greedy_generation_reproduces_repetitive_text(tmp_path):
-    from data_prep.prepare import prepare
     from resformer_jax.commands.training import run
+    from resformer_jax.data_prep.prepare import prepare
 
     line = "the cat sat on the mat and the dog ate the bone. "
     raw = tmp_path / "raw" / "train"
@@ -154,11 +158,11 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
 
     c = tiny_config("svformer")
     validate(c)
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     boxed = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     params = nn.unbox(boxed)
     prompt = np.random.default_rng(0).integers(0, 256, (8, 6), dtype=np.int32)
-    one, _ = generate(c.model, params, prompt, max_new_tokens=5)
+    one, _ = generate(ModelConfig.of(c.model), params, prompt, max_new_tokens=5)
     mesh = make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 4}))
     sh = logical_shardings(boxed, mesh, c.mesh)
     import resformer_jax.model.decode as dec
@@ -175,7 +179,9 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
 
     dec._step = spy
     try:
-        many, _stats = generate(c.model, params, prompt, max_new_tokens=5, mesh=mesh, param_shardings=sh)
+        many, _stats = generate(
+            ModelConfig.of(c.model), params, prompt, max_new_tokens=5, mesh=mesh, param_shardings=sh
+        )
     finally:
         dec._step = orig
     np.testing.assert_array_equal(np.asarray(one), np.asarray(many))

@@ -11,6 +11,7 @@ import pytest
 from resformer_jax.config import tiny_config
 from resformer_jax.engine import Engine, EngineError, SamplingParams
 from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.decode import generate
 
 VARIANTS = {
@@ -32,9 +33,10 @@ def peaky_model(variant: str, **fields):
     c.model.dtype = "float32"
     for k, v in fields.items():
         c.model[k] = v
-    params = nn.unbox(Transformer(c.model).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    m = ModelConfig.of(c.model)
+    params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})
-    return c.model, params
+    return m, params
 
 
 def prompts_of(rng, n, vocab, lo=1, hi=40):
@@ -155,8 +157,7 @@ def test_paged_kernel_reads_pages_in_place_and_equals_the_gather_path(variant):
     from resformer_jax.engine.engine import step_program, step_shapes
 
     m, params = peaky_model(variant.split("+")[0], **VARIANTS.get(variant, {}))
-    m = m.copy_and_resolve_references()
-    m.attention_impl = "pallas"
+    m = m.replace(attention_impl="pallas")
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
     jaxpr = str(
         jax.make_jaxpr(step_program(engine.model))(engine.params, engine.cache, *step_shapes(engine.model, 4, 1, 8))

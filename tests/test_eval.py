@@ -11,6 +11,7 @@ import pytest
 from resformer_jax.analysis import measures
 from resformer_jax.analysis.runs import relative_curves
 from resformer_jax.eval.zero_shot import TASKS, read_task, score_items, to_items
+from resformer_jax.model.config import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,9 +112,9 @@ def test_relative_curve_of_run_against_itself_is_zero():
 
 @pytest.mark.slow
 def test_three_commands_end_to_end(tmp_path, shared_data):
-    from data_prep.prepare import prepare
     from resformer_jax.commands.training import run
     from resformer_jax.config import tiny_config
+    from resformer_jax.data_prep.prepare import prepare
 
     prepare([str(shared_data / "slimpajama_sample")], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
     data = str(tmp_path / "data")
@@ -221,7 +222,7 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     res = analyze_run(wd, None, None, num_sequences=6, batch=4)["layers"]
     cfg, params, _ = load_run(wd, attention_impl="reference")
     seqs = analysis_sequences(cfg, "train", 6, 4)
-    model = Transformer(cfg.model, capture=True)
+    model = Transformer(ModelConfig.of(cfg.model), capture=True)
     fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
     values, entropy = [[] for _ in range(3)], [[] for _ in range(3)]
     for b in range(0, 6, 4):

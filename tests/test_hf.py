@@ -13,6 +13,7 @@ import reference as ref
 
 from resformer_jax.hf.llama_import import HFError, load_hf_llama
 from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "def main():\n    return 42\n" * 30
@@ -170,7 +171,7 @@ def _model_and_params(fields, scan=True):
     for k, v in fields.items():
         c.model[k] = v
     validate(c)
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"])
     rng = np.random.default_rng(0)  # move the mixing scalars off their init so the test sees them
     params = jax.tree_util.tree_map_with_path(
@@ -192,7 +193,7 @@ def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
 
     c, model, params = _model_and_params(EXPORT_CASES[case])
     out = str(tmp_path / "hf")
-    hf_cfg = export_params(c.model, jax.device_get(params), out)
+    hf_cfg = export_params(ModelConfig.of(c.model), jax.device_get(params), out)
     m2, back = load_hf_llama(out)
     flat = lambda t: {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(t)}
     want, got = flat(unrolled(jax.device_get(params), c.model.num_layers)), flat(back)
@@ -223,7 +224,9 @@ def test_vanilla_export_has_exactly_hf_llama_names_and_shapes(tmp_path):
     from resformer_jax.hf.export import export_params
 
     c, _, params = _model_and_params({"value_residual": "none", "num_kv_heads": 2})
-    export_params(c.model, jax.device_get(params), str(tmp_path), shard_bytes=200_000)  # small shards: an index
+    export_params(
+        ModelConfig.of(c.model), jax.device_get(params), str(tmp_path), shard_bytes=200_000
+    )  # small shards: an index
     index = json.load(open(tmp_path / "model.safetensors.index.json"))
     sd = {}
     for f in sorted(set(index["weight_map"].values())):
@@ -263,7 +266,7 @@ def test_exported_model_loads_in_transformers(tmp_path):
     for case in sorted(EXPORT_CASES):
         c, model, params = _model_and_params(EXPORT_CASES[case])
         out = str(tmp_path / case)
-        export_params(c.model, jax.device_get(params), out)
+        export_params(ModelConfig.of(c.model), jax.device_get(params), out)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
         tokens = np.random.default_rng(1).integers(0, c.model.vocab_size, (2, 16))
         with torch.no_grad():
@@ -289,15 +292,14 @@ def _peaky_export(tmp_path, case):
     c, _model, params = _model_and_params(EXPORT_CASES[case])
     params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})
     out = str(tmp_path / case)
-    hf_cfg = export_params(c.model, jax.device_get(params), out)
+    hf_cfg = export_params(ModelConfig.of(c.model), jax.device_get(params), out)
     return c, params, out, hf_cfg
 
 
 def _engine_greedy(c, params, prompts, new):
     from resformer_jax.engine import Engine, SamplingParams
 
-    m = c.model.copy_and_resolve_references()
-    m.dtype = "float32"
+    m = ModelConfig.of(c.model).replace(dtype="float32")
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
     return [r.tokens for r in engine.generate(prompts, SamplingParams(max_tokens=new))]
 
@@ -492,13 +494,13 @@ def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
     )
     c = tiny_config("none")
     c.model.tie_embeddings = True
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     p = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"]
     import flax.linen as nn
 
     p = nn.unbox(p)
     assert "lm_head" not in p
-    cfg = export_params(c.model, jax.device_get(p), str(tmp_path / "tied"))
+    cfg = export_params(ModelConfig.of(c.model), jax.device_get(p), str(tmp_path / "tied"))
     assert cfg["tie_word_embeddings"] is True
     m3, params3 = load_hf_llama(str(tmp_path / "tied"))
     np.testing.assert_allclose(

@@ -13,6 +13,7 @@ import reference as ref
 
 from resformer_jax.config import ConfigError, base_config, paper_config, tiny_config, validate
 from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.perf import summary
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
@@ -30,7 +31,7 @@ def make(mode, kv_heads=0, scan=False, **model_overrides):
 
 
 def init(c, T=16, seed=0):
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (2, T), 0, c.model.vocab_size)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"])
     return model, params, tokens
@@ -61,7 +62,7 @@ def test_resformer_with_l1_0_l2_1_is_vanilla_exactly():
     c_van = make("none")
     model_res, params, tokens = init(c_res)
     out_res = jax.jit(model_res.apply)({"params": params}, tokens)
-    out_van = jax.jit(Transformer(c_van.model).apply)({"params": params}, tokens)
+    out_van = jax.jit(Transformer(ModelConfig.of(c_van.model)).apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(out_res), np.asarray(out_van))
 
 
@@ -70,7 +71,7 @@ def test_scanned_equals_unrolled_outputs_and_grads(mode):
     c_un = make(mode, kv_heads=2, scan=False)
     c_sc = make(mode, kv_heads=2, scan=True)
     model_un, params, tokens = init(c_un)
-    model_sc = Transformer(c_sc.model)
+    model_sc = Transformer(ModelConfig.of(c_sc.model))
     params_sc = ref.stack_unrolled(params, c_un.model.num_layers)
 
     def loss(model, p):

@@ -17,6 +17,7 @@ from record_losses import cpu_description, tiny_run_losses
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import ValueMix, plan_layer
+from resformer_jax.model.config import ModelConfig
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax"
 
@@ -120,15 +121,15 @@ def test_a_new_variant_is_one_plan_and_one_equation_function():
         c = tiny_config("none")
         c.model.scan_layers = scan
         tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, c.model.vocab_size)
-        toy = Transformer(c.model, planner=toy_plan)
+        toy = Transformer(ModelConfig.of(c.model), planner=toy_plan)
         params = nn.unbox(jax.jit(toy.init)(jax.random.PRNGKey(0), tokens)["params"])
         r = tiny_config("resformer")
         r.model.scan_layers = scan
         r.model.lambda_init = (0.25, 0.75)
-        want = jax.jit(Transformer(r.model).apply)({"params": params}, tokens)
+        want = jax.jit(Transformer(ModelConfig.of(r.model)).apply)({"params": params}, tokens)
         got = jax.jit(toy.apply)({"params": params}, tokens)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-        vanilla = jax.jit(Transformer(c.model).apply)({"params": params}, tokens)
+        vanilla = jax.jit(Transformer(ModelConfig.of(c.model)).apply)({"params": params}, tokens)
         assert np.abs(np.asarray(got) - np.asarray(vanilla)).max() > 1e-3  # the toy equation is in effect
 
 
@@ -213,8 +214,18 @@ def test_folder_boundaries():
     for f in _library_files():
         bad = [m for m in _top_level_imports(f) if m.startswith("resformer_jax.commands")]
         assert not bad, f"{f.relative_to(PKG)} imports the commands {bad}: the library never imports a command"
+    # the corpus preparation is one floor below the pipeline that reads its output (data/demo.py prepares the demo
+    # corpus with it), never the other way; the top-level data_prep/ is its command line alone
+    for f in (PKG / "data_prep").glob("*.py"):
+        bad = [m for m in _imports(f) if m.startswith(("resformer_jax.data.", "resformer_jax.commands", "data_prep"))]
+        assert not bad, f"data_prep/{f.name} imports {bad}"
     for f in (PKG.parent / "data_prep").glob("*.py"):
-        assert not [m for m in _imports(f) if m.startswith("resformer_jax.commands")], f.name
+        bad = [
+            m
+            for m in _imports(f)
+            if m.startswith(("resformer_jax", "data_prep")) and m != "resformer_jax.data_prep.prepare"
+        ]
+        assert not bad, f"the command line data_prep/{f.name} imports {bad}: the preparation lives in the package"
     assert not [m for m in _imports(PKG / "checkpoint.py") if m.startswith("resformer_jax.train")]
     assert not [m for m in _imports(PKG / "metrics.py") if m.startswith("resformer_jax.model")]
     for f in (PKG / "model").glob("*.py"):
@@ -233,7 +244,6 @@ def test_folder_boundaries():
 def _import_graph() -> dict[str, set[str]]:
     """Library module -> the library modules it imports (anywhere in the file, function bodies included)."""
     files = {_module_name(f): f for f in _library_files()}
-    files.update({f"data_prep.{f.stem}": f for f in (PKG.parent / "data_prep").glob("*.py") if f.stem != "__init__"})
     graph = {}
     for name, f in files.items():
         deps = set()
@@ -354,14 +364,14 @@ def test_the_export_writes_the_plan_and_refuses_what_it_cannot_express():
         ("resformer", [True] * 3, ["own", "lambda_mix", "lambda_mix"]),
         ("svformer", [True, False, False], ["own", "first", "first"]),
     ):
-        m = tiny_config(variant).model
+        m = ModelConfig.of(tiny_config(variant).model)
         cfg = hf_config(m)
         assert [plan_layer(m, n).owns[2] for n in range(1, 4)] == owns
         if variant == "none":
             assert "layer_owns_value" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
         else:
             assert cfg["layer_owns_value"] == owns and cfg["layer_value_mix"] == mix, cfg
-    m = tiny_config("neutreno").model
+    m = ModelConfig.of(tiny_config("neutreno").model)
     with pytest.raises(HFError, match="NeuTRENO"):
         hf_config(m)
 
@@ -418,3 +428,49 @@ def test_importing_a_library_module_changes_nothing():
                 ):
                     offenders.append(f"{rel}:{node.lineno}: {text[:80]}")
     assert not offenders, "module-level calls (work done on import): " + "; ".join(offenders)
+
+
+def test_the_model_config_is_typed_at_the_edge():
+    """ModelConfig.of (a ConfigDict or a saved dict -> the typed model) is called at the edges alone: the run's
+    config typed (config.py: RunConfig.of, which the command line's and saved runs' configs pass through), the
+    run's resolution (resolve.py) and a foreign checkpoint's config (hf/llama_import.py). Past them every function
+    takes the typed value, and the model refuses anything else."""
+    edges = {"config.py", "resolve.py", "hf/llama_import.py", "model/config.py"}
+    callers = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if "ModelConfig.of(" in f.read_text())
+    assert set(callers) <= edges, (
+        f"ModelConfig.of past the edge, in {sorted(set(callers) - edges)}: take the typed value"
+    )
+    with pytest.raises(TypeError, match="RunConfig.of"):
+        from resformer_jax.config import tiny_config
+        from resformer_jax.model import Transformer
+
+        Transformer(tiny_config().model)
+
+
+def test_every_config_section_is_typed_and_checks_its_own_fields():
+    """The ConfigDict is the command line's format only: base_config is built from the typed sections' defaults
+    (one declaration a field), and each section refuses its own impossible values with the field's name."""
+    import dataclasses
+
+    from resformer_jax.config import SECTIONS, ConfigError, RunConfig, base_config
+
+    assert base_config().to_dict() == RunConfig().to_dict()
+    for name, kind in SECTIONS.items():
+        assert dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen, name
+        assert set(base_config()[name].keys()) == {f.name for f in dataclasses.fields(kind)}, name
+    bad = {
+        "train": {"steps": 0},
+        "data": {"seq_len": 0},
+        "mesh": {"context": 0},
+        "checkpoint": {"every_steps": 0},
+        "watchdog": {"eval_s": 0.0},
+        "distributed": {"heartbeat_timeout_s": 0},
+        "model": {"num_heads": 3},
+        "eval": {"tasks": "piqa"},
+    }
+    for name, fields in bad.items():
+        field = next(iter(fields))
+        with pytest.raises(ConfigError, match=rf"config\.{name}\.{field}"):
+            SECTIONS[name](**fields)
+    with pytest.raises(ConfigError, match=r"config\.train\.stepz: not a field"):
+        RunConfig.of({"train": {"stepz": 3}})

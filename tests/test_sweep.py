@@ -13,6 +13,7 @@ import pytest
 
 from resformer_jax.analysis import grouping
 from resformer_jax.analysis.measures import moving_average
+from resformer_jax.model.config import ModelConfig
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
@@ -239,7 +240,7 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
         for d in (32, 64, 128):
             c = tiny_config(variant)
             c.model.d_model, c.model.ffn_dim = d, 2 * d
-            n = model_flops(c.model, c.data.seq_len).params_non_embedding
+            n = model_flops(ModelConfig.of(c.model), c.data.seq_len).params_non_embedding
             run = tmp_path / f"{variant}_{d}"
             run.mkdir()
             (run / "config.json").write_text(c.to_json())
@@ -429,7 +430,7 @@ def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_s
             with open(run / "metrics.jsonl", "w") as f:
                 for s, loss in train.items():
                     f.write(json.dumps({"step": s, "train/loss": loss, "eval/loss": loss + 1}) + "\n")
-            n = model_flops(c.model, c.data.seq_len).params_non_embedding
+            n = model_flops(ModelConfig.of(c.model), c.data.seq_len).params_non_embedding
             want.setdefault(v, {})[n] = np.mean([train[s] for s in (160, 170, 180, 190, 200)])
     r = subprocess.run(
         [

@@ -13,6 +13,7 @@ import pytest
 from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.train.optimizer import lr_schedule, make_optimizer
 from resformer_jax.train.step import init_state, make_train_step
 
@@ -33,7 +34,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
     c = tiny_config("resformer")
     c.model.resformer_lambdas = "learnable"
     c.model.scan_layers = False
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     tx = make_optimizer(c.train)
     state = jax.jit(lambda r: init_state(model, tx, r, 8))(jax.random.PRNGKey(0))
     params = nn.unbox(state.params)
@@ -55,7 +56,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
 @pytest.mark.parametrize("mode", ["resformer", "svformer"])
 def test_accumulation_equals_big_batch(mode):
     c = tiny_config(mode)
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     tx = make_optimizer(c.train)
     state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)
@@ -123,7 +124,7 @@ def test_accelerator_head_pads_the_vocabulary_and_writes_compute_dtype_logits():
 @pytest.mark.slow  # over 12 s in the fast tier
 def test_train_step_same_with_fused_and_full_logits_loss():
     c = tiny_config("svformer")
-    model = Transformer(c.model)
+    model = Transformer(ModelConfig.of(c.model))
     tx = make_optimizer(c.train)
     state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)

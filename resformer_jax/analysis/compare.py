@@ -8,12 +8,11 @@ import dataclasses
 import json
 import sys
 
-import ml_collections
 import numpy as np
 
 from resformer_jax.analysis import grouping
 from resformer_jax.analysis.runs import RunsError, find_runs, read_run, read_train_loss, relative_curves, run_name
-from resformer_jax.config import with_defaults
+from resformer_jax.config import RunConfig, with_defaults
 from resformer_jax.metrics import Writer
 from resformer_jax.perf import model_flops
 from resformer_jax.rundir import RunDir
@@ -258,7 +257,7 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
         key = "eval/loss"
         if not r.evals.get(key) or (measure != "validation" and not r.train):
             continue
-        m = ml_collections.ConfigDict(r.config["model"])
+        m = RunConfig.of(with_defaults(r.config), strict=False).model  # a saved run's config, typed
         n = model_flops(m, r.config["data"]["seq_len"]).params_non_embedding
         by_group.setdefault(str(grouping.get_field(r.config, group_by)), {}).setdefault(n, []).append(r)
     res = {}

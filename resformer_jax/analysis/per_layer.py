@@ -5,6 +5,7 @@ Sequences stream through in batches and every measure is a running mean, so memo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -109,9 +110,9 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
     return out
 
 
-def check_analyzable(m) -> None:
+def check_analyzable(m: ModelConfig) -> None:
     """The capture model records each layer's attention matrix; Eq. 2's cross-layer mapping has none of its own."""
-    if ModelConfig.of(m).mapping == "cross_layer":
+    if m.mapping == "cross_layer":
         from resformer_jax.config import ConfigError
 
         raise ConfigError(
@@ -136,15 +137,14 @@ def analyze_run(
 ) -> dict:
 
     if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf/llama_import.py)
-        from resformer_jax.config import base_config
+        from resformer_jax.config import DataConfig, RunConfig
         from resformer_jax.hf.llama_import import load_hf_llama
 
-        cfg = base_config()
-        cfg.model, params = load_hf_llama(hf_model)
-        cfg.model.attention_impl = "reference"
-        cfg.data.seq_len, step, workdir = seq_len, None, hf_model
+        m, params = load_hf_llama(hf_model)
+        source = {"path": data, "source": "array_record"} if data else {}
+        cfg = RunConfig(model=m.replace(attention_impl="reference"), data=DataConfig(seq_len=seq_len, **source))
+        step, workdir = None, hf_model
         if data:
-            cfg.data.path, cfg.data.source = data, "array_record"
             seqs = analysis_sequences(cfg, split, num_sequences, batch)
         elif text_file:
             seqs = hf_sequences(hf_model, text_file, seq_len, num_sequences, text_unit)
@@ -156,7 +156,7 @@ def analyze_run(
         # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
         cfg, params, step = load_run(workdir, step, attention_impl="reference")
         if data:
-            cfg.data.path, cfg.data.source = data, "array_record"
+            cfg = cfg.replace(data=dataclasses.replace(cfg.data, path=data, source="array_record"))
         seqs = analysis_sequences(cfg, split, num_sequences, batch)
     check_analyzable(cfg.model)
     model = Transformer(cfg.model, capture=True)

@@ -31,7 +31,7 @@ from resformer_jax import kernels, perf
 from resformer_jax.bench.attention import time_attention
 from resformer_jax.bench.decode import bench_decode_matrix
 from resformer_jax.bench.train import TrainBench
-from resformer_jax.config import paper_config, tiny_config
+from resformer_jax.config import RunConfig, paper_config, tiny_config
 from resformer_jax.train.setup import AttentionChoice
 
 GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
@@ -276,12 +276,8 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
         # taking turns, each row's bytes a step against the memory bandwidth measured in this process
         dcfg = tiny_config("none") if on_cpu else paper_config("468m", "none")
         batches, context, new = ((1, 4), 64, 8) if on_cpu else ((1, 64), 2048, 16)
-        cfgs = []
-        for v in ("none", "svformer"):
-            c = dcfg.copy_and_resolve_references()
-            c.model.value_residual = v
-            cfgs.append(c)
-        rows = list(bench_decode_matrix(cfgs, batches, (context,), new, rounds=1, prefill=False, log=log))
+        models = [RunConfig.of(dcfg).model.replace(value_residual=v) for v in ("none", "svformer")]
+        rows = list(bench_decode_matrix(models, batches, (context,), new, rounds=1, prefill=False, log=log))
         for r in rows:  # what the batch holds in the cache, as the table prints it
             r["kv_cache_bytes"] = r["kv_cache_bytes_held_per_token"] * r["batch"] * (context + new)
         return rows

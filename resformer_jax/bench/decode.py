@@ -20,21 +20,19 @@ from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 
 
-def random_params(m):
+def random_params(m: ModelConfig):
     return nn.unbox(jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
 
 
-def kv_bytes_read_per_token(m) -> int:
+def kv_bytes_read_per_token(m: ModelConfig) -> int:
     """What one cached token costs a decode step to read: every layer reads K and the V it attends over (SVFormer's
     layers >= 2 read V_1, SkipV1Former's layer 1's heads: a cache shared across layers is held once but read by
     each layer, whose attention matrices differ)."""
-    m = ModelConfig.of(m)
     return 2 * m.num_layers * m.kv_heads * m.head_dim * jnp.dtype(m.dtype).itemsize
 
 
-def weight_bytes_read(m, params) -> int:
+def weight_bytes_read(m: ModelConfig, params) -> int:
     """The weights a decode step reads: all but the embedding table (one row a token)."""
-    m = ModelConfig.of(m)
     n = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
     return n - m.vocab_size * m.d_model * params["embed"]["embedding"].dtype.itemsize
 
@@ -74,8 +72,8 @@ def steady_decode(
     }
 
 
-def bench_decode(cfg, context, new_tokens, batch) -> dict:
-    m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, context + new_tokens + 1))
+def bench_decode(model: ModelConfig, context, new_tokens, batch) -> dict:
+    m = model.replace(max_seq_len=max(model.max_seq_len, context + new_tokens + 1))
     r = steady_decode(m, random_params(m), batch, context, new_tokens)
     return {
         "variant": m.value_residual,
@@ -106,7 +104,13 @@ def measure_copy_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 def bench_decode_matrix(
-    cfgs, batches, contexts, new_tokens: int, rounds: int, prefill: bool = True, log=lambda m: print(m, file=sys.stderr)
+    models: list[ModelConfig],
+    batches,
+    contexts,
+    new_tokens: int,
+    rounds: int,
+    prefill: bool = True,
+    log=lambda m: print(m, file=sys.stderr),
 ) -> Iterator[dict]:
     """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
     with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
@@ -119,9 +123,9 @@ def bench_decode_matrix(
     log(f"bench decode: copy bandwidth {bandwidth / 1e9:.1f} GB/s, measured in {time.perf_counter() - t0:.1f} s")
     longest = max(contexts) + new_tokens + 1
     runs = []  # parameters built once per variant, at the longest context
-    for cfg in cfgs:
+    for model in models:
         t0 = time.perf_counter()
-        m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, longest))
+        m = model.replace(max_seq_len=max(model.max_seq_len, longest))
         runs.append((m, random_params(m)))
         log(f"bench decode {m.value_residual}: parameters built in {time.perf_counter() - t0:.1f} s")
     for batch in batches:
@@ -159,7 +163,13 @@ def bench_decode_matrix(
 
 
 def bench_decode_stream(
-    cfgs, cache_gib: float, requests: int, rate: float, max_context: int, new_tokens: int, seed: int = 0
+    models: list[ModelConfig],
+    cache_gib: float,
+    requests: int,
+    rate: float,
+    max_context: int,
+    new_tokens: int,
+    seed: int = 0,
 ) -> list[dict]:
     """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
@@ -168,8 +178,8 @@ def bench_decode_stream(
     lengths = rng.integers(16, max_context + 1, requests)
     arrivals = np.cumsum(rng.exponential(1 / rate, requests)) if rate > 0 else np.zeros(requests)
     out = []
-    for cfg in cfgs:
-        m = ModelConfig.of(cfg.model).replace(max_seq_len=max(cfg.model.max_seq_len, max_context + new_tokens))
+    for model in models:
+        m = model.replace(max_seq_len=max(model.max_seq_len, max_context + new_tokens))
         params = random_params(m)
         engine = Engine(m, params, cache_bytes=cache_gib * 2**30, max_batch=256, prefill_chunk=256)
         prompts = [rng.integers(0, m.vocab_size, n).tolist() for n in lengths]

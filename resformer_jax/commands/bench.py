@@ -37,6 +37,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from resformer_jax.commands import common as cli
+from resformer_jax.config import RunConfig
 
 config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
 flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
@@ -137,7 +138,7 @@ def run_train(modes: list[str]) -> list[dict]:
 def run_decode(modes: list[str]) -> list[dict]:
     from resformer_jax.bench.decode import bench_decode, bench_decode_matrix
 
-    cfgs = _variants(modes, [FLAGS.config.model.dtype])
+    models = [RunConfig.of(c).model for c in _variants(modes, [FLAGS.config.model.dtype])]
     if FLAGS.matrix:
         b_text, _, c_text = FLAGS.matrix.partition(":")
         try:
@@ -146,16 +147,18 @@ def run_decode(modes: list[str]) -> list[dict]:
             raise cli.ConfigFlagError(
                 f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
             ) from None
-        for r in bench_decode_matrix(cfgs, batches, contexts, FLAGS.new_tokens, FLAGS.rounds, prefill=FLAGS.prefill):
+        for r in bench_decode_matrix(models, batches, contexts, FLAGS.new_tokens, FLAGS.rounds, prefill=FLAGS.prefill):
             print(json.dumps(r), flush=True)  # each row as it is measured
         return []
     if FLAGS.stream:
         from resformer_jax.bench.decode import bench_decode_stream
 
-        for r in bench_decode_stream(cfgs, FLAGS.cache_gib, FLAGS.stream, FLAGS.rate, FLAGS.context, FLAGS.new_tokens):
+        for r in bench_decode_stream(
+            models, FLAGS.cache_gib, FLAGS.stream, FLAGS.rate, FLAGS.context, FLAGS.new_tokens
+        ):
             print(json.dumps(r))
         return []
-    return [bench_decode(c, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for c in cfgs]
+    return [bench_decode(m, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for m in models]
 
 
 def run_data(modes: list[str]) -> list[dict]:

@@ -22,6 +22,7 @@ FLAGS = flags.FLAGS
 
 
 def validation_table(cfg, params, data: str | None, batch: int, say=print) -> dict:
+    import dataclasses
     import time
 
     import jax
@@ -31,7 +32,7 @@ def validation_table(cfg, params, data: str | None, batch: int, say=print) -> di
     from resformer_jax.train.step import loss_fn
 
     if data:
-        cfg.data.path, cfg.data.source = data, "array_record"
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, path=data, source="array_record"))
     from resformer_jax.model import Transformer
 
     model = Transformer(cfg.model)

@@ -40,7 +40,7 @@ from resformer_jax.chips import chip_named
 from resformer_jax.compile.ptxas import kernel_resources
 from resformer_jax.compile.roofline import chip_for, roofline
 from resformer_jax.compile.targets import Target
-from resformer_jax.config import REMAT_POLICIES, set_dotted
+from resformer_jax.config import REMAT_POLICIES, RunConfig, set_dotted
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_line, memory_precheck
@@ -586,7 +586,7 @@ def tune(
         c = cfg.copy_and_resolve_references()
         for key, value in cand.items():
             set_dotted(c, key, value)
-        est = perf.estimate_train_memory(c, target.num_devices).get("total", 0)
+        est = perf.estimate_train_memory(RunConfig.of(c), target.num_devices).get("total", 0)
         if est > TUNE_SKIP_FACTOR * target.hbm_bytes:  # far over: compiling would only say so, slowly
             why = f"the estimate ({est / 2**30:.0f} GiB) is over {TUNE_SKIP_FACTOR:g}x the chip's memory; not compiled"
             results.append(TuneResult(cand, None, False, None, None, why))

@@ -63,7 +63,7 @@ def demo_corpus(seq_len: int) -> str:
                 sizes[split] += len(text)
                 rec = {"text": text, "meta": {"redpajama_set_name": DOMAIN}}
                 (va if split == "validation" else tr).write(json.dumps(rec) + "\n")
-        from data_prep.prepare import prepare
+        from resformer_jax.data_prep.prepare import prepare
 
         print(
             f"[demo] building the demo corpus from the Python standard library ({sizes['train']:,} bytes train, "

@@ -141,7 +141,6 @@ class Engine:
         prefill_rows: int = 4,
         mesh: Mesh | None = None,
     ):
-        m = ModelConfig.of(m)
         self.model_cfg = m.replace(scan_layers=False, remat="none")  # a paged cache a layer: no stacked copies
         self.page_size, self.max_batch = int(page_size), int(max_batch)
         self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
@@ -508,9 +507,9 @@ def init_pools(model: Transformer):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), pool_shapes(model))
 
 
-def cache_bytes_per_token(m) -> int:
+def cache_bytes_per_token(m: ModelConfig) -> int:
     """Bytes a token takes in the paged cache, every layer together (what the pools hold per page slot)."""
-    shapes = pool_shapes(Transformer(ModelConfig.of(m).replace(scan_layers=False), pages=PageLayout(1, 1)))
+    shapes = pool_shapes(Transformer(m.replace(scan_layers=False), pages=PageLayout(1, 1)))
     return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
 
 

@@ -31,14 +31,14 @@ EXPORTABLE = {
 SHARD_BYTES = 5 * 2**30
 
 
-def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
+def hf_tensors(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """This project's parameters as HF Llama tensors ([out, in] Linear weights); SVFormer layers >= 2 have no
     v_proj (SkipV1Former's have K - r heads); learnable lambdas become `self_attn.lambda1/lambda2` scalars (and
     `model.lambda_logits`, `model.lambda_scale` for learnable_plus; `self_attn.convex_lambda` for convex), the
     gate `self_attn.value_gate.weight`, value embeddings `model.value_embeds.J.weight` with each layer's
     `self_attn.ve_lambdas` or `self_attn.ve_gate.weight`."""
     for field, allowed in EXPORTABLE.items():
-        value = getattr(ModelConfig.of(m), field)
+        value = getattr(m, field)
         if value not in allowed:
             raise HFError(f"config.model.{field}={value!r} has no Hugging Face export; exportable: {allowed}")
     p = unrolled_params(jax.tree.map(lambda x: np.asarray(x, np.float32), params), m.num_layers)
@@ -76,7 +76,7 @@ def hf_tensors(m, params: dict) -> dict[str, np.ndarray]:
     return {k: np.array(v, order="C") for k, v in t.items()}  # (ascontiguousarray would make scalars 1-d)
 
 
-def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
+def hf_config(m: ModelConfig, tokenizer_meta: dict | None = None) -> dict:
     """config.json: a LlamaConfig; a value-residual model adds its fields and the auto_map of modeling_resformer.py."""
 
     cfg = {
@@ -88,7 +88,7 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
         "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_kv_heads or m.num_heads,
         "num_hidden_layers": m.num_layers,
-        "head_dim": ModelConfig.of(m).head_dim,
+        "head_dim": m.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
@@ -103,8 +103,8 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
     if tokenizer_meta:
         cfg.update(bos_token_id=tokenizer_meta.get("eot_id"), eos_token_id=tokenizer_meta.get("eot_id"))
 
-    cfg["tie_word_embeddings"] = ModelConfig.of(m).tie_embeddings
-    rope_type = ModelConfig.of(m).rope_type
+    cfg["tie_word_embeddings"] = m.tie_embeddings
+    rope_type = m.rope_type
     if rope_type != "default":  # an imported Llama 3.1 (llama3) or linear-scaled model, written back as HF writes it
         cfg["rope_scaling"] = {"rope_type": rope_type, "factor": m.rope_factor}
         if rope_type == "llama3":
@@ -125,7 +125,7 @@ def hf_config(m, tokenizer_meta: dict | None = None) -> dict:
         cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_resformer.ResFormerLlamaForCausalLM"}
         cfg["value_residual"] = m.value_residual
         cfg["resformer_lambdas"] = m.resformer_lambdas
-        cfg["skipv1_reused_heads"] = ModelConfig.of(m).skipv1_heads if m.value_residual == "skipv1" else 0
+        cfg["skipv1_reused_heads"] = m.skipv1_heads if m.value_residual == "skipv1" else 0
         cfg["value_embeddings"] = int(m.value_embeddings)
         cfg["value_embedding_gate"] = bool(m.value_embedding_gate)
         cfg["resformer_fixed_lambdas"] = fixed_lambdas(m).tolist()  # (l1, l2) of layers 2..N when not learned
@@ -148,7 +148,7 @@ def _exported_mix(mix) -> str | None:
     return next((name for f, name in names if f is mix), None)
 
 
-def exported_plans(m) -> dict:
+def exported_plans(m: ModelConfig) -> dict:
     """The per-layer plan as config.json carries it: which layers own W_V (and with how many heads), how each forms
     the value it attends over, and which value-embedding table it adds (-1: none). A plan this format cannot
     express (NeuTRENO, Q/K residuals, other mappings or value sources, shared Q/K, anchors, CLA) is refused by
@@ -179,7 +179,7 @@ def exported_plans(m) -> dict:
                 "embeddings included)"
             )
         owns.append(p.owns[2])
-        heads.append((p.own_value_heads or ModelConfig.of(m).kv_heads) if p.owns[2] else 0)
+        heads.append((p.own_value_heads or m.kv_heads) if p.owns[2] else 0)
         mixes.append(_exported_mix(p.mix))
         tables.append(p.value_table)
     return {

@@ -144,8 +144,8 @@ def refuse_unsupported(hf: dict, m) -> None:
         m.max_seq_len = int(window)
 
 
-def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.ConfigDict, dict]:
-    """(model config, unrolled parameter tree) of a local HF Llama/Mistral checkpoint folder."""
+def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(typed model config, unrolled parameter tree) of a local HF Llama/Mistral checkpoint folder."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise HFError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -206,7 +206,7 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ml_collections.C
                 attn[gate] = {"kernel": get(p + f"self_attn.{gate}.weight", (K, E)).T.copy()}
         if p + "self_attn.ve_lambdas" in t:
             attn["ve_lambdas"] = get(p + "self_attn.ve_lambdas", (2,))
-    return m, params
+    return ModelConfig.of(m), params  # a foreign checkpoint's config typed here, at the edge
 
 
 # ----------------------------------------------------------------------------- export

@@ -43,7 +43,6 @@ from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
 
 def rope_inv_freq(m: ModelConfig):
     """RoPE's inverse frequencies for the model (None: plain RoPE, computed in the kernel as always)."""
-    m = ModelConfig.of(m)
     if m.rope_type == "default":
         return None
     return rope_frequencies(
@@ -84,7 +83,6 @@ class LayerPlan:
 
 
 def _first_layer_plan(m: ModelConfig | None = None) -> LayerPlan:
-    m = ModelConfig.of(m) if m is not None else None
     return LayerPlan(
         value_table=m.value_table(1) if m is not None else -1,
         value_table_gate=bool(m is not None and m.value_embedding_gate),
@@ -106,7 +104,6 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
     no layer has a structure of its own: configs with CLA or anchors run unrolled)."""
     if layer == 1:
         return _first_layer_plan(m)
-    m = ModelConfig.of(m)
     at = lambda pred: layer is not None and pred(layer)
     cla_reuse = m.cla_share_every > 1 and at(lambda n: (n - 1) % m.cla_share_every != 0)
     anchor = m.shares_first_value and at(lambda n: n in tuple(m.svformer_anchors))
@@ -213,7 +210,6 @@ class Carry:
 
 def first_carry(m: ModelConfig, h_BxTxE, first: LayerTensors) -> Carry:
     """The carry after layer 1: it holds only what the configured equations read later."""
-    m = ModelConfig.of(m)
     c = Carry(h=h_BxTxE)
     if m.value_source == "previous":
         c = dataclasses.replace(c, v_prev=first.v)

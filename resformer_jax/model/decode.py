@@ -140,7 +140,7 @@ def generate(
     max_len = max_len or (P + max_new_tokens)
     if P + max_new_tokens > max_len:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_len={max_len}")
-    mf = ModelConfig.of(m)  # hashable: a static jit argument
+    mf: ModelConfig = m  # hashable: a static jit argument
     cache = init_cache(mf, params, B, max_len)
     if mesh is not None:
         cache = jax.device_put(cache, cache_shardings(cache, mesh, B))

@@ -88,9 +88,9 @@ def gate_means(state) -> dict[int, float]:
     return out
 
 
-def read_lambdas(params, m) -> dict[int, dict[str, float]]:
+def read_lambdas(params, m: ModelConfig) -> dict[int, dict[str, float]]:
     """{layer: {"lambda1": v, "lambda2": v}} of the learned weights in a parameter tree (empty if none)."""
-    if not ModelConfig.of(m).learns_lambdas:
+    if not m.learns_lambdas:
         return {}
     layers: dict[int, dict[str, float]] = {}
     names = ("lambda1", "lambda2", "lambda")

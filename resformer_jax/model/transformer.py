@@ -62,17 +62,16 @@ def dropout(module: nn.Module, m: ModelConfig, x):
     return nn.Dropout(rate, deterministic=False)(x)
 
 
-def output_embedding(params, m):
+def output_embedding(params, m: ModelConfig):
     """W_out [E, V]: the LM head, or the transposed input embedding when tied (GPT-2)."""
-    if ModelConfig.of(m).tie_embeddings:
+    if m.tie_embeddings:
         return nn.unbox(params["embed"]["embedding"]).T
     return nn.unbox(params["lm_head"]["kernel"])
 
 
-def lm_head_logits(m, params, h_BxKxE):
+def lm_head_logits(m: ModelConfig, params, h_BxKxE):
     """fp32 logits [B, K, vocab] of final hidden states (`return_hidden=True`'s output, or some positions of
     it), computed as the model's own LM head computes them."""
-    m = ModelConfig.of(m)
     dtype = jnp.dtype(m.dtype)
     if m.tie_embeddings:
         table_VxE = nn.unbox(params["embed"]["embedding"])
@@ -106,9 +105,8 @@ def remat_policy(name: str):
     }[name]
 
 
-def needs_unrolled(m) -> str | None:
+def needs_unrolled(m: ModelConfig) -> str | None:
     """Why a config cannot use the scanned stack (layers differ in structure), or None."""
-    m = ModelConfig.of(m)
     if m.denseformer:
         return "denseformer mixes all earlier block outputs"
     if m.cla_share_every > 1:
@@ -177,7 +175,7 @@ class ScannedBlock(nn.Module):
 class Transformer(nn.Module):
     """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
 
-    cfg: ModelConfig  # a model ConfigDict or dict is made typed here, once
+    cfg: ModelConfig  # typed at the edge: config.RunConfig.of (a run's config), load_run (a saved run's)
     decode: bool = False
     capture: bool = False
     max_len: int = 0  # decode cache length
@@ -186,7 +184,12 @@ class Transformer(nn.Module):
     mesh: Any = None  # the device mesh: attention kernels that XLA cannot partition run per batch shard
 
     def __post_init__(self):
-        m = ModelConfig.of(self.cfg)
+        m = self.cfg
+        if not isinstance(m, ModelConfig):
+            raise TypeError(
+                f"Transformer takes a ModelConfig, got {type(m).__name__}: type the run's config once with "
+                "config.RunConfig.of(cfg) and pass its .model"
+            )
         if m.matmuls == "auto":  # a model built without the setup: the default backend's forms, decided here once
             m = m.replace(matmuls=cpu_matmul.forms_for(jax.default_backend()))
         object.__setattr__(self, "cfg", m)
@@ -335,11 +338,11 @@ def unrolled_params(params: dict, num_layers: int) -> dict:
     return out
 
 
-def param_shapes(m, boxed: bool = False):
+def param_shapes(m: ModelConfig, boxed: bool = False):
     """Parameter shapes without allocating them (jax.eval_shape); boxed: keep the logical axis names. Traced once
     per model config (a 24-layer trace takes seconds, and the memory estimate asks for it once per setting it
     weighs); each call gets its own tree."""
-    return jax.tree.map(lambda x: x, _traced_param_shapes(ModelConfig.of(m), boxed))
+    return jax.tree.map(lambda x: x, _traced_param_shapes(m, boxed))
 
 
 @functools.lru_cache(maxsize=16)
@@ -350,7 +353,7 @@ def _traced_param_shapes(m: ModelConfig, boxed: bool):
     return variables["params"] if boxed else nn.unbox(variables["params"])
 
 
-def param_counts(m) -> dict:
+def param_counts(m: ModelConfig) -> dict:
     shapes = param_shapes(m)
     total = int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
     embed = int(

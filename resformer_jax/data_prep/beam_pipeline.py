@@ -38,7 +38,7 @@ def require_beam():
     try:
         import apache_beam  # noqa: F401
     except ImportError:
-        from data_prep.corpus_io import PrepareError
+        from resformer_jax.data_prep.corpus_io import PrepareError
 
         raise PrepareError(
             "--runner=beam needs Apache Beam: pip install -e '.[beam]' (or pip install apache-beam)"
@@ -58,7 +58,7 @@ def remote(path: str) -> bool:
 def list_inputs(inputs: list[str]) -> list[str]:
     """Input files in a fixed order: local folders walked like the threaded path; remote paths matched
     with Beam's filesystems (a folder, or a glob)."""
-    from data_prep.corpus_io import TEXT_EXTS, PrepareError, list_files
+    from resformer_jax.data_prep.corpus_io import TEXT_EXTS, PrepareError, list_files
 
     local = [p for p in inputs if not remote(p)]
     files = list_files(local) if local else []
@@ -100,7 +100,7 @@ def work_units(files: list[str]) -> list[tuple[int, str, int, int]]:
 def read_unit(unit, domain: str, split: str, seed: int, shuffle_docs: bool, skip_bad_files: bool):
     """Yields ((split, domain), (file index, position, text)) for one work unit; position orders documents
     within a file (byte offset for ranged .jsonl reads, document index otherwise)."""
-    from data_prep.corpus_io import BadInputFile, PrepareError, from_json_line, read_documents, split_of
+    from resformer_jax.data_prep.corpus_io import BadInputFile, PrepareError, from_json_line, read_documents, split_of
 
     fi, path, start, end = unit
     sp = split_of(path, split)
@@ -159,7 +159,7 @@ class Tokenize:
 def pack_and_write(kv, out: str, seq_len: int, dtype: str, budgets: dict, records_per_shard: int, packing: str):
     """One (split, domain) stream (or one file's part of it): ordered, budgeted, packed, written. Yields its
     stats as (split, domain, stats)."""
-    from data_prep.corpus_io import ShardWriter
+    from resformer_jax.data_prep.corpus_io import ShardWriter
 
     (sp, dom, part), docs = kv
     docs = sorted(docs, key=lambda d: (d[0], d[1]))
@@ -225,7 +225,7 @@ def run_pipeline(
     from apache_beam.options.pipeline_options import PipelineOptions
 
     if packing not in ("domain", "file"):
-        from data_prep.corpus_io import PrepareError
+        from resformer_jax.data_prep.corpus_io import PrepareError
 
         raise PrepareError(f"--beam_packing={packing!r}: use domain or file")
     vocab = tok.get_vocab_size(with_added_tokens=True)
