@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -223,7 +223,7 @@ def summary(cfg) -> dict:
     cfg = RunConfig.of(cfg)
 
     f = model_flops(cfg.model, cfg.data.seq_len)
-    out = {
+    out: dict[str, Any] = {
         "params_total": f.params_total,
         "params_non_embedding": f.params_non_embedding,
         "flops_per_token": f.per_token,
