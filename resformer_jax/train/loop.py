@@ -7,14 +7,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -27,15 +25,15 @@ from resformer_jax.config import RunConfig
 from resformer_jax.data.pipeline import train_iterator, validation_sets
 from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import EXIT_DIVERGED, UserError
-from resformer_jax.eval.zero_shot import check_tasks, zero_shot
+from resformer_jax.eval.zero_shot import check_tasks
 from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_precheck, too_big_for_here
-from resformer_jax.model.lambdas import gate_intermediates, gate_means, read_lambdas
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.resolve import check, resolve
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
-from resformer_jax.train import goodput, telemetry
+from resformer_jax.train import goodput
 from resformer_jax.train.faults import Faults
+from resformer_jax.train.hooks import Hook, evaluate, evaluate_tasks, global_batch, log_validation, window_scalars
 from resformer_jax.train.interrupt import StartupInterrupt
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.resume import Resume
@@ -54,7 +52,7 @@ class NonFiniteError(UserError, RuntimeError):
 class Session:
     """Everything a started run holds, made once by `Trainer._start` and passed to each step of the loop."""
 
-    cfg: Any  # the run as it runs: a copy of what was asked, model.dtype and data.tokenizer_hash resolved
+    cfg: RunConfig  # the run as it runs: what was asked, typed, with the resolved values in place
     setup: TrainSetup  # mesh, model, shardings, jitted steps (train/setup.build)
     compiled: Any  # the compiled train step
     compiled_telemetry: Any  # the same with the per-layer norms, for logged steps (None: train.telemetry off)
@@ -75,6 +73,9 @@ class Session:
     last_logged: int = 0
     first_eval: dict | None = None
     last_eval: dict | None = None
+    pending: list = dataclasses.field(default_factory=list)  # step metrics, pulled to the host at log steps
+    hooks: list[Hook] = dataclasses.field(default_factory=list)  # after a step, when due: logging, evaluation
+    gate_forward: Any = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations
 
     @property
     def tokens_per_step(self) -> int:
@@ -128,7 +129,6 @@ class Trainer:
         )
         self.watchdog.on_stall.append(self._record_stall)
         self.resume = Resume(self.run, self.say, self._warn, self._enter)
-        self._gate_forward: Any = None  # resformer_lambdas=gated: the forward that reads the gates at evaluations
         self.faults = Faults.from_env(jax.process_index())  # tests' injected stalls and spikes; unset: nothing
 
     def _enter(self, phase: str, step: int | None = None) -> None:
@@ -297,6 +297,7 @@ class Trainer:
             t_start=now,
             t_last=now,
             last_logged=start_step,
+            hooks=self._hooks(cfg, bool(eval_sets)),
         )
         # The ledger from here on: the run directory is the run's (process 0 writes it).
         self.ledger.start_writing(enabled=self.is_main)
@@ -305,7 +306,7 @@ class Trainer:
             self.say(f"goodput: {self.ledger.recomputed_steps} steps after the checkpoint are recomputed")
         if start_step == 0 and eval_sets:
             self._enter("evaluation", 0)
-            s.first_eval = s.last_eval = self._evaluate(s)
+            s.first_eval = s.last_eval = evaluate(s)
             writer.scalars(0, s.first_eval)
             self.say(f"step {0:>7}  validation loss {s.first_eval['eval/loss']:.4f}")
         return s
@@ -339,7 +340,6 @@ class Trainer:
         cfg = s.cfg
         end = self._end_step(s)
         step, exit_code = s.start_step, 0
-        pending = []  # step metrics, pulled to the host only at log intervals (after the next dispatch)
         while step < end:
             self._enter("data", step + 1)
             batch = self._next_batch(s, step + 1)
@@ -351,16 +351,11 @@ class Trainer:
             step += 1
             self.watchdog.progress(step)
             self.ledger.finished_step(step)
-            pending.append(m)
-            if self._logs_at(s, step):
-                self._log(s, step, pending)
-                pending = []
-            if s.eval_sets and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                with self._phase("evaluation", step):
-                    self._log_evaluation(s, step)
-            if cfg.eval.tasks and (step % cfg.eval.tasks_every == 0 or step == cfg.train.steps):
-                with self._phase("evaluation", step):
-                    self._evaluate_tasks(s, step)
+            s.pending.append(m)  # pulled to the host at the next log step (after the next dispatch)
+            for hook in s.hooks:
+                if hook.due(step, cfg.train.steps):
+                    with self._phase(hook.phase, step) if hook.phase != "step" else contextlib.nullcontext():
+                        hook.run(s, step)
             if self._should_stop(s, step):
                 with self._phase("checkpoint save", step):
                     self._save(s, step)
@@ -387,10 +382,21 @@ class Trainer:
     def _logs_at(s: Session, step: int) -> bool:
         return step % s.cfg.train.log_every == 0 or step == s.cfg.train.steps
 
+    def _hooks(self, cfg: RunConfig, validating: bool) -> list[Hook]:
+        """What runs after a step, when due: the log window; the validation sets; the zero-shot tasks."""
+        say, workdir = self.say, self.workdir
+        hooks = [Hook("log", cfg.train.log_every, "step", self._log)]
+        if validating:
+            hooks.append(Hook("validation", cfg.train.eval_every, "evaluation", lambda s, k: log_validation(s, k, say)))
+        if cfg.eval.tasks:
+            tasks = lambda s, k: evaluate_tasks(s, k, workdir, say)
+            hooks.append(Hook("tasks", cfg.eval.tasks_every, "evaluation", tasks))
+        return hooks
+
     def _next_batch(self, s: Session, step: int):
         """The batch of `step` (1-based), through the injected faults (train/faults.py; none unless set)."""
         self.faults.before_read(step)
-        return self._global(s, self.faults.batch(step, next(s.data), s.cfg.model.vocab_size))
+        return global_batch(s, self.faults.batch(step, next(s.data), s.cfg.model.vocab_size))
 
     def _startup_interrupt(self) -> StartupInterrupt:
         """Start-up stops at once on a signal; a run directory this start made, holding no checkpoint, goes too."""
@@ -450,61 +456,6 @@ class Trainer:
             "such steps"
         )
 
-    def _evaluate(self, s: Session) -> dict:
-        """Validation loss per domain and its mean; with a tokenizer also bits per byte per domain and overall
-        (nats over the UTF-8 bytes of the text the target tokens stand for, / ln 2)."""
-        out, nats, nbytes = {}, 0.0, 0
-        for dom, batches in s.eval_sets.items():
-            losses = [s.setup.eval_step(s.state.params, self._global(s, b)) for b in batches]
-            out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
-        out["eval/loss"] = float(np.mean([v for k, v in out.items()]))
-        if s.setup.model_cfg.gates_values and s.eval_sets:  # the learned gates per layer, on a validation batch
-            batch = self._global(s, next(iter(s.eval_sets.values()))[0])
-            if self._gate_forward is None:  # compiled once
-                self._gate_forward = jax.jit(lambda p, t: gate_intermediates(s.setup.model, p, t[:, :-1]))
-            gates = gate_means(self._gate_forward(s.state.params, batch))
-            out.update({f"gates/layer_{n:02d}/value_gate": g for n, g in gates.items()})
-        for dom, (tokens, text_bytes) in (s.eval_bytes or {}).items():
-            dom_nats = out[f"eval/{dom}/loss"] * tokens
-            out[f"eval/{dom}/bpb"] = dom_nats / (math.log(2) * max(text_bytes, 1))
-            nats, nbytes = nats + dom_nats, nbytes + text_bytes
-        if nbytes:
-            out["eval/bpb"] = nats / (math.log(2) * nbytes)
-        return out
-
-    def _evaluate_tasks(self, s: Session, step: int) -> None:
-        """The zero-shot tasks of `eval.tasks` on the live parameters, as `resformer evaluate` scores them."""
-        e = s.cfg.eval
-        tasks = [t for t in e.tasks.split(",") if t]
-        model = types.SimpleNamespace(model=s.setup.model_cfg)
-        # Every process scores the same items on the sharded parameters (the corpus's tokenizer: each host has the
-        # data; the run directory's copy may be on process 0's disk only).
-        tok = s.corpus.tokenizer() if s.corpus is not None else None
-        mesh = s.setup.mesh if jax.process_count() > 1 else None
-        found = zero_shot(
-            model,
-            s.state.params,
-            self.workdir,
-            tasks,
-            e.task_data,
-            e.task_limit,
-            log=lambda m: self.say(f"step {step:>7}  {m}"),
-            tokenizer=tok,
-            mesh=mesh,
-        )
-        s.writer.scalars(step, {f"tasks/{t}/{k}": r[k] for t, r in found.items() for k in ("acc", "acc_norm")})
-
-    def _global(self, s: Session, local):
-        shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-        return jax.make_array_from_process_local_data(s.setup.batch_sh, local, shape)
-
-    def _lambdas(self, s: Session) -> dict:
-        return {
-            f"lambdas/layer_{n:02d}/{name}": v
-            for n, d in read_lambdas(s.state.params, s.cfg.model).items()
-            for name, v in d.items()
-        }
-
     def _end_step(self, s: Session) -> int:
         """Where this invocation stops: train.steps, or train.stop_at before it (0 steps when preempted during
         start-up or already there, saying so)."""
@@ -520,68 +471,35 @@ class Trainer:
             end = s.start_step
         return end
 
-    def _log(self, s: Session, step: int, pending: list):
-        """The steps since the last log, averaged: loss, learning rate, grad norm, throughput, MFU, lambdas."""
-        cfg = s.cfg
-        host = jax.device_get(pending)
+    def _log(self, s: Session, step: int):
+        """The log hook: the steps since the last log, their scalars averaged (hooks.window_scalars), to
+        TensorBoard and the console; the watchdog's window and the goodput ledger updated."""
+        host, s.pending = jax.device_get(s.pending), []
         now = time.perf_counter()
         step_time = (now - s.t_last) / max(step - s.last_logged, 1)
         if s.last_logged > s.start_step:  # the first window holds the first step's one-off work
             self.watchdog.window(now - s.t_last)
         s.t_last, s.last_logged = now, step
-        losses = [h["loss"] for h in host]
-        bad = sum(int(h["nonfinite"]) for h in host)
-        if bad and not cfg.train.skip_nonfinite_steps:
+        if sum(int(h["nonfinite"]) for h in host) and not s.cfg.train.skip_nonfinite_steps:
             raise self._nonfinite(s, int(jax.device_get(s.state.first_nonfinite_step)))
-        finite = [x for x in losses if np.isfinite(x)]
-        loss = float(np.mean(finite)) if finite else float("nan")
-        tps = s.tokens_per_step / step_time
-        vals = {
-            "train/loss": loss,
-            "train/learning_rate": float(s.schedule(step - 1)),
-            "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
-            "perf/tokens_per_s": tps,
-            "perf/step_time_s": step_time,
-            **{f"perf/{k}": v for k, v in perf.mfu(s.flops, tps, s.peak).items()},
-            "train/nonfinite_steps": float(jax.device_get(s.state.nonfinite_count)),
-        }
-        if "telemetry" in host[-1]:
-            vals.update(telemetry.scalars(host[-1]["telemetry"]))
-        if "z_loss" in host[0]:
-            vals["train/z_loss"] = float(np.mean([h["z_loss"] for h in host]))
-        if s.state.spikes is not None:
-            vals["train/skipped_spikes"] = float(jax.device_get(s.state.spikes.skipped))
-            for i, h in enumerate(host):
-                if h["spike"]:
-                    self.say(
-                        f"step {step - len(host) + i + 1}: loss spike skipped (loss {h['loss']:.4f}, grad norm "
-                        f"{h['grad_norm']:.3f}, above {cfg.train.spike_sigma:g} standard deviations of the recent "
-                        "steps); the update was not applied"
-                    )
-        vals.update(self._lambdas(s))
+        vals = window_scalars(s, step, host, step_time)
+        for i, h in enumerate(host):
+            if s.state.spikes is not None and h["spike"]:
+                self.say(
+                    f"step {step - len(host) + i + 1}: loss spike skipped (loss {h['loss']:.4f}, grad norm "
+                    f"{h['grad_norm']:.3f}, above {s.cfg.train.spike_sigma:g} standard deviations of the recent "
+                    "steps); the update was not applied"
+                )
         vals.update(goodput.scalars(self.ledger.write()))  # written at every log; its totals go to TensorBoard
         s.writer.scalars(step, vals)
         self.progress.update(
             step,
-            loss,
-            tps,
+            vals["train/loss"],
+            vals["perf/tokens_per_s"],
             step_time,
             f"  MFU {vals['perf/mfu_6n']:.2f} (6N) {vals['perf/mfu_model']:.2f} (model)"
             if np.isfinite(s.peak) and max(vals["perf/mfu_6n"], vals["perf/mfu_model"]) >= 0.005  # not 0.00
             else "",
-        )
-
-    def _log_evaluation(self, s: Session, step: int):
-        s.last_eval = self._evaluate(s)
-        s.writer.scalars(step, s.last_eval)
-        self.say(
-            f"step {step:>7}  validation loss {s.last_eval['eval/loss']:.4f}  "
-            + "  ".join(
-                f"{k.split('/')[1]} {v:.3f}"
-                for k, v in s.last_eval.items()
-                if k.count("/") == 2 and k.endswith("/loss")
-            )
-            + (f"  bits/byte {s.last_eval['eval/bpb']:.4f}" if "eval/bpb" in s.last_eval else "")
         )
 
     def _finish(self, s: Session, step: int):
