@@ -47,7 +47,7 @@ CASES = [
     ("svformer", {}, "chunked"),
     ("skipv1", {"num_kv_heads": 2}, "chunked"),
     ("resformer", {"num_kv_heads": 2}, "pallas"),
-    ("svformer", {"value_embeddings": 1}, "xla"),
+    ("none", {"value_embeddings": 1}, "xla"),
     ("resformer", {"resformer_lambdas": "gated"}, "chunked"),
 ]
 

@@ -32,8 +32,9 @@ class TrainBench:
 
     def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr)):
 
-        self.cfg, self.log, t0 = cfg, log, time.perf_counter()
+        self.log, t0 = log, time.perf_counter()
         self.setup = build(resolve(cfg, attention=attention, log=log))
+        self.cfg = cfg = self.setup.cfg  # the run as it runs, typed
         # train.telemetry: time the logged steps' program (the per-layer norms); the others run the plain step
         self.compiled, compile_s, mem = self.setup.compile(telemetry=bool(cfg.train.telemetry))
         # each phase's seconds on stderr: a check cut short by its time limit says where it was

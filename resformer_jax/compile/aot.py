@@ -418,6 +418,7 @@ def compile_for_target(
         target_devices = target.devices()
         run = resolve(cfg, platform=target.platform, devices=len(target_devices), log=log)
         setup = build(run, devices=target_devices)
+    cfg = run.cfg  # the run as it runs, typed
     out = []
     if "train" in steps:
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
