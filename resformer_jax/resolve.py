@@ -64,10 +64,6 @@ class Run:
         """What a run saves: the config as asked and the values resolved at start (config.RESOLVED_FIELDS)."""
         return run_record(self.asked.to_dict(), self.cfg)
 
-    def thawed(self) -> ml_collections.ConfigDict:
-        """A mutable copy of the resolved config (for a command that derives another run from this one)."""
-        return ml_collections.ConfigDict(self.cfg.to_dict())
-
 
 def sequences_per_device(cfg, devices: int) -> int:
     """Sequences one device computes per microbatch (at least 1): the batch the probes and per-step choices see."""
