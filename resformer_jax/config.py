@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import types
 
 import ml_collections
 
@@ -513,16 +514,19 @@ class CheckpointConfig:
         _positive_steps("checkpoint.every_steps", self.every_steps)
 
 
-SECTIONS = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "eval": EvalConfig,
-    "mesh": MeshConfig,
-    "distributed": DistributedConfig,
-    "watchdog": WatchdogConfig,
-    "checkpoint": CheckpointConfig,
-}
+# The config's sections in order, read-only: RunConfig's fields, base_config's ConfigDict sections.
+SECTIONS = types.MappingProxyType(
+    {
+        "model": ModelConfig,
+        "data": DataConfig,
+        "train": TrainConfig,
+        "eval": EvalConfig,
+        "mesh": MeshConfig,
+        "distributed": DistributedConfig,
+        "watchdog": WatchdogConfig,
+        "checkpoint": CheckpointConfig,
+    }
+)
 
 
 def _section(cls, name: str, tree, strict: bool):
