@@ -728,3 +728,20 @@ def test_bench_train_compares_dtypes_interleaved():
         "resformer/bfloat16": want,
     }
     assert set(ratio["paired_median_step_ratio"]) == {"resformer/float32", "resformer/bfloat16"}
+
+
+def test_bench_documents_are_packed_with_the_last_id_at_their_mean_length():
+    """bench train --documents=N: the batches' rows are documents of mean length N ended by the last token id,
+    which the uniform ids leave out; N = 0 keeps plain uniform ids."""
+    import numpy as np
+
+    from resformer_jax.bench.timing import random_tokens
+
+    plain = np.asarray(random_tokens((8, 4096), 256))
+    docs = np.asarray(random_tokens((8, 4096), 256, document_len=64))
+    assert plain.max() == 255 and (plain == 255).mean() < 0.01
+    assert docs.max() == 255 and docs.shape == (8, 4096)
+    ends = docs == 255
+    mean_len = docs.size / ends.sum()
+    assert 56 < mean_len < 72, mean_len  # geometric lengths, mean 64
+    assert ends.sum(axis=1).min() > 0  # every row holds several documents

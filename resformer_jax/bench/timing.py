@@ -33,7 +33,15 @@ def random_qkv(shape, dtype, seed: int = 0):
     )
 
 
-def random_tokens(shape, vocab_size: int, sharding=None, seed: int = 0):
-    """Uniform token ids of `shape` (int32), placed with `sharding` when given."""
-    tokens = np.random.default_rng(seed).integers(0, vocab_size, shape, dtype=np.int32)
+def random_tokens(shape, vocab_size: int, sharding=None, seed: int = 0, document_len: int = 0):
+    """Uniform token ids of `shape` (int32), placed with `sharding` when given. document_len > 0: packed
+    documents of that mean length (geometric), each ended by the last id (vocab_size - 1, which the uniform
+    ids leave out): what a prepared corpus's rows look like to a document mask."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size - (document_len > 0), shape, dtype=np.int32)
+    if document_len > 0:
+        rows = tokens.reshape(-1, shape[-1])
+        for row in rows:
+            ends = np.cumsum(rng.geometric(1 / document_len, shape[-1])) - 1
+            row[ends[ends < shape[-1]]] = vocab_size - 1
     return jax.device_put(tokens, sharding) if sharding is not None else tokens

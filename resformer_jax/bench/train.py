@@ -30,7 +30,7 @@ class TrainBench:
     """One variant's compiled train step (built by train/setup.py, as training builds it), its state
     and its timings."""
 
-    def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr)):
+    def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr), document_len: int = 0):
 
         self.log, t0 = log, time.perf_counter()
         self.setup = build(resolve(cfg, attention=attention, log=log))
@@ -54,6 +54,8 @@ class TrainBench:
             "seq_len": cfg.data.seq_len,
             "dtype": cfg.model.dtype,
             "telemetry": bool(cfg.train.telemetry),  # per-layer norms (on every step when compared)
+            "document_mask": bool(cfg.data.document_mask),
+            "document_len": document_len,  # the batches' mean document length (0: one sequence a row)
             "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind,
             "compile_s": round(compile_s, 3),
@@ -62,7 +64,7 @@ class TrainBench:
         }
         self.times, self.state, self.profiles, self.hlo = [], None, [], None
         self.round_peaks = []  # CPU: the matmul peak sampled just before each timed step
-        self._tokens = lambda: random_tokens(self.shape, cfg.model.vocab_size, self.setup.batch_sh)
+        self._tokens = lambda: random_tokens(self.shape, cfg.model.vocab_size, self.setup.batch_sh, 0, document_len)
 
     def warm_up(self, steps=2):
 
@@ -208,6 +210,7 @@ def bench_train(
     attention=None,
     profile_dir: str | None = None,
     profile_steps: int = 1,
+    document_len: int = 0,
 ) -> list[dict]:
     """Compiles every variant, then times `steps` steps of each.
 
@@ -223,9 +226,12 @@ def bench_train(
     (interleaved with the timed steps, so host drift touches both alike) and reports the median one as
     `step_breakdown` (step_profile.py); traces go to profile_dir/<variant>[-<dtype> when several]/step<i>
     (a temporary folder, deleted, when None).
+
+    document_len > 0: every variant's batches are the same packed documents of that mean length (each ended by
+    the last token id); a variant with data.document_mask masks them, one without attends across them.
     """
 
-    benches = [TrainBench(c, attention) for c in cfgs]
+    benches = [TrainBench(c, attention, document_len=document_len) for c in cfgs]
     if compile_only:
         return [b.out for b in benches]
     tmp = tempfile.TemporaryDirectory() if profile_steps and profile_dir is None else None
@@ -250,6 +256,7 @@ def bench_train(
                 for b in group:
                     name = b.cfg.model.value_residual + (f"-{b.cfg.model.dtype}" if len(dtypes) > 1 else "")
                     name += "-telemetry" if b.cfg.train.telemetry and len(benches) > 1 else ""
+                    name += "-documents" if b.cfg.data.document_mask and len(benches) > 1 else ""
                     b.profiled_step(os.path.join(root, name, f"step{i}"))
         if not interleave:
             group[0].release()

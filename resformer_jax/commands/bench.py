@@ -54,6 +54,12 @@ flags.DEFINE_bool(
     "train: each variant also as a logged step of a run with train.telemetry (its program computes the per-layer "
     "norms; unlogged steps run the plain one), interleaved like --compare: the cost of a logged step as a ratio.",
 )
+flags.DEFINE_integer(
+    "documents",
+    0,
+    "train: > 0: the batches are packed documents of this mean length in tokens (each ended by the last token id), "
+    "and each variant also runs with data.document_mask, interleaved like --compare: the document mask's cost.",
+)
 flags.DEFINE_bool("compile_only", False, "train: only lower and compile; report compile seconds.")
 flags.DEFINE_integer(
     "profile_steps",
@@ -131,7 +137,14 @@ def run_train(modes: list[str]) -> list[dict]:
     # `auto` is probed once, at the first variant's shapes, and used by every variant.
     attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
     return bench_train(
-        cfgs, FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention, FLAGS.profile_dir, FLAGS.profile_steps
+        cfgs,
+        FLAGS.steps,
+        FLAGS.compile_only,
+        FLAGS.interleave,
+        attention,
+        FLAGS.profile_dir,
+        FLAGS.profile_steps,
+        document_len=FLAGS.documents,
     )
 
 
@@ -262,17 +275,21 @@ def _variants(modes: list[str], dtypes: list[str]) -> list:
     for mode in modes:
         for dtype in dtypes:
             for telemetry in (False, True) if FLAGS.compare_telemetry else (None,):
-                cfg = FLAGS.config.copy_and_resolve_references()
-                cfg.model.value_residual, cfg.model.dtype = mode, dtype
-                if telemetry is not None:
-                    cfg.train.telemetry = telemetry
-                cfgs.append(cfg)
+                for documents in (False, True) if FLAGS.documents > 0 else (None,):
+                    cfg = FLAGS.config.copy_and_resolve_references()
+                    cfg.model.value_residual, cfg.model.dtype = mode, dtype
+                    if telemetry is not None:
+                        cfg.train.telemetry = telemetry
+                    if documents is not None:  # the end-of-text token: the last id (bench/timing.random_tokens)
+                        cfg.data.document_mask, cfg.data.eot_id = documents, cfg.model.vocab_size - 1
+                    cfgs.append(cfg)
     return cfgs
 
 
 def _label(r: dict) -> str:
     """What a result's ratio is keyed by: the variant, its dtype where several, + telemetry where compared."""
     out = r["variant"] + (f"/{r.get('dtype')}" if FLAGS.compare_dtypes else "")
+    out += "+documents" if FLAGS.documents > 0 and r.get("document_mask") else ""
     return out + ("+telemetry" if FLAGS.compare_telemetry and r.get("telemetry") else "")
 
 
