@@ -89,13 +89,14 @@ def too_big_for_here(cfg, devices: int) -> str | None:
         per_device = sequences_per_device(cfg, devices)
         while per_device >= 1 and fits is None:
             microbatch = per_device * devices
+            trial = None
             if t.global_batch % microbatch == 0:
                 trial = cfg.replace(
                     model=cfg.model.replace(remat=remat),
                     train=dataclasses.replace(cfg.train, microbatch=microbatch),
                     mesh=dataclasses.replace(cfg.mesh, fsdp=fsdp),
                 )
-            if t.global_batch % microbatch == 0 and perf.estimate_train_memory(trial, devices)["total"] <= limit:
+            if trial is not None and perf.estimate_train_memory(trial, devices)["total"] <= limit:
                 fits = (
                     f"--config.train.microbatch={microbatch}"
                     + (f" --config.model.remat={remat}" if remat != cfg.model.remat else "")

@@ -130,7 +130,7 @@ class Engine:
 
     def __init__(
         self,
-        m,
+        m: ModelConfig,
         params,
         *,
         cache_bytes: float | None = None,
