@@ -90,9 +90,9 @@ def resolve_attention(
     if impl != "auto":
         return AttentionChoice(impl, {}, False)
     context = cfg.mesh.context
-    if context > 1:  # a GPU's own kernel on each device's slices, XLA's attention elsewhere
-        gpu = (backend_of(platform) if platform is not None else jax.default_backend()) == "gpu"
-        choice = "pallas" if gpu else "xla"
+    if context > 1:  # a GPU's or TPU's own kernel on each device's slices, XLA's attention elsewhere
+        backend = backend_of(platform) if platform is not None else jax.default_backend()
+        choice = {"gpu": "pallas", "tpu": "splash"}.get(backend, "xla")
         rejected = {
             i: "it does not run context-parallel yet" for i in kernels.IMPLS if i not in kernels.CONTEXT_PARALLEL_IMPLS
         }

@@ -83,7 +83,9 @@ def test_a_sequence_split_over_devices_gives_one_devices_loss_and_gradients(vari
 
 
 @pytest.mark.slow  # a compile a mesh and variant: minutes together
-@pytest.mark.parametrize("variant,impl", [("resformer", "xla"), ("svformer", "xla"), ("svformer", "pallas")])
+@pytest.mark.parametrize(
+    "variant,impl", [("resformer", "xla"), ("svformer", "xla"), ("svformer", "pallas"), ("resformer", "splash")]
+)
 def test_packed_documents_split_over_devices_match_one_device(variant, impl):
     one = config(variant, 1, data=1, fsdp=1, num_devices=1, documents=True)
     t = tokens_for(one, documents=True)
@@ -124,7 +126,9 @@ def test_bad_context_settings_are_named():
         validate(config("svformer", 3))
     c = config("svformer", 2)
     c.model.attention_impl = "cudnn"
-    with pytest.raises(ConfigError, match=r"'cudnn' does not run context-parallel.*use one of pallas, xla, reference"):
+    with pytest.raises(
+        ConfigError, match=r"'cudnn' does not run context-parallel.*use one of pallas, splash, xla, reference"
+    ):
         validate(c)
     with pytest.raises(MeshError, match="mesh.context=3 does not divide the 8 devices"):
         make_mesh(config("svformer", 3).mesh)
@@ -206,6 +210,46 @@ def test_the_pallas_kernel_attends_from_a_devices_slices_of_the_sequence(documen
     want = jax.vjp(reference, q, k, v)
     got = jax.vjp(kernel, q, k, v)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    for g, w in zip(got[1](do), want[1](do)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("documents", (False, True))
+def test_splash_attends_from_a_devices_slices_of_the_sequence(documents):
+    """TPU splash under a context axis of 4 (interpreted), data 2 beside it: each device's queries (two slices, one
+    from each end) against every key, its block tables cut over the axis, equal the whole sequence's attention,
+    outputs and gradients, GQA, slices shorter than splash's 128-row tile (the padding) included."""
+    from jax.sharding import Mesh
+
+    from resformer_jax import kernels
+    from resformer_jax.kernels.names import balanced_order
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 1, 4), ("data", "fsdp", "context"))
+    B, T, H, K, D = 2, 64, 4, 2, 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.1, axis=1), jnp.int32) if documents else None
+    order = balanced_order(T, 4)
+
+    def attend(impl):
+        def f(q, k, v):  # the sequence laid out as the model lays it out, the output put back in order
+            o = kernels.attention(
+                q[:, order],
+                k[:, order],
+                v[:, order],
+                impl=impl,
+                mesh=mesh,
+                segments_BxT=None if seg is None else seg[:, order],
+            )
+            return o[:, np.argsort(order)]
+
+        return f
+
+    want = jax.vjp(attend("reference"), q, k, v)
+    got = jax.vjp(jax.jit(attend("splash")), q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     for g, w in zip(got[1](do), want[1](do)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 

@@ -179,7 +179,8 @@ def _context_parallel(q, k, v, causal, impl, mesh, batch_axes, segments_BxT):
 
     xla, reference: the whole sequence's attention with the mask by position, partitioned by XLA (each device
     computes its T/N x T scores). pallas: the kernel on each device's queries at their positions against the keys
-    put back in order (flash_attention_at), key blocks past a query block skipped."""
+    put back in order (flash_attention_at), key blocks past a query block skipped. splash: the same on TPU, its
+    block tables by the queries' positions and cut over the axis (tpu_attention.splash_attention_context)."""
     if impl not in CONTEXT_PARALLEL_IMPLS:
         raise KernelUnavailable(
             f"attention_impl={impl!r} does not run context-parallel (mesh.context={context_size(mesh)}) yet; "
@@ -191,6 +192,11 @@ def _context_parallel(q, k, v, causal, impl, mesh, batch_axes, segments_BxT):
     order = balanced_order(T, N)
     q = on_context(q, mesh, batch_axes)
     k, v = on_context(k, mesh, batch_axes, split=False), on_context(v, mesh, batch_axes, split=False)
+    if impl == "splash":
+        from resformer_jax.kernels import tpu_attention
+
+        out = tpu_attention.splash_attention_context(q, k, v, order, mesh, batch_axes, segments_BxT)
+        return on_context(out, mesh, batch_axes)
     if impl == "pallas":
         from resformer_jax.kernels import pallas_attention
 

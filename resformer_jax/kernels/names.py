@@ -9,8 +9,8 @@ import jax
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
 # Impls that run context-parallel (mesh.context > 1, kernels.attention): xla and reference partitioned by XLA,
-# the Pallas GPU kernel on each device's slices (queries at their positions); not yet cudnn, splash, chunked.
-CONTEXT_PARALLEL_IMPLS = ("pallas", "xla", "reference")
+# the Pallas GPU kernel and TPU splash on each device's slices (queries at their positions); not cudnn, chunked.
+CONTEXT_PARALLEL_IMPLS = ("pallas", "splash", "xla", "reference")
 
 # The platform a program is being compiled for when it is not this machine's backend (compile/aot.py compiles for
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what
