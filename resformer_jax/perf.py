@@ -100,6 +100,13 @@ class ModelFlops:
     params_non_embedding: int
     per_token: float  # the model's own count: every matmul, causal attention at half (flops_per_token)
     per_token_6n: float  # the 6N convention, N the non-embedding parameters
+    attention_per_token: float = 0.0  # of per_token: attention's QK^T and AV over whole sequences
+
+    def attending(self, fraction: float) -> ModelFlops:
+        """The count where attention keeps `fraction` of a whole sequence's causal pairs (packed documents
+        masked: model.transformer.attended_fraction)."""
+        per_token = self.per_token - (1.0 - fraction) * self.attention_per_token
+        return dataclasses.replace(self, per_token=per_token, attention_per_token=fraction * self.attention_per_token)
 
 
 def flops_per_token(m, seq_len: int) -> float:
@@ -119,17 +126,25 @@ def flops_per_token(m, seq_len: int) -> float:
             matmul += int(np.prod(x.shape))
     if m.tie_embeddings:
         matmul += m.vocab_size * m.d_model  # the LM head is the input embedding, transposed
-    H, D = m.num_heads, m.head_dim
+    return 3.0 * (2.0 * matmul) + attention_flops_per_token(m, seq_len)
+
+
+def attention_flops_per_token(m, seq_len: int) -> float:
+    """Of flops_per_token: attention's QK^T and AV, 2*2*T*H*D a token a layer, at half for the causal mask,
+    forward and backward."""
     attn_layers = m.num_layers + (m.num_layers - 1 if m.mapping == "cross_layer" else 0)
-    attn = attn_layers * 2 * 2 * seq_len * H * D * 0.5
-    return 3.0 * (2.0 * matmul + attn)
+    return 3.0 * attn_layers * 2 * 2 * seq_len * m.num_heads * m.head_dim * 0.5
 
 
 def model_flops(m, seq_len: int) -> ModelFlops:
 
     pc = param_counts(m)
     return ModelFlops(
-        pc["params_total"], pc["params_non_embedding"], flops_per_token(m, seq_len), 6.0 * pc["params_non_embedding"]
+        pc["params_total"],
+        pc["params_non_embedding"],
+        flops_per_token(m, seq_len),
+        6.0 * pc["params_non_embedding"],
+        attention_flops_per_token(m, seq_len),
     )
 
 
@@ -228,7 +243,13 @@ def summary(cfg) -> dict:
         "params_non_embedding": f.params_non_embedding,
         "flops_per_token": f.per_token,
         "flops_per_token_6n": f.per_token_6n,
+        "attention_flops_per_token": f.attention_per_token,
     }
+    if cfg.data.document_mask:
+        out["documents"] = (
+            "attention counted over whole sequences: an upper bound; a run logs perf/attended_fraction (the causal "
+            "pairs its packed documents keep) and counts its model MFU by it"
+        )
     value_tables = param_counts(cfg.model).get("params_value_embeddings")
     if value_tables:  # model.value_embeddings: the tables apart (embeddings, not in params_non_embedding)
         out["params_value_embeddings"] = value_tables

@@ -13,7 +13,7 @@ from resformer_jax import kernels
 from resformer_jax.config import ConfigError, tiny_config, validate
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.model.transformer import document_segments
+from resformer_jax.model.transformer import attended_fraction, document_segments
 
 EOT = 7
 LENGTHS = (9, 14, 17)  # three documents packed into one sequence of 40 tokens
@@ -35,6 +35,23 @@ def test_segments_and_positions_restart_after_each_end_of_text():
     seg, pos = document_segments(tokens, EOT)
     assert seg.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]]
     assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_the_model_flops_count_the_attention_pairs_documents_keep():
+    """Documents of LENGTHS keep sum L(L+1)/2 of a 40-token sequence's 40 x 41 / 2 causal pairs; the model FLOPs
+    shrink by that share of attention's alone."""
+    from resformer_jax.perf import attention_flops_per_token, model_flops
+
+    row, _ = packed(np.random.default_rng(0), 50)
+    kept = sum(n * (n + 1) / 2 for n in LENGTHS) / (40 * 41 / 2)
+    tokens = jnp.asarray(np.concatenate([row, np.full((1, 40), 9)]))  # a second row: one document
+    assert float(attended_fraction(tokens, EOT)) == pytest.approx((kept + 1) / 2)
+    m = ModelConfig.of(tiny_config("resformer").model)
+    whole = model_flops(m, 40)
+    assert whole.attention_per_token == attention_flops_per_token(m, 40) > 0
+    docs = whole.attending(kept)
+    assert docs.per_token == pytest.approx(whole.per_token - (1 - kept) * whole.attention_per_token)
+    assert docs.per_token_6n == whole.per_token_6n  # 6N counts no attention
 
 
 def _grads_of_each_document(m, params, docs):
@@ -191,3 +208,5 @@ def test_a_run_with_document_masking_trains_records_its_token_and_resumes(tmp_pa
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = sorted({r["step"] for r in rows if "train/loss" in r})
     assert steps[-1] == 12
+    kept = [r["perf/attended_fraction"] for r in rows if "train/loss" in r]  # the MFU counts the pairs kept
+    assert len(kept) == len(steps) and all(0 < k <= 1 for k in kept) and min(kept) < 1, kept

@@ -142,6 +142,9 @@ class TrainBench:
         med = statistics.median(self.times)
         tps = cfg.train.global_batch * cfg.data.seq_len / med
         flops = perf.model_flops(cfg.model, cfg.data.seq_len)
+        kept = self.metrics.get("attended_fraction")  # packed documents masked: attention by the pairs kept
+        if kept is not None:
+            flops = flops.attending(float(kept))
         stats = jax.local_devices()[0].memory_stats() or {}
         return {
             **self.out,
@@ -170,6 +173,7 @@ class TrainBench:
             "peak_flops": peak,
             "peak_source": peak_src,
             "flops_per_token": flops.per_token,
+            **({"attended_fraction": round(float(kept), 4)} if kept is not None else {}),
             "peak_memory_bytes": stats.get("peak_bytes_in_use", _rss_bytes()),
             "peak_memory_source": "device peak_bytes_in_use"
             if "peak_bytes_in_use" in stats

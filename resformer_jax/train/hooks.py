@@ -102,17 +102,21 @@ def window_scalars(s, step: int, host: list[dict], step_time: float) -> dict:
     rate, grad norm, throughput, MFU, the per-layer telemetry, z-loss, skipped spikes, the learned lambdas."""
     finite = [h["loss"] for h in host if np.isfinite(h["loss"])]
     tps = s.tokens_per_step / step_time
+    kept = float(np.mean([h["attended_fraction"] for h in host])) if "attended_fraction" in host[0] else None
+    flops = s.flops if kept is None else s.flops.attending(kept)  # packed documents: attention by the pairs kept
     vals = {
         "train/loss": float(np.mean(finite)) if finite else float("nan"),
         "train/learning_rate": float(s.schedule(step - 1)),
         "train/grad_norm": float(np.mean([h["grad_norm"] for h in host])),
         "perf/tokens_per_s": tps,
         "perf/step_time_s": step_time,
-        **{f"perf/{k}": v for k, v in perf.mfu(s.flops, tps, s.peak).items()},
+        **{f"perf/{k}": v for k, v in perf.mfu(flops, tps, s.peak).items()},
         "train/nonfinite_steps": float(jax.device_get(s.state.nonfinite_count)),
     }
     if "telemetry" in host[-1]:
         vals.update(telemetry.scalars(host[-1]["telemetry"]))
+    if kept is not None:
+        vals["perf/attended_fraction"] = kept
     if "z_loss" in host[0]:
         vals["train/z_loss"] = float(np.mean([h["z_loss"] for h in host]))
     if s.state.spikes is not None:

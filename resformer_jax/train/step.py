@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from resformer_jax import kernels
 from resformer_jax.config import LOSS_CHUNK_LEN
 from resformer_jax.model.layers import uses_cpu_matmuls
-from resformer_jax.model.transformer import output_embedding
+from resformer_jax.model.transformer import attended_fraction, output_embedding
 from resformer_jax.train.loss import chunked_lm_loss, cross_entropy, cross_entropy_and_z, head_plan
 from resformer_jax.train.telemetry import step_telemetry
 
@@ -221,6 +221,8 @@ def make_train_step(
         metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         if z_loss:
             metrics["z_loss"] = z_mean
+        if model.cfg.document_eot >= 0:  # packed documents masked: the attention pairs kept, for the MFU
+            metrics["attended_fraction"] = attended_fraction(tokens_BxTp1[:, :-1], model.cfg.document_eot)
         if spikes is not None:
             metrics["spike"] = spike.astype(jnp.int32)
         if telemetry:
