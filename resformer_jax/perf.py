@@ -136,6 +136,18 @@ def attention_flops_per_token(m, seq_len: int) -> float:
     return 3.0 * attn_layers * 2 * 2 * seq_len * m.num_heads * m.head_dim * 0.5
 
 
+def packed_documents(T: int, mean_len: float, rows: int = 64, seed: int = 0) -> np.ndarray:
+    """[rows, T] int32, 1 at each document's last token: documents of geometric lengths with mean `mean_len`
+    packed end to end, as a prepared corpus's rows look to a document mask (bench train --documents, compile
+    --documents)."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((rows, T), np.int32)
+    for row in out:
+        ends = np.cumsum(rng.geometric(1 / mean_len, T)) - 1
+        row[ends[ends < T]] = 1
+    return out
+
+
 def model_flops(m, seq_len: int) -> ModelFlops:
 
     pc = param_counts(m)

@@ -204,10 +204,14 @@ def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
     from resformer_jax.compile.aot import compile_step
     from resformer_jax.kernels.pallas_attention import flash_attention
 
+    from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, kernel_flops
+    from resformer_jax.perf import packed_documents
+
     target, sds = _one_device("h100x1")
     B, T, H, D = 2, 2048, 16, 64
     loss = lambda q, k, v, s: flash_attention(q, k, v, segments_BxT=s).astype(jnp.float32).sum()
     qkv = [sds((B, T, H, D), jnp.bfloat16)] * 3
+    documents = packed_documents(T, 256)  # the roofline counts the blocks skipped on this packing
     step = compile_step(
         "attention",
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
@@ -215,9 +219,15 @@ def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
         target,
         tiny_config(),
         log=lambda s: None,
+        documents=documents,
     )
     assert step.fits and step.custom_calls.get(TRITON) == 3, (step.problem, step.custom_calls)
     assert "GPU ELF" in step.machine_code, step.machine_code
+    counted = step.roofline["by_kind"]["kernel"]["flops"]
+    shapes = ((B, T, H, D), (B, T, H, D), 2, True, target.kind)
+    want = sum(kernel_flops(name, *shapes, documents=documents) for name, _ in KERNEL_MATMULS)
+    causal = sum(kernel_flops(name, *shapes) for name, _ in KERNEL_MATMULS)
+    assert counted == pytest.approx(want) and want < 0.5 * causal, (counted, want, causal)
 
 
 @needs_aot

@@ -54,6 +54,24 @@ def test_the_model_flops_count_the_attention_pairs_documents_keep():
     assert docs.per_token_6n == whole.per_token_6n  # 6N counts no attention
 
 
+@pytest.mark.parametrize("bq,bk", [(16, 16), (32, 16), (16, 32)])
+def test_the_roofline_counts_the_blocks_the_pallas_kernels_skip_on_documents(bq, bk):
+    """One document a row: every causal block, as without documents. Documents of 64 tokens (whole blocks): each
+    document's own causal blocks and none across, forward, dQ and dK/dV alike. Geometric documents: between."""
+    from resformer_jax.kernels.pallas_attention import visited_blocks, visited_blocks_documents
+    from resformer_jax.perf import packed_documents
+
+    T = 256
+    one = np.zeros((3, T), np.int32)
+    aligned = np.zeros((2, T), np.int32)
+    aligned[:, 63::64] = 1
+    for dkdv in (False, True):
+        assert visited_blocks_documents(one, T, bq, bk, dkdv) == visited_blocks(T, T, bq, bk)
+        assert visited_blocks_documents(aligned, T, bq, bk, dkdv) == 4 * visited_blocks(64, 64, bq, bk)
+    geometric = visited_blocks_documents(packed_documents(T, 48), T, bq, bk, False)
+    assert 4 * visited_blocks(64, 64, bq, bk) < geometric < visited_blocks(T, T, bq, bk)
+
+
 def _grads_of_each_document(m, params, docs):
     return [jax.grad(lambda p, d=d: Transformer(m).apply({"params": p}, jnp.asarray(d)).sum())(params) for d in docs]
 

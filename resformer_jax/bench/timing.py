@@ -8,6 +8,8 @@ import time
 import jax
 import numpy as np
 
+from resformer_jax.perf import packed_documents
+
 
 def median_seconds(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
     """Median wall seconds of `fn(*args)` (blocked until its outputs are ready) over `repeats` calls after
@@ -40,8 +42,6 @@ def random_tokens(shape, vocab_size: int, sharding=None, seed: int = 0, document
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab_size - (document_len > 0), shape, dtype=np.int32)
     if document_len > 0:
-        rows = tokens.reshape(-1, shape[-1])
-        for row in rows:
-            ends = np.cumsum(rng.geometric(1 / document_len, shape[-1])) - 1
-            row[ends[ends < shape[-1]]] = vocab_size - 1
+        ends = packed_documents(shape[-1], document_len, int(np.prod(shape[:-1])), seed + 1).reshape(shape)
+        tokens[ends > 0] = vocab_size - 1
     return jax.device_put(tokens, sharding) if sharding is not None else tokens

@@ -46,6 +46,12 @@ flags.DEFINE_integer("slices", 1, "TPU targets: slices (multislice over DCN).")
 flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile: train, eval, decode.")
 flags.DEFINE_integer("decode_batch", 0, "Sequences decoded at once (default: one per batch shard of the mesh).")
 flags.DEFINE_integer("prompt_len", 0, "Prompt tokens prefilled by the decode check (default: config.data.seq_len).")
+flags.DEFINE_integer(
+    "documents",
+    0,
+    "With data.document_mask: count the bounds on packed documents of this mean length (the kernels' skipped "
+    "blocks, the model FLOPs of the pairs kept); 0: whole sequences, an upper bound.",
+)
 flags.DEFINE_bool(
     "tune",
     False,
@@ -83,6 +89,7 @@ def main(argv):
             steps=tuple(FLAGS.steps),
             decode_batch=FLAGS.decode_batch,
             prompt_len=FLAGS.prompt_len,
+            document_len=FLAGS.documents,
             log=log,
         )
         for line in report.lines():

@@ -44,7 +44,7 @@ from resformer_jax.config import REMAT_POLICIES, RunConfig, set_dotted
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_line, memory_precheck
-from resformer_jax.model.transformer import needs_unrolled
+from resformer_jax.model.transformer import attended_fraction, needs_unrolled
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
 
@@ -116,6 +116,7 @@ class CompileReport:
     remat: str
     steps: list[CompiledStep]
     estimate: dict  # --mode=summary's analytic estimate per device (train step)
+    documents: dict | None = None  # --documents: the packing the bounds count ({mean_len, attended_fraction})
 
     @property
     def fits(self) -> bool:
@@ -143,6 +144,7 @@ class CompileReport:
             "remat": self.remat,
             "fits": self.fits,
             "steps": [s.to_json() for s in self.steps],
+            "documents": self.documents,
             "summary_estimate_bytes": est,
             "summary_estimate_vs_compiled": (
                 round(est / train.memory.total, 3) if est and train and train.memory and train.memory.total else None
@@ -156,6 +158,12 @@ class CompileReport:
             f"{self.mesh}, attention {self.attention_impl}, {self.dtype}, remat={self.remat}, microbatch "
             f"{self.microbatch}"
         ]
+        if self.documents:
+            out.append(
+                f"  packed documents of mean length {self.documents['mean_len']} (geometric): attention keeps "
+                f"{self.documents['attended_fraction']:.3f} of the causal pairs; the bounds count the Pallas kernels' "
+                "blocks skipped at that packing and the MFU ceilings the pairs kept (other kernels skip none)"
+            )
         for s in self.steps:
             where = "fits" if s.fits else "DOES NOT FIT"
             mem = memory_line(s.memory, t.hbm_bytes) if s.memory else "memory not reported"
@@ -245,14 +253,17 @@ def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
     return out
 
 
-def step_roofline(compiled, hlo: str, target: Target, model_flops: tuple[float, float] | None) -> dict | None:
+def step_roofline(
+    compiled, hlo: str, target: Target, model_flops: tuple[float, float] | None, documents=None
+) -> dict | None:
     """The compiled step's roofline report on the target's chip, with the model's FLOPs per device (both
-    conventions) for the MFU ceilings; where the compiler's cost_analysis() answers (libtpu), how the two agree."""
+    conventions) for the MFU ceilings; where the compiler's cost_analysis() answers (libtpu), how the two agree.
+    `documents`: the packing the kernels' document skipping is counted at (roofline.roofline)."""
 
     chip = chip_for(target.kind)
     if chip is None:
         return None
-    r = roofline(hlo, chip)
+    r = roofline(hlo, chip, documents)
     rep = r.report(*(model_flops or (0.0, 0.0)))
     if model_flops is None:
         rep.pop("model_flops_per_device")
@@ -336,6 +347,7 @@ def compile_step(
     kwargs: dict | None = None,
     log: Callable[[str], Any] = print,
     model_flops: tuple[float, float] | None = None,
+    documents=None,
 ) -> CompiledStep:
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
@@ -374,7 +386,7 @@ def compile_step(
         calls,
         _machine_code(compiled, target.platform),
         True,
-        roofline=step_roofline(compiled, hlo, target, model_flops),
+        roofline=step_roofline(compiled, hlo, target, model_flops, documents),
     )
     if dump:
         chip = chip_named(target.kind)
@@ -405,13 +417,27 @@ def compile_step(
 
 
 def compile_for_target(
-    cfg, target: Target, *, steps=STEPS, decode_batch: int = 0, prompt_len: int = 0, log: Callable[[str], Any] = print
+    cfg,
+    target: Target,
+    *,
+    steps=STEPS,
+    decode_batch: int = 0,
+    prompt_len: int = 0,
+    document_len: int = 0,
+    log: Callable[[str], Any] = print,
 ) -> CompileReport:
-    """Builds the run for `target` as train/setup.build does on that hardware and compiles `steps` there."""
+    """Builds the run for `target` as train/setup.build does on that hardware and compiles `steps` there.
+    `document_len` > 0 (a run with data.document_mask): the train and eval bounds and MFU ceilings counted on packed
+    documents of that mean length (the kernels' skipped blocks, the model FLOPs of the pairs kept)."""
     check_packages(target.platform)
     unknown = set(steps) - set(STEPS)
     if unknown:
         raise CompileError(f"unknown step(s) {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    if document_len and not cfg.data.document_mask:
+        raise CompileError(
+            f"--documents={document_len} counts the document mask's skipped work, and this run attends across "
+            "documents; add --config.data.document_mask=True (or leave --documents out)"
+        )
     cfg = cfg.copy_and_resolve_references()
     cfg.mesh.device_memory_limit_gb = 0.0  # the target's memory is the limit, not this machine's
     with compiling_for(target.platform, target.kind):
@@ -419,6 +445,7 @@ def compile_for_target(
         run = resolve(cfg, platform=target.platform, devices=len(target_devices), log=log)
         setup = build(run, devices=target_devices)
     cfg = run.cfg  # the run as it runs, typed
+    documents = perf.packed_documents(cfg.data.seq_len, document_len) if document_len else None
     out = []
     if "train" in steps:
         batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
@@ -430,7 +457,8 @@ def compile_for_target(
                 target,
                 cfg,
                 log=log,
-                model_flops=step_model_flops(cfg, setup.global_batch_shape[0], target.num_devices),
+                model_flops=step_model_flops(cfg, setup.global_batch_shape[0], target.num_devices, documents=documents),
+                documents=documents,
             )
         )
     if "eval" in steps:
@@ -443,7 +471,10 @@ def compile_for_target(
                 target,
                 cfg,
                 log=log,
-                model_flops=step_model_flops(cfg, setup.eval_batch_shape[0], target.num_devices, forward_only=True),
+                model_flops=step_model_flops(
+                    cfg, setup.eval_batch_shape[0], target.num_devices, forward_only=True, documents=documents
+                ),
+                documents=documents,
             )
         )
     if "decode" in steps:
@@ -458,13 +489,20 @@ def compile_for_target(
         cfg.model.remat,
         out,
         perf.estimate_train_memory(cfg, devices) if "train" in steps else {},
+        None
+        if documents is None
+        else {"mean_len": document_len, "attended_fraction": round(float(attended_fraction(documents, 1)), 4)},
     )
 
 
-def step_model_flops(cfg, sequences: int, devices: int, forward_only: bool = False) -> tuple[float, float]:
+def step_model_flops(
+    cfg, sequences: int, devices: int, forward_only: bool = False, documents=None
+) -> tuple[float, float]:
     """(the model's own FLOPs, 6N FLOPs) per device for a step over `sequences` of data.seq_len tokens (perf.py's
-    counts; a forward alone is a third of the training count)."""
+    counts; a forward alone is a third of the training count); `documents`: attention by the pairs they keep."""
     f = perf.model_flops(cfg.model, cfg.data.seq_len)
+    if documents is not None:
+        f = f.attending(float(attended_fraction(documents, 1)))
     tokens = sequences * cfg.data.seq_len / devices
     scale = 1 / 3 if forward_only else 1.0
     return f.per_token * tokens * scale, f.per_token_6n * tokens * scale

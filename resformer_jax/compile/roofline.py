@@ -253,7 +253,7 @@ def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * outer * r_dims[r_lab.index("i")] * taps
 
 
-def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> float:
+def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "", documents=None) -> float:
     """A Pallas kernel's FLOPs by its own formula, where the project knows the kernel: the GPU kernels by the
     pallas_call name in op_name (q [B, T, H, D], k [B, S, K, D]), splash on TPU by the custom call's name
     (q [N, G, T, D], k [N, S, D]); 0 for a kernel it does not know."""
@@ -272,7 +272,9 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "") -> f
         if not q or not k:
             return 0.0
         if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
-            return module.kernel_flops(name, q[0][1], k[0][1], dtype_bytes(q[0][0]), device_kind=device_kind)
+            return module.kernel_flops(
+                name, q[0][1], k[0][1], dtype_bytes(q[0][0]), device_kind=device_kind, documents=documents
+            )
         if module is tpu_attention and len(q[0][1]) >= 3 and len(k[0][1]) >= 2:
             return module.kernel_flops(name, q[0][1], k[0][1])
     return 0.0
@@ -292,8 +294,8 @@ def cudnn_attention_flops(ins: Instr, shapes: dict[str, str]) -> float:
 
 
 class _Walker:
-    def __init__(self, comps: dict[str, list[Instr]], device_kind: str = ""):
-        self.comps, self.device_kind = comps, device_kind
+    def __init__(self, comps: dict[str, list[Instr]], device_kind: str = "", documents=None):
+        self.comps, self.device_kind, self.documents = comps, device_kind, documents
         self.shapes = {i.name: i.shape for body in comps.values() for i in body}
         for body in comps.values():  # parameters are instructions too
             for i in body:
@@ -424,7 +426,7 @@ class _Walker:
 
     def cost_of(self, comp: str) -> float:
         """A computation's per-op bound on one chip-agnostic scale (bytes + FLOPs), to pick a conditional's branch."""
-        sub = _Walker(self.comps, self.device_kind)
+        sub = _Walker(self.comps, self.device_kind, self.documents)
         sub.walk(comp, 1)
         return sum(o.flops + o.bytes for o in sub.ops.values())
 
@@ -471,7 +473,9 @@ class _Walker:
                 elif "cudnn$fmha" in target:
                     self._add(ins, "kernel", n, cudnn_attention_flops(ins, self.shapes), nbytes)
                 elif target in ("__gpu$xla.gpu.triton", "tpu_custom_call") or "cudnn" in target:
-                    self._add(ins, "kernel", n, kernel_flops(ins, self.shapes, self.device_kind), nbytes)
+                    self._add(
+                        ins, "kernel", n, kernel_flops(ins, self.shapes, self.device_kind, self.documents), nbytes
+                    )
                 else:
                     self._add(ins, "other", n, 0.0, nbytes)
             elif op == "dot":
@@ -491,10 +495,12 @@ class _Walker:
                 self._add(ins, "other", n, 0.0, self._operand_bytes(ins) + shape_bytes(ins.shape))
 
 
-def roofline(hlo_text: str, chip: Chip) -> Roofline:
-    """The roofline of an optimized HLO module (a compiled executable's as_text())."""
+def roofline(hlo_text: str, chip: Chip, documents=None) -> Roofline:
+    """The roofline of an optimized HLO module (a compiled executable's as_text()). `documents` (rows of 1s at
+    each packed document's end, perf.packed_documents): the Pallas GPU kernels' blocks counted as they skip them
+    on that packing (the run masking documents); without, every causal block."""
     comps, entry = parse_module(hlo_text)
-    w = _Walker(comps, chip.kind)
+    w = _Walker(comps, chip.kind, documents)
     w.walk(entry, 1)
     return Roofline(chip, list(w.ops.values()), w.unknown_trips)
 

@@ -44,6 +44,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
@@ -119,15 +120,44 @@ def visited_blocks(Tp: int, Sp: int, bq: int, bk: int, causal: bool = True) -> i
     return sum(min(nk, ((i + 1) * bq + bk - 1) // bk) for i in range(nq))
 
 
-def kernel_flops(name: str, q_shape, k_shape, itemsize: float, causal: bool = True, device_kind: str = "") -> float:
+def visited_blocks_documents(eot_RxT, Tp: int, bq: int, bk: int, dkdv: bool) -> float:
+    """The (query block, key block) pairs the causal kernels compute on packed documents, averaged over the rows
+    of `eot_RxT` (1 at each document's last token, T <= Tp): the forward and dQ skip the key blocks before a query
+    block's first document, dK/dV the query blocks after a key block's last (document_tables' rule)."""
+    eot = np.asarray(eot_RxT, bool)
+    R, T = eot.shape
+    idx = np.arange(T)
+    starts_here = np.concatenate([np.ones((R, 1), bool), eot[:, :-1]], axis=1)
+    start = np.maximum.accumulate(np.where(starts_here, idx, 0), axis=1)
+    ends_here = eot | (idx == T - 1)
+    end = np.minimum.accumulate(np.where(ends_here, idx + 1, T)[:, ::-1], axis=1)[:, ::-1]
+    nq, nk = Tp // bq, Tp // bk
+    if dkdv:  # key block j: query blocks from its diagonal to the one holding its last document's end
+        last_end = np.stack([end[:, min(j * bk + bk, T) - 1] if j * bk < T else np.zeros(R, int) for j in range(nk)])
+        stop = np.minimum(nq, -(-last_end // bq))
+        first = (np.arange(nk) * bk // bq)[:, None]
+        return float(np.maximum(stop - first, 0).sum(axis=0).mean())
+    first_start = np.stack([start[:, i * bq] if i * bq < T else np.full(R, Tp) for i in range(nq)])  # [nq, R]
+    n_k = np.minimum(nk, ((np.arange(nq) + 1) * bq - 1 + bk) // bk)[:, None]
+    return float(np.maximum(n_k - first_start // bk, 0).sum(axis=0).mean())
+
+
+def kernel_flops(
+    name: str, q_shape, k_shape, itemsize: float, causal: bool = True, device_kind: str = "", documents=None
+) -> float:
     """FLOPs of one call of kernel `name` on q [B, Tp, H, D] and k [B, Sp, K, D] (padded) on `device_kind`, by
-    this file's own block choice and causal skipping: 2 FLOPs a multiply-add."""
+    this file's own block choice and causal skipping: 2 FLOPs a multiply-add. `documents` (rows of 1s at each
+    document's end, [R, T]): the kernels' packed-document skipping at that packing, averaged over the rows."""
     B, Tp, H, D = q_shape
     Sp = k_shape[1]
     bq, bk = choose_blocks(Tp, Sp, D, int(itemsize), budget=smem_budget(device_kind))
     if name != "flash_attention_fwd":
         bq, bk = backward_blocks(bq, bk, D, int(itemsize))
-    return float(B * H * visited_blocks(Tp, Sp, bq, bk, causal) * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
+    if documents is not None and causal and Tp == Sp:
+        pairs = visited_blocks_documents(documents, Tp, bq, bk, dkdv=name == "flash_attention_dkdv")
+    else:
+        pairs = visited_blocks(Tp, Sp, bq, bk, causal)
+    return float(B * H * pairs * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
 
 
 def backward_blocks(bq: int, bk: int, D: int, itemsize: int) -> tuple[int, int]:
