@@ -228,6 +228,7 @@ def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
     want = sum(kernel_flops(name, *shapes, documents=documents) for name, _ in KERNEL_MATMULS)
     causal = sum(kernel_flops(name, *shapes) for name, _ in KERNEL_MATMULS)
     assert counted == pytest.approx(want) and want < 0.5 * causal, (counted, want, causal)
+    assert step.roofline["per_op_bound_s_whole_sequences"] > step.roofline["per_op_bound_s"]  # no block skipped
 
 
 @needs_aot
