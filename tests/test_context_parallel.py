@@ -140,21 +140,29 @@ def test_bad_context_settings_are_named():
 
 
 @pytest.mark.slow
-def test_a_context_parallel_run_trains_as_one_device_does(tmp_path):
-    """The trainer end to end (layers scanned, V_1 a broadcast input of the scan): the same losses."""
+def test_a_context_parallel_run_trains_as_one_device_does_and_resumes_bitwise(tmp_path):
+    """The trainer end to end (layers scanned, V_1 a broadcast input of the scan), mesh.context=4 beside data=2:
+    over 20 steps the losses of one device to 1e-5; stopped at step 10 and resumed, bitwise those of the run
+    that never stopped."""
     from test_parallel import losses
 
     from resformer_jax.commands.training import run
 
-    def cfg(**mesh):
+    def cfg(stop_at=0, **mesh):
         c = config("svformer", **mesh)
         c.model.scan_layers = True
-        c.train.steps, c.train.log_every, c.train.eval_every, c.checkpoint.every_steps = 4, 1, 1000, 1000
+        c.train.steps, c.train.log_every, c.train.eval_every, c.checkpoint.every_steps = 20, 1, 1000, 10
+        c.train.stop_at = stop_at  # 10: the run stops there, its schedule still 20 steps long
         return c
 
     assert run(cfg(context=1, data=1, num_devices=1), str(tmp_path / "one")) == 0
-    assert run(cfg(context=2, data=2, fsdp=2), str(tmp_path / "cp")) == 0
-    np.testing.assert_allclose(losses(str(tmp_path / "cp")), losses(str(tmp_path / "one")), rtol=1e-5, atol=1e-5)
+    assert run(cfg(context=4, data=2), str(tmp_path / "cp")) == 0
+    assert run(cfg(10, context=4, data=2), str(tmp_path / "resumed")) == 0
+    assert run(cfg(context=4, data=2), str(tmp_path / "resumed")) == 0
+    cp, one, resumed = (losses(str(tmp_path / d)) for d in ("cp", "one", "resumed"))
+    assert len(cp) == len(resumed) == 20
+    np.testing.assert_allclose(cp, one, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(resumed, cp)
 
 
 def test_the_memory_estimate_counts_a_devices_slice_of_the_sequence():

@@ -120,7 +120,7 @@ def _mask(T: int, S: int, causal: bool) -> splash_mask.Mask:
 
 
 def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, segments_BxT=None):
-    """`segments_BxT`: packed documents, splash's own segment ids (its kernels skip the blocks they mask)."""
+    """`segments_BxT`: packed documents, splash's own segment ids (masked inside the blocks its causal mask visits)."""
     B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
