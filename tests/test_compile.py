@@ -202,9 +202,7 @@ def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
     """data.document_mask's Pallas kernels (segment ids, the blocks outside a block's documents skipped) lower
     through Triton for an H100 at the 468M's shape, forward and backward, as the plain ones do."""
     from resformer_jax.compile.aot import compile_step
-    from resformer_jax.kernels.pallas_attention import flash_attention
-
-    from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, kernel_flops
+    from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, flash_attention, kernel_flops
     from resformer_jax.perf import packed_documents
 
     target, sds = _one_device("h100x1")
