@@ -223,10 +223,12 @@ def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
     assert "GPU ELF" in step.machine_code, step.machine_code
     counted = step.roofline["by_kind"]["kernel"]["flops"]
     shapes = ((B, T, H, D), (B, T, H, D), 2, True, target.kind)
-    want = sum(kernel_flops(name, *shapes, documents=documents) for name, _ in KERNEL_MATMULS)
-    causal = sum(kernel_flops(name, *shapes) for name, _ in KERNEL_MATMULS)
+    want = sum(kernel_flops(name, *shapes, documents=documents, tables=True) for name, _ in KERNEL_MATMULS)
+    causal = sum(kernel_flops(name, *shapes, tables=True) for name, _ in KERNEL_MATMULS)
     assert counted == pytest.approx(want) and want < 0.5 * causal, (counted, want, causal)
     assert step.roofline["per_op_bound_s_whole_sequences"] > step.roofline["per_op_bound_s"]  # no block skipped
+    spills = {k["kernel"]: k["spill_store_bytes"] + k["spill_load_bytes"] for k in step.kernel_resources}
+    assert len(spills) == 3 and not any(spills.values()), spills  # ptxas -v: every kernel in its registers
 
 
 @needs_aot

@@ -79,12 +79,15 @@ def test_named_impl_that_cannot_run_raises():
 
 
 def test_auto_probe_on_a_gpu_times_every_candidate_and_keeps_the_fastest():
-    """With the backend injected as GPU, here on a CPU: pallas runs (interpreted, far slower than XLA's
-    attention), cudnn cannot run, xla runs; the probe times both that run and keeps xla, naming each time."""
-    msgs = []
-    choice, rejected = kernels.probe_auto((1, 128, 2, 32), 2, jnp.float32, msgs.append, backend="gpu")
+    """With the backend injected as GPU, here on a CPU: pallas runs (interpreted), cudnn cannot run, xla runs; the
+    probe times both that run and keeps the faster, naming each time: a clock that makes pallas's runs 3 ms and
+    xla's 2 ms picks xla (a shared host's timing noise cannot flip it)."""
+    msgs, ticks = [], iter([0.0, 0.003] * 3 + [0.0, 0.002] * 3)  # (start, end) of each timed run, pallas then xla
+    choice, rejected = kernels.probe_auto(
+        (1, 128, 2, 32), 2, jnp.float32, msgs.append, backend="gpu", clock=lambda: next(ticks)
+    )
     assert choice == "xla" and "cudnn" in rejected and "pallas" not in rejected, (choice, rejected)
-    assert "fastest forward+backward" in msgs[0] and "pallas " in msgs[0] and "xla " in msgs[0], msgs
+    assert "fastest forward+backward" in msgs[0] and "pallas 3.00 ms" in msgs[0] and "xla 2.00 ms" in msgs[0], msgs
 
 
 def test_auto_probe_on_cpu_chooses_chunked_with_reasons():

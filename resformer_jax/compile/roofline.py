@@ -273,7 +273,13 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "", docu
             return 0.0
         if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
             return module.kernel_flops(
-                name, q[0][1], k[0][1], dtype_bytes(q[0][0]), device_kind=device_kind, documents=documents
+                name,
+                q[0][1],
+                k[0][1],
+                dtype_bytes(q[0][0]),
+                device_kind=device_kind,
+                documents=documents,
+                tables=name + pallas_attention.TABLES in where,
             )
         if module is tpu_attention and len(q[0][1]) >= 3 and len(k[0][1]) >= 2:
             return module.kernel_flops(name, q[0][1], k[0][1])

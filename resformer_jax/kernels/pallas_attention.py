@@ -143,32 +143,45 @@ def visited_blocks_documents(eot_RxT, Tp: int, bq: int, bk: int, dkdv: bool) -> 
 
 
 def kernel_flops(
-    name: str, q_shape, k_shape, itemsize: float, causal: bool = True, device_kind: str = "", documents=None
+    name: str,
+    q_shape,
+    k_shape,
+    itemsize: float,
+    causal: bool = True,
+    device_kind: str = "",
+    documents=None,
+    tables: bool = False,
 ) -> float:
     """FLOPs of one call of kernel `name` on q [B, Tp, H, D] and k [B, Sp, K, D] (padded) on `device_kind`, by
-    this file's own block choice and causal skipping: 2 FLOPs a multiply-add. `documents` (rows of 1s at each
-    document's end, [R, T]): the kernels' packed-document skipping at that packing, averaged over the rows."""
+    this file's own block choice and causal skipping: 2 FLOPs a multiply-add. `tables`: the kernel reads
+    per-position tables (its name ends in TABLES); `documents` (rows of 1s at each document's end, [R, T]): the
+    kernels' packed-document skipping at that packing, averaged over the rows."""
     B, Tp, H, D = q_shape
     Sp = k_shape[1]
     bq, bk = choose_blocks(Tp, Sp, D, int(itemsize), budget=smem_budget(device_kind))
     if name != "flash_attention_fwd":
-        bq, bk = backward_blocks(bq, bk, D, int(itemsize))
-    if documents is not None and causal and Tp == Sp:
+        bq, bk = backward_blocks(bq, bk, D, int(itemsize), tables)
+    if documents is not None and tables and causal and Tp == Sp:
         pairs = visited_blocks_documents(documents, Tp, bq, bk, dkdv=name == "flash_attention_dkdv")
     else:
         pairs = visited_blocks(Tp, Sp, bq, bk, causal)
     return float(B * H * pairs * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
 
 
-def backward_blocks(bq: int, bk: int, D: int, itemsize: int) -> tuple[int, int]:
+def backward_blocks(bq: int, bk: int, D: int, itemsize: int, tables: bool = False) -> tuple[int, int]:
     """The backward kernels' own blocks, within the forward's: each of their tiles of Q, K, V or dO at most 16 KiB
     (128 rows of 64 bf16 values). The backward keeps two fp32 accumulators and several tiles in registers; past
-    that ptxas spills (at head_dim 128 with 128 x 128 blocks: 372 bytes a thread in dK/dV)."""
+    that ptxas spills (at head_dim 128 with 128 x 128 blocks: 372 bytes a thread in dK/dV). `tables` (the kernels
+    reading per-position tables: packed documents, a context axis's positions): key blocks of at most 64, for
+    the registers their masks take (with 128: dK/dV spills 360 bytes a thread at the 468M's shape)."""
     while bq > 16 and bq * D * itemsize > 128 * 64 * 2:
         bq //= 2
-    while bk > 16 and bk * D * itemsize > 128 * 64 * 2:
+    while bk > 16 and (bk * D * itemsize > 128 * 64 * 2 or (tables and bk > 64)):
         bk //= 2
     return bq, bk
+
+
+TABLES = "_tables"  # the name suffix of the kernels that read per-position tables (documents, positions)
 
 
 def num_warps(bq: int, bk: int) -> int:
@@ -228,21 +241,35 @@ def _tdot(a, b):  # a.T @ b
 
 
 def _split_refs(refs, docs: bool, positions: bool, n_in: int):
-    """(the n_in tensor inputs, the three document tables or None, the query positions or None, the outputs)."""
+    """(the n_in tensor inputs, the document table or None, the query positions or None, the outputs)."""
     ins, rest = refs[:n_in], refs[n_in:]
-    tables = rest[:3] if docs else None
-    rest = rest[3:] if docs else rest
+    table = rest[0] if docs else None
+    rest = rest[1:] if docs else rest
     qpos = rest[0] if positions else None
-    return ins, tables, qpos, rest[1:] if positions else rest
+    return ins, table, qpos, rest[1:] if positions else rest
+
+
+def _scores_kept(q_idx, k_idx, kv_len: int, bk: int, causal: bool, doc_start=None):
+    """[bq, bk]: the scores a block keeps, or None for all of them: keys within the sequence (tested only where
+    it was padded to the block), at or before the query (causal), at or after the start of the query's document
+    (packed documents: under the causal mask, the keys of its own document)."""
+    kept = k_idx[None, :] < kv_len if kv_len % bk else None
+    for more in (
+        q_idx[:, None] >= k_idx[None, :] if causal else None,
+        k_idx[None, :] >= doc_start[:, None] if doc_start is not None else None,
+    ):
+        if more is not None:
+            kept = more if kept is None else kept & more
+    return kept
 
 
 def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
-    # docs: packed documents, three more inputs: the query block's segment ids, every key's, and where each
-    # query's document starts (key blocks before the block's first document are skipped, not just masked).
+    # docs: packed documents, one more input: where each query's document starts. Under the causal mask a key is
+    # in its query's document exactly when it is at or after that start (documents are contiguous), so no segment
+    # ids are held; key blocks before the block's first document are skipped, not just masked.
     # positions: the query block's positions in the sequence (context parallelism: a device's queries are two
     # slices of it; the keys are the whole sequence in order), for the causal mask and the blocks skipped
-    (q_ref, k_ref, v_ref), tables, qpos_ref, (o_ref, lse_ref) = _split_refs(refs, docs, positions, 3)
-    segq_ref, segk_ref, start_ref = tables or (None, None, None)
+    (q_ref, k_ref, v_ref), start_ref, qpos_ref, (o_ref, lse_ref) = _split_refs(refs, docs, positions, 3)
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, D]
     D = q.shape[-1]
@@ -253,13 +280,8 @@ def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         s = _dot_t(q, k) * scale  # [bq, bk] fp32
-        k_idx = j * bk + jnp.arange(bk)
-        mask = k_idx[None, :] < kv_len
-        if causal:
-            mask = mask & (q_idx[:, None] >= k_idx[None, :])
-        if docs:
-            mask = mask & (segq_ref[...][:, None] == segk_ref[pl.ds(j * bk, bk)][None, :])
-        s = jnp.where(mask, s, MASK)
+        mask = _scores_kept(q_idx, j * bk + jnp.arange(bk), kv_len, bk, causal, start_ref[...] if docs else None)
+        s = s if mask is None else jnp.where(mask, s, MASK)
         m_new = jnp.maximum(m, s.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -279,9 +301,9 @@ def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
 
 
 def document_tables(seg_BxT, Tp: int, Sp: int):
-    """Packed documents' per-position tables, padded: (segment ids of the queries [B, Tp] (-1 past T), of the keys
-    [B, Sp] (-2 past S), where each query's document starts [B, Tp] (Tp past T), one past where each key's
-    document ends [B, Sp] (0 past S)). Segment ids are non-decreasing along a sequence."""
+    """Packed documents' per-position tables, padded: (where each query's document starts [B, Tp] (Tp past T: no
+    key), one past where each key's document ends [B, Sp] (0 past S)). Segment ids are non-decreasing along a
+    sequence."""
     seg = seg_BxT.astype(jnp.int32)
     B, T = seg.shape
     idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
@@ -293,15 +315,15 @@ def document_tables(seg_BxT, Tp: int, Sp: int):
     def pad(x, to, value):
         return jnp.pad(x, ((0, 0), (0, to - T)), constant_values=value)
 
-    return pad(seg, Tp, -1), pad(seg, Sp, -2), pad(start, Tp, Tp), pad(end, Sp, 0)
+    return pad(start, Tp, Tp), pad(end, Sp, 0)
 
 
 def position_tables(qpos_BxT, S: int, Tp: int, Sp: int, bq: int, seg_BxS=None):
     """Context parallelism's tables: a device's queries at positions `qpos_BxT` (ascending) against the whole
     sequence's S keys in order. Returns (the positions padded [B, Tp] (the last one repeated), for each key the
     first query block that sees it [B, Sp] (past the queries: Tp // bq), and with the keys' segment ids
-    `seg_BxS` the document tables as document_tables returns them for these queries (a key's document end
-    counted in this device's queries) or None)."""
+    `seg_BxS` the document tables as document_tables returns them for these queries (where each query's document
+    starts, in the sequence; one past a key's document end counted in this device's queries) or None)."""
     qpos = qpos_BxT.astype(jnp.int32)
     B, T = qpos.shape
     keys = jnp.arange(Sp, dtype=jnp.int32)
@@ -310,12 +332,10 @@ def position_tables(qpos_BxT, S: int, Tp: int, Sp: int, bq: int, seg_BxS=None):
     qpos_p = jnp.concatenate([qpos, jnp.broadcast_to(qpos[:, -1:], (B, Tp - T))], axis=1)
     if seg_BxS is None:
         return qpos_p, qstart, None
-    seg_all, segk, start_all, end = document_tables(seg_BxS, S, Sp)
-    take = jax.vmap(lambda x, p: x[p])
-    segq = jnp.pad(take(seg_all, qpos), ((0, 0), (0, Tp - T)), constant_values=-1)
-    start = jnp.pad(take(start_all, qpos), ((0, 0), (0, Tp - T)), constant_values=Sp)
+    start_all, end = document_tables(seg_BxS, S, Sp)
+    start = jnp.pad(jax.vmap(lambda x, p: x[p])(start_all, qpos), ((0, 0), (0, Tp - T)), constant_values=Sp)
     end_local = jax.vmap(lambda p, e: jnp.searchsorted(p, e, side="left"))(qpos, end).astype(jnp.int32)
-    return qpos_p, qstart, (segq, segk, start, end_local)
+    return qpos_p, qstart, (start, end_local)
 
 
 def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
@@ -333,9 +353,8 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
     if positions:
         qpos_p, _, tables = position_tables(qpos, S, Tp, Sp, bq, seg)
     if docs:
-        segq, segk, start, _ = tables if positions else document_tables(seg, Tp, Sp)
-        extra_specs = [row_q, pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)), row_q]
-        extra = [segq, segk, start]
+        start, _ = tables if positions else document_tables(seg, Tp, Sp)
+        extra_specs, extra = [row_q], [start]
     if positions:
         extra_specs, extra = [*extra_specs, row_q], [*extra, qpos_p]
     o, lse = _pallas(
@@ -353,7 +372,7 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        name="flash_attention_fwd",
+        name="flash_attention_fwd" + (TABLES if docs or positions else ""),
     )(qp, kp, vp, *extra)
     return o, lse  # padded along T
 
@@ -362,13 +381,13 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
 
 
 def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False):
-    # docs: every query's segment id, the key block's, and one past where each key's document ends (query
-    # blocks after the block's last document are skipped). positions: every query's position, and for each key
-    # of the block the first query block that sees it (query blocks before it are skipped)
-    ins, tables, qpos_ref, (dk_ref, dv_ref) = _split_refs(refs, docs, positions, 6 + (1 if positions else 0))
+    # docs: where every query's document starts (the forward's mask), and one past where each key of the block's
+    # document ends (query blocks after the block's last document are skipped). positions: every query's
+    # position, and for each key of the block the first query block that sees it (query blocks before it skipped)
+    ins, start_ref, qpos_ref, (dk_ref, dv_ref) = _split_refs(refs, docs, positions, 6 + positions + docs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
     qstart_ref = ins[6] if positions else None
-    segq_ref, segk_ref, end_ref = tables or (None, None, None)
+    end_ref = ins[6 + positions] if docs else None
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
@@ -383,12 +402,10 @@ def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions
         delta = delta_ref[pl.ds(i * bq, bq)]
         q_idx = qpos_ref[pl.ds(i * bq, bq)] if positions else i * bq + jnp.arange(bq)
         s = _dot_t(q, k) * scale
-        mask = k_idx[None, :] < kv_len
-        if causal:
-            mask = mask & (q_idx[:, None] >= k_idx[None, :])
-        if docs:
-            mask = mask & (segq_ref[pl.ds(i * bq, bq)][:, None] == segk_ref[...][None, :])
-        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)  # recomputed from the saved lse
+        start = start_ref[pl.ds(i * bq, bq)] if docs else None
+        mask = _scores_kept(q_idx, k_idx, kv_len, bk, causal, start)
+        p = jnp.exp(s - lse[:, None])  # recomputed from the saved lse
+        p = p if mask is None else jnp.where(mask, p, 0.0)
         dv = dv + _tdot(p.astype(do.dtype), do)
         dp = _dot_t(do, v)
         ds = p * (dp - delta[:, None])
@@ -407,10 +424,9 @@ def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions
 
 def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
     # as the forward's
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), tables, qpos_ref, (dq_ref,) = _split_refs(
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), start_ref, qpos_ref, (dq_ref,) = _split_refs(
         refs, docs, positions, 6
     )
-    segq_ref, segk_ref, start_ref = tables or (None, None, None)
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
@@ -422,14 +438,10 @@ def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
     def body(j, dq):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        k_idx = j * bk + jnp.arange(bk)
         s = _dot_t(q, k) * scale
-        mask = k_idx[None, :] < kv_len
-        if causal:
-            mask = mask & (q_idx[:, None] >= k_idx[None, :])
-        if docs:
-            mask = mask & (segq_ref[...][:, None] == segk_ref[pl.ds(j * bk, bk)][None, :])
-        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+        mask = _scores_kept(q_idx, j * bk + jnp.arange(bk), kv_len, bk, causal, start_ref[...] if docs else None)
+        p = jnp.exp(s - lse[:, None])
+        p = p if mask is None else jnp.where(mask, p, 0.0)
         ds = p * (_dot_t(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k) * scale
 
@@ -445,27 +457,27 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
-    bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize)
+    docs, positions = seg is not None, qpos is not None
+    bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize, tables=docs or positions)
     Tp, Sp = o_p.shape[1], pl.cdiv(S, bk) * bk
     qp, kp, vp, dop = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp), _pad(do, 1, Tp)
     # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
     delta = jnp.einsum("bthd,bthd->bht", o_p.astype(jnp.float32), dop.astype(jnp.float32))
     scale = 1.0 / math.sqrt(D)
-    docs, positions = seg is not None, qpos is not None
     dkdv_extra_specs, dkdv_extra, dq_extra_specs, dq_extra = [], [], [], []
     key_rows = pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
     query_rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
     if positions:
         qpos_p, qstart, tables = position_tables(qpos, S, Tp, Sp, bq, seg)
-    if docs:
-        segq, segk, start, end = tables if positions else document_tables(seg, Tp, Sp)
-        dkdv_extra_specs = [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), key_rows, key_rows]
-        dkdv_extra = [segq, segk, end]
-        dq_extra_specs = [query_rows, pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)), query_rows]
-        dq_extra = [segq, segk, start]
-    dkdv_first_specs, dkdv_first = [], []
+    dkdv_first_specs, dkdv_first = [], []  # key-block rows the kernel reads as inputs: qstart, then end
     if positions:
         dkdv_first_specs, dkdv_first = [key_rows], [qstart]
+    if docs:
+        start, end = tables if positions else document_tables(seg, Tp, Sp)
+        dkdv_first_specs, dkdv_first = [*dkdv_first_specs, key_rows], [*dkdv_first, end]
+        dkdv_extra_specs, dkdv_extra = [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0))], [start]
+        dq_extra_specs, dq_extra = [query_rows], [start]
+    if positions:
         dkdv_extra_specs = [*dkdv_extra_specs, pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0))]
         dkdv_extra = [*dkdv_extra, qpos_p]
         dq_extra_specs, dq_extra = [*dq_extra_specs, query_rows], [*dq_extra, qpos_p]
@@ -501,7 +513,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
         # the input dtype (the fp32 accumulators rounded once, as the cast after would)
         out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)] * 2,
         num_warps_=num_warps(bq, bk),
-        name="flash_attention_dkdv",
+        name="flash_attention_dkdv" + (TABLES if docs or positions else ""),
     )(qp, kp, vp, dop, lse, delta, *dkdv_first, *dkdv_extra)
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
@@ -515,7 +527,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
         num_warps_=num_warps(bq, bk),
-        name="flash_attention_dq",
+        name="flash_attention_dq" + (TABLES if docs or positions else ""),
     )(qp, kp, vp, dop, lse, delta, *dq_extra)
     # GQA: a kv head's gradient is the sum over the query heads that read it.
     dk = dk_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(k.dtype)
