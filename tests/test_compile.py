@@ -415,3 +415,13 @@ def test_compile_needs_its_packages_and_says_which(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(aot.AotUnavailable, match=r"pip install -e '.\[aot\]'"):
         aot.check_packages("tpu")
+
+
+@needs_aot
+def test_counting_documents_on_a_run_that_does_not_mask_them_is_refused_in_one_line():
+    from resformer_jax.compile.aot import CompileError, compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
+    with pytest.raises(CompileError, match=r"--documents=512 .* add --config.data.document_mask=True") as e:
+        compile_for_target(tiny_config(), parse_target("h100x1"), document_len=512, log=lambda s: None)
+    assert "\n" not in str(e.value)
