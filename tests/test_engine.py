@@ -183,9 +183,12 @@ def test_blocked_paged_attention_equals_dense_attention_over_ragged_rows():
     table = np.zeros((4, 8), np.int32)
     table[:] = rng.permutation(N)[:32].reshape(4, 8)
     q = jnp.asarray(rng.normal(size=(4, H, D)), jnp.float32)
+    pages_major = lambda x: x.transpose(1, 2, 0, 3).reshape(N, page, K * D)  # the layout the loop reads
     for block_bytes in (1, 2**20):  # one page a block, and every page in one
         got = np.asarray(
-            blocked_decode_attention(q, k_pool, v_pool, table, jnp.asarray(lengths), block_bytes=block_bytes)
+            blocked_decode_attention(
+                q, pages_major(k_pool), pages_major(v_pool), table, jnp.asarray(lengths), block_bytes=block_bytes
+            )
         )
         for b, n in enumerate(lengths):
             idx = [(table[b, s // page], s % page) for s in range(n)]

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from resformer_jax.engine.pages import EngineError, ShardedPages, pages_in_budget
 from resformer_jax.engine.sampling import sample_rows
+from resformer_jax.kernels import paged_attention
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import Transformer, lm_head_logits, unrolled_params
@@ -170,7 +171,9 @@ class Engine:
             self.cache = pools
             self._step_fn = jax.jit(step_program(self.model), donate_argnums=(1,))
         else:
-            row_spec, split = P(mesh.axis_names), P(None, mesh.axis_names)  # [K, pages, page, D]: pages split
+            kernel = paged_attention.kernel_for(self.model_cfg.attention_impl, self.model_cfg.head_dim)
+            row_spec = P(mesh.axis_names)
+            split = P(*[None] * paged_attention.pages_axis(kernel), mesh.axis_names)  # each device its rows' pages
             cache_spec = jax.tree.map(lambda _: split, pools)
             self.cache = jax.device_put(pools, NamedSharding(mesh, split))
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
@@ -496,8 +499,8 @@ def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) 
 
 
 def pool_shapes(model: Transformer):
-    """The cache pools of a paged model as shapes: {layer: {"k": [K, pages, page, D], "v": ...}} as each layer's
-    equation needs them (nothing allocated)."""
+    """The cache pools of a paged model as shapes: {layer: {"k": pool, "v": ...}} as each layer's equation needs
+    them, each laid out for its kernel (kernels/paged_attention.pool_shape; nothing allocated)."""
     one = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]
 

@@ -1,12 +1,17 @@
 """Decode attention over a paged KV cache, reading each row's pages where they lie.
 
-One new token a row attends over the `lengths_B` tokens its pages hold. Pools are laid out as both of JAX's paged
-kernels want them, [kv_heads, pages, page_size, D]: on GPU JAX's Pallas `paged_attention` (Triton; interpreted on
-other backends, for tests), on TPU JAX's Mosaic `paged_attention` (head_dim a multiple of 128). Elsewhere (CPU, a
-TPU at head_dim 64) a loop over blocks of pages with an online softmax (`blocked_decode_attention`): each block's
-gathered copy is small enough to stay in the processor's cache, so memory is read about once, and the loop stops
-at the longest row's last filled page. A cache that is not one pool a layer (SkipV1Former's mixed heads) is
-gathered whole into a contiguous copy and attended with XLA, which moves each cached byte three times.
+One new token a row attends over the `lengths_B` tokens its pages hold: on GPU JAX's Pallas `paged_attention`
+(Triton; interpreted on other backends, for tests), on TPU JAX's Mosaic `paged_attention` (head_dim a multiple of
+128). Elsewhere (CPU, a TPU at head_dim 64) a loop over blocks of pages with an online softmax
+(`blocked_decode_attention`): each block's gathered copy is small enough to stay in the processor's cache, so
+memory is read about once, and the loop stops at the longest row's last filled page. A cache that is not one pool
+a layer (SkipV1Former's mixed heads) is gathered whole into a contiguous copy and attended with XLA, which moves
+each cached byte three times.
+
+A pool's layout is the kernel's that reads it (`pool_shape`): JAX's paged kernels want [kv_heads, pages,
+page_size, D]; the blocked loop reads [pages, page_size, kv_heads * D], a page's tokens one contiguous,
+lane-dense slice. (With the heads-major layout at head_dim 64, XLA:TPU relaid whole pools out every decode step:
+the 468M at 32 rows of 32K tokens moved 325 GB a step on v5p and did not fit; docs/kernels-and-compile.md.)
 """
 
 from __future__ import annotations
@@ -23,11 +28,35 @@ GPU_IMPLS = ("pallas", "cudnn")  # a run on a GPU: JAX's Pallas paged kernel
 TPU_IMPLS = ("splash",)  # a run on a TPU: JAX's Mosaic paged kernel
 
 
-def gather_pages(pool_KxNxPxD, table_BxP):
+def pool_shape(kernel: str, heads: int, num_pages: int, page_size: int, D: int) -> tuple[int, ...]:
+    """The pool of a layer's cache as `kernel` (kernel_for) reads it: heads-major for JAX's paged kernels,
+    pages-major with the heads in the minor dimension for the blocked loop."""
+    if kernel == "blocks":
+        return (num_pages, page_size, heads * D)
+    return (heads, num_pages, page_size, D)
+
+
+def pages_axis(kernel: str) -> int:
+    """The pool's pages axis (what a mesh splits: each device holds its rows' pages)."""
+    return 0 if kernel == "blocks" else 1
+
+
+def write_tokens(pool, page_BxT, offset_BxT, cur_BxTxKxD, kernel: str):
+    """The pool with token t of row b written at (page_BxT[b, t], offset_BxT[b, t])."""
+    B, T, K, D = cur_BxTxKxD.shape
+    if kernel == "blocks":
+        return pool.at[page_BxT, offset_BxT].set(cur_BxTxKxD.reshape(B, T, K * D).astype(pool.dtype))
+    return pool.at[:, page_BxT, offset_BxT].set(cur_BxTxKxD.astype(pool.dtype).transpose(2, 0, 1, 3))
+
+
+def gather_pages(pool, table_BxP, kernel: str, heads: int):
     """The rows' pages in order, contiguous: [B, P * page_size, K, D] (position s of a sequence at index s)."""
-    K, _, page, D = pool_KxNxPxD.shape
     B, P = table_BxP.shape
-    return pool_KxNxPxD[:, table_BxP].transpose(1, 2, 3, 0, 4).reshape(B, P * page, K, D)
+    if kernel == "blocks":
+        _, page, E = pool.shape
+        return pool[table_BxP].reshape(B, P * page, heads, E // heads)
+    K, _, page, D = pool.shape
+    return pool[:, table_BxP].transpose(1, 2, 3, 0, 4).reshape(B, P * page, K, D)
 
 
 def kernel_for(impl: str, head_dim: int) -> str:
@@ -43,15 +72,16 @@ def kernel_for(impl: str, head_dim: int) -> str:
     return "blocks"
 
 
-def blocked_decode_attention(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B, *, block_bytes: int = 4 << 20):
-    """paged_decode_attention with XLA: a loop over blocks of pages (online softmax in fp32, flash-decoding's
-    recurrence), up to the longest row's last filled page. A block's gathered K and V take at most `block_bytes`
-    (measured best on a 2-core CPU: 4 MB, at most 8 pages a row; see docs/kernels-and-compile.md). [B, H, D] in
-    q's dtype."""
-    K, _, page, D = k_KxNxPxD.shape
-    B, H, _ = q_BxHxD.shape
+def blocked_decode_attention(q_BxHxD, k_NxPxE, v_NxPxE, table_BxP, lengths_B, *, block_bytes: int = 4 << 20):
+    """paged_decode_attention with XLA over pages-major pools [pages, page_size, K * D]: a loop over blocks of
+    pages (online softmax in fp32, flash-decoding's recurrence), up to the longest row's last filled page. A block's
+    gathered K and V take at most `block_bytes` (measured best on a 2-core CPU: 4 MB, at most 8 pages a row; see
+    docs/kernels-and-compile.md). [B, H, D] in q's dtype."""
+    _, page, E = k_NxPxE.shape
+    B, H, D = q_BxHxD.shape
+    K = E // D
     P = table_BxP.shape[1]
-    page_bytes = 2 * B * K * page * D * k_KxNxPxD.dtype.itemsize  # one page a row, K and V
+    page_bytes = 2 * B * page * E * k_NxPxE.dtype.itemsize  # one page a row, K and V
     ppb = 1
     while ppb < min(8, P) and 2 * ppb * page_bytes <= block_bytes:
         ppb *= 2
@@ -63,16 +93,16 @@ def blocked_decode_attention(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B
     def block(j, carry):
         m_BxKxG, l_BxKxG, acc_BxKxGxD = carry
         pages_BxR = lax.dynamic_slice_in_dim(table_BxP, j * ppb, ppb, axis=1)
-        k_KxBxSxD = k_KxNxPxD[:, pages_BxR].reshape(K, B, S, D)
-        v_KxBxSxD = v_KxNxPxD[:, pages_BxR].reshape(K, B, S, D)
-        s_BxKxGxS = jnp.einsum("bkgd,kbsd->bkgs", q_BxKxGxD, k_KxBxSxD, preferred_element_type=jnp.float32)
+        k_BxSxKxD = k_NxPxE[pages_BxR].reshape(B, S, K, D)  # a page: one contiguous slice of the pool
+        v_BxSxKxD = v_NxPxE[pages_BxR].reshape(B, S, K, D)
+        s_BxKxGxS = jnp.einsum("bkgd,bskd->bkgs", q_BxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
         filled_BxS = j * S + jnp.arange(S)[None, :] < lengths_B[:, None]
         s_BxKxGxS = jnp.where(filled_BxS[:, None, None, :], s_BxKxGxS, -jnp.inf)
         m_new = jnp.maximum(m_BxKxG, s_BxKxGxS.max(-1))
         p_BxKxGxS = jnp.exp(s_BxKxGxS - m_new[..., None])
         rescale = jnp.exp(m_BxKxG - m_new)
         l_new = l_BxKxG * rescale + p_BxKxGxS.sum(-1)
-        pv = jnp.einsum("bkgs,kbsd->bkgd", p_BxKxGxS, v_KxBxSxD.astype(jnp.float32))
+        pv = jnp.einsum("bkgs,bskd->bkgd", p_BxKxGxS, v_BxSxKxD.astype(jnp.float32))
         return m_new, l_new, acc_BxKxGxD * rescale[..., None] + pv
 
     G = H // K
@@ -83,11 +113,13 @@ def blocked_decode_attention(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B
     return (acc_BxKxGxD / l_BxKxG[..., None]).reshape(B, H, D).astype(q_BxHxD.dtype)
 
 
-def paged_decode_attention(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B, *, kernel: str):
-    """softmax(q k^T / sqrt(D)) v over each row's first lengths_B cached tokens: [B, H, D] in q's dtype."""
+def paged_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B, *, kernel: str):
+    """softmax(q k^T / sqrt(D)) v over each row's first lengths_B cached tokens, the pools laid out for `kernel`
+    (pool_shape): [B, H, D] in q's dtype."""
     lengths_B = lengths_B.astype(jnp.int32)
     if kernel == "blocks":
-        return blocked_decode_attention(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B)
+        return blocked_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B)
+    k_KxNxPxD, v_KxNxPxD = k_pool, v_pool
     q_BxHxD = (q_BxHxD.astype(jnp.float32) / math.sqrt(q_BxHxD.shape[-1])).astype(q_BxHxD.dtype)
     P = table_BxP.shape[1]
     if kernel == "tpu":

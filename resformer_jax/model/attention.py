@@ -183,16 +183,18 @@ class Context:
 
 @struct.dataclass
 class PagedKV:
-    """A layer's paged cache as its attention reads it: the pool [heads, pages, page_size, D] and the rows' page
-    tables [B, P]."""
+    """A layer's paged cache as its attention reads it: the pool (laid out for `kernel`: paged_attention.pool_shape)
+    of `heads` heads and the rows' page tables [B, P]."""
 
     pool: jax.Array
     table: jax.Array
+    kernel: str = struct.field(pytree_node=False, default="blocks")  # paged_attention.kernel_for: who reads it
+    heads: int = struct.field(pytree_node=False, default=1)
 
 
 def dense_kv(x):
     """A cache as a contiguous [B, S, heads, D] array (a paged one gathered; a dense one as it is)."""
-    return paged_attention.gather_pages(x.pool, x.table) if isinstance(x, PagedKV) else x
+    return paged_attention.gather_pages(x.pool, x.table, x.kernel, x.heads) if isinstance(x, PagedKV) else x
 
 
 @struct.dataclass
@@ -486,13 +488,12 @@ class Attention(nn.Module):
         Returns (U_n, the cached K, the cached V)."""
         first: Any = ctx.first
         k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
-        kernel = paged_attention.kernel_for(self.cfg.attention_impl, self.cfg.head_dim)
         in_place = isinstance(k_all, PagedKV) and isinstance(v_all, PagedKV) and qr_BxTxHxD.shape[1] == 1
         if in_place and self.plan.mapping != "cross_layer" and not self.capture:
             # one new token a row: its pages read where they lie (a padding row, position -1, reads one token)
             lengths_B = jnp.maximum(ctx.positions[:, 0], 0) + 1
             u_BxHxD = paged_attention.paged_decode_attention(
-                qr_BxTxHxD[:, 0], k_all.pool, v_all.pool, k_all.table, lengths_B, kernel=kernel
+                qr_BxTxHxD[:, 0], k_all.pool, v_all.pool, k_all.table, lengths_B, kernel=k_all.kernel
             )
             return u_BxHxD[:, None], k_all, v_all
         k_all, v_all = dense_kv(k_all), dense_kv(v_all)
@@ -561,17 +562,19 @@ class Attention(nn.Module):
 
     def _paged(self, name: str, cur_BxTxKxD, heads: int, ctx: Context) -> PagedKV:
         """A paged cache: this call's tokens written at (their row's page for their position, the offset in it),
-        padding (position -1) into page 0. The pool is [heads, pages, page_size, D], as JAX's paged kernels read
-        it; returned with the rows' page tables, read in place by a kernel or gathered (kernels/paged_attention)."""
+        padding (position -1) into page 0. The pool is laid out as the kernel that reads it wants
+        (paged_attention.pool_shape); returned with the rows' page tables, read in place by a kernel or gathered."""
         m, pages = self.cfg, ctx.pages
         assert pages is not None
         dtype = jnp.dtype(m.dtype)
-        pool = self.variable("cache", name, jnp.zeros, (heads, pages.num_pages, pages.page_size, m.head_dim), dtype)
+        kernel = paged_attention.kernel_for(m.attention_impl, m.head_dim)
+        shape = paged_attention.pool_shape(kernel, heads, pages.num_pages, pages.page_size, m.head_dim)
+        pool = self.variable("cache", name, jnp.zeros, shape, dtype)
         table_BxP = ctx.page_table
         if not self.is_initializing():
             pos_BxT = ctx.positions
             slot_BxT = jnp.maximum(pos_BxT, 0) // pages.page_size
             page_BxT = jnp.where(pos_BxT >= 0, jnp.take_along_axis(table_BxP, slot_BxT, axis=1), 0)
             offset_BxT = jnp.where(pos_BxT >= 0, pos_BxT % pages.page_size, 0)
-            pool.value = pool.value.at[:, page_BxT, offset_BxT].set(cur_BxTxKxD.astype(dtype).transpose(2, 0, 1, 3))
-        return PagedKV(pool.value, table_BxP)
+            pool.value = paged_attention.write_tokens(pool.value, page_BxT, offset_BxT, cur_BxTxKxD, kernel)
+        return PagedKV(pool.value, table_BxP, kernel, heads)
