@@ -2,6 +2,8 @@
 the full forward), for requests of mixed lengths that arrive while others decode, through a pool too small for
 all of them at once; the pool ends empty; a handful of compiles; bad input named."""
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -183,11 +185,11 @@ def test_blocked_paged_attention_equals_dense_attention_over_ragged_rows():
     table = np.zeros((4, 8), np.int32)
     table[:] = rng.permutation(N)[:32].reshape(4, 8)
     q = jnp.asarray(rng.normal(size=(4, H, D)), jnp.float32)
-    pages_major = lambda x: x.transpose(1, 2, 0, 3).reshape(N, page, K * D)  # the layout the loop reads
-    for block_bytes in (1, 2**20):  # one page a block, and every page in one
+    pages_major = lambda x: x.transpose(1, 2, 0, 3).reshape(N, page, K * D)  # the TPU's layout ('lanes')
+    for layout, block_bytes in itertools.product((lambda x: x, pages_major), (1, 2**20)):  # one page a block, all
         got = np.asarray(
             blocked_decode_attention(
-                q, pages_major(k_pool), pages_major(v_pool), table, jnp.asarray(lengths), block_bytes=block_bytes
+                q, layout(k_pool), layout(v_pool), table, jnp.asarray(lengths), block_bytes=block_bytes
             )
         )
         for b, n in enumerate(lengths):

@@ -539,7 +539,8 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     one = NamedSharding(Mesh(target.devices()[:1], ("x",)), P())
     on_one = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
     params = on_one(jax.eval_shape(lambda p: serving_params(m, p), setup.abstract_state.params))
-    cache = on_one(pool_shapes(model))
+    with compiling_for(target.platform, target.kind):  # the pools laid out for the target's kernel
+        cache = on_one(pool_shapes(model))
     program = jax.jit(step_program(model), donate_argnums=(1,))
     out = []
     for name, (r, T) in (("decode_prefill", (4, min(256, context))), ("decode_token", (rows, 1))):

@@ -8,10 +8,11 @@ memory is read about once, and the loop stops at the longest row's last filled p
 a layer (SkipV1Former's mixed heads) is gathered whole into a contiguous copy and attended with XLA, which moves
 each cached byte three times.
 
-A pool's layout is the kernel's that reads it (`pool_shape`): JAX's paged kernels want [kv_heads, pages,
-page_size, D]; the blocked loop reads [pages, page_size, kv_heads * D], a page's tokens one contiguous,
-lane-dense slice. (With the heads-major layout at head_dim 64, XLA:TPU relaid whole pools out every decode step:
-the 468M at 32 rows of 32K tokens moved 325 GB a step on v5p and did not fit; docs/kernels-and-compile.md.)
+A pool's layout is the kernel's that reads it (`pool_shape`): JAX's paged kernels and the CPU's blocked loop want
+[kv_heads, pages, page_size, D]; the blocked loop on a TPU ('lanes') reads [pages, page_size, kv_heads * D], a
+page's tokens one contiguous, lane-dense slice. (With the heads-major layout at head_dim 64, XLA:TPU relaid whole
+pools out every decode step: the 468M at 32 rows of 32K tokens needed 48 GiB of temporaries on v5p and did not
+fit; on a CPU the pages-major loop is 1.5x slower, its blocks transposed for the einsums; docs/evaluation.md.)
 """
 
 from __future__ import annotations
@@ -29,22 +30,22 @@ TPU_IMPLS = ("splash",)  # a run on a TPU: JAX's Mosaic paged kernel
 
 
 def pool_shape(kernel: str, heads: int, num_pages: int, page_size: int, D: int) -> tuple[int, ...]:
-    """The pool of a layer's cache as `kernel` (kernel_for) reads it: heads-major for JAX's paged kernels,
-    pages-major with the heads in the minor dimension for the blocked loop."""
-    if kernel == "blocks":
+    """The pool of a layer's cache as `kernel` (kernel_for) reads it: heads-major for JAX's paged kernels and the
+    CPU's loop, pages-major with the heads in the minor dimension for the TPU's loop ('lanes')."""
+    if kernel == "lanes":
         return (num_pages, page_size, heads * D)
     return (heads, num_pages, page_size, D)
 
 
 def pages_axis(kernel: str) -> int:
     """The pool's pages axis (what a mesh splits: each device holds its rows' pages)."""
-    return 0 if kernel == "blocks" else 1
+    return 0 if kernel == "lanes" else 1
 
 
 def write_tokens(pool, page_BxT, offset_BxT, cur_BxTxKxD, kernel: str):
     """The pool with token t of row b written at (page_BxT[b, t], offset_BxT[b, t])."""
     B, T, K, D = cur_BxTxKxD.shape
-    if kernel == "blocks":
+    if kernel == "lanes":
         return pool.at[page_BxT, offset_BxT].set(cur_BxTxKxD.reshape(B, T, K * D).astype(pool.dtype))
     return pool.at[:, page_BxT, offset_BxT].set(cur_BxTxKxD.astype(pool.dtype).transpose(2, 0, 1, 3))
 
@@ -52,7 +53,7 @@ def write_tokens(pool, page_BxT, offset_BxT, cur_BxTxKxD, kernel: str):
 def gather_pages(pool, table_BxP, kernel: str, heads: int):
     """The rows' pages in order, contiguous: [B, P * page_size, K, D] (position s of a sequence at index s)."""
     B, P = table_BxP.shape
-    if kernel == "blocks":
+    if kernel == "lanes":
         _, page, E = pool.shape
         return pool[table_BxP].reshape(B, P * page, heads, E // heads)
     K, _, page, D = pool.shape
@@ -60,28 +61,29 @@ def gather_pages(pool, table_BxP, kernel: str, heads: int):
 
 
 def kernel_for(impl: str, head_dim: int) -> str:
-    """Which paged kernel serves a run whose attention_impl is `impl`: 'gpu', 'tpu', or 'blocks' (XLA's loop over
-    blocks of pages). JAX's TPU kernel lowers only for head_dim a multiple of 128 (Mosaic's lane width; the 468M's
-    64 is not). An unresolved `auto` (a model built by hand) takes the backend's kernel."""
+    """Which paged kernel serves a run whose attention_impl is `impl`: 'gpu', 'tpu', or XLA's loop over blocks of
+    pages: 'lanes' on a TPU (pages-major pools), 'blocks' elsewhere. JAX's TPU kernel lowers only for head_dim a
+    multiple of 128 (Mosaic's lane width; the 468M's 64 is not). An unresolved `auto` (a model built by hand) takes
+    the backend's kernel."""
     if impl == "auto":
         impl = {"gpu": GPU_IMPLS[0], "tpu": TPU_IMPLS[0]}.get(target_backend(), impl)
     if impl in GPU_IMPLS:
         return "gpu"
     if impl in TPU_IMPLS and head_dim % 128 == 0:
         return "tpu"
-    return "blocks"
+    return "lanes" if impl in TPU_IMPLS or target_backend() == "tpu" else "blocks"
 
 
-def blocked_decode_attention(q_BxHxD, k_NxPxE, v_NxPxE, table_BxP, lengths_B, *, block_bytes: int = 4 << 20):
-    """paged_decode_attention with XLA over pages-major pools [pages, page_size, K * D]: a loop over blocks of
-    pages (online softmax in fp32, flash-decoding's recurrence), up to the longest row's last filled page. A block's
-    gathered K and V take at most `block_bytes` (measured best on a 2-core CPU: 4 MB, at most 8 pages a row; see
-    docs/kernels-and-compile.md). [B, H, D] in q's dtype."""
-    _, page, E = k_NxPxE.shape
+def blocked_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B, *, block_bytes: int = 4 << 20):
+    """paged_decode_attention with XLA over heads-major pools [K, pages, page_size, D] or pages-major ones [pages,
+    page_size, K * D] ('lanes'): a loop over blocks of pages (online softmax in fp32, flash-decoding's recurrence),
+    up to the longest row's last filled page. A block's gathered K and V take at most `block_bytes` (measured best
+    on a 2-core CPU: 4 MB, at most 8 pages a row; see docs/kernels-and-compile.md). [B, H, D] in q's dtype."""
+    lanes = k_pool.ndim == 3
     B, H, D = q_BxHxD.shape
-    K = E // D
+    K, page = (k_pool.shape[2] // D, k_pool.shape[1]) if lanes else (k_pool.shape[0], k_pool.shape[2])
     P = table_BxP.shape[1]
-    page_bytes = 2 * B * page * E * k_NxPxE.dtype.itemsize  # one page a row, K and V
+    page_bytes = 2 * B * page * K * D * k_pool.dtype.itemsize  # one page a row, K and V
     ppb = 1
     while ppb < min(8, P) and 2 * ppb * page_bytes <= block_bytes:
         ppb *= 2
@@ -93,16 +95,20 @@ def blocked_decode_attention(q_BxHxD, k_NxPxE, v_NxPxE, table_BxP, lengths_B, *,
     def block(j, carry):
         m_BxKxG, l_BxKxG, acc_BxKxGxD = carry
         pages_BxR = lax.dynamic_slice_in_dim(table_BxP, j * ppb, ppb, axis=1)
-        k_BxSxKxD = k_NxPxE[pages_BxR].reshape(B, S, K, D)  # a page: one contiguous slice of the pool
-        v_BxSxKxD = v_NxPxE[pages_BxR].reshape(B, S, K, D)
-        s_BxKxGxS = jnp.einsum("bkgd,bskd->bkgs", q_BxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
+        if lanes:  # a page: one contiguous slice of the pool
+            k_blk, v_blk = (x[pages_BxR].reshape(B, S, K, D) for x in (k_pool, v_pool))
+            layout = "bskd"
+        else:  # the einsums read [K, B, S, D] with no transpose (XLA:CPU's fast layout)
+            k_blk, v_blk = (x[:, pages_BxR].reshape(K, B, S, D) for x in (k_pool, v_pool))
+            layout = "kbsd"
+        s_BxKxGxS = jnp.einsum(f"bkgd,{layout}->bkgs", q_BxKxGxD, k_blk, preferred_element_type=jnp.float32)
         filled_BxS = j * S + jnp.arange(S)[None, :] < lengths_B[:, None]
         s_BxKxGxS = jnp.where(filled_BxS[:, None, None, :], s_BxKxGxS, -jnp.inf)
         m_new = jnp.maximum(m_BxKxG, s_BxKxGxS.max(-1))
         p_BxKxGxS = jnp.exp(s_BxKxGxS - m_new[..., None])
         rescale = jnp.exp(m_BxKxG - m_new)
         l_new = l_BxKxG * rescale + p_BxKxGxS.sum(-1)
-        pv = jnp.einsum("bkgs,bskd->bkgd", p_BxKxGxS, v_BxSxKxD.astype(jnp.float32))
+        pv = jnp.einsum(f"bkgs,{layout}->bkgd", p_BxKxGxS, v_blk.astype(jnp.float32))
         return m_new, l_new, acc_BxKxGxD * rescale[..., None] + pv
 
     G = H // K
@@ -117,7 +123,7 @@ def paged_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B, *, ker
     """softmax(q k^T / sqrt(D)) v over each row's first lengths_B cached tokens, the pools laid out for `kernel`
     (pool_shape): [B, H, D] in q's dtype."""
     lengths_B = lengths_B.astype(jnp.int32)
-    if kernel == "blocks":
+    if kernel in ("blocks", "lanes"):
         return blocked_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B)
     k_KxNxPxD, v_KxNxPxD = k_pool, v_pool
     q_BxHxD = (q_BxHxD.astype(jnp.float32) / math.sqrt(q_BxHxD.shape[-1])).astype(q_BxHxD.dtype)
