@@ -425,3 +425,22 @@ def test_counting_documents_on_a_run_that_does_not_mask_them_is_refused_in_one_l
     with pytest.raises(CompileError, match=r"--documents=512 .* add --config.data.document_mask=True") as e:
         compile_for_target(tiny_config(), parse_target("h100x1"), document_len=512, log=lambda s: None)
     assert "\n" not in str(e.value)
+
+
+@needs_aot
+@pytest.mark.slow
+def test_the_tpu_decode_step_reads_its_pages_in_place_without_copying_the_pools():
+    """At a head_dim JAX's TPU paged kernel cannot take, the blocked loop reads pages-major pools ('lanes'): the
+    compiled decode step's temporaries stay far below the cache (heads-major pools were relaid out whole every
+    step: several times the cache in temporaries)."""
+    from resformer_jax.compile.aot import compile_for_target
+    from resformer_jax.compile.targets import parse_target
+
+    c = tiny_config("svformer")
+    c.data.seq_len, c.model.max_seq_len = 512, 512
+    report = compile_for_target(c, parse_target("v5e-8"), steps=("decode",), log=lambda s: None)
+    token = next(s for s in report.steps if s.name == "decode_token")
+    assert token.fits and token.memory.temporaries < 0.1 * token.decode["kv_cache_bytes"], (
+        token.memory,
+        token.decode,
+    )
