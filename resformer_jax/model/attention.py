@@ -188,8 +188,8 @@ class PagedKV:
 
     pool: jax.Array
     table: jax.Array
-    kernel: str = struct.field(pytree_node=False, default="blocks")  # paged_attention.kernel_for: who reads it
-    heads: int = struct.field(pytree_node=False, default=1)
+    kernel: str = struct.field(pytree_node=False)  # paged_attention.kernel_for: who reads it
+    heads: int = struct.field(pytree_node=False)
 
 
 def dense_kv(x):
