@@ -254,3 +254,75 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
     assert len({r.shard for r in reqs}) >= 4, "the rows were not spread over the devices"
     assert engine.stats.preemptions > 0
     assert engine.pool.used == 0
+
+
+def _paged_reference(q, k_pool, v_pool, table, lengths, K):
+    """softmax attention of each row's query over its first lengths[b] tokens, read from a pages-major pool."""
+    page, D = k_pool.shape[1], q.shape[-1]
+    B, H = q.shape[:2]
+    out = np.zeros((B, H, D))
+    for b, n in enumerate(lengths):
+        rows = [(table[b, s // page], s % page) for s in range(n)]
+        k = np.stack([k_pool[p, o].reshape(K, D) for p, o in rows], 1).astype(np.float64)  # [K, n, D]
+        v = np.stack([v_pool[p, o].reshape(K, D) for p, o in rows], 1).astype(np.float64)
+        for h in range(H):
+            s_ = k[h // (H // K)] @ q[b, h].astype(np.float64) / np.sqrt(D)
+            w = np.exp(s_ - s_.max())
+            out[b, h] = (w / w.sum()) @ v[h // (H // K)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,D", [(5, 64), (1, 24)])
+def test_native_paged_attention_equals_dense_attention_over_ragged_rows(dtype, rows, D):
+    """The native CPU decode attention (kernels/cpu_paged_attention.cc) against fp64 softmax attention over each
+    row's own tokens: rows of ragged lengths (one token, a page's worth, a partial last page) whose pages lie
+    scattered in the pool, GQA, fp32 and bf16 pools, a head_dim with a remainder of 8, and one row (its heads split
+    over the threads). Pages past a row's length hold garbage and must not be read."""
+    from resformer_jax.kernels import cpu_paged_attention
+
+    if not cpu_paged_attention.available():
+        pytest.skip("the native CPU kernel could not be built here (no C++ compiler): XLA's loop runs instead")
+    rng = np.random.default_rng(0)
+    K, H, page, N = 2, 8, 4, 64
+    k_pool, v_pool = (rng.normal(size=(N, page, K * D)).astype(np.float32) for _ in range(2))
+    k_pool[0] = v_pool[0] = np.nan  # page 0 is never any row's, and is named past each row's length
+    lengths = np.array([30, 1, 4, 17, 9][:rows])
+    table = np.zeros((rows, 8), np.int32)
+    for b, n in enumerate(lengths):
+        table[b, : -(-n // page)] = rng.permutation(np.arange(1, N))[: -(-n // page)]
+    q = rng.normal(size=(rows, H, D)).astype(np.float32)
+    pools = [jnp.asarray(x, dtype) for x in (k_pool, v_pool)]
+    got = jax.jit(cpu_paged_attention.paged_decode_attention)(jnp.asarray(q), *pools, table, jnp.asarray(lengths))
+    want = _paged_reference(q, *(np.asarray(x, np.float32) for x in pools), table, lengths, K)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_native_paged_attention_refuses_a_page_outside_the_pool():
+    """A page table naming a page past the pool's end is an error from the kernel, never a read out of bounds."""
+    from resformer_jax.kernels import cpu_paged_attention
+
+    if not cpu_paged_attention.available():
+        pytest.skip("the native CPU kernel could not be built here (no C++ compiler): XLA's loop runs instead")
+    pool = jnp.zeros((4, 4, 16), jnp.float32)
+    table = jnp.asarray([[1, 9]], jnp.int32)  # page 9 of 4, inside the row's 6 tokens
+    with pytest.raises(Exception, match="reads page 9 of a pool of 4"):
+        cpu_paged_attention.paged_decode_attention(jnp.ones((1, 2, 16)), pool, pool, table, jnp.asarray([6]))
+    # the same table for a row of 4 tokens reads only page 1: no error
+    cpu_paged_attention.paged_decode_attention(jnp.ones((1, 2, 16)), pool, pool, table, jnp.asarray([4]))
+
+
+def test_cpu_decode_kernel_choice(monkeypatch):
+    """On a CPU the engine's pools are the native kernel's (pages-major) when it builds; RESFORMER_NATIVE_KERNELS=0,
+    or a head_dim the kernel does not take, gives XLA's loop over heads-major pools."""
+    from resformer_jax.kernels import cpu_paged_attention, paged_attention
+
+    want = "native" if cpu_paged_attention.available() else "blocks"
+    assert paged_attention.kernel_for("xla", 64) == want
+    assert paged_attention.kernel_for("xla", 12) == "blocks"
+    monkeypatch.setenv("RESFORMER_NATIVE_KERNELS", "0")
+    cpu_paged_attention.load.cache_clear()
+    try:
+        assert paged_attention.kernel_for("xla", 64) == "blocks"
+    finally:
+        cpu_paged_attention.load.cache_clear()

@@ -103,6 +103,24 @@ def measure_copy_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     return best
 
 
+def measure_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s this device reads in a reduction over n_bytes of fp32, best of repeats and of three forms of the sum
+    (XLA:CPU's speed depends on which emitter takes a reduction's shape: 17 to 27 GB/s on 2 cores for the same
+    bytes): what a step that only reads (a decode step's weights and cache) can reach. On a 2-core CPU it measured
+    25-30 GB/s beside a copy's 40 GB/s read and written: a read-only step reaches about 0.7 of the copy figure."""
+
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    best = 0.0
+    for form in (jnp.sum, lambda a: a.reshape(-1, 8).sum(0), lambda a: a.reshape(-1, 1024).sum(1)):
+        f = jax.jit(form)
+        f(x).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(x).block_until_ready()
+            best = max(best, n_bytes / (time.perf_counter() - t))
+    return best
+
+
 def bench_decode_matrix(
     models: list[ModelConfig],
     batches,
@@ -114,13 +132,17 @@ def bench_decode_matrix(
 ) -> Iterator[dict]:
     """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
     with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
-    fraction of this process's copy bandwidth that implies; and the cache each variant holds a token.
+    fraction of this process's copy bandwidth that implies, and of its read bandwidth (a decode step only reads);
+    and the cache each variant holds a token.
     prefill=False: the prompts' pages taken, not computed (steady_decode). Rows are yielded as each (batch,
     context) finishes, and each phase's seconds logged, so a run cut short keeps what it measured."""
 
     t0 = time.perf_counter()
-    bandwidth = measure_copy_bandwidth()
-    log(f"bench decode: copy bandwidth {bandwidth / 1e9:.1f} GB/s, measured in {time.perf_counter() - t0:.1f} s")
+    bandwidth, reads = measure_copy_bandwidth(), measure_read_bandwidth()
+    log(
+        f"bench decode: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read and written), read bandwidth "
+        f"{reads / 1e9:.1f} GB/s, measured in {time.perf_counter() - t0:.1f} s"
+    )
     longest = max(contexts) + new_tokens + 1
     runs = []  # parameters built once per variant, at the longest context
     for model in models:
@@ -157,6 +179,8 @@ def bench_decode_matrix(
                         "kv_cache_bytes_held_per_token": results[0]["cache_bytes_held_per_token"],
                         "memory_bandwidth_bytes_per_s": bandwidth,
                         "fraction_of_bandwidth": round((weights + cache) / step_s / bandwidth, 3),
+                        "read_bandwidth_bytes_per_s": reads,
+                        "fraction_of_read_bandwidth": round((weights + cache) / step_s / reads, 3),
                         "compiled_shapes": results[0]["compiled_shapes"],
                     }
                 )

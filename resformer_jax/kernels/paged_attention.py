@@ -2,17 +2,19 @@
 
 One new token a row attends over the `lengths_B` tokens its pages hold: on GPU JAX's Pallas `paged_attention`
 (Triton; interpreted on other backends, for tests), on TPU JAX's Mosaic `paged_attention` (head_dim a multiple of
-128). Elsewhere (CPU, a TPU at head_dim 64) a loop over blocks of pages with an online softmax
+128), on a CPU native code (`cpu_paged_attention`: an FFI call built on first use). Elsewhere (a TPU at head_dim
+64, a CPU where no compiler builds the native kernel) a loop over blocks of pages with an online softmax
 (`blocked_decode_attention`): each block's gathered copy is small enough to stay in the processor's cache, so
 memory is read about once, and the loop stops at the longest row's last filled page. A cache that is not one pool
 a layer (SkipV1Former's mixed heads) is gathered whole into a contiguous copy and attended with XLA, which moves
 each cached byte three times.
 
-A pool's layout is the kernel's that reads it (`pool_shape`): JAX's paged kernels and the CPU's blocked loop want
-[kv_heads, pages, page_size, D]; the blocked loop on a TPU ('lanes') reads [pages, page_size, kv_heads * D], a
-page's tokens one contiguous, lane-dense slice. (With the heads-major layout at head_dim 64, XLA:TPU relaid whole
-pools out every decode step: the 468M at 32 rows of 32K tokens needed 48 GiB of temporaries on v5p and did not
-fit; on a CPU the pages-major loop is 1.5x slower, its blocks transposed for the einsums; docs/evaluation.md.)
+A pool's layout is the kernel's that reads it (`pool_shape`): JAX's paged kernels and XLA's loop on a CPU want
+[kv_heads, pages, page_size, D]; the native CPU kernel and the blocked loop on a TPU ('lanes') read [pages,
+page_size, kv_heads * D], a page's tokens one contiguous slice. (With the heads-major layout at head_dim 64, XLA:TPU
+relaid whole pools out every decode step: the 468M at 32 rows of 32K tokens needed 48 GiB of temporaries on v5p and
+did not fit; the native kernel reads a page as one stream, where heads-major pieces 4 KiB apart read at half the
+speed; XLA's loop on a CPU is 1.5x slower pages-major, its blocks transposed for the einsums; docs/evaluation.md.)
 """
 
 from __future__ import annotations
@@ -23,29 +25,31 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from resformer_jax.kernels import cpu_paged_attention
 from resformer_jax.kernels.names import target_backend
 
+PAGES_MAJOR = ("lanes", "native")  # kernels whose pools are [pages, page_size, kv_heads * D]
 GPU_IMPLS = ("pallas", "cudnn")  # a run on a GPU: JAX's Pallas paged kernel
 TPU_IMPLS = ("splash",)  # a run on a TPU: JAX's Mosaic paged kernel
 
 
 def pool_shape(kernel: str, heads: int, num_pages: int, page_size: int, D: int) -> tuple[int, ...]:
-    """The pool of a layer's cache as `kernel` (kernel_for) reads it: heads-major for JAX's paged kernels and the
-    CPU's loop, pages-major with the heads in the minor dimension for the TPU's loop ('lanes')."""
-    if kernel == "lanes":
+    """The pool of a layer's cache as `kernel` (kernel_for) reads it: heads-major for JAX's paged kernels and XLA's
+    loop on a CPU, pages-major with the heads in the minor dimension for the TPU's loop and the native CPU kernel."""
+    if kernel in PAGES_MAJOR:
         return (num_pages, page_size, heads * D)
     return (heads, num_pages, page_size, D)
 
 
 def pages_axis(kernel: str) -> int:
     """The pool's pages axis (what a mesh splits: each device holds its rows' pages)."""
-    return 0 if kernel == "lanes" else 1
+    return 0 if kernel in PAGES_MAJOR else 1
 
 
 def write_tokens(pool, page_BxT, offset_BxT, cur_BxTxKxD, kernel: str):
     """The pool with token t of row b written at (page_BxT[b, t], offset_BxT[b, t])."""
     B, T, K, D = cur_BxTxKxD.shape
-    if kernel == "lanes":
+    if kernel in PAGES_MAJOR:
         return pool.at[page_BxT, offset_BxT].set(cur_BxTxKxD.reshape(B, T, K * D).astype(pool.dtype))
     return pool.at[:, page_BxT, offset_BxT].set(cur_BxTxKxD.astype(pool.dtype).transpose(2, 0, 1, 3))
 
@@ -53,7 +57,7 @@ def write_tokens(pool, page_BxT, offset_BxT, cur_BxTxKxD, kernel: str):
 def gather_pages(pool, table_BxP, kernel: str, heads: int):
     """The rows' pages in order, contiguous: [B, P * page_size, K, D] (position s of a sequence at index s)."""
     B, P = table_BxP.shape
-    if kernel == "lanes":
+    if kernel in PAGES_MAJOR:
         _, page, E = pool.shape
         return pool[table_BxP].reshape(B, P * page, heads, E // heads)
     K, _, page, D = pool.shape
@@ -61,17 +65,20 @@ def gather_pages(pool, table_BxP, kernel: str, heads: int):
 
 
 def kernel_for(impl: str, head_dim: int) -> str:
-    """Which paged kernel serves a run whose attention_impl is `impl`: 'gpu', 'tpu', or XLA's loop over blocks of
-    pages: 'lanes' on a TPU (pages-major pools), 'blocks' elsewhere. JAX's TPU kernel lowers only for head_dim a
-    multiple of 128 (Mosaic's lane width; the 468M's 64 is not). An unresolved `auto` (a model built by hand) takes
-    the backend's kernel."""
+    """Which paged kernel serves a run whose attention_impl is `impl`: 'gpu', 'tpu', 'native' (a CPU's, when it
+    builds), or XLA's loop over blocks of pages: 'lanes' on a TPU (pages-major pools), 'blocks' elsewhere. JAX's
+    TPU kernel lowers only for head_dim a multiple of 128 (Mosaic's lane width; the 468M's 64 is not). An
+    unresolved `auto` (a model built by hand) takes the backend's kernel."""
     if impl == "auto":
         impl = {"gpu": GPU_IMPLS[0], "tpu": TPU_IMPLS[0]}.get(target_backend(), impl)
     if impl in GPU_IMPLS:
         return "gpu"
     if impl in TPU_IMPLS and head_dim % 128 == 0:
         return "tpu"
-    return "lanes" if impl in TPU_IMPLS or target_backend() == "tpu" else "blocks"
+    if impl in TPU_IMPLS or target_backend() == "tpu":
+        return "lanes"
+    native = target_backend() == "cpu" and head_dim % 8 == 0  # the native kernel reads D in vectors of 8
+    return "native" if native and cpu_paged_attention.available() else "blocks"
 
 
 def blocked_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B, *, block_bytes: int = 4 << 20):
@@ -123,6 +130,8 @@ def paged_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B, *, ker
     """softmax(q k^T / sqrt(D)) v over each row's first lengths_B cached tokens, the pools laid out for `kernel`
     (pool_shape): [B, H, D] in q's dtype."""
     lengths_B = lengths_B.astype(jnp.int32)
+    if kernel == "native":
+        return cpu_paged_attention.paged_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B)
     if kernel in ("blocks", "lanes"):
         return blocked_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B)
     k_KxNxPxD, v_KxNxPxD = k_pool, v_pool
