@@ -115,8 +115,8 @@ def available() -> bool:
 
 def paged_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B):
     """softmax(q k^T / sqrt(D)) v over each row's first lengths_B tokens of pages-major pools [pages, page_size,
-    K * D] (fp32 or bf16; D a multiple of 8), natively: [B, H, D] in q's dtype. A row whose table names a page outside the pool is an
-    error, never a read out of bounds."""
+    K * D] (fp32 or bf16; D a multiple of 8), natively: [B, H, D] in q's dtype. A row whose table names a page
+    outside the pool is an error, never a read out of bounds."""
     target = load()
     if target is None:
         raise NativeKernelUnavailable("the native CPU decode attention could not be built; see the warning above")
