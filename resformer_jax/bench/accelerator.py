@@ -344,7 +344,8 @@ def table(report: dict) -> str:
     for d in report.get("decode", []) if isinstance(report.get("decode"), list) else []:
         lines.append(
             f"decode {d['variant']:>8} batch {d['batch']:>3}: {d['decode_tokens_per_s']:,.1f} tok/s, "
-            f"{d['fraction_of_bandwidth']:.2f} of the memory bandwidth, KV cache "
+            f"{d['fraction_of_bandwidth']:.2f} of the copy / {d.get('fraction_of_read_bandwidth', 0):.2f} of the read "
+            f"bandwidth, KV cache "
             f"{d['kv_cache_bytes'] / 2**20:.1f} MiB at context {d['context']}"
         )
     return "\n".join(lines)
