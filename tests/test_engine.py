@@ -272,13 +272,14 @@ def _paged_reference(q, k_pool, v_pool, table, lengths, K):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 bits"])
 @pytest.mark.parametrize("rows,D", [(5, 64), (1, 24)])
 def test_native_paged_attention_equals_dense_attention_over_ragged_rows(dtype, rows, D):
     """The native CPU decode attention (kernels/cpu_paged_attention.cc) against fp64 softmax attention over each
     row's own tokens: rows of ragged lengths (one token, a page's worth, a partial last page) whose pages lie
     scattered in the pool, GQA, fp32 and bf16 pools, a head_dim with a remainder of 8, and one row (its heads split
-    over the threads). Pages past a row's length hold garbage and must not be read."""
+    over the threads), and bf16 stored as its bits (uint16, paged_attention.pool_dtype). Pages past a row's length
+    hold garbage and must not be read."""
     from resformer_jax.kernels import cpu_paged_attention
 
     if not cpu_paged_attention.available():
@@ -292,8 +293,9 @@ def test_native_paged_attention_equals_dense_attention_over_ragged_rows(dtype, r
     for b, n in enumerate(lengths):
         table[b, : -(-n // page)] = rng.permutation(np.arange(1, N))[: -(-n // page)]
     q = rng.normal(size=(rows, H, D)).astype(np.float32)
-    pools = [jnp.asarray(x, dtype) for x in (k_pool, v_pool)]
-    got = jax.jit(cpu_paged_attention.paged_decode_attention)(jnp.asarray(q), *pools, table, jnp.asarray(lengths))
+    pools = [jnp.asarray(x, dtype.split()[0]) for x in (k_pool, v_pool)]
+    stored = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in pools] if "bits" in dtype else pools
+    got = jax.jit(cpu_paged_attention.paged_decode_attention)(jnp.asarray(q), *stored, table, jnp.asarray(lengths))
     want = _paged_reference(q, *(np.asarray(x, np.float32) for x in pools), table, lengths, K)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
@@ -326,3 +328,32 @@ def test_cpu_decode_kernel_choice(monkeypatch):
         assert paged_attention.kernel_for("xla", 64) == "blocks"
     finally:
         cpu_paged_attention.load.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", ["native", "blocks"])
+def test_a_bf16_pool_on_cpu_holds_its_bits_and_reads_back_its_values(kernel):
+    """bf16 pools of the CPU's kernels are stored as uint16 bits (XLA:CPU's bf16 scatter converted the whole pool
+    to fp32 and back every write): tokens written read back bit-exact through the gather, and XLA's loop over the
+    bits gives the values' attention."""
+    from resformer_jax.kernels import paged_attention as pa
+
+    assert pa.pool_dtype(kernel, "bfloat16") == jnp.uint16 and pa.pool_dtype("gpu", "bfloat16") == jnp.bfloat16
+    assert pa.pool_dtype(kernel, "float32") == jnp.float32
+    rng = np.random.default_rng(1)
+    K, D, page, N = 2, 16, 4, 6
+    pool = jnp.zeros(pa.pool_shape(kernel, K, N, page, D), jnp.uint16)
+    cur = jnp.asarray(rng.normal(size=(1, 6, K, D)), jnp.bfloat16)
+    pages, offsets = jnp.asarray([[3, 3, 3, 3, 1, 1]]), jnp.asarray([[0, 1, 2, 3, 0, 1]])
+    pool = pa.write_tokens(pool, pages, offsets, cur, kernel)
+    assert pool.dtype == jnp.uint16
+    got = pa.gather_pages(pool, jnp.asarray([[3, 1]]), kernel, K)[:, :6]
+    assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got, np.float32), np.asarray(cur, np.float32))
+    if kernel == "blocks":
+        q = jnp.asarray(rng.normal(size=(1, 4, D)), jnp.float32)
+        values = jax.lax.bitcast_convert_type(pool, jnp.bfloat16)
+        args = (jnp.asarray([[3, 1]], jnp.int32), jnp.asarray([6]))
+        np.testing.assert_allclose(
+            np.asarray(pa.blocked_decode_attention(q, pool, pool, *args)),
+            np.asarray(pa.blocked_decode_attention(q, values, values, *args)),
+            rtol=1e-6,
+        )

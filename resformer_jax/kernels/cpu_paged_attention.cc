@@ -1,12 +1,13 @@
 // Decode attention over a paged KV cache on a CPU, as an XLA FFI custom call (kernels/cpu_paged_attention.py
 // builds and loads it). One new token a row attends over the first lengths[b] tokens of its pages:
 //   out[b, h] = softmax(q[b, h] . K[b, :len]) V[b, :len]        (q already scaled by 1 / sqrt(D))
-// Pools are pages-major [pages, page_size, K * D] (fp32 or bf16; a page's tokens, each token's heads together),
-// the page table [B, P], lengths [B]; query head h reads kv head h / (H / K) (GQA). A row (or a share of its
-// heads, when rows are fewer than threads) is one work item: its pages are read where they lie, K once (every
-// query head scores a token while it is in L1), then V once, so each cached byte crosses memory once, a page at
-// a time in one stream (heads-major pages were 4 KiB apart at head_dim 64, and this CPU reads scattered 4 KiB
-// pieces at half the speed of 16 KiB ones). Items are spread over XLA's intra-op threads; the caller takes some.
+// Pools are pages-major [pages, page_size, K * D] (fp32, or bf16 or its bits as uint16; a page's tokens, each
+// token's heads together), the page table [B, P], lengths [B]; query head h reads kv head h / (H / K) (GQA). A
+// row (or a share of its heads, when rows are fewer than threads) is one work item: its pages are read where they
+// lie, K once (every query head scores a token while it is in L1), then V once, so each cached byte crosses
+// memory once, a page at a time in one stream (heads-major pages were 4 KiB apart at head_dim 64, and this CPU
+// reads scattered 4 KiB pieces at half the speed of 16 KiB ones). Items are spread over XLA's intra-op threads;
+// the caller takes some.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -201,11 +202,12 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
                     static_cast<const float*>(v_pool.untyped_data()), table.typed_data(), lengths.typed_data(),
                     out->typed_data());
     case ffi::BF16:
+    case ffi::U16:  // bf16 stored as its bits (kernels/paged_attention.pool_dtype)
       return Attend(pool, s, q.typed_data(), static_cast<const uint16_t*>(k_pool.untyped_data()),
                     static_cast<const uint16_t*>(v_pool.untyped_data()), table.typed_data(), lengths.typed_data(),
                     out->typed_data());
     default:
-      return ffi::Error::InvalidArgument("paged decode attention: pools must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("paged decode attention: pools must be float32 or bfloat16 (or its bits, uint16)");
   }
 }
 

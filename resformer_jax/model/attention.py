@@ -566,8 +566,8 @@ class Attention(nn.Module):
         (paged_attention.pool_shape); returned with the rows' page tables, read in place by a kernel or gathered."""
         m, pages = self.cfg, ctx.pages
         assert pages is not None
-        dtype = jnp.dtype(m.dtype)
         kernel = paged_attention.kernel_for(m.attention_impl, m.head_dim)
+        dtype = paged_attention.pool_dtype(kernel, m.dtype)
         shape = paged_attention.pool_shape(kernel, heads, pages.num_pages, pages.page_size, m.head_dim)
         pool = self.variable("cache", name, jnp.zeros, shape, dtype)
         table_BxP = ctx.page_table
