@@ -48,8 +48,9 @@ def _cpu_identity() -> str:
 
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name) or name
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     raise NativeKernelUnavailable("no C++ compiler found (set $CXX, or install g++)")
 
 

@@ -65,7 +65,8 @@ def write_tokens(pool, page_BxT, offset_BxT, cur_BxTxKxD, kernel: str):
     B, T, K, D = cur_BxTxKxD.shape
     if pool.dtype == jnp.uint16:  # bf16 stored as bits
         cur_BxTxKxD = lax.bitcast_convert_type(cur_BxTxKxD.astype(jnp.bfloat16), jnp.uint16)
-    cur_BxTxKxD = cur_BxTxKxD.astype(pool.dtype)
+    else:
+        cur_BxTxKxD = cur_BxTxKxD.astype(pool.dtype)
     if kernel in PAGES_MAJOR:
         return pool.at[page_BxT, offset_BxT].set(cur_BxTxKxD.reshape(B, T, K * D))
     return pool.at[:, page_BxT, offset_BxT].set(cur_BxTxKxD.transpose(2, 0, 1, 3))
