@@ -272,14 +272,40 @@ def _paged_reference(q, k_pool, v_pool, table, lengths, K):
     return out
 
 
+@pytest.mark.parametrize("variant", ["none", "svformer"])
+def test_a_bf16_engine_on_a_cpu_multiplies_the_rounded_weights_in_fp32(variant):
+    """On a CPU a bf16 model's engine holds its weights rounded to bf16 once, stored as fp32, and multiplies them
+    in fp32 ("rounded" matmuls: XLA:CPU's bf16 matrix-vector products made one row's step 7x slower): the
+    logits equal the bf16 model's own forward (fp32 masters cast per matmul) within bf16 rounding."""
+    from resformer_jax.engine.engine import serving_config, serving_params
+
+    c = tiny_config(variant)
+    c.model.dtype = "bfloat16"
+    m = ModelConfig.of(c.model).replace(matmuls="cpu")
+    params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    served = serving_config(m)
+    assert served.matmuls == "rounded" and not served.scan_layers
+    held = serving_params(served, params)
+    for x in jax.tree.leaves(held):
+        assert x.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (2, 40)))
+    want = np.asarray(Transformer(m).apply({"params": params}, tokens), np.float32)
+    got = np.asarray(Transformer(served).apply({"params": held}, tokens), np.float32)
+    np.testing.assert_allclose(got, want, atol=4 * 2**-8 * np.abs(want).max())
+    engine = Engine(m, params, cache_bytes=2**20, page_size=8, max_batch=2, prefill_chunk=16)
+    assert engine.model_cfg.matmuls == "rounded"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 bits"])
-@pytest.mark.parametrize("rows,D", [(5, 64), (1, 24)])
+@pytest.mark.parametrize("rows,D", [(5, 64), (2, 64), (1, 24)])
 def test_native_paged_attention_equals_dense_attention_over_ragged_rows(dtype, rows, D):
     """The native CPU decode attention (kernels/cpu_paged_attention.cc) against fp64 softmax attention over each
     row's own tokens: rows of ragged lengths (one token, a page's worth, a partial last page) whose pages lie
-    scattered in the pool, GQA, fp32 and bf16 pools, a head_dim with a remainder of 8, and one row (its heads split
-    over the threads), and bf16 stored as its bits (uint16, paged_attention.pool_dtype). Pages past a row's length
-    hold garbage and must not be read."""
+    scattered in the pool, GQA, fp32 and bf16 pools, a head_dim with a remainder of 8, one row or two (cut into
+    runs of pages over the threads, their softmaxes combined; the one-token row's second run empty), and bf16
+    stored as its bits (uint16, paged_attention.pool_dtype). Pages past a row's length hold garbage and must not
+    be read."""
     from resformer_jax.kernels import cpu_paged_attention
 
     if not cpu_paged_attention.available():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from resformer_jax.config import tiny_config
-from resformer_jax.kernels.cpu_matmul import mixed_matmul, swiglu_mlp, transposed
+from resformer_jax.kernels.cpu_matmul import mixed_matmul, rounded_matmul, rounded_swiglu, swiglu_mlp, transposed
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
@@ -85,6 +85,25 @@ def test_swiglu_mlp_bf16_against_autodiff_in_fp32():
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         # three roundings to bf16 on the way (gate/up, the product, the cotangent): a few 2^-8 of the scale
         np.testing.assert_array_less(np.abs(got - want), 4 * 2**-8 * np.abs(want).max())
+
+
+def test_rounded_forms_equal_the_bf16_forms():
+    """model.matmuls="rounded" (the decode engine's on a CPU): fp32 weights holding bf16 values, fp32 arithmetic.
+    The matmul is mixed_matmul's product of the same rounded operands to fp32 summation order; the MLP is
+    swiglu_mlp's bf16 forward within one rounding to bf16 (its gate, up and product are rounded the same way)."""
+    k = jax.random.split(jax.random.PRNGKey(5), 2)
+    x = jax.random.normal(k[0], (3, 48), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(k[1], (48, 40), jnp.float32)
+    w_rounded = w.astype(jnp.bfloat16).astype(jnp.float32)
+    got, want = jax.jit(rounded_matmul)(x, w_rounded), jax.jit(mixed_matmul)(x, w)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+    (x, wg, wu, wd), _ = _mlp_inputs(jnp.bfloat16)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    rounded = [a.astype(jnp.bfloat16).astype(jnp.float32) for a in (wg, wu, wd)]
+    got = np.asarray(jax.jit(rounded_swiglu, static_argnums=4)(x, *rounded, bf16), np.float32)
+    want = np.asarray(jax.jit(swiglu_mlp, static_argnums=4)(x, wg, wu, wd, bf16), np.float32)
+    np.testing.assert_array_less(np.abs(got - want), 2**-8 * np.abs(want) + 1e-6 * np.abs(want).max())
 
 
 def test_chunked_loss_bf16_equals_full_logits_within_bf16_tolerance():

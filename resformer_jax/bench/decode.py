@@ -32,7 +32,8 @@ def kv_bytes_read_per_token(m: ModelConfig) -> int:
 
 
 def weight_bytes_read(m: ModelConfig, params) -> int:
-    """The weights a decode step reads: all but the embedding table (one row a token)."""
+    """The weights a decode step reads, as the engine holds them (engine.serving_params: bf16 on an accelerator,
+    fp32 on a CPU): all but the embedding table (one row a token)."""
     n = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
     return n - m.vocab_size * m.d_model * params["embed"]["embedding"].dtype.itemsize
 
@@ -68,6 +69,7 @@ def steady_decode(
         "step_s": seconds / max(steps, 1),
         "cached_tokens_per_step": tokens_in_cache,
         "cache_bytes_held_per_token": engine.bytes_per_token,
+        "weight_bytes_per_step": weight_bytes_read(m, engine.params),
         "compiled_shapes": len(engine.stats.compiled_shapes),
     }
 
@@ -161,10 +163,10 @@ def bench_decode_matrix(
                         f"bench decode {m.value_residual} batch {batch} context {context}: "
                         f"{time.perf_counter() - t0:.1f} s ({res[-1]['step_s'] * 1e3:.2f} ms a step)"
                     )
-            for (m, params), results in zip(runs, measured):
+            for (m, _), results in zip(runs, measured):
                 step_s = statistics.median(r["step_s"] for r in results)
                 cached = results[0]["cached_tokens_per_step"]
-                weights = weight_bytes_read(m, params)
+                weights = results[0]["weight_bytes_per_step"]
                 cache = kv_bytes_read_per_token(m) * cached
                 yield (
                     {

@@ -527,11 +527,12 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     engine's: in the compute dtype (engine.serving_params)."""
     from jax.sharding import Mesh
 
-    from resformer_jax.engine.engine import pool_shapes, serving_params, step_program, step_shapes
+    from resformer_jax.engine.engine import pool_shapes, serving_config, serving_params, step_program, step_shapes
     from resformer_jax.model.attention import PageLayout
     from resformer_jax.model.transformer import Transformer
 
-    m = setup.model_cfg.replace(scan_layers=False, remat="none")
+    with compiling_for(target.platform, target.kind):
+        m = serving_config(setup.model_cfg)
     rows = batch or DECODE_ROWS
     context = min(prompt_len or setup.cfg.data.seq_len, m.max_seq_len - 1)
     pages_per_row = -(-(context + 1) // DECODE_PAGE)

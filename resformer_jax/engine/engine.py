@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from resformer_jax.engine.pages import EngineError, ShardedPages, pages_in_budget
 from resformer_jax.engine.sampling import sample_rows
 from resformer_jax.kernels import paged_attention
+from resformer_jax.kernels.names import target_backend
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import Transformer, lm_head_logits, unrolled_params
@@ -142,7 +143,7 @@ class Engine:
         prefill_rows: int = 4,
         mesh: Mesh | None = None,
     ):
-        self.model_cfg = m.replace(scan_layers=False, remat="none")  # a paged cache a layer: no stacked copies
+        self.model_cfg = serving_config(m)
         self.page_size, self.max_batch = int(page_size), int(max_batch)
         self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         if self.page_size < 1 or self.max_batch < 1 or self.prefill_chunk < 1 or self.prefill_rows < 1:
@@ -444,15 +445,27 @@ def engine_mesh(devices: int) -> Mesh | None:
     return None if n == 1 else Mesh(np.asarray(have[:n]), ("data",))
 
 
+def serving_config(m: ModelConfig) -> ModelConfig:
+    """The model as the engine runs it, for the backend it is traced for (kernels.names.target_backend): layers
+    unrolled (a paged cache a layer: no stacked copies), no remat, and on a CPU with a bf16 or fp16 model the
+    "rounded" matmuls (cpu_matmul.rounded_matmul: the same rounded operands, fp32 arithmetic; XLA:CPU's bf16
+    matrix-vector products made one row's step 7x slower than fp32's)."""
+    narrow = m.dtype in ("bfloat16", "float16")
+    matmuls = "rounded" if narrow and target_backend() == "cpu" else m.matmuls
+    return m.replace(scan_layers=False, remat="none", matmuls=matmuls)
+
+
 def serving_params(m: ModelConfig, params):
-    """The parameters as the engine holds them: unrolled (a layer each), and in the compute dtype where it is
-    narrower than float32 (training keeps float32 masters; a decode step that cast them each time would read 4
-    bytes a weight and write 2 before its matmuls read them: decode is bound by those bytes)."""
+    """The parameters as the engine holds them (m from serving_config): unrolled (a layer each), and where the
+    compute dtype is narrower than float32 rounded to it once (training keeps float32 masters; a decode step that
+    cast them each time would read 4 bytes a weight and write 2 before its matmuls read them: decode is bound by
+    those bytes): stored in it, or for the "rounded" matmuls as its values in float32."""
     params = nn.unbox(params)
     params = unrolled_params(params, m.num_layers) if "layers" in params else params
     if m.dtype in ("bfloat16", "float16"):
         narrow = jnp.dtype(m.dtype)
-        params = jax.tree.map(lambda x: x.astype(narrow) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        to = (lambda x: x.astype(narrow).astype(x.dtype)) if m.matmuls == "rounded" else (lambda x: x.astype(narrow))
+        params = jax.tree.map(lambda x: to(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     return params
 
 

@@ -46,6 +46,25 @@ def _mixed_matmul_bwd(res, g_NxO):
 mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
 
 
+def rounded_matmul(x_NxI, w_IxO):
+    """model.matmuls="rounded", the decode engine's form on a CPU: x in the compute dtype (bf16, fp16), w fp32
+    holding the compute dtype's values (engine.serving_params rounds the weights once), multiplied in fp32: the
+    same products of the rounded operands, accumulated in fp32, as `mixed_matmul`, equal up to the summation
+    order. XLA:CPU's bf16 matrix-vector products read their weights at 1-2 GB/s, its fp32 ones at 20-30
+    (docs/evaluation.md)."""
+    return jnp.dot(x_NxI.astype(jnp.float32), w_IxO.astype(jnp.float32), preferred_element_type=jnp.float32)
+
+
+def rounded_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype):
+    """The SwiGLU MLP in the "rounded" form: `swiglu_mlp`'s forward (gate, up and the product rounded to the
+    compute dtype as there, the activation in fp32) with each matmul a `rounded_matmul`."""
+    x = x_NxE.astype(dtype)
+    gate_NxF = rounded_matmul(x, wg_ExF).astype(dtype)
+    up_NxF = rounded_matmul(x, wu_ExF).astype(dtype)
+    h_NxF = (_silu_parts(gate_NxF.astype(jnp.float32))[1] * up_NxF.astype(jnp.float32)).astype(dtype)
+    return rounded_matmul(h_NxF, wd_FxE).astype(dtype)
+
+
 def _silu_parts(g32):
     sig = jax.nn.sigmoid(g32)
     return sig, g32 * sig

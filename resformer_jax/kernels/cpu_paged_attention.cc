@@ -3,11 +3,11 @@
 //   out[b, h] = softmax(q[b, h] . K[b, :len]) V[b, :len]        (q already scaled by 1 / sqrt(D))
 // Pools are pages-major [pages, page_size, K * D] (fp32, or bf16 or its bits as uint16; a page's tokens, each
 // token's heads together), the page table [B, P], lengths [B]; query head h reads kv head h / (H / K) (GQA). A
-// row (or a share of its heads, when rows are fewer than threads) is one work item: its pages are read where they
-// lie, K once (every query head scores a token while it is in L1), then V once, so each cached byte crosses
-// memory once, a page at a time in one stream (heads-major pages were 4 KiB apart at head_dim 64, and this CPU
-// reads scattered 4 KiB pieces at half the speed of 16 KiB ones). Items are spread over XLA's intra-op threads;
-// the caller takes some.
+// row is one work item (rows fewer than twice the threads: runs of its pages, their softmaxes combined after):
+// its pages are read where they lie, K once (every query head scores a token while it is in L1), then V once, so
+// each cached byte crosses memory once, a page at a time in one stream (heads-major pages were 4 KiB apart at
+// head_dim 64, and this CPU reads scattered 4 KiB pieces at half the speed of 16 KiB ones). Items are spread
+// over XLA's intra-op threads; the caller takes some.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -77,66 +77,58 @@ inline float ExpNonPositive(float x) {
 
 struct Shapes {
   int64_t B, H, D, K, N, page, P;
-  int64_t per_item;  // kv heads an item takes
+  int64_t splits;  // items a row is cut into, by its pages (1 unless rows are fewer than twice the threads)
 };
 
-// One item: row b's kv heads [k0, k0 + s.per_item) and their query heads (G = H / K each) over the row's first
-// `len` tokens. A token's heads lie together in its page ([pages, page_size, K * D]), so K is read as one stream
-// a page, then V the same way.
+// One item: row b's tokens [t0, t1) (t0 at a page's start), every head, unnormalised: the scores' max m[h], the
+// sum of their exponentials l[h], and acc[h] = sum_t e^(s_t - m) V_t. A token's heads lie together in its page
+// ([pages, page_size, K * D]), so K is read as one stream a page (every query head scores a token while it is in
+// L1), then V the same way.
 template <typename T>
-void AttendItem(const Shapes& s, int64_t b, int64_t k0, const float* q, const T* k_pool, const T* v_pool,
-                const int32_t* table, int64_t len, float* out, std::vector<float>& scratch) {
-  const int64_t G = s.H / s.K, D = s.D, E = s.K * D, Hs = s.per_item * G;
-  float* out_h = out + (b * s.H + k0 * G) * D;
-  if (len <= 0) {
-    std::fill(out_h, out_h + Hs * D, 0.f);
+void AttendChunk(const Shapes& s, int64_t b, int64_t t0, int64_t t1, const float* q, const T* k_pool,
+                 const T* v_pool, const int32_t* table, float* m, float* l, float* acc, std::vector<float>& scratch) {
+  const int64_t G = s.H / s.K, D = s.D, E = s.K * D, H = s.H, n = t1 - t0;
+  std::fill(acc, acc + H * D, 0.f);
+  if (n <= 0) {
+    std::fill(m, m + H, -1e30f);
+    std::fill(l, l + H, 0.f);
     return;
   }
-  scratch.resize(Hs * len + Hs * D);
-  float* scores = scratch.data();  // [Hs, len]
-  float* acc = scores + Hs * len;  // [Hs, D]
-  const float* q_h = q + (b * s.H + k0 * G) * D;
-  const int64_t pages = (len + s.page - 1) / s.page;
-  auto token = [&](const T* pool, int64_t p, int64_t t) {  // token t of the row's page p, at head k0
-    return pool + (table[b * s.P + p] * s.page + t) * E + k0 * D;
+  scratch.resize(H * n);
+  float* scores = scratch.data();  // [H, n]
+  const float* q_b = q + b * H * D;
+  auto token = [&](const T* pool, int64_t t) {  // the row's token t, all heads
+    return pool + (table[b * s.P + t / s.page] * s.page + t % s.page) * E;
   };
-  for (int64_t p = 0; p < pages; ++p) {
-    const int64_t n = std::min(s.page, len - p * s.page);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* kt = token(k_pool, p, t);
-      for (int64_t h = 0; h < Hs; ++h) scores[h * len + p * s.page + t] = Dot(q_h + h * D, kt + (h / G) * D, D);
-    }
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* kt = token(k_pool, t);
+    for (int64_t h = 0; h < H; ++h) scores[h * n + (t - t0)] = Dot(q_b + h * D, kt + (h / G) * D, D);
   }
-  for (int64_t h = 0; h < Hs; ++h) {
-    float* sh = scores + h * len;
-    float m = sh[0];
-    for (int64_t i = 1; i < len; ++i) m = std::max(m, sh[i]);
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores + h * n;
+    float mh = sh[0];
+    for (int64_t i = 1; i < n; ++i) mh = std::max(mh, sh[i]);
     float sum = 0.f;
-    for (int64_t i = 0; i < len; ++i) {
-      sh[i] = ExpNonPositive(sh[i] - m);
+    for (int64_t i = 0; i < n; ++i) {
+      sh[i] = ExpNonPositive(sh[i] - mh);
       sum += sh[i];
     }
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < len; ++i) sh[i] *= inv;
+    m[h] = mh;
+    l[h] = sum;
   }
-  std::fill(acc, acc + Hs * D, 0.f);
-  for (int64_t p = 0; p < pages; ++p) {
-    const int64_t n = std::min(s.page, len - p * s.page);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* vt = token(v_pool, p, t);
-      for (int64_t h = 0; h < Hs; ++h) {
-        const F8 w = F8{} + scores[h * len + p * s.page + t];
-        const T* vh = vt + (h / G) * D;
-        float* a = acc + h * D;
-        for (int64_t d = 0; d < D; d += 8) {
-          F8 ad = Load8(a + d);
-          ad += w * Load8(vh + d);
-          std::memcpy(a + d, &ad, sizeof ad);
-        }
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vt = token(v_pool, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const F8 w = F8{} + scores[h * n + (t - t0)];
+      const T* vh = vt + (h / G) * D;
+      float* a = acc + h * D;
+      for (int64_t d = 0; d < D; d += 8) {
+        F8 ad = Load8(a + d);
+        ad += w * Load8(vh + d);
+        std::memcpy(a + d, &ad, sizeof ad);
       }
     }
   }
-  std::copy(acc, acc + Hs * D, out_h);
 }
 
 struct Progress {
@@ -156,17 +148,26 @@ ffi::Error Attend(ffi::ThreadPool& pool, Shapes s, const float* q, const T* k_po
                                            std::to_string(s.N));
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // a row's heads together (one stream a page), split only until every thread has two items
-  s.per_item = s.K;
-  while (s.per_item % 2 == 0 && s.B * (s.K / s.per_item) < 2 * threads) s.per_item /= 2;
-  const int64_t splits = s.K / s.per_item, items = s.B * splits;
+  // A row is one item; fewer rows than twice the threads are cut by their pages (whole pages, every head: one
+  // stream a page; cutting by heads instead read 512-byte pieces of each token and ran at half the speed).
+  s.splits = s.B >= 2 * threads ? 1 : (2 * threads + s.B - 1) / s.B;
+  const int64_t items = s.B * s.splits, H = s.H, D = s.D;
+  // an item's m [H], l [H] and acc [H, D]; a whole row's (splits 1) are normalised into out by its item
+  auto partial = std::make_shared<std::vector<float>>(s.splits > 1 ? items * H * (D + 2) : 0);
   auto progress = std::make_shared<Progress>();
   auto work = [=]() {
-    std::vector<float> scratch;
+    std::vector<float> scratch, own(s.splits > 1 ? 0 : H * (D + 2));
     for (int64_t i; (i = progress->next.fetch_add(1)) < items;) {
-      const int64_t b = i / splits, k0 = (i % splits) * s.per_item;
-      const int64_t len = std::min<int64_t>(lengths[b], s.P * s.page);
-      AttendItem(s, b, k0, q, k_pool, v_pool, table, len, out, scratch);
+      const int64_t b = i / s.splits, c = i % s.splits;
+      const int64_t len = std::max<int64_t>(0, std::min<int64_t>(lengths[b], s.P * s.page));
+      const int64_t pages = (len + s.page - 1) / s.page, per = (pages + s.splits - 1) / s.splits;
+      const int64_t t0 = std::min(len, c * per * s.page), t1 = std::min(len, (c + 1) * per * s.page);
+      float* mla = s.splits > 1 ? partial->data() + i * H * (D + 2) : own.data();
+      AttendChunk(s, b, t0, t1, q, k_pool, v_pool, table, mla, mla + H, mla + 2 * H, scratch);
+      if (s.splits == 1)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d)
+            out[(b * H + h) * D + d] = mla[H + h] > 0.f ? mla[2 * H + h * D + d] / mla[H + h] : 0.f;
       progress->done.fetch_add(1);
     }
   };
@@ -178,6 +179,23 @@ ffi::Error Attend(ffi::ThreadPool& pool, Shapes s, const float* q, const T* k_po
     });
   work();
   while (progress->done.load() < items) std::this_thread::yield();
+  if (s.splits > 1)  // a row's pieces combined: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+    for (int64_t b = 0; b < s.B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        float M = -1e30f, L = 0.f;
+        for (int64_t c = 0; c < s.splits; ++c) M = std::max(M, (*partial)[(b * s.splits + c) * H * (D + 2) + h]);
+        float* o = out + (b * H + h) * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t c = 0; c < s.splits; ++c) {
+          const float* mla = partial->data() + (b * s.splits + c) * H * (D + 2);
+          if (mla[H + h] <= 0.f) continue;  // an empty piece
+          const float w = ExpNonPositive(mla[h] - M);
+          L += w * mla[H + h];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * mla[2 * H + h * D + d];
+        }
+        if (L > 0.f)
+          for (int64_t d = 0; d < D; ++d) o[d] /= L;
+      }
   return ffi::Error::Success();
 }
 
@@ -193,7 +211,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   if (D % 8 != 0 || kd[2] % D != 0 || td[0] != qd[0] || qd[1] % (kd[2] / D) != 0)
     return ffi::Error::InvalidArgument(
         "paged decode attention: head_dim must be a multiple of 8, and q, pools and table agree on B and heads");
-  const Shapes s{qd[0], qd[1], D, kd[2] / D, kd[0], kd[1], td[1], 0};
+  const Shapes s{qd[0], qd[1], D, kd[2] / D, kd[0], kd[1], td[1], 1};
   if (k_pool.element_type() != v_pool.element_type())
     return ffi::Error::InvalidArgument("paged decode attention: the K and V pools differ in dtype");
   switch (k_pool.element_type()) {

@@ -476,7 +476,8 @@ class Attention(nn.Module):
     def _add_value_embedding(self, x_BxTxE, v_BxTxKxD, ve_BxTxKxD):
         m, p = self.cfg, self.plan
         if p.value_table_gate:
-            w = DenseGeneral((m.kv_heads,), ("embed", "kv_heads"), std=0.0, dtype=jnp.dtype(m.dtype), name="ve_gate")
+            dtype, axes = jnp.dtype(m.dtype), ("embed", "kv_heads")
+            w = DenseGeneral((m.kv_heads,), axes, std=0.0, dtype=dtype, matmuls=m.matmuls, name="ve_gate")
             gate_BxTxK = 2.0 * jax.nn.sigmoid(w(x_BxTxE).astype(jnp.float32))
             return value_embedding_mix(v_BxTxKxD, ve_BxTxKxD, None, None, gate_BxTxK, jnp.dtype(m.dtype))
         ab = self.param("ve_lambdas", nn.with_logical_partitioning(nn.initializers.constant(0.5), (None,)), (2,))

@@ -27,7 +27,7 @@ CHOICES = (
     ("mapping", ("attention", "identity", "cross_layer")),
     ("cla_share", ("kv", "k", "v")),
     ("svformer_share", ("v", "q", "k")),
-    ("matmuls", ("auto", "cpu", "plain")),
+    ("matmuls", ("auto", "cpu", "plain", "rounded")),
     ("dtype", ("float32", "bfloat16", "float16", "auto")),
 )
 
@@ -97,7 +97,8 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"  # none | dots | attention | full
     attention_impl: str = "auto"  # resolved by the setup into a concrete kernel before the model is built
-    matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (the setup, per platform)
+    matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (the setup, per platform);
+    # rounded: the decode engine's on a CPU (kernels/cpu_matmul.rounded_matmul)
 
     def __post_init__(self):
         """The model's own fields checked where they are declared: ConfigError names the first impossible one."""

@@ -69,12 +69,16 @@ def dense(x_NxI, w_IxO, dtype, out_dtype, matmuls: str):
     if jnp.dtype(dtype) == jnp.float32:
         return jnp.dot(x_NxI.astype(dtype), w_IxO, preferred_element_type=out_dtype)
     x_NxI = x_NxI.astype(dtype)
+    if matmuls == "rounded":
+        return cpu_matmul.rounded_matmul(x_NxI, w_IxO).astype(out_dtype or dtype)
     if uses_cpu_matmuls(matmuls):
         return cpu_matmul.mixed_matmul(x_NxI, w_IxO).astype(out_dtype or dtype)
     return matmul(x_NxI, w_IxO, jnp.dtype(out_dtype or dtype))
 
 
 def swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype, matmuls: str):
+    if matmuls == "rounded" and jnp.dtype(dtype) != jnp.float32:
+        return cpu_matmul.rounded_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, jnp.dtype(dtype))
     if uses_cpu_matmuls(matmuls) or jnp.dtype(dtype) == jnp.float32:
         return cpu_matmul.swiglu_mlp(x_NxE, wg_ExF, wu_ExF, wd_FxE, jnp.dtype(dtype))
     return plain_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, jnp.dtype(dtype))

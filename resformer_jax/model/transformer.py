@@ -75,6 +75,8 @@ def lm_head_logits(m: ModelConfig, params, h_BxKxE):
     dtype = jnp.dtype(m.dtype)
     if m.tie_embeddings:
         table_VxE = nn.unbox(params["embed"]["embedding"])
+        if m.matmuls == "rounded" and dtype != jnp.float32:
+            return cpu_matmul.rounded_matmul(h_BxKxE.astype(dtype), table_VxE.T)
         return jnp.dot(h_BxKxE, table_VxE.T.astype(dtype), preferred_element_type=jnp.float32)
     return lm_head(m).apply({"params": params["lm_head"]}, h_BxKxE)
 
