@@ -66,14 +66,18 @@ def test_greedy_tokens_equal_the_dense_cache_generate(variant):
 
 
 @pytest.mark.slow
-def test_fifty_requests_through_a_pool_too_small_for_all_arriving_while_others_decode():
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_fifty_requests_through_a_pool_too_small_for_all_arriving_while_others_decode(decode_steps):
     """50 requests of random lengths, 5 new ones arriving every step, through a pool that holds about 4 whole
     sequences: some wait, some are preempted and recomputed; every output is the full forward's greedy one
-    (the argmax of its logits), every log-probability the forward's, and the pool ends empty."""
+    (the argmax of its logits), every log-probability the forward's, and the pool ends empty. With
+    decode_steps=4, four decode steps run between readbacks."""
     m, params = peaky_model("svformer")
     rng = np.random.default_rng(2)
     prompts = prompts_of(rng, 50, m.vocab_size, 1, 60)
-    engine = Engine(m, params, cache_bytes=4 * 72 * 1024, page_size=8, max_batch=16, prefill_chunk=16)
+    engine = Engine(
+        m, params, cache_bytes=4 * 72 * 1024, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=decode_steps
+    )
     assert engine.pool.usable == 35
     params_of = [SamplingParams(max_tokens=int(rng.integers(1, 12))) for _ in prompts]
     queued, reqs = list(zip(prompts, params_of)), []
@@ -110,6 +114,46 @@ def test_stop_ids_and_sampling_are_per_request_and_reproducible():
     (d,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=5.0, top_k=50, top_p=0.9, seed=8))
     assert d.tokens != b.tokens  # another seed, other tokens (temperature 5 over 50 tokens)
     assert engine.pool.used == 0
+
+
+def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
+    """decode_steps=4 (the default is 8): greedy, seeded sampling, a stop id met inside a run of
+    steps, max tokens not a multiple of 4, a request that ends at the model's last position, and requests
+    arriving while others decode: the same tokens and log-probabilities as one step a readback, the pool empty
+    after, and a quarter of the readbacks."""
+    m, params = peaky_model("svformer")
+    rng = np.random.default_rng(4)
+    prompts = prompts_of(rng, 6, m.vocab_size, 3, 30) + [[7] * (m.max_seq_len - 10)]
+    greedy = dense_greedy(m, params, prompts[0], 9)
+    settings = [
+        SamplingParams(max_tokens=9, stop_ids=(greedy[5],)),
+        SamplingParams(max_tokens=13, temperature=2.0, top_k=20, seed=3),
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, seed=5),
+        SamplingParams(max_tokens=11),
+        SamplingParams(max_tokens=8),
+        SamplingParams(max_tokens=10),
+    ]
+
+    def run(k):
+        engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=64, decode_steps=k)
+        reqs = [engine.submit(p, s) for p, s in zip(prompts[:3], settings[:3])]
+        engine.step()
+        engine.step()  # the first three decoding before the others arrive
+        reqs += [engine.submit(p, s) for p, s in zip(prompts[3:], settings[3:])]
+        while engine.busy:
+            engine.step()
+        assert engine.pool.used == 0
+        return reqs, engine.stats
+
+    (single, single_stats), (burst, burst_stats) = run(1), run(4)
+    for a, b in zip(single, burst):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert burst[0].finish_reason == "stop" and burst[0].tokens == greedy[: greedy.index(greedy[5]) + 1]
+    assert len(burst[6].tokens) == 10 and burst[6].finish_reason == "length"  # up to the model's context
+    assert burst_stats.decode_rows == single_stats.decode_rows
+    assert burst_stats.decode_readbacks <= single_stats.decode_readbacks / 2  # 6 against 12
 
 
 def test_cancel_frees_pages_at_once():
@@ -220,7 +264,8 @@ def test_skip_prefill_puts_every_request_in_decode_with_its_pages():
 def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
     """On 8 host devices as data 4 x fsdp 2: each device runs its rows over its own pages (the cache split over
     the mesh), the parameters replicated or left sharded by the training rule table; requests of mixed lengths
-    arriving while others decode, through pools small enough to preempt, give the single-device greedy tokens."""
+    arriving while others decode, through pools small enough to preempt, four decode steps a readback, give the
+    single-device greedy tokens (one step a readback)."""
     from jax.sharding import Mesh
 
     from resformer_jax.parallel.mesh import logical_shardings
@@ -237,10 +282,12 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
         assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
     rng = np.random.default_rng(3)
     prompts = prompts_of(rng, 32, m.vocab_size, 10, 40)
-    one = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=16, prefill_chunk=16)
+    one = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=1)
     want = [r.tokens for r in one.generate(prompts, SamplingParams(max_tokens=6))]
     # 7 usable pages of 8 tokens a device: a sequence takes up to 6, two rows a device must preempt
-    engine = Engine(m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, mesh=mesh)
+    engine = Engine(
+        m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=4, mesh=mesh
+    )
     assert engine.bytes_per_token == 512 and engine.pool[0].usable == 7
     pool = jax.tree.leaves(engine.cache)[0]
     assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"

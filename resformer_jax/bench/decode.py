@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.engine import Engine, SamplingParams
-from resformer_jax.engine.engine import EngineStats, cache_bytes_per_token
+from resformer_jax.engine.engine import DECODE_STEPS, EngineStats, cache_bytes_per_token
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 
@@ -39,22 +39,33 @@ def weight_bytes_read(m: ModelConfig, params) -> int:
 
 
 def steady_decode(
-    m, params, batch: int, context: int, new_tokens: int, page_size: int = 16, prefill: bool = True
+    m,
+    params,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    page_size: int = 16,
+    prefill: bool = True,
+    decode_steps: int = DECODE_STEPS,
 ) -> dict:
-    """`batch` requests of `context` prompt tokens prefilled, then `new_tokens` decode steps timed (the first,
-    which compiles, excluded). prefill=False: each request's pages are taken and its prompt counted as cached
-    without running the prompt (the pages hold zeros: a decode step reads the same bytes), which times large
-    batches and contexts on a CPU in seconds instead of the prefill's minutes."""
-    need = (batch + 1) * (context + new_tokens + page_size) * cache_bytes_per_token(m)
-    engine = Engine(m, params, cache_bytes=need, page_size=page_size, max_batch=batch, prefill_chunk=512)
+    """`batch` requests of `context` prompt tokens prefilled, then at least `new_tokens` decode steps timed (the
+    first `decode_steps`, which compile, excluded; requests ask for extra tokens to cover them). prefill=False:
+    each request's pages are taken and its prompt counted as cached without running the prompt (the pages hold
+    zeros: a decode step reads the same bytes), which times large batches and contexts on a CPU in seconds
+    instead of the prefill's minutes."""
+    asked = new_tokens + 2 * decode_steps + 1  # the prompt's token, the compiling run, the timed ones
+    need = (batch + 1) * (context + asked + page_size) * cache_bytes_per_token(m)
+    engine = Engine(
+        m, params, cache_bytes=need, page_size=page_size, max_batch=batch, prefill_chunk=512, decode_steps=decode_steps
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
-    reqs = [engine.submit(p, SamplingParams(max_tokens=new_tokens + 1)) for p in prompts]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=asked)) for p in prompts]
     if not prefill:
         engine.skip_prefill()
-    while any(r.state != "decode" for r in reqs):
+    while any(r.state in ("waiting", "prefill") for r in reqs):
         engine.step()
-    engine.step()  # the first decode step at this shape compiles
+    engine.step()  # the first decode run at this shape compiles
     s0, t0, rows0 = engine.stats.decode_steps, engine.stats.decode_seconds, engine.stats.decode_rows
     pages0 = engine.stats.decode_pages_read
     while engine.busy:
@@ -70,12 +81,13 @@ def steady_decode(
         "cached_tokens_per_step": tokens_in_cache,
         "cache_bytes_held_per_token": engine.bytes_per_token,
         "weight_bytes_per_step": weight_bytes_read(m, engine.params),
+        "decode_steps_per_readback": engine.decode_steps,
         "compiled_shapes": len(engine.stats.compiled_shapes),
     }
 
 
 def bench_decode(model: ModelConfig, context, new_tokens, batch) -> dict:
-    m = model.replace(max_seq_len=max(model.max_seq_len, context + new_tokens + 1))
+    m = model.replace(max_seq_len=max(model.max_seq_len, context + new_tokens + 2 * DECODE_STEPS + 1))
     r = steady_decode(m, random_params(m), batch, context, new_tokens)
     return {
         "variant": m.value_residual,
@@ -131,6 +143,7 @@ def bench_decode_matrix(
     rounds: int,
     prefill: bool = True,
     log=lambda m: print(m, file=sys.stderr),
+    decode_steps: int = DECODE_STEPS,
 ) -> Iterator[dict]:
     """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
     with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
@@ -145,7 +158,7 @@ def bench_decode_matrix(
         f"bench decode: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read and written), read bandwidth "
         f"{reads / 1e9:.1f} GB/s, measured in {time.perf_counter() - t0:.1f} s"
     )
-    longest = max(contexts) + new_tokens + 1
+    longest = max(contexts) + new_tokens + 2 * decode_steps + 1
     runs = []  # parameters built once per variant, at the longest context
     for model in models:
         t0 = time.perf_counter()
@@ -158,7 +171,9 @@ def bench_decode_matrix(
             for _ in range(rounds):
                 for (m, params), res in zip(runs, measured):
                     t0 = time.perf_counter()
-                    res.append(steady_decode(m, params, batch, context, new_tokens, prefill=prefill))
+                    res.append(
+                        steady_decode(m, params, batch, context, new_tokens, prefill=prefill, decode_steps=decode_steps)
+                    )
                     log(
                         f"bench decode {m.value_residual} batch {batch} context {context}: "
                         f"{time.perf_counter() - t0:.1f} s ({res[-1]['step_s'] * 1e3:.2f} ms a step)"
@@ -184,6 +199,7 @@ def bench_decode_matrix(
                         "read_bandwidth_bytes_per_s": reads,
                         "fraction_of_read_bandwidth": round((weights + cache) / step_s / reads, 3),
                         "compiled_shapes": results[0]["compiled_shapes"],
+                        "decode_steps_per_readback": results[0]["decode_steps_per_readback"],
                     }
                 )
 
@@ -196,6 +212,7 @@ def bench_decode_stream(
     max_context: int,
     new_tokens: int,
     seed: int = 0,
+    decode_steps: int = DECODE_STEPS,
 ) -> list[dict]:
     """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
@@ -207,7 +224,9 @@ def bench_decode_stream(
     for model in models:
         m = model.replace(max_seq_len=max(model.max_seq_len, max_context + new_tokens))
         params = random_params(m)
-        engine = Engine(m, params, cache_bytes=cache_gib * 2**30, max_batch=256, prefill_chunk=256)
+        engine = Engine(
+            m, params, cache_bytes=cache_gib * 2**30, max_batch=256, prefill_chunk=256, decode_steps=decode_steps
+        )
         prompts = [rng.integers(0, m.vocab_size, n).tolist() for n in lengths]
         for _ in range(2):  # the stream twice: the first compiles the shapes it meets, untimed
             engine.stats = EngineStats()

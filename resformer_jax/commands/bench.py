@@ -97,6 +97,7 @@ flags.DEFINE_bool(
     "the same bytes, and a CPU times batch 32 at 2,048 tokens in seconds, not the prefill's minutes).",
 )
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
+flags.DEFINE_integer("decode_steps", 8, "decode --matrix/--stream: decode steps a program runs between readbacks.")
 flags.DEFINE_integer(
     "stream",
     0,
@@ -160,14 +161,29 @@ def run_decode(modes: list[str]) -> list[dict]:
             raise cli.ConfigFlagError(
                 f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
             ) from None
-        for r in bench_decode_matrix(models, batches, contexts, FLAGS.new_tokens, FLAGS.rounds, prefill=FLAGS.prefill):
+        rows = bench_decode_matrix(
+            models,
+            batches,
+            contexts,
+            FLAGS.new_tokens,
+            FLAGS.rounds,
+            prefill=FLAGS.prefill,
+            decode_steps=FLAGS.decode_steps,
+        )
+        for r in rows:
             print(json.dumps(r), flush=True)  # each row as it is measured
         return []
     if FLAGS.stream:
         from resformer_jax.bench.decode import bench_decode_stream
 
         for r in bench_decode_stream(
-            models, FLAGS.cache_gib, FLAGS.stream, FLAGS.rate, FLAGS.context, FLAGS.new_tokens
+            models,
+            FLAGS.cache_gib,
+            FLAGS.stream,
+            FLAGS.rate,
+            FLAGS.context,
+            FLAGS.new_tokens,
+            decode_steps=FLAGS.decode_steps,
         ):
             print(json.dumps(r))
         return []

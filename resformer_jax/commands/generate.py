@@ -32,6 +32,9 @@ flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token
 flags.DEFINE_integer(
     "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
 )
+flags.DEFINE_integer(
+    "decode_steps", 8, "Decode steps a program runs between readbacks (1: each token streamed as it is sampled)."
+)
 FLAGS = flags.FLAGS
 
 
@@ -110,6 +113,7 @@ def main(argv):
             cfg.model,
             params,
             cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
+            decode_steps=FLAGS.decode_steps,
             mesh=engine_mesh(FLAGS.devices),
         )
         stop = (eot,) if eot is not None else ()

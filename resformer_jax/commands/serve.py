@@ -31,6 +31,9 @@ flags.DEFINE_integer("page_size", 16, "Tokens a cache page holds.")
 flags.DEFINE_integer(
     "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
 )
+flags.DEFINE_integer(
+    "decode_steps", 8, "Decode steps a program runs between readbacks (1: each token streamed as it is sampled)."
+)
 flags.DEFINE_string("model_name", None, "The name /v1/models gives (default: the run directory's name).")
 flags.DEFINE_float("shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish.")
 FLAGS = flags.FLAGS
@@ -69,6 +72,7 @@ def main(argv):
             cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
             max_batch=FLAGS.max_batch,
             page_size=FLAGS.page_size,
+            decode_steps=FLAGS.decode_steps,
             mesh=engine_mesh(FLAGS.devices),
         )
     name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
