@@ -38,6 +38,16 @@ def weight_bytes_read(m: ModelConfig, params) -> int:
     return n - m.vocab_size * m.d_model * params["embed"]["embedding"].dtype.itemsize
 
 
+PREFILL_CHUNK, PREFILL_ROWS = 512, 4  # steady_decode's engine
+
+
+def tokens_asked(batch: int, context: int, new_tokens: int, decode_steps: int) -> int:
+    """The tokens steady_decode's requests ask for: the timed ones, the untimed run that compiles, and the single
+    steps the first rows take while the others' prompts are read (one a prefill step)."""
+    prefill_steps = -(-batch // PREFILL_ROWS) * -(-context // PREFILL_CHUNK)
+    return new_tokens + 2 * decode_steps + prefill_steps + 1
+
+
 def steady_decode(
     m,
     params,
@@ -48,15 +58,23 @@ def steady_decode(
     prefill: bool = True,
     decode_steps: int = DECODE_STEPS,
 ) -> dict:
-    """`batch` requests of `context` prompt tokens prefilled, then at least `new_tokens` decode steps timed (the
-    first `decode_steps`, which compile, excluded; requests ask for extra tokens to cover them). prefill=False:
-    each request's pages are taken and its prompt counted as cached without running the prompt (the pages hold
-    zeros: a decode step reads the same bytes), which times large batches and contexts on a CPU in seconds
-    instead of the prefill's minutes."""
-    asked = new_tokens + 2 * decode_steps + 1  # the prompt's token, the compiling run, the timed ones
+    """`batch` requests of `context` prompt tokens prefilled, then about `new_tokens` decode steps timed, every
+    row `decode_steps` at a time (the first such run, which compiles, excluded; the timing stops before a row
+    would take fewer, which would run and compile a shorter program). prefill=False: each request's pages are
+    taken and its prompt counted as cached without running the prompt (the pages hold zeros: a decode step reads
+    the same bytes), which times large batches and contexts on a CPU in seconds instead of the prefill's
+    minutes."""
+    asked = tokens_asked(batch, context, new_tokens, decode_steps)
     need = (batch + 1) * (context + asked + page_size) * cache_bytes_per_token(m)
     engine = Engine(
-        m, params, cache_bytes=need, page_size=page_size, max_batch=batch, prefill_chunk=512, decode_steps=decode_steps
+        m,
+        params,
+        cache_bytes=need,
+        page_size=page_size,
+        max_batch=batch,
+        prefill_chunk=PREFILL_CHUNK,
+        prefill_rows=PREFILL_ROWS,
+        decode_steps=decode_steps,
     )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
@@ -65,29 +83,39 @@ def steady_decode(
         engine.skip_prefill()
     while any(r.state in ("waiting", "prefill") for r in reqs):
         engine.step()
-    engine.step()  # the first decode run at this shape compiles
+    k = engine.decode_steps
+    while engine.stats.decode_steps < k or min(len(r.tokens) for r in reqs) < k + 1:
+        engine.step()  # the first run of k steps compiles
     s0, t0, rows0 = engine.stats.decode_steps, engine.stats.decode_seconds, engine.stats.decode_rows
     pages0 = engine.stats.decode_pages_read
-    while engine.busy:
+    left = lambda: min(asked - len(r.tokens) for r in reqs)
+    while engine.stats.decode_steps - s0 < new_tokens and left() >= k:
         engine.step()
     steps = engine.stats.decode_steps - s0
     seconds = engine.stats.decode_seconds - t0
-    tokens_in_cache = (engine.stats.decode_pages_read - pages0) * page_size / max(steps, 1)  # filled pages a step
-    return {
+    if steps == 0:
+        raise RuntimeError(f"steady_decode timed no step: {asked} tokens asked, {left()} left")
+    tokens_in_cache = (engine.stats.decode_pages_read - pages0) * page_size / steps  # filled pages a step
+    result = {
         "steps": steps,
         "seconds": seconds,
         "tokens_per_s": (engine.stats.decode_rows - rows0) / max(seconds, 1e-9),
-        "step_s": seconds / max(steps, 1),
+        "step_s": seconds / steps,
         "cached_tokens_per_step": tokens_in_cache,
         "cache_bytes_held_per_token": engine.bytes_per_token,
         "weight_bytes_per_step": weight_bytes_read(m, engine.params),
-        "decode_steps_per_readback": engine.decode_steps,
+        "decode_steps_per_readback": k,
         "compiled_shapes": len(engine.stats.compiled_shapes),
     }
+    for r in reqs:
+        engine.cancel(r)
+    return result
 
 
 def bench_decode(model: ModelConfig, context, new_tokens, batch) -> dict:
-    m = model.replace(max_seq_len=max(model.max_seq_len, context + new_tokens + 2 * DECODE_STEPS + 1))
+    m = model.replace(
+        max_seq_len=max(model.max_seq_len, context + tokens_asked(batch, context, new_tokens, DECODE_STEPS))
+    )
     r = steady_decode(m, random_params(m), batch, context, new_tokens)
     return {
         "variant": m.value_residual,
@@ -158,7 +186,7 @@ def bench_decode_matrix(
         f"bench decode: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read and written), read bandwidth "
         f"{reads / 1e9:.1f} GB/s, measured in {time.perf_counter() - t0:.1f} s"
     )
-    longest = max(contexts) + new_tokens + 2 * decode_steps + 1
+    longest = max(c + tokens_asked(max(batches), c, new_tokens, decode_steps) for c in contexts)
     runs = []  # parameters built once per variant, at the longest context
     for model in models:
         t0 = time.perf_counter()

@@ -177,11 +177,9 @@ class Engine:
         self.model = Transformer(self.model_cfg, pages=self.layout)
         self.params = serving_params(self.model_cfg, params)
         pools = init_pools(Transformer(self.model_cfg, pages=PageLayout(self.shards * num_pages, self.page_size)))
-        k = self.decode_steps
         if mesh is None:
             self.cache = pools
-            self._step_fn = jax.jit(step_program(self.model), donate_argnums=(1,))
-            self._decode_fn = jax.jit(decode_program(self.model, k), donate_argnums=(1,)) if k > 1 else None
+            self._jit = lambda program: jax.jit(program, donate_argnums=(1,))
         else:
             kernel = paged_attention.kernel_for(self.model_cfg.attention_impl, self.model_cfg.head_dim)
             row_spec = P(mesh.axis_names)
@@ -191,14 +189,15 @@ class Engine:
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
 
-            def per_shard(program, row_args: int):
-                in_specs = (P(), cache_spec) + (row_spec,) * row_args
+            def per_shard(program):  # (params, cache) and 9 arguments a row
+                in_specs = (P(), cache_spec) + (row_spec,) * 9
                 out_specs = (row_spec, row_spec, cache_spec)
                 sharded = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
                 return jax.jit(sharded, donate_argnums=(1,))
 
-            self._step_fn = per_shard(step_program(self.model), 9)
-            self._decode_fn = per_shard(decode_program(self.model, k), 9) if k > 1 else None
+            self._jit = per_shard
+        self._step_fn = self._jit(step_program(self.model))
+        self._decode_fns: dict[int, Callable] = {}  # k steps a readback: decode_program(k), made when first run
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
         self.max_len = m.max_seq_len
         self._next_id = 0
@@ -381,6 +380,7 @@ class Engine:
     def _decode(self, rows: list[Request], k: int) -> list[Request]:
         t0 = time.perf_counter()
         steps = [self._steps_left(r, k) for r in rows]
+        k = min(k, bucket(max(steps)))  # no more steps than the rows need (1, 2, 4 or 8: few compiles)
         tok, lp = self._run(rows, [[r.tokens[-1]] for r in rows], 1, steps if k > 1 else None)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
@@ -430,11 +430,13 @@ class Engine:
             self.stats.compiled_shapes.add((B, T, Pn, 1))
             tok, lp, self.cache = self._step_fn(self.params, self.cache, tokens, positions, table, last, *sampling)
             return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None]
-        assert self._decode_fn is not None  # steps are given only when decode_steps > 1
+        k = bucket(max(steps))
+        if k not in self._decode_fns:
+            self._decode_fns[k] = self._jit(decode_program(self.model, k))
         steps_B = np.zeros((B,), np.int32)
         steps_B[slot] = steps
-        self.stats.compiled_shapes.add((B, T, Pn, self.decode_steps))
-        tok, lp, self.cache = self._decode_fn(
+        self.stats.compiled_shapes.add((B, T, Pn, k))
+        tok, lp, self.cache = self._decode_fns[k](
             self.params, self.cache, tokens[:, 0], positions[:, 0], table, steps_B, *sampling
         )
         return np.asarray(tok)[slot], np.asarray(lp)[slot]
