@@ -672,11 +672,12 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     assert set(b["seconds"]) == set(GROUPS) and min(b["seconds"].values()) >= 0
     total = sum(b["seconds"].values())
     assert abs(total - b["profiled_step_s"]) < 1e-3 * b["profiled_step_s"]
-    # Each profiled step against the fastest unprofiled step before it (a busy host only lengthens steps). The
-    # profiler itself slows a step on a 2-core host by 7-12% (measured over 12 runs at this shape and twice its
-    # width, with the Python tracer off): a profile faster than that step by over 10% would not be this program's;
-    # the upper bound leaves room for a slow spell during the profiled steps on a shared CI host.
-    assert 0.9 <= b["profiled_over_timed_step"] <= 1.35, (b["profiled_over_timed_step"], total, r["step_s"])
+    # Each profiled step against the fastest unprofiled step before it. The profiler itself slows a step on a
+    # 2-core host by 7-12% (measured over 12 runs at this shape and twice its width, with the Python tracer off).
+    # Both bounds leave room for a shared host: the other test worker busy through every timed step and idle
+    # through the profiled one gave 0.84 in the full suite (2026-11-28); a profile of another program would be
+    # far outside.
+    assert 0.75 <= b["profiled_over_timed_step"] <= 1.35, (b["profiled_over_timed_step"], total, r["step_s"])
     for g in ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer"):
         assert b["seconds"][g] > 0, g
     assert b["ops_not_in_hlo"] == 0
