@@ -380,8 +380,8 @@ class Engine:
     def _decode(self, rows: list[Request], k: int) -> list[Request]:
         t0 = time.perf_counter()
         steps = [self._steps_left(r, k) for r in rows]
-        k = min(k, bucket(max(steps)))  # no more steps than the rows need (1, 2, 4 or 8: few compiles)
-        tok, lp = self._run(rows, [[r.tokens[-1]] for r in rows], 1, steps if k > 1 else None)
+        k = bucket(max(steps))  # no more steps than the rows need (1, 2, 4 or 8: few compiles)
+        tok, lp = self._run(rows, [[r.tokens[-1]] for r in rows], 1, steps if k > 1 else None, k)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
         self.stats.decode_readbacks += 1
@@ -398,7 +398,9 @@ class Engine:
                     break
         return finished
 
-    def _run(self, rows: list[Request], new_tokens: list[list[int]], T: int, steps: list[int] | None = None):
+    def _run(
+        self, rows: list[Request], new_tokens: list[list[int]], T: int, steps: list[int] | None = None, k: int = 1
+    ):
         """One step: row i's `new_tokens[i]` at positions from rows[i].cached on; with `steps`, decode_program's
         k steps from row i's one token, steps[i] of them written. Rows are laid out shard by shard (each shard's
         slots padded to one bucket; position -1: a padding slot). Returns (token, logprob) a row, [rows, k] each."""
@@ -430,7 +432,6 @@ class Engine:
             self.stats.compiled_shapes.add((B, T, Pn, 1))
             tok, lp, self.cache = self._step_fn(self.params, self.cache, tokens, positions, table, last, *sampling)
             return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None]
-        k = bucket(max(steps))
         if k not in self._decode_fns:
             self._decode_fns[k] = self._jit(decode_program(self.model, k))
         steps_B = np.zeros((B,), np.int32)
