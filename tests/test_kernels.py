@@ -64,6 +64,52 @@ def test_bf16_inputs_against_fp32_reference(T, H, K, D):
             assert rel(g, w) < 2e-2, f"{impl} {name} bf16 at T={T}: {rel(g, w):.2e}"
 
 
+@pytest.mark.parametrize(
+    "T,H,K,D,documents,lambda_grads",
+    [
+        (7, 4, 4, 64, False, True),
+        (130, 8, 2, 64, False, True),
+        (300, 4, 4, 128, True, False),
+        (70, 2, 1, 32, True, True),
+    ],
+)
+def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, documents, lambda_grads):
+    """ResFormer's Eq. 7 formed inside the kernels (value_mix): the output and the gradients of q, k, V_n, V_1 and
+    (l1, l2) equal attention over l1 V_1 + l2 V_n formed first (GQA, odd lengths, packed documents); with
+    lambda_grads=False the lambdas' gradient is zero (constants)."""
+    q, k, v, do = inputs(T, H, K, D, jnp.float32, seed=3)
+    v1 = jax.random.normal(jax.random.PRNGKey(T + 1), v.shape)
+    lam = jnp.array([0.3, 0.8], jnp.float32)
+    segments = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(T), 0.04, (2, T)), axis=1) if documents else None
+
+    def mixed_first(q, k, v, v1, lam):
+        return kernels.attention(q, k, lam[0] * v1 + lam[1] * v, impl="reference", segments_BxT=segments)
+
+    def in_kernel(q, k, v, v1, lam):
+        mix = (v1, lam if lambda_grads else jax.lax.stop_gradient(lam))
+        return kernels.attention(
+            q, k, v, impl="pallas", segments_BxT=segments, value_mix=mix, lambda_grads=lambda_grads
+        )
+
+    def run_impl(f):
+        o, vjp = jax.vjp(f, q, k, v, v1, lam)
+        return (o,) + vjp(do)
+
+    want, got = run_impl(mixed_first), jax.jit(lambda: run_impl(in_kernel))()
+    for name, g, w in zip(("out", "dq", "dk", "dv_n", "dv_1", "dlambdas"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        if name == "dlambdas" and not lambda_grads:
+            assert not np.any(np.asarray(g)), "constant lambdas: no gradient"
+            continue
+        assert rel(g, w) < 1e-5, f"{name} at T={T} H/K={H}/{K} D={D} documents={documents}: {rel(g, w):.2e}"
+
+
+def test_value_mix_is_refused_where_no_kernel_forms_it():
+    x = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="value mix"):
+        kernels.attention(x, x, x, impl="xla", value_mix=(x, jnp.array([0.5, 0.5])))
+
+
 def test_reference_returns_causal_probabilities():
     q, k, v, _ = inputs(9, 4, 2, 64, jnp.float32)
     _, p = kernels.reference_attention(q, k, v, return_probs=True)
@@ -159,12 +205,16 @@ def test_chunked_loops_over_pairs_only_on_cpu():
 
 
 @pytest.mark.slow
-def test_tiny_model_trains_the_same_with_pallas_and_xla(tmp_path):
+@pytest.mark.parametrize("lambdas,scan", [("fixed", False), ("learnable", True)])
+def test_tiny_model_trains_the_same_with_pallas_and_xla(tmp_path, lambdas, scan):
+    """ResFormer with pallas forms Eq. 7 inside the kernel (the learnable lambdas' gradients come from it too):
+    the same losses as XLA's attention over the value mixed first."""
     out = {}
     for impl in ("pallas", "xla"):
         c = tiny_config("resformer")
         c.model.attention_impl = impl
         c.model.num_kv_heads = 2
+        c.model.resformer_lambdas, c.model.scan_layers = lambdas, scan
         c.train.steps, c.train.log_every, c.train.eval_every = 3, 1, 1000
         c.mesh.num_devices = 1
         wd = str(tmp_path / impl)
@@ -199,7 +249,7 @@ def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path):
     the same losses as XLA's attention on the same mesh."""
     out = {}
     for impl in ("pallas", "xla"):
-        c = tiny_config("svformer")
+        c = tiny_config("resformer")  # the value mix formed in the kernel, per shard (V_1 split as V)
         c.model.attention_impl = impl
         c.train.steps, c.train.warmup_steps, c.train.log_every, c.train.eval_every = 3, 1, 1, 1000
         c.mesh.data, c.mesh.fsdp = 4, 2

@@ -85,11 +85,17 @@ def attention(
     mesh=None,
     batch_axes=("data", "fsdp"),
     segments_BxT=None,
+    value_mix=None,
+    lambda_grads=True,
 ):
     """Causal multi-head attention; dispatches to the chosen implementation.
 
     `segments_BxT`: packed documents (T == S): query t attends to key s only within its own document (equal
     segment ids), block-diagonal causal attention; None: one sequence.
+
+    `value_mix` (impl=pallas only, no context axis): (V_1 [B, S, K, D], (l1, l2) fp32 [2]), with v_BxSxKxD the
+    layer's own V_n: attend over ResFormer's l1 V_1 + l2 V_n (Eq. 7), formed by the kernels as they load V;
+    lambda_grads=False where (l1, l2) are constants (their gradient then reads as zero).
 
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
     unresolved `auto` (a model built by hand, shape-only tracing) is `unprobed_auto`: the backend's first
@@ -99,6 +105,10 @@ def attention(
     """
     if impl == "auto":
         impl = unprobed_auto(target_backend())
+    if value_mix is not None and (impl != "pallas" or context_size(mesh) > 1):
+        raise ValueError(
+            f"the value mix is formed inside the attention only by impl='pallas' off a context axis, not {impl!r}"
+        )
     if context_size(mesh) > 1 and q_BxTxHxD.shape[0] % math.prod(mesh.shape[a] for a in batch_axes) == 0:
         return _context_parallel(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, batch_axes, segments_BxT)
     if segments_BxT is not None and impl not in DOCUMENT_MASK_IMPLS:
@@ -111,12 +121,20 @@ def attention(
     # always divide (parallel/mesh.check_divisibility).
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
         spec = jax.sharding.PartitionSpec(batch_axes)
-        args = (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD) + (() if segments_BxT is None else (segments_BxT,))
 
-        def per_shard(q, k, v, *segments):
-            return attention(q, k, v, causal=causal, impl=impl, segments_BxT=segments[0] if segments else None)
+        def per_shard(q, k, v, segments, value_mix):
+            return attention(
+                q, k, v, causal=causal, impl=impl, segments_BxT=segments, value_mix=value_mix, lambda_grads=lambda_grads
+            )
 
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
+        mix_spec = None if value_mix is None else (spec, P())  # V_1 split as V, (l1, l2) whole
+        return jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec),
+            out_specs=spec,
+            check_vma=False,
+        )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix)
     if impl == "reference":
         mask = None
         if segments_BxT is not None:
@@ -150,7 +168,13 @@ def attention(
         from resformer_jax.kernels import pallas_attention
 
         return pallas_attention.flash_attention(
-            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, segments_BxT=segments_BxT
+            q_BxTxHxD,
+            k_BxSxKxD,
+            v_BxSxKxD,
+            causal=causal,
+            segments_BxT=segments_BxT,
+            value_mix=value_mix,
+            lambda_grads=lambda_grads,
         )
     if impl == "splash":
         from resformer_jax.kernels import tpu_attention

@@ -237,6 +237,22 @@ def _tdot(a, b):  # a.T @ b
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _mixed_value(v1, vn, l1, l2):
+    """Eq. 7's value l1 V_1 + l2 V_n of one block of keys, formed as a kernel loads it (in fp32, rounded to V's
+    dtype as the model's mix rounds it): ResFormer's mix then costs no pass over memory of its own."""
+    return (l1 * v1.astype(jnp.float32) + l2 * vn.astype(jnp.float32)).astype(vn.dtype)
+
+
+def _value_loader(v_ref, mix_refs):
+    """rows -> the block of values the kernel attends over: V's rows, or Eq. 7's mix of V_1's and V_n's rows
+    (mix_refs: V_1 and the fp32 pair (l1, l2))."""
+    if not mix_refs:
+        return lambda rows: v_ref[rows, :]
+    v1_ref, lam_ref = mix_refs
+    l1, l2 = lam_ref[0], lam_ref[1]
+    return lambda rows: _mixed_value(v1_ref[rows, :], v_ref[rows, :], l1, l2)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -263,13 +279,16 @@ def _scores_kept(q_idx, k_idx, kv_len: int, bk: int, causal: bool, doc_start=Non
     return kept
 
 
-def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
+def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False):
     # docs: packed documents, one more input: where each query's document starts. Under the causal mask a key is
     # in its query's document exactly when it is at or after that start (documents are contiguous), so no segment
     # ids are held; key blocks before the block's first document are skipped, not just masked.
     # positions: the query block's positions in the sequence (context parallelism: a device's queries are two
     # slices of it; the keys are the whole sequence in order), for the causal mask and the blocks skipped
-    (q_ref, k_ref, v_ref), start_ref, qpos_ref, (o_ref, lse_ref) = _split_refs(refs, docs, positions, 3)
+    # mixed: two more inputs, V_1 and (l1, l2): the values attended over are Eq. 7's mix, formed block by block
+    ins, start_ref, qpos_ref, (o_ref, lse_ref) = _split_refs(refs, docs, positions, 3 + 2 * mixed)
+    q_ref, k_ref, v_ref = ins[:3]
+    load_v = _value_loader(v_ref, ins[3:])
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, D]
     D = q.shape[-1]
@@ -278,7 +297,7 @@ def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
     def body(j, carry):
         acc, m, l = carry
         k = k_ref[pl.ds(j * bk, bk), :]
-        v = v_ref[pl.ds(j * bk, bk), :]
+        v = load_v(pl.ds(j * bk, bk))
         s = _dot_t(q, k) * scale  # [bq, bk] fp32
         mask = _scores_kept(q_idx, j * bk + jnp.arange(bk), kv_len, bk, causal, start_ref[...] if docs else None)
         s = s if mask is None else jnp.where(mask, s, MASK)
@@ -338,7 +357,8 @@ def position_tables(qpos_BxT, S: int, Tp: int, Sp: int, bq: int, seg_BxS=None):
     return qpos_p, qstart, (start, end_local)
 
 
-def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
+def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
+    """mix: (V_1 [B, S, K, D], (l1, l2) fp32 [2]): attend over Eq. 7's l1 V_1 + l2 v."""
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -346,8 +366,18 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
     docs, positions = seg is not None, qpos is not None
     kernel = functools.partial(
-        _fwd_kernel, scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions
+        _fwd_kernel,
+        scale=1.0 / math.sqrt(D),
+        causal=causal,
+        bq=bq,
+        bk=bk,
+        kv_len=S,
+        docs=docs,
+        positions=positions,
+        mixed=mix is not None,
     )
+    kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
+    mix_specs, mix_in = _mix_inputs(mix, kv_spec, Sp)
     extra_specs, extra = [], []
     row_q = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
     if positions:
@@ -363,8 +393,9 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
         grid=(Tp // bq, B, H),
         in_specs=[
             pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-            pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+            kv_spec,
+            kv_spec,
+            *mix_specs,
             *extra_specs,
         ],
         out_specs=[
@@ -373,24 +404,38 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None):
         ],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         name="flash_attention_fwd" + (TABLES if docs or positions else ""),
-    )(qp, kp, vp, *extra)
+    )(qp, kp, vp, *mix_in, *extra)
     return o, lse  # padded along T
+
+
+def _mix_inputs(mix, v_spec, Sp: int):
+    """The kernels' extra inputs for Eq. 7's mix (V_1 padded as V, read through V's spec; (l1, l2) whole), or none."""
+    if mix is None:
+        return [], []
+    v1, lam = mix
+    return [v_spec, pl.BlockSpec((2,), lambda *_: (0,))], [_pad(v1, 1, Sp), lam.astype(jnp.float32)]
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False):
+def _dkdv_kernel(
+    *refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False, mixed=False, lambda_grads=False
+):
     # docs: where every query's document starts (the forward's mask), and one past where each key of the block's
     # document ends (query blocks after the block's last document are skipped). positions: every query's
     # position, and for each key of the block the first query block that sees it (query blocks before it skipped)
-    ins, start_ref, qpos_ref, (dk_ref, dv_ref) = _split_refs(refs, docs, positions, 6 + positions + docs)
+    # mixed: V is Eq. 7's l1 V_1 + l2 V_n (two more inputs); the kernel writes V_n's gradient l2 dV, V_1's l1 dV,
+    # and with lambda_grads each key's share of the lambdas' gradients (V_1 . dV and V_n . dV over its features)
+    n_mix = 2 * mixed
+    ins, start_ref, qpos_ref, outs = _split_refs(refs, docs, positions, 6 + n_mix + positions + docs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
-    qstart_ref = ins[6] if positions else None
-    end_ref = ins[6 + positions] if docs else None
+    mix_refs = ins[6 : 6 + n_mix]
+    qstart_ref = ins[6 + n_mix] if positions else None
+    end_ref = ins[6 + n_mix + positions] if docs else None
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
-    v = v_ref[...]
+    v = _value_loader(v_ref, mix_refs)(slice(None))
     D = k.shape[-1]
     k_idx = j * bk + jnp.arange(bk)
 
@@ -418,15 +463,23 @@ def _dkdv_kernel(*refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions
     stop = jnp.minimum(q_blocks, lax.div(jnp.max(end_ref[...]) + bq - 1, bq)) if docs else q_blocks
     init = (jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
     dk, dv = lax.fori_loop(start, stop, body, init)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    outs[0][...] = dk.astype(outs[0].dtype)
+    if not mixed:
+        outs[1][...] = dv.astype(outs[1].dtype)
+        return
+    (v1_ref, lam_ref), (dvn_ref, dv1_ref, *dl_refs) = mix_refs, outs[1:]
+    dvn_ref[...] = (lam_ref[1] * dv).astype(dvn_ref.dtype)
+    if lambda_grads:  # this key block's share: one number each (a pointer a row would cost registers)
+        dl_refs[0][...] = jnp.sum(v1_ref[...].astype(jnp.float32) * dv)
+        dl_refs[1][...] = jnp.sum(v_ref[...].astype(jnp.float32) * dv)
+    dv1_ref[...] = (lam_ref[0] * dv).astype(dv1_ref.dtype)
 
 
-def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
+def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False):
     # as the forward's
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), start_ref, qpos_ref, (dq_ref,) = _split_refs(
-        refs, docs, positions, 6
-    )
+    ins, start_ref, qpos_ref, (dq_ref,) = _split_refs(refs, docs, positions, 6 + 2 * mixed)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    load_v = _value_loader(v_ref, ins[6:])
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
@@ -437,7 +490,7 @@ def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
 
     def body(j, dq):
         k = k_ref[pl.ds(j * bk, bk), :]
-        v = v_ref[pl.ds(j * bk, bk), :]
+        v = load_v(pl.ds(j * bk, bk))
         s = _dot_t(q, k) * scale
         mask = _scores_kept(q_idx, j * bk + jnp.arange(bk), kv_len, bk, causal, start_ref[...] if docs else None)
         p = jnp.exp(s - lse[:, None])
@@ -453,7 +506,9 @@ def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False):
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
+def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=None, lambda_grads=False):
+    """(dQ, dK, dV) or, with Eq. 7's mix (V_1, (l1, l2)), (dQ, dK, dV_n, dV_1, d(l1, l2)) (zeros unless
+    lambda_grads)."""
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -485,7 +540,16 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
-    dk_h, dv_h = _pallas(
+    mixed = mix is not None
+    dkdv_mix_specs, mix_in = _mix_inputs(mix, kv_block, Sp)
+    # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
+    # the input dtype (the fp32 accumulators rounded once, as the cast after would)
+    grad_shape = jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)
+    key_share = pl.BlockSpec((None, None, None), lambda j, b, h: (b, h, j))  # per key block: V_1 . dV, V_n . dV
+    shares = 2 if lambda_grads else 0
+    mix_out_specs = [out_block, *[key_share] * shares] if mixed else []
+    mix_out_shape = [grad_shape, *[jax.ShapeDtypeStruct((B, H, Sp // bk), jnp.float32)] * shares] if mixed else []
+    dk_h, dv_h, *mix_grads = _pallas(
         functools.partial(
             _dkdv_kernel,
             scale=scale,
@@ -496,6 +560,8 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
             q_blocks=Tp // bq,
             docs=docs,
             positions=positions,
+            mixed=mixed,
+            lambda_grads=lambda_grads,
         ),
         grid=(Sp // bk, B, H),
         in_specs=[
@@ -505,34 +571,56 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None):
             q_spec_full,
             row_full,
             row_full,
+            *dkdv_mix_specs,
             *dkdv_first_specs,
             *dkdv_extra_specs,
         ],
-        out_specs=[out_block, out_block],
-        # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
-        # the input dtype (the fp32 accumulators rounded once, as the cast after would)
-        out_shape=[jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)] * 2,
+        out_specs=[out_block, out_block, *mix_out_specs],
+        out_shape=[grad_shape, grad_shape, *mix_out_shape],
         num_warps_=num_warps(bq, bk),
         name="flash_attention_dkdv" + (TABLES if docs or positions else ""),
-    )(qp, kp, vp, dop, lse, delta, *dkdv_first, *dkdv_extra)
+    )(qp, kp, vp, dop, lse, delta, *mix_in, *dkdv_first, *dkdv_extra)
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     dq = _pallas(
         functools.partial(
-            _dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions
+            _dq_kernel,
+            scale=scale,
+            causal=causal,
+            bq=bq,
+            bk=bk,
+            kv_len=S,
+            docs=docs,
+            positions=positions,
+            mixed=mixed,
         ),
         grid=(Tp // bq, B, H),
-        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block, *dq_extra_specs],
+        in_specs=[
+            q_block,
+            kv_full,
+            kv_full,
+            q_block,
+            row_block,
+            row_block,
+            *_mix_inputs(mix, kv_full, Sp)[0],
+            *dq_extra_specs,
+        ],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
         num_warps_=num_warps(bq, bk),
         name="flash_attention_dq" + (TABLES if docs or positions else ""),
-    )(qp, kp, vp, dop, lse, delta, *dq_extra)
-    # GQA: a kv head's gradient is the sum over the query heads that read it.
-    dk = dk_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(k.dtype)
-    dv = dv_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(v.dtype)
-    return dq[:, :T], dk, dv
+    )(qp, kp, vp, dop, lse, delta, *mix_in, *dq_extra)
+
+    def per_kv_head(g_h, dtype):  # GQA: a kv head's gradient is the sum over the query heads that read it
+        return g_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(dtype)
+
+    dk, dv = per_kv_head(dk_h, k.dtype), per_kv_head(dv_h, v.dtype)
+    if not mixed:
+        return dq[:, :T], dk, dv
+    (dv1_h, *key_shares), (v1, lam) = mix_grads, mix
+    dlam = jnp.stack([x.sum() for x in key_shares]) if lambda_grads else jnp.zeros_like(lam)
+    return dq[:, :T], dk, dv, per_kv_head(dv1_h, v1.dtype), dlam
 
 
 # ----------------------------------------------------------------------------- public
@@ -599,6 +687,27 @@ def _flash_positions_bwd(causal, bq, bk, res, do):
 _flash_positions.defvjp(_flash_positions_fwd, _flash_positions_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash_mixed(q, k, v, v1, lam, seg, causal, bq, bk, lambda_grads):
+    o, _ = _forward(q, k, v, causal, bq, bk, seg, mix=(v1, lam))
+    return o[:, : q.shape[1]]
+
+
+def _flash_mixed_fwd(q, k, v, v1, lam, seg, causal, bq, bk, lambda_grads):
+    o_p, lse = _forward(q, k, v, causal, bq, bk, seg, mix=(v1, lam))
+    q, k, v, v1, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, v1, o_p, lse))
+    return o_p[:, : q.shape[1]], (q, k, v, v1, lam, seg, o_p, lse)
+
+
+def _flash_mixed_bwd(causal, bq, bk, lambda_grads, res, do):
+    q, k, v, v1, lam, seg, o_p, lse = res
+    grads = _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg, mix=(v1, lam), lambda_grads=lambda_grads)
+    return (*grads, None)  # segment ids
+
+
+_flash_mixed.defvjp(_flash_mixed_fwd, _flash_mixed_bwd)
+
+
 def flash_attention_at(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT, *, segments_BxS=None, block_q=128, block_k=128):
     """Causal attention of queries at sequence positions `positions_BxT` (ascending: a device's slices of the
     sequence under context parallelism) over the whole sequence's keys and values [B, S, K, D], in order: query t
@@ -615,10 +724,25 @@ def flash_attention_at(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT, *, segmen
     return _flash_positions(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT, segments_BxS, True, bq, bk)
 
 
-def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128, block_k=128, segments_BxT=None):
+def flash_attention(
+    q_BxTxHxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    *,
+    causal=True,
+    block_q=128,
+    block_k=128,
+    segments_BxT=None,
+    value_mix=None,
+    lambda_grads=True,
+):
     """Causal (or full) attention with q [B, T, H, D], k/v [B, S, K, D]; blocks capped at block_q/block_k
     and shrunk to the shared-memory budget (choose_blocks). `segments_BxT` (causal): packed documents, each
-    query attending within its own; blocks outside a block's documents are skipped."""
+    query attending within its own; blocks outside a block's documents are skipped. `value_mix` (V_1
+    [B, S, K, D], (l1, l2) fp32 [2]): attend over Eq. 7's l1 V_1 + l2 v, formed as the kernels load each block
+    (the gradients of v, V_1 and (l1, l2) come from the dK/dV kernel: no pass over memory for the mix);
+    lambda_grads=False: (l1, l2) are constants (the paper's fixed 1/2, 1/2), their gradient is not computed and
+    reads as zero (pass them through lax.stop_gradient)."""
     _B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
@@ -628,8 +752,13 @@ def flash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block_q=128
     bq, bk = choose_blocks(
         T, S, D, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k, budget=smem_budget(target_device_kind())
     )
+    if segments_BxT is not None and not causal:
+        raise ValueError("packed documents (segment ids) are for causal attention")
+    if value_mix is not None:
+        v1_BxSxKxD, lam_2 = value_mix
+        return _flash_mixed(
+            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, v1_BxSxKxD, lam_2, segments_BxT, causal, bq, bk, lambda_grads
+        )
     if segments_BxT is not None:
-        if not causal:
-            raise ValueError("packed documents (segment ids) are for causal attention")
         return _flash_docs(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, causal, bq, bk)
     return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)

@@ -75,6 +75,7 @@ class LayerPlan:
     gate: bool = False  # the mix's weight is a gate of the layer input (resformer_lambdas=gated)
     value_table: int = -1  # the value-embedding table added to V_n (model.value_embeddings), -1: none
     value_table_gate: bool = False  # added through a gate of the layer input instead of two scalars
+    mix_in_kernel: bool = False  # Eq. 7 formed by the attention kernel as it loads V (pallas): no pass of its own
 
     @property
     def owns(self) -> tuple[bool, bool, bool]:
@@ -137,6 +138,7 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
         anchor=anchor,
         own_value_heads=own_heads,
         gate=m.gates_values and mix is gated_value,
+        mix_in_kernel=mix is eq7_resformer_value and m.attention_impl == "pallas" and not m.uses_neutreno,
         value_table=m.value_table(layer),
         value_table_gate=m.value_embedding_gate,
     )
@@ -151,9 +153,9 @@ class LayerTensors(NamedTuple):
     q: jax.Array  # [B, T, H, D], before RoPE
     k: jax.Array  # [B, T, K, D], before RoPE
     v: Any  # [B, T, K, D] V_n; None where the layer has no W_V (SVFormer)
-    v_att: jax.Array  # the value A_n was applied to
+    v_att: Any  # the value A_n was applied to; None where the attention kernel formed it (plan.mix_in_kernel)
     k_all: jax.Array  # [B, S, K, D] rotated keys attended over
-    v_all: jax.Array  # [B, S, K, D] values attended over
+    v_all: Any  # [B, S, K, D] values attended over (None as v_att)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,7 +440,9 @@ class Attention(nn.Module):
         if gate_BxTxK is not None:
             self.sow("intermediates", "gate_mean", gate_BxTxK.mean())
         mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)
-        v_att_BxTxKxD = p.mix(mix_in)
+        # Eq. 7 in the attention kernel where it runs on the whole sequence (training, evaluation)
+        in_kernel = p.mix_in_kernel and not (self.decode or self.capture) and kernels.context_size(ctx.mesh) == 1
+        v_att_BxTxKxD = None if in_kernel else p.mix(mix_in)
 
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead.
         inv_freq = rope_inv_freq(m)
@@ -457,11 +461,13 @@ class Attention(nn.Module):
             u_BxTxHxD = kernels.attention(
                 qr_BxTxHxD,
                 kr_BxTxKxD,
-                v_att_BxTxKxD,
+                v_BxTxKxD if in_kernel else v_att_BxTxKxD,
                 causal=True,
                 impl=m.attention_impl,
                 mesh=ctx.mesh,
                 segments_BxT=ctx.segments,
+                value_mix=(v_src, self._kernel_lambdas(l1, l2)) if in_kernel else None,
+                lambda_grads=m.learns_lambdas,
             )
 
         # Corrections after the attention: Eq. 6's identity mapping, Eq. 8's NeuTRENO.
@@ -472,6 +478,11 @@ class Attention(nn.Module):
 
         out_BxTxE = output_projection(m, x_BxTxE.shape[-1])(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
+
+    def _kernel_lambdas(self, l1, l2):
+        """(l1, l2) as the attention kernel takes them: fp32, constants cut from differentiation unless learned."""
+        lam_2 = jnp.stack([l1, l2]).astype(jnp.float32)
+        return lam_2 if self.cfg.learns_lambdas else jax.lax.stop_gradient(lam_2)
 
     def _add_value_embedding(self, x_BxTxE, v_BxTxKxD, ve_BxTxKxD):
         m, p = self.cfg, self.plan
