@@ -121,6 +121,19 @@ def test_accelerator_head_pads_the_vocabulary_and_writes_compute_dtype_logits():
     assert "bf16[3,5,128]" in jaxpr or "bf16[15,128]" in jaxpr, "the logits GEMM writes bf16 over 128 columns"
 
 
+def test_online_logsumexp_is_logsumexp_in_one_reduction():
+    """The accelerators' head takes log Z in one read of the logits: the same value as jax.nn.logsumexp (masked
+    -inf columns, a row of only -inf, large logits), from a single reduction over the vocabulary."""
+    from resformer_jax.train.loss import online_logsumexp
+
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 9, 1000)) * 30.0
+    x = x.at[..., 900:].set(-jnp.inf).at[0, 0].set(-jnp.inf)
+    got, want = online_logsumexp(x), jax.nn.logsumexp(x, axis=-1)
+    assert got[0, 0] == -jnp.inf
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-6)
+    assert str(jax.make_jaxpr(online_logsumexp)(x)).count("reduce") == 1
+
+
 @pytest.mark.slow  # over 12 s in the fast tier
 def test_train_step_same_with_fused_and_full_logits_loss():
     c = tiny_config("svformer")

@@ -17,8 +17,10 @@ so the loss and gradients are unchanged): with the GPT-NeoX vocabulary
 slices them back. And the logits GEMM writes the compute dtype (fp32
 accumulation inside the GEMM; the softmax, loss and gradient math stay fp32),
 as the paper's bf16-autocast PyTorch head does, halving every pass over the
-largest tensor of the step. The CPU keeps fp32 logits, unpadded: its losses
-bitwise as they were. Measured in docs/kernels-and-compile.md.
+largest tensor of the step; log Z is taken in one read of the logits
+(`online_logsumexp`) instead of a max and then a sum. The CPU keeps fp32
+logits, unpadded, and jax.nn.logsumexp: its losses bitwise as they were.
+Measured in docs/kernels-and-compile.md.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class HeadPlan(NamedTuple):
 
     vocab_multiple: int = 1  # W's vocabulary axis padded to a multiple of this
     logits_dtype: str | None = "float32"  # what the logits GEMM writes; None: the compute dtype
+    one_pass_logsumexp: bool = False  # log Z in one read of the logits (online_logsumexp), not a max then a sum
 
 
 CPU_HEAD = HeadPlan()  # fp32 logits, no padding
-ACCELERATOR_HEAD = HeadPlan(vocab_multiple=128, logits_dtype=None)  # padded to 128, compute-dtype logits
+# padded to 128, compute-dtype logits, log Z in one pass
+ACCELERATOR_HEAD = HeadPlan(vocab_multiple=128, logits_dtype=None, one_pass_logsumexp=True)
 
 
 def head_plan(cpu_matmuls: bool) -> HeadPlan:
@@ -54,6 +58,23 @@ def cross_entropy(logits_BxTxV, targets_BxT):
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.maximum(targets_BxT, 0)[..., None], axis=-1)[..., 0]
     return jnp.mean(jnp.where(targets_BxT >= 0, logz - picked, 0.0))
+
+
+def online_logsumexp(x, axis: int = -1):
+    """log sum exp(x) over `axis` in one read of x: a reduction of (running max, sum of exp below it) pairs, as
+    FlashAttention's online softmax keeps them (jax.nn.logsumexp reads x twice: its max, then the sum)."""
+
+    def combine(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        # exp(m_i - m) is 1 where m_i is the max (also for two -inf, whose difference would be nan)
+        return m, s1 * jnp.exp(jnp.where(m1 == m, 0.0, m1 - m)) + s2 * jnp.exp(jnp.where(m2 == m, 0.0, m2 - m))
+
+    axis = axis % x.ndim
+    m, s = jax.lax.reduce(
+        (x, jnp.ones_like(x)), (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype)), combine, (axis,)
+    )
+    return m + jnp.log(s)
 
 
 def _blocks(h_BxTxE, targets_BxT, chunk_len):
@@ -84,7 +105,7 @@ def _block_loss(h_BxCxE, w_ExV, t_BxC, plan: HeadPlan = CPU_HEAD, vocab: int | N
     logits_BxCxV = _block_logits(h_BxCxE, w_ExV, plan)
     if vocab is not None and vocab < logits_BxCxV.shape[-1]:
         logits_BxCxV = jnp.where(jnp.arange(logits_BxCxV.shape[-1]) < vocab, logits_BxCxV, -jnp.inf)
-    logz_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    logz_BxC = online_logsumexp(logits_BxCxV) if plan.one_pass_logsumexp else jax.nn.logsumexp(logits_BxCxV, axis=-1)
     picked_BxC = jnp.take_along_axis(logits_BxCxV, jnp.maximum(t_BxC, 0)[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(t_BxC >= 0, logz_BxC - picked_BxC, 0.0)), logits_BxCxV, logz_BxC
 
