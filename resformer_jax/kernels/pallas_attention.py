@@ -476,15 +476,17 @@ def _dkdv_kernel(
 
 
 def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False):
-    # as the forward's
-    ins, start_ref, qpos_ref, (dq_ref,) = _split_refs(refs, docs, positions, 6 + 2 * mixed)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    # as the forward's; it also forms the block's delta_i = sum_d O_id dO_id (FlashAttention-2) from the O and dO
+    # it holds, and writes it for the dK/dV kernel after it (no pass over O and dO of its own)
+    ins, start_ref, qpos_ref, (dq_ref, delta_ref) = _split_refs(refs, docs, positions, 6 + 2 * mixed)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref = ins[:6]
     load_v = _value_loader(v_ref, ins[6:])
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
-    delta = delta_ref[...]
+    delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+    delta_ref[...] = delta
     D = q.shape[-1]
     q_idx = qpos_ref[...] if positions else i * bq + jnp.arange(bq)
 
@@ -516,8 +518,6 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize, tables=docs or positions)
     Tp, Sp = o_p.shape[1], pl.cdiv(S, bk) * bk
     qp, kp, vp, dop = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp), _pad(do, 1, Tp)
-    # delta_i = sum_d O_id dO_id (FlashAttention-2): cheap, elementwise, done outside the kernels.
-    delta = jnp.einsum("bthd,bthd->bht", o_p.astype(jnp.float32), dop.astype(jnp.float32))
     scale = 1.0 / math.sqrt(D)
     dkdv_extra_specs, dkdv_extra, dq_extra_specs, dq_extra = [], [], [], []
     key_rows = pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
@@ -536,12 +536,45 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         dkdv_extra_specs = [*dkdv_extra_specs, pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0))]
         dkdv_extra = [*dkdv_extra, qpos_p]
         dq_extra_specs, dq_extra = [*dq_extra_specs, query_rows], [*dq_extra, qpos_p]
+    mixed = mix is not None
+    _, mix_in = _mix_inputs(mix, None, Sp)
+    # dQ first: it writes delta, which dK/dV reads
+    q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
+    row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
+    dq, delta = _pallas(
+        functools.partial(
+            _dq_kernel,
+            scale=scale,
+            causal=causal,
+            bq=bq,
+            bk=bk,
+            kv_len=S,
+            docs=docs,
+            positions=positions,
+            mixed=mixed,
+        ),
+        grid=(Tp // bq, B, H),
+        in_specs=[
+            q_block,
+            kv_full,
+            kv_full,
+            q_block,
+            row_block,
+            q_block,  # O
+            *_mix_inputs(mix, kv_full, Sp)[0],
+            *dq_extra_specs,
+        ],
+        out_specs=[q_block, row_block],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
+        num_warps_=num_warps(bq, bk),
+        name="flash_attention_dq" + (TABLES if docs or positions else ""),
+    )(qp, kp, vp, dop, lse, o_p, *mix_in, *dq_extra)
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
-    mixed = mix is not None
-    dkdv_mix_specs, mix_in = _mix_inputs(mix, kv_block, Sp)
+    dkdv_mix_specs, _ = _mix_inputs(mix, kv_block, Sp)
     # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
     # the input dtype (the fp32 accumulators rounded once, as the cast after would)
     grad_shape = jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)
@@ -580,37 +613,6 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         num_warps_=num_warps(bq, bk),
         name="flash_attention_dkdv" + (TABLES if docs or positions else ""),
     )(qp, kp, vp, dop, lse, delta, *mix_in, *dkdv_first, *dkdv_extra)
-    q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
-    row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
-    dq = _pallas(
-        functools.partial(
-            _dq_kernel,
-            scale=scale,
-            causal=causal,
-            bq=bq,
-            bk=bk,
-            kv_len=S,
-            docs=docs,
-            positions=positions,
-            mixed=mixed,
-        ),
-        grid=(Tp // bq, B, H),
-        in_specs=[
-            q_block,
-            kv_full,
-            kv_full,
-            q_block,
-            row_block,
-            row_block,
-            *_mix_inputs(mix, kv_full, Sp)[0],
-            *dq_extra_specs,
-        ],
-        out_specs=q_block,
-        out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
-        num_warps_=num_warps(bq, bk),
-        name="flash_attention_dq" + (TABLES if docs or positions else ""),
-    )(qp, kp, vp, dop, lse, delta, *mix_in, *dq_extra)
 
     def per_kv_head(g_h, dtype):  # GQA: a kv head's gradient is the sum over the query heads that read it
         return g_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(dtype)
