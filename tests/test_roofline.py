@@ -210,6 +210,52 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     assert "kernel flash_attention_dkdv: 255 registers, SPILLS" in lines
 
 
+@needs_aot
+def test_value_mix_kernels_compile_for_h100_in_their_registers_and_count_as_the_plain_ones():
+    """ResFormer's mix inside the kernels (value_mix, learned lambdas: the dK/dV kernel's extra outputs) at the
+    468M's attention shape: every kernel, plain and mixed (each reported by its own name), in its registers, and the
+    roofline counting the mixed kernels' FLOPs as the plain ones' (the same matmuls)."""
+    from resformer_jax.kernels.pallas_attention import flash_attention
+
+    target, sds = _device("h100x1")
+    qkv = (sds((1, 2048, 16, 64)),) * 3
+
+    def loss(q, k, v, v1, lam):
+        plain = flash_attention(q, k, v)
+        mixed = flash_attention(q, k, v, value_mix=(v1, lam), lambda_grads=True)
+        return (plain.astype(jnp.float32) + mixed.astype(jnp.float32)).sum()
+
+    step = _compile(target, jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *qkv, qkv[0], sds((2,), jnp.float32))
+    kernels = {k["kernel"]: k for k in step.kernel_resources}
+    names = ("flash_attention_fwd", "flash_attention_dkdv", "flash_attention_dq")
+    assert set(kernels) == {*names, *(n + "_value_mix" for n in names)}, sorted(kernels)
+    assert all(k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0 for k in kernels.values()), kernels
+    from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, kernel_flops
+
+    one = sum(kernel_flops(n, (1, 2048, 16, 64), (1, 2048, 16, 64), 2, True, target.kind) for n, _ in KERNEL_MATMULS)
+    assert step.roofline["by_kind"]["kernel"]["flops"] == pytest.approx(2 * one)
+
+
+def test_ptxas_report_keeps_a_kernel_xla_renamed(tmp_path, monkeypatch):
+    """Two different kernels of one name reach the PTX as NAME and NAME__1: both are reported."""
+    from resformer_jax.compile import ptxas
+
+    (tmp_path / "a.ptx").write_text(".entry flash_attention_fwd(\n.entry flash_attention_fwd__1(\n.entry other(\n")
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        text = "".join(
+            f"ptxas info    : Compiling entry function '{n}' for 'sm_90a'\nptxas info    : Used {r} registers\n"
+            for n, r in (("flash_attention_fwd", 186), ("flash_attention_fwd__1", 190), ("other", 10))
+        )
+        return type("R", (), {"stdout": text, "stderr": ""})()
+
+    monkeypatch.setattr(ptxas.subprocess, "run", fake_run)
+    got = ptxas.kernel_resources(str(tmp_path), {"flash_attention_fwd"}, "sm_90a", ptxas="ptxas")
+    assert [(k.kernel, k.registers) for k in got] == [("flash_attention_fwd", 186), ("flash_attention_fwd__1", 190)]
+
+
 @pytest.mark.slow
 @needs_aot
 def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(tmp_path):

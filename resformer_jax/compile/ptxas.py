@@ -66,14 +66,18 @@ def kernel_resources(dump_dir: str, kernels: set[str], arch: str, ptxas: str | N
     ptxas = ptxas or find_ptxas()
     if ptxas is None:
         return []
+
+    def named(entry: str) -> bool:  # XLA names a second kernel of the same name NAME__1, NAME__2, ...
+        return re.sub(r"__\d+$", "", entry) in kernels
+
     out = []
     for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
         with open(path, errors="replace") as f:
             entries = set(re.findall(r"\.entry\s+([\w$]+)", f.read()))
-        if not entries & kernels:
+        if not any(named(e) for e in entries):
             continue
         r = subprocess.run(
             [ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull], capture_output=True, text=True, timeout=300
         )
-        out += [k for k in parse_ptxas(r.stdout + r.stderr) if k.kernel in kernels]
+        out += [k for k in parse_ptxas(r.stdout + r.stderr) if named(k.kernel)]
     return out

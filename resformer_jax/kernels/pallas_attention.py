@@ -182,6 +182,7 @@ def backward_blocks(bq: int, bk: int, D: int, itemsize: int, tables: bool = Fals
 
 
 TABLES = "_tables"  # the name suffix of the kernels that read per-position tables (documents, positions)
+MIXED = "_value_mix"  # the name suffix of the kernels that form Eq. 7's value mix (after TABLES)
 
 
 def num_warps(bq: int, bk: int) -> int:
@@ -403,7 +404,7 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        name="flash_attention_fwd" + (TABLES if docs or positions else ""),
+        name="flash_attention_fwd" + (TABLES if docs or positions else "") + (MIXED if mix is not None else ""),
     )(qp, kp, vp, *mix_in, *extra)
     return o, lse  # padded along T
 
@@ -427,7 +428,7 @@ def _dkdv_kernel(
     # position, and for each key of the block the first query block that sees it (query blocks before it skipped)
     # mixed: V is Eq. 7's l1 V_1 + l2 V_n (two more inputs); the kernel writes V_n's gradient l2 dV, V_1's l1 dV,
     # and with lambda_grads each key's share of the lambdas' gradients (V_1 . dV and V_n . dV over its features)
-    n_mix = 2 * mixed
+    n_mix = 2 * mixed + 2 * lambda_grads
     ins, start_ref, qpos_ref, outs = _split_refs(refs, docs, positions, 6 + n_mix + positions + docs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
     mix_refs = ins[6 : 6 + n_mix]
@@ -435,7 +436,7 @@ def _dkdv_kernel(
     end_ref = ins[6 + n_mix + positions] if docs else None
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
-    v = _value_loader(v_ref, mix_refs)(slice(None))
+    v = _value_loader(v_ref, mix_refs[:2])(slice(None))
     D = k.shape[-1]
     k_idx = j * bk + jnp.arange(bk)
 
@@ -467,12 +468,14 @@ def _dkdv_kernel(
     if not mixed:
         outs[1][...] = dv.astype(outs[1].dtype)
         return
-    (v1_ref, lam_ref), (dvn_ref, dv1_ref, *dl_refs) = mix_refs, outs[1:]
+    lam_ref, (dvn_ref, dv1_ref, *dl_refs) = mix_refs[1], outs[1:]
     dvn_ref[...] = (lam_ref[1] * dv).astype(dvn_ref.dtype)
-    if lambda_grads:  # this key block's share: one number each (a pointer a row would cost registers)
-        dl_refs[0][...] = jnp.sum(v1_ref[...].astype(jnp.float32) * dv)
-        dl_refs[1][...] = jnp.sum(v_ref[...].astype(jnp.float32) * dv)
     dv1_ref[...] = (lam_ref[0] * dv).astype(dv1_ref.dtype)
+    if lambda_grads:  # this key block's share, one number each, from V_1 and V_n read again through refs of
+        # their own (the loads before the loop, kept live through it for these, spilled registers)
+        v1_again, vn_again = mix_refs[2:]
+        dl_refs[0][...] = jnp.sum(v1_again[...].astype(jnp.float32) * dv)
+        dl_refs[1][...] = jnp.sum(vn_again[...].astype(jnp.float32) * dv)
 
 
 def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False):
@@ -568,13 +571,15 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         out_specs=[q_block, row_block],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         num_warps_=num_warps(bq, bk),
-        name="flash_attention_dq" + (TABLES if docs or positions else ""),
+        name="flash_attention_dq" + (TABLES if docs or positions else "") + (MIXED if mixed else ""),
     )(qp, kp, vp, dop, lse, o_p, *mix_in, *dq_extra)
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
     dkdv_mix_specs, _ = _mix_inputs(mix, kv_block, Sp)
+    again = lambda_grads and mix is not None  # V_1 and V_n once more, for the lambdas' shares
+    dkdv_mix_specs += [kv_block, kv_block] if again else []
     # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
     # the input dtype (the fp32 accumulators rounded once, as the cast after would)
     grad_shape = jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)
@@ -611,8 +616,8 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         out_specs=[out_block, out_block, *mix_out_specs],
         out_shape=[grad_shape, grad_shape, *mix_out_shape],
         num_warps_=num_warps(bq, bk),
-        name="flash_attention_dkdv" + (TABLES if docs or positions else ""),
-    )(qp, kp, vp, dop, lse, delta, *mix_in, *dkdv_first, *dkdv_extra)
+        name="flash_attention_dkdv" + (TABLES if docs or positions else "") + (MIXED if mixed else ""),
+    )(qp, kp, vp, dop, lse, delta, *mix_in, *(mix_in[:1] + [vp] if again else []), *dkdv_first, *dkdv_extra)
 
     def per_kv_head(g_h, dtype):  # GQA: a kv head's gradient is the sum over the query heads that read it
         return g_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(dtype)
