@@ -34,6 +34,7 @@ from resformer_jax.config import (
 )
 from resformer_jax.kernels import cpu_matmul
 from resformer_jax.kernels.names import backend_of
+from resformer_jax.model.attention import kernel_can_mix_values
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.rundir import RunDir
 
@@ -115,6 +116,7 @@ def resolve_attention(
         jnp.dtype(m.dtype),
         log,
         documents=bool(cfg.data.document_mask),
+        value_mix=kernel_can_mix_values(mc),
     )
     return AttentionChoice(choice, rejected, True)
 

@@ -136,6 +136,30 @@ def test_auto_probe_on_a_gpu_times_every_candidate_and_keeps_the_fastest():
     assert "fastest forward+backward" in msgs[0] and "pallas 3.00 ms" in msgs[0] and "xla 2.00 ms" in msgs[0], msgs
 
 
+def test_auto_probe_times_resformer_layers_on_their_value_mix(monkeypatch):
+    """For ResFormer (value_mix), each candidate is timed on what its layers run: pallas with the mix inside
+    (value_mix passed to the kernel), the others on the value mixed first; the log says so."""
+    seen = []
+    real = kernels.attention
+
+    def spy(q, k, v, **kw):
+        seen.append((kw["impl"], kw.get("value_mix") is not None))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(kernels, "attention", spy)
+    msgs, ticks = [], iter([0.0, 0.002] * 3 + [0.0, 0.003] * 3)
+    choice, _ = kernels.probe_auto(
+        (1, 64, 2, 32), 2, jnp.float32, msgs.append, backend="gpu", clock=lambda: next(ticks), value_mix=True
+    )
+    assert choice == "pallas" and ("pallas", True) in seen and ("xla", False) in seen, (choice, seen)
+    assert "with ResFormer's value mix" in msgs[0], msgs
+    from resformer_jax.model.attention import kernel_can_mix_values
+    from resformer_jax.model.config import ModelConfig
+
+    kinds = {v: kernel_can_mix_values(ModelConfig.of(tiny_config(v).model)) for v in ("resformer", "svformer", "none")}
+    assert kinds == {"resformer": True, "svformer": False, "none": False}, kinds
+
+
 def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
     msgs = []
     choice, rejected = kernels.probe_auto((1, 16, 4, 16), 2, jnp.float32, msgs.append)

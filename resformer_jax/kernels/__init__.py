@@ -288,8 +288,11 @@ def probe_auto(
     repeats: int = 3,
     clock=time.perf_counter,
     documents: bool = False,
+    value_mix: bool = False,
 ):
     """The impl `auto` resolves to at the real shapes: every candidate that compiles and runs forward+backward.
+    value_mix (ResFormer's Eq. 7 layers): each candidate is timed on what such a layer runs, pallas forming the
+    mix as it loads V and the others attending over the value mixed first (a pass of its own, timed with them).
 
     On an accelerator (GPU: pallas, cudnn, xla; TPU: splash, xla) each one that runs is timed (the best of
     `repeats` runs after its compile) and the fastest is kept, each time logged; on a CPU the first that runs
@@ -307,11 +310,18 @@ def probe_auto(
             q = jnp.ones((B, T, H, D), dtype) * 0.1
             kv = jnp.ones((B, T, kv_heads, D), dtype) * 0.1
 
-            def loss(q, k, v, impl=impl):
-                return attention(q, k, v, causal=True, impl=impl).astype(jnp.float32).sum()
+            def loss(q, k, v, v1, impl=impl):
+                lam = jnp.array([0.5, 0.5], jnp.float32)
+                if not value_mix:
+                    out = attention(q, k, v, causal=True, impl=impl)
+                elif impl == "pallas":
+                    out = attention(q, k, v, causal=True, impl=impl, value_mix=(v1, lam), lambda_grads=False)
+                else:  # the model's Eq. 7 before the attention
+                    out = attention(q, k, (lam[0] * v1 + lam[1] * v).astype(v.dtype), causal=True, impl=impl)
+                return out.astype(jnp.float32).sum()
 
-            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            jax.block_until_ready(step(q, kv, kv))  # compiles
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            jax.block_until_ready(step(q, kv, kv, kv))  # compiles
         except Exception as e:
             rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
@@ -321,16 +331,17 @@ def probe_auto(
         best = float("inf")
         for _ in range(repeats):
             t0 = clock()
-            jax.block_until_ready(step(q, kv, kv))
+            jax.block_until_ready(step(q, kv, kv, kv))
             best = min(best, clock() - t0)
         seconds[impl] = best
     if not seconds:
         raise KernelUnavailable(f"no attention impl runs here: {rejected}")
     choice = min(seconds, key=lambda k: seconds[k])
     times = "".join(f"; {k} {v * 1e3:.2f} ms" for k, v in seconds.items()) if timed else ""
+    mixed = " with ResFormer's value mix (pallas forms it in the kernel, the others after a pass)" if value_mix else ""
     msg = (
         f"attention_impl=auto chose {choice!r}"
-        + (f" (fastest forward+backward at {q_shape}{times})" if timed else "")
+        + (f" (fastest forward+backward at {q_shape}{mixed}{times})" if timed else "")
         + "".join(f"; rejected {k}: {v}" for k, v in rejected.items())
     )
     log_fn(msg)
