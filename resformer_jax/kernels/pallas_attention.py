@@ -427,7 +427,7 @@ def _dkdv_kernel(
     # document ends (query blocks after the block's last document are skipped). positions: every query's
     # position, and for each key of the block the first query block that sees it (query blocks before it skipped)
     # mixed: V is Eq. 7's l1 V_1 + l2 V_n (two more inputs); the kernel writes V_n's gradient l2 dV, V_1's l1 dV,
-    # and with lambda_grads each key's share of the lambdas' gradients (V_1 . dV and V_n . dV over its features)
+    # and with lambda_grads the key block's share of the lambdas' gradients (the sums of V_1 . dV and V_n . dV)
     n_mix = 2 * mixed + 2 * lambda_grads
     ins, start_ref, qpos_ref, outs = _split_refs(refs, docs, positions, 6 + n_mix + positions + docs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
@@ -539,12 +539,12 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         dkdv_extra_specs = [*dkdv_extra_specs, pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0))]
         dkdv_extra = [*dkdv_extra, qpos_p]
         dq_extra_specs, dq_extra = [*dq_extra_specs, query_rows], [*dq_extra, qpos_p]
-    mixed = mix is not None
-    _, mix_in = _mix_inputs(mix, None, Sp)
+    mixed, again = mix is not None, mix is not None and lambda_grads  # again: V_1 and V_n once more, for the shares
     # dQ first: it writes delta, which dK/dV reads
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
+    dq_mix_specs, mix_in = _mix_inputs(mix, kv_full, Sp)
     dq, delta = _pallas(
         functools.partial(
             _dq_kernel,
@@ -565,7 +565,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
             q_block,
             row_block,
             q_block,  # O
-            *_mix_inputs(mix, kv_full, Sp)[0],
+            *dq_mix_specs,
             *dq_extra_specs,
         ],
         out_specs=[q_block, row_block],
@@ -577,14 +577,12 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
     out_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
-    dkdv_mix_specs, _ = _mix_inputs(mix, kv_block, Sp)
-    again = lambda_grads and mix is not None  # V_1 and V_n once more, for the lambdas' shares
-    dkdv_mix_specs += [kv_block, kv_block] if again else []
+    dkdv_mix_specs = _mix_inputs(mix, kv_block, Sp)[0] + ([kv_block, kv_block] if again else [])
     # per query head; with one query head a kv head (G = 1) nothing is summed after, so the kernel writes
     # the input dtype (the fp32 accumulators rounded once, as the cast after would)
     grad_shape = jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)
     key_share = pl.BlockSpec((None, None, None), lambda j, b, h: (b, h, j))  # per key block: V_1 . dV, V_n . dV
-    shares = 2 if lambda_grads else 0
+    shares = 2 if again else 0
     mix_out_specs = [out_block, *[key_share] * shares] if mixed else []
     mix_out_shape = [grad_shape, *[jax.ShapeDtypeStruct((B, H, Sp // bk), jnp.float32)] * shares] if mixed else []
     dk_h, dv_h, *mix_grads = _pallas(
@@ -599,7 +597,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
             docs=docs,
             positions=positions,
             mixed=mixed,
-            lambda_grads=lambda_grads,
+            lambda_grads=again,
         ),
         grid=(Sp // bk, B, H),
         in_specs=[
@@ -626,7 +624,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     if not mixed:
         return dq[:, :T], dk, dv
     (dv1_h, *key_shares), (v1, lam) = mix_grads, mix
-    dlam = jnp.stack([x.sum() for x in key_shares]) if lambda_grads else jnp.zeros_like(lam)
+    dlam = jnp.stack([x.sum() for x in key_shares]) if again else jnp.zeros_like(lam)
     return dq[:, :T], dk, dv, per_kv_head(dv1_h, v1.dtype), dlam
 
 
