@@ -185,6 +185,11 @@ TABLES = "_tables"  # the name suffix of the kernels that read per-position tabl
 MIXED = "_value_mix"  # the name suffix of the kernels that form Eq. 7's value mix (after TABLES)
 
 
+def _kernel_name(base: str, tables: bool, mixed: bool) -> str:
+    """The pallas_call name the roofline and the ptxas report know a kernel by."""
+    return base + (TABLES if tables else "") + (MIXED if mixed else "")
+
+
 def num_warps(bq: int, bk: int) -> int:
     """Warps a kernel runs with: 8 for tiles of 64 x 128 and larger (with 4, a 128 x 128 tile's accumulators and
     probabilities need more than 255 registers a thread and spill: the compile report's ptxas lines show it), 4
@@ -404,7 +409,7 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        name="flash_attention_fwd" + (TABLES if docs or positions else "") + (MIXED if mix is not None else ""),
+        name=_kernel_name("flash_attention_fwd", docs or positions, mix is not None),
     )(qp, kp, vp, *mix_in, *extra)
     return o, lse  # padded along T
 
@@ -545,18 +550,9 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     dq_mix_specs, mix_in = _mix_inputs(mix, kv_full, Sp)
+    shared = dict(scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions, mixed=mixed)
     dq, delta = _pallas(
-        functools.partial(
-            _dq_kernel,
-            scale=scale,
-            causal=causal,
-            bq=bq,
-            bk=bk,
-            kv_len=S,
-            docs=docs,
-            positions=positions,
-            mixed=mixed,
-        ),
+        functools.partial(_dq_kernel, **shared),
         grid=(Tp // bq, B, H),
         in_specs=[
             q_block,
@@ -571,7 +567,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         out_specs=[q_block, row_block],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         num_warps_=num_warps(bq, bk),
-        name="flash_attention_dq" + (TABLES if docs or positions else "") + (MIXED if mixed else ""),
+        name=_kernel_name("flash_attention_dq", docs or positions, mixed),
     )(qp, kp, vp, dop, lse, o_p, *mix_in, *dq_extra)
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
@@ -586,19 +582,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     mix_out_specs = [out_block, *[key_share] * shares] if mixed else []
     mix_out_shape = [grad_shape, *[jax.ShapeDtypeStruct((B, H, Sp // bk), jnp.float32)] * shares] if mixed else []
     dk_h, dv_h, *mix_grads = _pallas(
-        functools.partial(
-            _dkdv_kernel,
-            scale=scale,
-            causal=causal,
-            bq=bq,
-            bk=bk,
-            kv_len=S,
-            q_blocks=Tp // bq,
-            docs=docs,
-            positions=positions,
-            mixed=mixed,
-            lambda_grads=again,
-        ),
+        functools.partial(_dkdv_kernel, **shared, q_blocks=Tp // bq, lambda_grads=again),
         grid=(Sp // bk, B, H),
         in_specs=[
             q_spec_full,
@@ -614,7 +598,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         out_specs=[out_block, out_block, *mix_out_specs],
         out_shape=[grad_shape, grad_shape, *mix_out_shape],
         num_warps_=num_warps(bq, bk),
-        name="flash_attention_dkdv" + (TABLES if docs or positions else "") + (MIXED if mixed else ""),
+        name=_kernel_name("flash_attention_dkdv", docs or positions, mixed),
     )(qp, kp, vp, dop, lse, delta, *mix_in, *(mix_in[:1] + [vp] if again else []), *dkdv_first, *dkdv_extra)
 
     def per_kv_head(g_h, dtype):  # GQA: a kv head's gradient is the sum over the query heads that read it
