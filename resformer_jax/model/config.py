@@ -254,6 +254,13 @@ class ModelConfig:
         return self.init_std / (2 * self.num_layers) ** 0.5 if self.scaled_output_init else self.init_std
 
     @property
+    def norms_in_kernel(self) -> bool:
+        """RMSNorm in the Pallas kernels (kernels/pallas_norm.py) wherever the attention runs in Pallas's: one read
+        of the residual stream forward, one pass backward with the residual's gradient added. Their block spans a
+        whole row, so d_model must be a power of two; other widths keep XLA's norm."""
+        return self.arch == "llama" and self.attention_impl == "pallas" and self.d_model & (self.d_model - 1) == 0
+
+    @property
     def mixes_values(self) -> bool:
         """ResFormer's mix (Eq. 7) of an earlier value into V_n, alone or with NeuTRENO."""
         return self.value_residual in ("resformer", "resformer+neutreno")

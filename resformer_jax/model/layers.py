@@ -7,12 +7,14 @@ kv_heads, head_dim, layers) so parallel/ can map them onto a mesh.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resformer_jax import kernels
 from resformer_jax.kernels import cpu_matmul
 
 Dtype = jnp.dtype
@@ -87,15 +89,22 @@ def swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype, matmuls: str):
 class RMSNorm(nn.Module):
     eps: float = 1e-5
     dtype: Dtype = jnp.float32
+    kernel: bool = False  # the Pallas kernels (ModelConfig.norms_in_kernel): one pass each way
+    mesh: Any = None  # kernel: the device mesh they run per shard of
 
     @nn.compact
-    def __call__(self, x_BxTxE):
+    def __call__(self, x_BxTxE, passes: bool = False):
+        """RMSNorm(x); passes=True: (x, RMSNorm(x)), the residual stream going on through the first, which the
+        kernels' backward adds to the norm's gradient in the same pass."""
         scale_E = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x_BxTxE.shape[-1],), jnp.float32
         )
+        if self.kernel:
+            return kernels.rms_norm(x_BxTxE, scale_E, eps=self.eps, out_dtype=self.dtype, passes=passes, mesh=self.mesh)
         x = x_BxTxE.astype(jnp.float32)  # normalise in fp32 for stability
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * scale_E).astype(self.dtype)
+        y = (x * scale_E).astype(self.dtype)
+        return (x_BxTxE, y) if passes else y
 
 
 class DenseGeneral(nn.Module):
@@ -170,14 +179,16 @@ class LayerNorm(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BxTxE):
+    def __call__(self, x_BxTxE, passes: bool = False):
+        """passes=True: (x, LayerNorm(x)), as RMSNorm's."""
         E = x_BxTxE.shape[-1]
         scale_E = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (E,), jnp.float32)
         bias_E = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (E,), jnp.float32)
         x = x_BxTxE.astype(jnp.float32)
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
-        return ((x - mean) * jax.lax.rsqrt(var + self.eps) * scale_E + bias_E).astype(self.dtype)
+        y = ((x - mean) * jax.lax.rsqrt(var + self.eps) * scale_E + bias_E).astype(self.dtype)
+        return (x_BxTxE, y) if passes else y
 
 
 class GeluMLP(nn.Module):

@@ -41,9 +41,12 @@ from resformer_jax.model.lambdas import block_lambdas, stack_lambdas
 from resformer_jax.model.layers import DenseGeneral, Embed, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal_init
 
 
-def norm(m: ModelConfig, dtype, name: str) -> nn.Module:
-    """Pre-norm: RMSNorm (Llama) or LayerNorm (GPT-2)."""
-    return (LayerNorm if m.arch == "gpt2" else RMSNorm)(m.norm_eps, dtype, name=name)
+def norm(m: ModelConfig, dtype, name: str, mesh=None, kernel: bool = True) -> nn.Module:
+    """Pre-norm: RMSNorm (Llama) or LayerNorm (GPT-2); RMSNorm in the Pallas kernels where the config puts it there
+    (ModelConfig.norms_in_kernel) and the caller trains or evaluates (kernel=False: decoding, the analysis capture)."""
+    if m.arch == "gpt2":
+        return LayerNorm(m.norm_eps, dtype, name=name)
+    return RMSNorm(m.norm_eps, dtype, kernel=kernel and m.norms_in_kernel, mesh=mesh, name=name)
 
 
 def mlp(m: ModelConfig, dtype) -> nn.Module:
@@ -156,11 +159,11 @@ class DecoderBlock(nn.Module):
         dtype = jnp.dtype(m.dtype)
         plan = self.planner(m, self.layer)
         lam_2 = block_lambdas(self, m, self.layer, lam_2)
-        h_BxTxE = carry.h
-        x_BxTxE = norm(m, dtype, "attn_norm")(h_BxTxE)
+        kernel = not (self.decode or self.capture)
+        # the stream passes through each norm, so a kernel's backward adds its gradient in the norm's own pass
+        h_BxTxE, x_BxTxE = norm(m, dtype, "attn_norm", ctx.mesh, kernel)(carry.h, passes=True)
         attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(x_BxTxE, ctx, carry, lam_2)
-        h_BxTxE = h_BxTxE + dropout(self, m, attn_out)
-        y_BxTxE = norm(m, dtype, "mlp_norm")(h_BxTxE)
+        h_BxTxE, y_BxTxE = norm(m, dtype, "mlp_norm", ctx.mesh, kernel)(h_BxTxE + dropout(self, m, attn_out), passes=True)
         h_BxTxE = h_BxTxE + dropout(self, m, mlp(m, dtype)(y_BxTxE))
         if self.capture:
             self.sow("intermediates", "hidden", h_BxTxE)
@@ -313,7 +316,7 @@ class Transformer(nn.Module):
         if context:  # back in the sequence's order, still split over the context axis
             h_BxTxE = kernels.on_context(h_BxTxE[:, np.argsort(order)], self.mesh)
 
-        h_BxTxE = norm(m, dtype, "final_norm")(h_BxTxE)
+        h_BxTxE = norm(m, dtype, "final_norm", self.mesh, not (decode or self.capture))(h_BxTxE)
         if self.capture:
             self.sow("intermediates", "final_norm_output", h_BxTxE)
         if return_hidden:
