@@ -9,6 +9,7 @@ from resformer_jax import kernels
 from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
+from resformer_jax.model.config import ModelConfig
 
 SHAPES = [(T, H, K, 64) for T in (1, 7, 128, 300) for H, K in ((4, 4), (8, 2), (8, 1))]
 SHAPES += [(7, 8, 2, 128), (300, 8, 1, 128), (128, 4, 4, 128)]
@@ -282,3 +283,55 @@ def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path):
         out[impl] = read_jsonl(f"{wd}/metrics.jsonl", "train/loss")
     for s in (1, 2, 3):
         np.testing.assert_allclose(out["pallas"][s], out["xla"][s], rtol=1e-5)
+
+
+def _plain_rms_norm(h, scale, eps, dtype):
+    """RMSNorm as model/layers.RMSNorm's XLA path writes it (and tests/reference.py)."""
+    x = h.astype(jnp.float32)
+    return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,outputs",
+    [((2, 37, 64), jnp.float32, 1), ((3, 128, 128), jnp.bfloat16, 2), ((1, 5, 16), jnp.float32, 3)],
+)
+def test_pallas_rms_norm_and_its_gradients_equal_the_plain_norm(shape, dtype, outputs):
+    """The norm kernels (interpreted) against the plain norm: y, and the gradients of h (the residual stream's own
+    gradient added, the consumers' gradients summed) and of scale; odd row counts pad to the kernels' blocks."""
+    ks = jax.random.split(jax.random.PRNGKey(shape[1]), 3 + outputs)
+    h = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    scale = 1.0 + 0.1 * jax.random.normal(ks[1], shape[-1:], jnp.float32)
+    cts = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in ks[2:]]  # the stream's, then each y's
+
+    def through_kernel(h, scale):
+        outs = kernels.rms_norm(h, scale, eps=1e-5, out_dtype=dtype, passes=True, outputs=outputs)
+        assert len(outs) == 1 + outputs
+        return sum(jnp.vdot(o.astype(jnp.float32), c.astype(jnp.float32)) for o, c in zip(outs, cts))
+
+    def plain(h, scale):
+        outs = (h,) + (_plain_rms_norm(h, scale, 1e-5, dtype),) * outputs
+        return sum(jnp.vdot(o.astype(jnp.float32), c.astype(jnp.float32)) for o, c in zip(outs, cts))
+
+    y = kernels.rms_norm(h, scale, eps=1e-5, out_dtype=dtype)
+    assert y.dtype == dtype and y.shape == shape
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert rel(y, _plain_rms_norm(h, scale, 1e-5, dtype)) < tol
+    got, want = jax.grad(through_kernel, (0, 1))(h, scale), jax.grad(plain, (0, 1))(h, scale)
+    for name, g, w in zip(("dh", "dscale"), got, want):
+        assert g.dtype == w.dtype and rel(g, w) < tol, f"{name}: {rel(g, w):.2e}"
+    g1 = jax.grad(lambda h, s: jnp.vdot(kernels.rms_norm(h, s, eps=1e-5, out_dtype=dtype).astype(jnp.float32),
+                                        cts[1].astype(jnp.float32)), (0, 1))(h, scale)
+    w1 = jax.grad(lambda h, s: jnp.vdot(_plain_rms_norm(h, s, 1e-5, dtype).astype(jnp.float32),
+                                        cts[1].astype(jnp.float32)), (0, 1))(h, scale)
+    for name, g, w in zip(("dh alone", "dscale alone"), g1, w1):
+        assert rel(g, w) < tol, f"{name}: {rel(g, w):.2e}"
+
+
+def test_norms_run_in_the_kernels_where_the_attention_does():
+    """ModelConfig.norms_in_kernel: Llama's RMSNorm under attention_impl=pallas, d_model a power of two; never
+    GPT-2's LayerNorm, another impl, or a width a Triton block cannot span."""
+    m = ModelConfig.of(tiny_config("resformer").model)
+    assert m.replace(attention_impl="pallas").norms_in_kernel
+    assert not m.replace(attention_impl="xla").norms_in_kernel
+    assert not m.replace(attention_impl="pallas", d_model=96, num_heads=2).norms_in_kernel
+    assert not m.replace(attention_impl="pallas", arch="gpt2").norms_in_kernel

@@ -183,18 +183,18 @@ def attention(
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
 
 
-def rms_norm(h_BxTxE, scale_E, *, eps, out_dtype, passes=False, mesh=None, batch_axes=("data", "fsdp")):
+def rms_norm(h_BxTxE, scale_E, *, eps, out_dtype, passes=False, outputs=1, mesh=None, batch_axes=("data", "fsdp")):
     """RMSNorm in the Pallas kernels (kernels/pallas_norm.py): y, or (h, y) with passes=True, where the residual
     stream goes on through h and the backward adds its gradient in the norm's own pass. Under a mesh it runs on
     each device's tokens (its shard of the batch, and of the sequence on a context axis), scale whole."""
     from resformer_jax.kernels import pallas_norm
 
-    run = functools.partial(pallas_norm.rms_norm, eps=eps, out_dtype=out_dtype, passes=passes)
+    run = functools.partial(pallas_norm.rms_norm, eps=eps, out_dtype=out_dtype, passes=passes, outputs=outputs)
     if mesh is None or mesh.size == 1 or h_BxTxE.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
         return run(h_BxTxE, scale_E)  # one device, or a batch that does not divide (model.init's): whole
     spec = P(batch_axes, "context") if context_size(mesh) > 1 else P(batch_axes)
     return jax.shard_map(
-        run, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec) if passes else spec, check_vma=False
+        run, mesh=mesh, in_specs=(spec, P()), out_specs=(spec,) * (1 + outputs) if passes else spec, check_vma=False
     )(h_BxTxE, scale_E)
 
 

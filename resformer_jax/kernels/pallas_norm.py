@@ -44,19 +44,17 @@ def _fwd_kernel(h_ref, scale_ref, *out_refs, eps):
     rstd_ref[...] = rstd_Rx1[:, 0]
 
 
-def _bwd_kernel(*refs, chunks, passes):
-    if passes:
-        h_ref, rstd_ref, scale_ref, dy_ref, dpass_ref, dh_ref, dscale_ref = refs
-    else:
-        h_ref, rstd_ref, scale_ref, dy_ref, dh_ref, dscale_ref = refs
-        dpass_ref = None
+def _bwd_kernel(*refs, chunks, passes, outputs):
+    h_ref, rstd_ref, scale_ref, *dy_refs = refs[: 3 + outputs]
+    dpass_ref = refs[3 + outputs] if passes else None
+    dh_ref, dscale_ref = refs[-2:]
     scale_1xE = scale_ref[...][None, :]
 
     def chunk(c, dscale_1xE):
         rows = pl.ds(c * ROWS, ROWS)
         rstd_Rx1 = rstd_ref[rows][:, None]
         xhat_RxE = h_ref[rows, :].astype(jnp.float32) * rstd_Rx1
-        dy_RxE = dy_ref[rows, :].astype(jnp.float32)
+        dy_RxE = sum(dy_ref[rows, :].astype(jnp.float32) for dy_ref in dy_refs)
         g_RxE = dy_RxE * scale_1xE
         dx_RxE = rstd_Rx1 * (g_RxE - xhat_RxE * jnp.mean(g_RxE * xhat_RxE, axis=1, keepdims=True))
         if dpass_ref is not None:
@@ -100,21 +98,22 @@ def _forward(h_NxE, scale_E, eps, out_dtype, copy: bool = False):
     return tuple(o[:N] for o in outs)
 
 
-def _backward(h_NxE, rstd_N, scale_E, dy_NxE, dpass_NxE):
+def _backward(h_NxE, rstd_N, scale_E, dys, dpass_NxE):
+    """dys: y's cotangents, one per consumer of y (summed here rather than by a pass of XLA's)."""
     N, E = h_NxE.shape
     rows = _rows_per_program(-(-N // ROWS) * ROWS, CHUNKS)
     passes = dpass_NxE is not None
-    ins = [_padded(h_NxE, rows), _padded(rstd_N[:, None], rows)[:, 0], scale_E, _padded(dy_NxE, rows)]
+    ins = [_padded(h_NxE, rows), _padded(rstd_N[:, None], rows)[:, 0], scale_E, *(_padded(d, rows) for d in dys)]
     if passes:
         ins.append(_padded(dpass_NxE, rows))
     Np = ins[0].shape[0]
     block = pl.BlockSpec((rows, E), lambda i: (i, 0))
     dh, dscale_parts = _pallas(
-        functools.partial(_bwd_kernel, chunks=rows // ROWS, passes=passes),
+        functools.partial(_bwd_kernel, chunks=rows // ROWS, passes=passes, outputs=len(dys)),
         num_warps_=WARPS,
         grid=(Np // rows,),
-        in_specs=[block, pl.BlockSpec((rows,), lambda i: (i,)), pl.BlockSpec((E,), lambda i: (0,)), block]
-        + ([block] if passes else []),
+        in_specs=[block, pl.BlockSpec((rows,), lambda i: (i,)), pl.BlockSpec((E,), lambda i: (0,))]
+        + [block] * (len(dys) + passes),
         out_specs=[block, pl.BlockSpec((1, E), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((Np, E), h_NxE.dtype), jax.ShapeDtypeStruct((Np // rows, E), jnp.float32)],
         name="rms_norm_bwd",
@@ -134,40 +133,41 @@ def _norm_fwd(h_NxE, scale_E, eps, out_dtype):
 
 def _norm_bwd(eps, out_dtype, res, dy):
     h, rstd, scale = res
-    dh, dscale = _backward(h, rstd, scale, dy, None)
+    dh, dscale = _backward(h, rstd, scale, [dy], None)
     return dh, dscale.astype(scale.dtype)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _norm_passing(h_NxE, scale_E, eps, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _norm_passing(h_NxE, scale_E, eps, out_dtype, outputs):
     y, _, h_copy = _forward(h_NxE, scale_E, eps, out_dtype, copy=True)
-    return h_copy, y
+    return (h_copy,) + (y,) * outputs
 
 
-def _norm_passing_fwd(h_NxE, scale_E, eps, out_dtype):
+def _norm_passing_fwd(h_NxE, scale_E, eps, out_dtype, outputs):
     y, rstd, h_copy = _forward(h_NxE, scale_E, eps, out_dtype, copy=True)
-    return (h_copy, y), (h_NxE, rstd, scale_E)
+    return (h_copy,) + (y,) * outputs, (h_NxE, rstd, scale_E)
 
 
-def _norm_passing_bwd(eps, out_dtype, res, cotangents):
+def _norm_passing_bwd(eps, out_dtype, outputs, res, cotangents):
     h, rstd, scale = res
-    dpass, dy = cotangents
-    dh, dscale = _backward(h, rstd, scale, dy, dpass)
+    dpass, *dys = cotangents
+    dh, dscale = _backward(h, rstd, scale, dys, dpass)
     return dh, dscale.astype(scale.dtype)
 
 
 _norm_passing.defvjp(_norm_passing_fwd, _norm_passing_bwd)
 
 
-def rms_norm(h_BxTxE, scale_E, *, eps: float, out_dtype, passes: bool = False):
-    """RMSNorm(h) = h * rsqrt(mean(h^2) + eps) * scale in fp32, cast to out_dtype. passes=True returns (h, y):
-    the residual stream goes on through the first output, whose gradient the backward kernel adds."""
+def rms_norm(h_BxTxE, scale_E, *, eps: float, out_dtype, passes: bool = False, outputs: int = 1):
+    """RMSNorm(h) = h * rsqrt(mean(h^2) + eps) * scale in fp32, cast to out_dtype. passes=True returns (h, y, ...):
+    the residual stream goes on through the first output, whose gradient the backward kernel adds; y comes
+    `outputs` times, one for each group of its consumers, whose gradients the kernel then sums itself."""
     E = h_BxTxE.shape[-1]
     h_NxE = h_BxTxE.reshape(-1, E)
     if passes:
-        h_out, y = _norm_passing(h_NxE, scale_E, float(eps), jnp.dtype(out_dtype))
-        return h_out.reshape(h_BxTxE.shape), y.reshape(h_BxTxE.shape)
+        outs = _norm_passing(h_NxE, scale_E, float(eps), jnp.dtype(out_dtype), outputs)
+        return tuple(o.reshape(h_BxTxE.shape) for o in outs)
     return _norm(h_NxE, scale_E, float(eps), jnp.dtype(out_dtype)).reshape(h_BxTxE.shape)

@@ -412,9 +412,14 @@ class Attention(nn.Module):
     capture: bool = False  # sow attention probabilities and values for analysis
 
     @nn.compact
-    def __call__(self, x_BxTxE, ctx: Context, carry: Carry, lam_2) -> tuple[jax.Array, LayerTensors]:
-        """Returns (out_BxTxE, this layer's tensors). lam_2: (l1, l2) for this layer (model/lambdas.py)."""
+    def __call__(
+        self, x_BxTxE, ctx: Context, carry: Carry, lam_2, x_kv_BxTxE=None
+    ) -> tuple[jax.Array, LayerTensors]:
+        """Returns (out_BxTxE, this layer's tensors). lam_2: (l1, l2) for this layer (model/lambdas.py).
+        x_kv_BxTxE: the same input for the keys, values and gates (the norm's second output: its kernel sums the
+        two groups' gradients itself); None: x_BxTxE."""
         m, p = self.cfg, self.plan
+        x_kv = x_BxTxE if x_kv_BxTxE is None else x_kv_BxTxE
         dtype = jnp.dtype(m.dtype)
         H, K = m.num_heads, m.kv_heads
         first: Any = ctx.first  # layer 1's tensors (None in layer 1, whose plan reads nothing of them)
@@ -423,15 +428,15 @@ class Attention(nn.Module):
         # Q_n, K_n, V_n: a layer computes only the projections it owns (SVFormer n >= 2 has no W_V).
         q_BxTxHxD = first.q if p.query == "first" else projection(m, H, "query")(x_BxTxE)
         if p.key == "own":
-            k_BxTxKxD = projection(m, K, "key")(x_BxTxE)
+            k_BxTxKxD = projection(m, K, "key")(x_kv)
         else:
             k_BxTxKxD = (carry.group if p.key == "group" else first).k
         if p.value == "own":
-            v_BxTxKxD = projection(m, p.own_value_heads or K, "value")(x_BxTxE)  # SkipV1Former: K - r heads
+            v_BxTxKxD = projection(m, p.own_value_heads or K, "value")(x_kv)  # SkipV1Former: K - r heads
         else:
             v_BxTxKxD = carry.group.v if p.value == "group" else None
         if p.value_table >= 0 and v_BxTxKxD is not None:  # value embeddings: this layer's table added to V_n
-            v_BxTxKxD = self._add_value_embedding(x_BxTxE, v_BxTxKxD, ctx.value_embeds[p.value_table])
+            v_BxTxKxD = self._add_value_embedding(x_kv, v_BxTxKxD, ctx.value_embeds[p.value_table])
 
         # Fig. 6: Eq. 7's mix on queries or keys instead of values.
         if p.residual_on == "q":
@@ -442,7 +447,7 @@ class Attention(nn.Module):
         # The value this layer's attention matrix is applied to: V_n (Eq. 1), l1 V_1 + l2 V_n (Eq. 7), V_1 (Eq. 10).
         v_src = None if p.first else earlier_value(p, carry, first, dtype)
         shared = None if p.first else (carry.shared or first).v
-        gate_BxTxK = jax.nn.sigmoid(value_gate(m)(x_BxTxE).astype(jnp.float32)) if p.gate else None
+        gate_BxTxK = jax.nn.sigmoid(value_gate(m)(x_kv).astype(jnp.float32)) if p.gate else None
         if gate_BxTxK is not None:
             self.sow("intermediates", "gate_mean", gate_BxTxK.mean())
         mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)

@@ -93,18 +93,21 @@ class RMSNorm(nn.Module):
     mesh: Any = None  # kernel: the device mesh they run per shard of
 
     @nn.compact
-    def __call__(self, x_BxTxE, passes: bool = False):
-        """RMSNorm(x); passes=True: (x, RMSNorm(x)), the residual stream going on through the first, which the
-        kernels' backward adds to the norm's gradient in the same pass."""
+    def __call__(self, x_BxTxE, passes: bool = False, outputs: int = 1):
+        """RMSNorm(x); passes=True: (x, RMSNorm(x), ...), the residual stream going on through the first, whose
+        gradient the kernels' backward adds to the norm's in the same pass, and the norm `outputs` times, one for
+        each group of its consumers (the kernel sums their gradients: XLA would in a pass of its own)."""
         scale_E = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x_BxTxE.shape[-1],), jnp.float32
         )
         if self.kernel:
-            return kernels.rms_norm(x_BxTxE, scale_E, eps=self.eps, out_dtype=self.dtype, passes=passes, mesh=self.mesh)
+            return kernels.rms_norm(
+                x_BxTxE, scale_E, eps=self.eps, out_dtype=self.dtype, passes=passes, outputs=outputs, mesh=self.mesh
+            )
         x = x_BxTxE.astype(jnp.float32)  # normalise in fp32 for stability
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         y = (x * scale_E).astype(self.dtype)
-        return (x_BxTxE, y) if passes else y
+        return (x_BxTxE,) + (y,) * outputs if passes else y
 
 
 class DenseGeneral(nn.Module):
@@ -179,8 +182,8 @@ class LayerNorm(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BxTxE, passes: bool = False):
-        """passes=True: (x, LayerNorm(x)), as RMSNorm's."""
+    def __call__(self, x_BxTxE, passes: bool = False, outputs: int = 1):
+        """passes=True: (x, LayerNorm(x), ...), as RMSNorm's."""
         E = x_BxTxE.shape[-1]
         scale_E = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (E,), jnp.float32)
         bias_E = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (E,), jnp.float32)
@@ -188,7 +191,7 @@ class LayerNorm(nn.Module):
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
         y = ((x - mean) * jax.lax.rsqrt(var + self.eps) * scale_E + bias_E).astype(self.dtype)
-        return (x_BxTxE, y) if passes else y
+        return (x_BxTxE,) + (y,) * outputs if passes else y
 
 
 class GeluMLP(nn.Module):

@@ -161,8 +161,10 @@ class DecoderBlock(nn.Module):
         lam_2 = block_lambdas(self, m, self.layer, lam_2)
         kernel = not (self.decode or self.capture)
         # the stream passes through each norm, so a kernel's backward adds its gradient in the norm's own pass
-        h_BxTxE, x_BxTxE = norm(m, dtype, "attn_norm", ctx.mesh, kernel)(carry.h, passes=True)
-        attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(x_BxTxE, ctx, carry, lam_2)
+        h_BxTxE, x_BxTxE, x_kv_BxTxE = norm(m, dtype, "attn_norm", ctx.mesh, kernel)(carry.h, passes=True, outputs=2)
+        attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(
+            x_BxTxE, ctx, carry, lam_2, x_kv_BxTxE
+        )
         h_BxTxE, y_BxTxE = norm(m, dtype, "mlp_norm", ctx.mesh, kernel)(h_BxTxE + dropout(self, m, attn_out), passes=True)
         h_BxTxE = h_BxTxE + dropout(self, m, mlp(m, dtype)(y_BxTxE))
         if self.capture:
