@@ -319,10 +319,16 @@ def test_pallas_rms_norm_and_its_gradients_equal_the_plain_norm(shape, dtype, ou
     got, want = jax.grad(through_kernel, (0, 1))(h, scale), jax.grad(plain, (0, 1))(h, scale)
     for name, g, w in zip(("dh", "dscale"), got, want):
         assert g.dtype == w.dtype and rel(g, w) < tol, f"{name}: {rel(g, w):.2e}"
-    g1 = jax.grad(lambda h, s: jnp.vdot(kernels.rms_norm(h, s, eps=1e-5, out_dtype=dtype).astype(jnp.float32),
-                                        cts[1].astype(jnp.float32)), (0, 1))(h, scale)
-    w1 = jax.grad(lambda h, s: jnp.vdot(_plain_rms_norm(h, s, 1e-5, dtype).astype(jnp.float32),
-                                        cts[1].astype(jnp.float32)), (0, 1))(h, scale)
+    g1 = jax.grad(
+        lambda h, s: jnp.vdot(
+            kernels.rms_norm(h, s, eps=1e-5, out_dtype=dtype).astype(jnp.float32), cts[1].astype(jnp.float32)
+        ),
+        (0, 1),
+    )(h, scale)
+    w1 = jax.grad(
+        lambda h, s: jnp.vdot(_plain_rms_norm(h, s, 1e-5, dtype).astype(jnp.float32), cts[1].astype(jnp.float32)),
+        (0, 1),
+    )(h, scale)
     for name, g, w in zip(("dh alone", "dscale alone"), g1, w1):
         assert rel(g, w) < tol, f"{name}: {rel(g, w):.2e}"
 

@@ -412,9 +412,7 @@ class Attention(nn.Module):
     capture: bool = False  # sow attention probabilities and values for analysis
 
     @nn.compact
-    def __call__(
-        self, x_BxTxE, ctx: Context, carry: Carry, lam_2, x_kv_BxTxE=None
-    ) -> tuple[jax.Array, LayerTensors]:
+    def __call__(self, x_BxTxE, ctx: Context, carry: Carry, lam_2, x_kv_BxTxE=None) -> tuple[jax.Array, LayerTensors]:
         """Returns (out_BxTxE, this layer's tensors). lam_2: (l1, l2) for this layer (model/lambdas.py).
         x_kv_BxTxE: the same input for the keys, values and gates (the norm's second output: its kernel sums the
         two groups' gradients itself); None: x_BxTxE."""

@@ -165,7 +165,8 @@ class DecoderBlock(nn.Module):
         attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(
             x_BxTxE, ctx, carry, lam_2, x_kv_BxTxE
         )
-        h_BxTxE, y_BxTxE = norm(m, dtype, "mlp_norm", ctx.mesh, kernel)(h_BxTxE + dropout(self, m, attn_out), passes=True)
+        h_BxTxE = h_BxTxE + dropout(self, m, attn_out)
+        h_BxTxE, y_BxTxE = norm(m, dtype, "mlp_norm", ctx.mesh, kernel)(h_BxTxE, passes=True)
         h_BxTxE = h_BxTxE + dropout(self, m, mlp(m, dtype)(y_BxTxE))
         if self.capture:
             self.sow("intermediates", "hidden", h_BxTxE)
