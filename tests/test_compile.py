@@ -240,7 +240,7 @@ def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
 
     target, sds = _one_device("h100x1")
     q = sds((1, 1024, 4, 128), jnp.bfloat16)
-    fwd = jax.jit(lambda q, k, v: _flash(q, k, v, True, 512, 512))
+    fwd = jax.jit(lambda q, k, v: _flash(q, k, v, None, None, None, True, 512, 512, False))
     with pytest.raises(CompileError) as e:
         compile_step("attention", fwd, (q, q, q), target, tiny_config(), log=lambda s: None)
     msg = str(e.value)

@@ -87,6 +87,7 @@ def attention(
     segments_BxT=None,
     value_mix=None,
     lambda_grads=True,
+    rope_q=None,
 ):
     """Causal multi-head attention; dispatches to the chosen implementation.
 
@@ -97,6 +98,9 @@ def attention(
     layer's own V_n: attend over ResFormer's l1 V_1 + l2 V_n (Eq. 7), formed by the kernels as they load V;
     lambda_grads=False where (l1, l2) are constants (their gradient then reads as zero).
 
+    `rope_q` (impl=pallas only, no context axis): (positions [B, T], inv_freq [D/2]) with q before RoPE (k after
+    it): the kernel rotates q and its dQ kernel rotates the gradient back (kernels/rope.rotate_half).
+
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
     unresolved `auto` (a model built by hand, shape-only tracing) is `unprobed_auto`: the backend's first
     candidate, what the setup also takes where it cannot probe (compiling for other hardware). With a `mesh` of
@@ -105,10 +109,9 @@ def attention(
     """
     if impl == "auto":
         impl = unprobed_auto(target_backend())
-    if value_mix is not None and (impl != "pallas" or context_size(mesh) > 1):
-        raise ValueError(
-            f"the value mix is formed inside the attention only by impl='pallas' off a context axis, not {impl!r}"
-        )
+    for what, given in (("the value mix", value_mix), ("RoPE on the queries", rope_q)):
+        if given is not None and (impl != "pallas" or context_size(mesh) > 1):
+            raise ValueError(f"{what} is formed inside the attention only by impl='pallas' off a context axis, not {impl!r}")
     if context_size(mesh) > 1 and q_BxTxHxD.shape[0] % math.prod(mesh.shape[a] for a in batch_axes) == 0:
         return _context_parallel(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, batch_axes, segments_BxT)
     if segments_BxT is not None and impl not in DOCUMENT_MASK_IMPLS:
@@ -122,19 +125,28 @@ def attention(
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
         spec = jax.sharding.PartitionSpec(batch_axes)
 
-        def per_shard(q, k, v, segments, value_mix):
+        def per_shard(q, k, v, segments, value_mix, rope_q):
             return attention(
-                q, k, v, causal=causal, impl=impl, segments_BxT=segments, value_mix=value_mix, lambda_grads=lambda_grads
+                q,
+                k,
+                v,
+                causal=causal,
+                impl=impl,
+                segments_BxT=segments,
+                value_mix=value_mix,
+                lambda_grads=lambda_grads,
+                rope_q=rope_q,
             )
 
         mix_spec = None if value_mix is None else (spec, P())  # V_1 split as V, (l1, l2) whole
+        rope_spec = None if rope_q is None else (spec, P())  # positions split as q, inv_freq whole
         return jax.shard_map(
             per_shard,
             mesh=mesh,
-            in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec),
+            in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec, rope_spec),
             out_specs=spec,
             check_vma=False,
-        )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix)
+        )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope_q)
     if impl == "reference":
         mask = None
         if segments_BxT is not None:
@@ -175,6 +187,7 @@ def attention(
             segments_BxT=segments_BxT,
             value_mix=value_mix,
             lambda_grads=lambda_grads,
+            rope_q=rope_q,
         )
     if impl == "splash":
         from resformer_jax.kernels import tpu_attention

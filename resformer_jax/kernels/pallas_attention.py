@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from resformer_jax.chips import AMPERE_SMEM, chip_of_device
 from resformer_jax.kernels.names import ATTENTION_RESIDUALS, target_backend, target_device_kind
+from resformer_jax.kernels.rope import rotate_half
 
 log = logging.getLogger(__name__)
 MASK = -1e30
@@ -483,12 +484,13 @@ def _dkdv_kernel(
         dl_refs[1][...] = jnp.sum(vn_again[...].astype(jnp.float32) * dv)
 
 
-def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False):
+def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False, rope=False):
     # as the forward's; it also forms the block's delta_i = sum_d O_id dO_id (FlashAttention-2) from the O and dO
     # it holds, and writes it for the dK/dV kernel after it (no pass over O and dO of its own)
-    ins, start_ref, qpos_ref, (dq_ref, delta_ref) = _split_refs(refs, docs, positions, 6 + 2 * mixed)
+    n_in = 6 + 2 * mixed + 2 * rope
+    ins, start_ref, qpos_ref, (dq_ref, delta_ref) = _split_refs(refs, docs, positions, n_in)
     q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref = ins[:6]
-    load_v = _value_loader(v_ref, ins[6:])
+    load_v = _value_loader(v_ref, ins[6 : 6 + 2 * mixed])
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
@@ -498,25 +500,45 @@ def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixe
     D = q.shape[-1]
     q_idx = qpos_ref[...] if positions else i * bq + jnp.arange(bq)
 
-    def body(j, dq):
+    def scores(j):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = load_v(pl.ds(j * bk, bk))
         s = _dot_t(q, k) * scale
         mask = _scores_kept(q_idx, j * bk + jnp.arange(bk), kv_len, bk, causal, start_ref[...] if docs else None)
         p = jnp.exp(s - lse[:, None])
         p = p if mask is None else jnp.where(mask, p, 0.0)
-        ds = p * (_dot_t(do, v) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k) * scale
+        return (p * (_dot_t(do, v) - delta[:, None])).astype(k.dtype)
+
+    def body(j, dq):
+        return dq + _dot(scores(j), k_ref[pl.ds(j * bk, bk), :]) * scale
+
+    def body_halves(j, dq):  # dQ by halves of the head, for RoPE's rotation back (rotate-half pairs d, d + D/2)
+        ds = scores(j)
+        rows = pl.ds(j * bk, bk)
+        return (
+            dq[0] + _dot(ds, k_ref[rows, pl.ds(0, D // 2)]) * scale,
+            dq[1] + _dot(ds, k_ref[rows, pl.ds(D // 2, D // 2)]) * scale,
+        )
 
     n_k = pl.cdiv(kv_len, bk)
     if causal:
         n_k = jnp.minimum(n_k, lax.div((jnp.max(q_idx) if positions else (i + 1) * bq - 1) + bk, bk))
     first = lax.div(jnp.min(start_ref[...]), bk) if docs else 0
-    dq = lax.fori_loop(first, n_k, body, jnp.zeros((bq, D), jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    if not rope:
+        dq = lax.fori_loop(first, n_k, body, jnp.zeros((bq, D), jnp.float32))
+        dq_ref[...] = dq.astype(dq_ref.dtype)
+        return
+    zeros = jnp.zeros((bq, D // 2), jnp.float32)
+    dq1, dq2 = lax.fori_loop(first, n_k, body_halves, (zeros, zeros))
+    pos_ref, inv_freq_ref = ins[6 + 2 * mixed :]
+    angles = pos_ref[...].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    # the transpose of x_rot = (x1 cos - x2 sin, x2 cos + x1 sin): the gradient of the query before its rotation
+    dq_ref[:, pl.ds(0, D // 2)] = (dq1 * cos + dq2 * sin).astype(dq_ref.dtype)
+    dq_ref[:, pl.ds(D // 2, D // 2)] = (dq2 * cos - dq1 * sin).astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=None, lambda_grads=False):
+def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=None, lambda_grads=False, rope=None):
     """(dQ, dK, dV) or, with Eq. 7's mix (V_1, (l1, l2)), (dQ, dK, dV_n, dV_1, d(l1, l2)) (zeros unless
     lambda_grads)."""
     B, T, H, D = q.shape
@@ -550,9 +572,13 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     kv_full = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     dq_mix_specs, mix_in = _mix_inputs(mix, kv_full, Sp)
+    rope_specs, rope_in = [], []
+    if rope is not None:  # (positions [B, T], inv_freq [D/2]): dQ rotated back to the query before RoPE
+        rope_specs = [query_rows, pl.BlockSpec((D // 2,), lambda i, b, h: (0,))]
+        rope_in = [_pad(rope[0].astype(jnp.int32), 1, Tp), rope[1].astype(jnp.float32)]
     shared = dict(scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions, mixed=mixed)
     dq, delta = _pallas(
-        functools.partial(_dq_kernel, **shared),
+        functools.partial(_dq_kernel, **shared, rope=rope is not None),
         grid=(Tp // bq, B, H),
         in_specs=[
             q_block,
@@ -562,13 +588,14 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
             row_block,
             q_block,  # O
             *dq_mix_specs,
+            *rope_specs,
             *dq_extra_specs,
         ],
         out_specs=[q_block, row_block],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         num_warps_=num_warps(bq, bk),
         name=_kernel_name("flash_attention_dq", docs or positions, mixed),
-    )(qp, kp, vp, dop, lse, o_p, *mix_in, *dq_extra)
+    )(qp, kp, vp, dop, lse, o_p, *mix_in, *rope_in, *dq_extra)
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h // G, 0))
@@ -615,45 +642,32 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
 # ----------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _flash(q, k, v, causal, bq, bk):
-    o, _ = _forward(q, k, v, causal, bq, bk)
-    return o[:, : q.shape[1]]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
+    """seg: packed documents' segment ids; mix: Eq. 7's (V_1, (l1, l2)); rope: (positions [B, T], inv_freq [D/2]),
+    q then unrotated: rotated here, and its gradient rotated back by the dQ kernel. Each None where unused."""
+    return _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads)[0]
 
 
-def _flash_fwd(q, k, v, causal, bq, bk):
-    o_p, lse = _forward(q, k, v, causal, bq, bk)
+def _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
+    T = q.shape[1]
+    q = q if rope is None else rotate_half(q, *rope)
+    o_p, lse = _forward(q, k, v, causal, bq, bk, seg, mix=mix)
     # Named for remat=attention (model/transformer.py): what the backward reads, kept instead of recomputed.
     q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
-    return o_p[:, : q.shape[1]], (q, k, v, o_p, lse)
+    if mix is not None:
+        mix = (checkpoint_name(mix[0], ATTENTION_RESIDUALS), mix[1])
+    return o_p[:, :T], (q, k, v, seg, mix, rope, o_p, lse)
 
 
-def _flash_bwd(causal, bq, bk, res, do):
-    q, k, v, o_p, lse = res
-    return _backward(q, k, v, o_p, lse, do, causal, bq, bk)
+def _flash_bwd(causal, bq, bk, lambda_grads, res, do):
+    q, k, v, seg, mix, rope, o_p, lse = res
+    grads = _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg, mix=mix, lambda_grads=lambda_grads, rope=rope)
+    dmix = None if mix is None else (grads[3], grads[4])
+    return (*grads[:3], None, dmix, None)  # segment ids and positions: integers; inv_freq: a constant
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash_docs(q, k, v, seg, causal, bq, bk):
-    o, _ = _forward(q, k, v, causal, bq, bk, seg)
-    return o[:, : q.shape[1]]
-
-
-def _flash_docs_fwd(q, k, v, seg, causal, bq, bk):
-    o_p, lse = _forward(q, k, v, causal, bq, bk, seg)
-    q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
-    return o_p[:, : q.shape[1]], (q, k, v, seg, o_p, lse)
-
-
-def _flash_docs_bwd(causal, bq, bk, res, do):
-    q, k, v, seg, o_p, lse = res
-    return (*_backward(q, k, v, o_p, lse, do, causal, bq, bk, seg), None)  # segment ids: integers
-
-
-_flash_docs.defvjp(_flash_docs_fwd, _flash_docs_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -674,27 +688,6 @@ def _flash_positions_bwd(causal, bq, bk, res, do):
 
 
 _flash_positions.defvjp(_flash_positions_fwd, _flash_positions_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _flash_mixed(q, k, v, v1, lam, seg, causal, bq, bk, lambda_grads):
-    o, _ = _forward(q, k, v, causal, bq, bk, seg, mix=(v1, lam))
-    return o[:, : q.shape[1]]
-
-
-def _flash_mixed_fwd(q, k, v, v1, lam, seg, causal, bq, bk, lambda_grads):
-    o_p, lse = _forward(q, k, v, causal, bq, bk, seg, mix=(v1, lam))
-    q, k, v, v1, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, v1, o_p, lse))
-    return o_p[:, : q.shape[1]], (q, k, v, v1, lam, seg, o_p, lse)
-
-
-def _flash_mixed_bwd(causal, bq, bk, lambda_grads, res, do):
-    q, k, v, v1, lam, seg, o_p, lse = res
-    grads = _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg, mix=(v1, lam), lambda_grads=lambda_grads)
-    return (*grads, None)  # segment ids
-
-
-_flash_mixed.defvjp(_flash_mixed_fwd, _flash_mixed_bwd)
 
 
 def flash_attention_at(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, positions_BxT, *, segments_BxS=None, block_q=128, block_k=128):
@@ -724,6 +717,7 @@ def flash_attention(
     segments_BxT=None,
     value_mix=None,
     lambda_grads=True,
+    rope_q=None,
 ):
     """Causal (or full) attention with q [B, T, H, D], k/v [B, S, K, D]; blocks capped at block_q/block_k
     and shrunk to the shared-memory budget (choose_blocks). `segments_BxT` (causal): packed documents, each
@@ -731,7 +725,9 @@ def flash_attention(
     [B, S, K, D], (l1, l2) fp32 [2]): attend over Eq. 7's l1 V_1 + l2 v, formed as the kernels load each block
     (the gradients of v, V_1 and (l1, l2) come from the dK/dV kernel: no pass over memory for the mix);
     lambda_grads=False: (l1, l2) are constants (the paper's fixed 1/2, 1/2), their gradient is not computed and
-    reads as zero (pass them through lax.stop_gradient)."""
+    reads as zero (pass them through lax.stop_gradient). `rope_q` (positions [B, T], inv_freq [D/2]): q comes
+    before RoPE (k after it); it is rotated here (rotate_half) and the dQ kernel rotates its gradient back as it
+    writes it, where XLA would take a pass over dQ of its own."""
     _B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
@@ -743,11 +739,7 @@ def flash_attention(
     )
     if segments_BxT is not None and not causal:
         raise ValueError("packed documents (segment ids) are for causal attention")
-    if value_mix is not None:
-        v1_BxSxKxD, lam_2 = value_mix
-        return _flash_mixed(
-            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, v1_BxSxKxD, lam_2, segments_BxT, causal, bq, bk, lambda_grads
-        )
-    if segments_BxT is not None:
-        return _flash_docs(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, causal, bq, bk)
-    return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, bq, bk)
+    if rope_q is not None and D % 32:
+        raise ValueError(f"RoPE in the kernel takes head_dim a multiple of 32 (its halves Triton blocks), got {D}")
+    mix = None if value_mix is None else (value_mix[0], value_mix[1])
+    return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, mix, rope_q, causal, bq, bk, lambda_grads)

@@ -35,6 +35,7 @@ from flax import struct
 
 from resformer_jax import kernels
 from resformer_jax.kernels import paged_attention
+from resformer_jax.kernels import rope as kernel_rope
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
 
@@ -76,6 +77,7 @@ class LayerPlan:
     value_table: int = -1  # the value-embedding table added to V_n (model.value_embeddings), -1: none
     value_table_gate: bool = False  # added through a gate of the layer input instead of two scalars
     mix_in_kernel: bool = False  # Eq. 7 formed by the attention kernel as it loads V (pallas): no pass of its own
+    rope_in_kernel: bool = False  # the queries' RoPE gradient rotated back by the dQ kernel as it writes it (pallas)
 
     @property
     def owns(self) -> tuple[bool, bool, bool]:
@@ -83,8 +85,14 @@ class LayerPlan:
         return self.query == "own", self.key == "own", self.value == "own"
 
 
+def _rope_in_kernel(m: ModelConfig | None) -> bool:
+    """The Pallas kernel takes the queries before RoPE (its dQ kernel's halves: head_dim a multiple of 32)."""
+    return m is not None and m.uses_rope and m.attention_impl == "pallas" and m.head_dim % 32 == 0
+
+
 def _first_layer_plan(m: ModelConfig | None = None) -> LayerPlan:
     return LayerPlan(
+        rope_in_kernel=_rope_in_kernel(m),
         value_table=m.value_table(1) if m is not None else -1,
         value_table_gate=bool(m is not None and m.value_embedding_gate),
         first=True,
@@ -145,6 +153,7 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
         own_value_heads=own_heads,
         gate=m.gates_values and mix is gated_value,
         mix_in_kernel=mix is eq7_resformer_value and m.attention_impl == "pallas" and not m.uses_neutreno,
+        rope_in_kernel=_rope_in_kernel(m),
         value_table=m.value_table(layer),
         value_table_gate=m.value_embedding_gate,
     )
@@ -449,14 +458,18 @@ class Attention(nn.Module):
         if gate_BxTxK is not None:
             self.sow("intermediates", "gate_mean", gate_BxTxK.mean())
         mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)
-        # Eq. 7 in the attention kernel where it runs on the whole sequence (training, evaluation)
-        in_kernel = p.mix_in_kernel and not (self.decode or self.capture) and kernels.context_size(ctx.mesh) == 1
+        # Eq. 7 (and the queries' RoPE) in the attention kernel where it runs on the whole sequence (training,
+        # evaluation)
+        whole = not (self.decode or self.capture) and kernels.context_size(ctx.mesh) == 1
+        in_kernel = p.mix_in_kernel and whole
+        rope_in_kernel = p.rope_in_kernel and whole and not (p.mapping == "cross_layer" and not p.first)
         v_att_BxTxKxD = None if in_kernel else p.mix(mix_in)
 
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead.
         inv_freq = rope_inv_freq(m)
         rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if m.uses_rope else (lambda x: x)
-        qr_BxTxHxD, kr_BxTxKxD = rotate(q_BxTxHxD), rotate(k_BxTxKxD)
+        qr_BxTxHxD, kr_BxTxKxD = q_BxTxHxD if rope_in_kernel else rotate(q_BxTxHxD), rotate(k_BxTxKxD)
+        rope_q = (ctx.positions, kernel_rope.inverse_frequencies(m.head_dim, m.rope_theta, inv_freq))
 
         # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs); Eq. 2 attends over layer n's and layer 1's K/V.
         k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
@@ -477,6 +490,7 @@ class Attention(nn.Module):
                 segments_BxT=ctx.segments,
                 value_mix=(v_src, self._kernel_lambdas(l1, l2)) if in_kernel else None,
                 lambda_grads=m.learns_lambdas,
+                rope_q=rope_q if rope_in_kernel else None,
             )
 
         # Corrections after the attention: Eq. 6's identity mapping, Eq. 8's NeuTRENO.

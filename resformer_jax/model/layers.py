@@ -16,6 +16,7 @@ import numpy as np
 
 from resformer_jax import kernels
 from resformer_jax.kernels import cpu_matmul
+from resformer_jax.kernels import rope as kernel_rope
 
 Dtype = jnp.dtype
 
@@ -272,15 +273,5 @@ def rope_frequencies(
 def rope(x_BxTxHxD, positions_BxT, theta: float = 10000.0, inv_freq=None):
     """Rotary position embedding (rotate-half convention, as in Llama/NeoX); `inv_freq` [D/2] replaces the plain
     theta^(-2i/d) frequencies (RoPE scaling, rope_frequencies)."""
-    d = x_BxTxHxD.shape[-1]
-    if inv_freq is None:
-        inv_freq_D2 = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    else:
-        inv_freq_D2 = jnp.asarray(inv_freq, jnp.float32)
-    angles_BxTxD2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq_D2
-    sin = jnp.sin(angles_BxTxD2)[:, :, None, :]
-    cos = jnp.cos(angles_BxTxD2)[:, :, None, :]
-    x = x_BxTxHxD.astype(jnp.float32)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxHxD.dtype)
+    inv_freq_D2 = kernel_rope.inverse_frequencies(x_BxTxHxD.shape[-1], theta, inv_freq)
+    return kernel_rope.rotate_half(x_BxTxHxD, positions_BxT, inv_freq_D2)
