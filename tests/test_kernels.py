@@ -341,3 +341,31 @@ def test_norms_run_in_the_kernels_where_the_attention_does():
     assert not m.replace(attention_impl="xla").norms_in_kernel
     assert not m.replace(attention_impl="pallas", d_model=96, num_heads=2).norms_in_kernel
     assert not m.replace(attention_impl="pallas", arch="gpt2").norms_in_kernel
+
+
+@pytest.mark.parametrize("T,H,K,D,documents", [(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 128, False)])
+def test_pallas_rope_on_the_queries_equals_rotating_them_first(T, H, K, D, documents):
+    """rope_q: the kernel takes q before RoPE, rotates it, and its dQ kernel rotates the gradient back (by the
+    head's halves): output and dQ/dK/dV as RoPE by kernels/rope.py and then the reference attention."""
+    from resformer_jax.kernels.rope import inverse_frequencies, rotate_half
+
+    q, k, v, do = inputs(T, H, K, D, jnp.float32, seed=3)
+    positions = jnp.broadcast_to(jnp.arange(T)[None], (2, T))
+    seg = None
+    if documents:  # positions restart at each document, as the model's packed sequences' do
+        seg = jnp.broadcast_to((jnp.arange(T) >= T // 3).astype(jnp.int32)[None], (2, T))
+        positions = jnp.where(seg == 1, positions - T // 3, positions)
+    inv_freq = inverse_frequencies(D, 10000.0)
+
+    def kernel(q, k, v):
+        return kernels.attention(q, k, v, impl="pallas", segments_BxT=seg, rope_q=(positions, inv_freq))
+
+    def reference(q, k, v):
+        return kernels.attention(rotate_half(q, positions, inv_freq), k, v, impl="reference", segments_BxT=seg)
+
+    got_o, got_vjp = jax.vjp(kernel, q, k, v)
+    want_o, want_vjp = jax.vjp(reference, q, k, v)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (got_o, *got_vjp(do)), (want_o, *want_vjp(do))):
+        assert rel(g, w) < 1e-5, f"{name} T={T} H/K={H}/{K} D={D}: {rel(g, w):.2e}"
+    with pytest.raises(ValueError, match="RoPE on the queries"):
+        kernels.attention(q, k, v, impl="xla", rope_q=(positions, inv_freq))

@@ -111,7 +111,9 @@ def attention(
         impl = unprobed_auto(target_backend())
     for what, given in (("the value mix", value_mix), ("RoPE on the queries", rope_q)):
         if given is not None and (impl != "pallas" or context_size(mesh) > 1):
-            raise ValueError(f"{what} is formed inside the attention only by impl='pallas' off a context axis, not {impl!r}")
+            raise ValueError(
+                f"{what} is formed inside the attention only by impl='pallas' off a context axis, not {impl!r}"
+            )
     if context_size(mesh) > 1 and q_BxTxHxD.shape[0] % math.prod(mesh.shape[a] for a in batch_axes) == 0:
         return _context_parallel(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, batch_axes, segments_BxT)
     if segments_BxT is not None and impl not in DOCUMENT_MASK_IMPLS:
