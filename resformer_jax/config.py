@@ -639,6 +639,7 @@ RUNTIME_MODEL_FIELDS = (
     "model.max_seq_len",
     "model.dropout",
     "model.matmuls",
+    "model.norm_impl",
     "model.document_eot",  # data.document_mask: a run may switch it on for a cooldown, or off
 )
 

@@ -145,12 +145,14 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
 
 def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -> ModelConfig:
     """The typed model config the modules are built from: the run's, with the attention impl resolved and, for
-    `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere).
+    `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere), and for
+    `norm_impl=auto` the platform's norm (the Pallas kernels on a GPU where they apply).
     (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
     m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
+    platform = platform or jax.devices()[0].platform
     if m.matmuls == "auto":
-        m = m.replace(matmuls=cpu_matmul.forms_for(platform or jax.devices()[0].platform))
-    return m
+        m = m.replace(matmuls=cpu_matmul.forms_for(platform))
+    return m.with_norm_impl(backend_of(platform))
 
 
 def fork_point(cfg, run: RunDir | None, log: Callable[[str], Any] = print) -> str:

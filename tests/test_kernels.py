@@ -271,11 +271,12 @@ def test_splash_tpu_kernel_matches_reference_interpreted(T, H, K):
 @pytest.mark.slow  # over 12 s in the fast tier
 def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path):
     """Under a data x fsdp mesh, pallas runs through shard_map (XLA cannot partition a custom call):
-    the same losses as XLA's attention on the same mesh."""
+    the same losses as XLA's attention and norm on the same mesh."""
     out = {}
     for impl in ("pallas", "xla"):
-        c = tiny_config("resformer")  # the value mix formed in the kernel, per shard (V_1 split as V)
+        c = tiny_config("resformer")  # the value mix and the queries' RoPE in the kernel, per shard (V_1 split as V)
         c.model.attention_impl = impl
+        c.model.norm_impl = impl  # the norm kernels per shard too
         c.train.steps, c.train.warmup_steps, c.train.log_every, c.train.eval_every = 3, 1, 1, 1000
         c.mesh.data, c.mesh.fsdp = 4, 2
         wd = str(tmp_path / impl)
@@ -333,14 +334,22 @@ def test_pallas_rms_norm_and_its_gradients_equal_the_plain_norm(shape, dtype, ou
         assert rel(g, w) < tol, f"{name}: {rel(g, w):.2e}"
 
 
-def test_norms_run_in_the_kernels_where_the_attention_does():
-    """ModelConfig.norms_in_kernel: Llama's RMSNorm under attention_impl=pallas, d_model a power of two; never
-    GPT-2's LayerNorm, another impl, or a width a Triton block cannot span."""
+def test_norm_impl_auto_is_the_kernels_on_a_gpu_where_they_apply_and_a_named_one_that_cannot_run_is_refused():
+    """model.norm_impl: auto resolves per backend (the Pallas kernels on a GPU for Llama's RMSNorm at a power-of-two
+    d_model, XLA's norm elsewhere); pallas named for a width a Triton block cannot span, or for GPT-2's LayerNorm,
+    is one ConfigError naming the fix."""
+    from resformer_jax.config import ConfigError
+
     m = ModelConfig.of(tiny_config("resformer").model)
-    assert m.replace(attention_impl="pallas").norms_in_kernel
-    assert not m.replace(attention_impl="xla").norms_in_kernel
-    assert not m.replace(attention_impl="pallas", d_model=96, num_heads=2).norms_in_kernel
-    assert not m.replace(attention_impl="pallas", arch="gpt2").norms_in_kernel
+    assert m.norm_impl == "auto" and not m.norms_in_kernel
+    assert m.with_norm_impl("gpu").norms_in_kernel
+    assert m.with_norm_impl("cpu").norm_impl == "xla" and m.with_norm_impl("tpu").norm_impl == "xla"
+    assert m.replace(d_model=96, num_heads=2).with_norm_impl("gpu").norm_impl == "xla"
+    assert m.replace(norm_impl="xla").with_norm_impl("gpu").norm_impl == "xla"
+    for bad in (dict(d_model=96, num_heads=2), dict(arch="gpt2")):
+        with pytest.raises(ConfigError, match="norm_impl") as e:
+            m.replace(norm_impl="pallas", **bad)
+        assert "auto or xla" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("T,H,K,D,documents", [(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 128, False)])

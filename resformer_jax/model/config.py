@@ -28,6 +28,7 @@ CHOICES = (
     ("cla_share", ("kv", "k", "v")),
     ("svformer_share", ("v", "q", "k")),
     ("matmuls", ("auto", "cpu", "plain", "rounded")),
+    ("norm_impl", ("auto", "pallas", "xla")),
     ("dtype", ("float32", "bfloat16", "float16", "auto")),
 )
 
@@ -97,6 +98,9 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"  # none | dots | attention | full
     attention_impl: str = "auto"  # resolved by the setup into a concrete kernel before the model is built
+    # auto | pallas | xla: RMSNorm in the Pallas kernels (kernels/pallas_norm.py; auto: on a GPU where they apply,
+    # resolved with the platform like matmuls) or as XLA's fusions
+    norm_impl: str = "auto"
     matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (the setup, per platform);
     # rounded: the decode engine's on a CPU (kernels/cpu_matmul.rounded_matmul)
 
@@ -137,6 +141,13 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             _fail("remat", f"unknown policy {self.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
+        if self.norm_impl == "pallas" and not self.norm_kernel_applies:
+            _fail(
+                "norm_impl",
+                f"the Pallas norm kernels take Llama's RMSNorm with d_model a power of two (a block spans a row), "
+                f"not arch={self.arch!r} with d_model={self.d_model}",
+                "use norm_impl=auto or xla",
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             _fail("attention_impl", f"unknown impl {self.attention_impl!r}", f"use one of {', '.join(ATTENTION_IMPLS)}")
         if self.resformer_lambdas not in RESFORMER_LAMBDAS:
@@ -254,11 +265,23 @@ class ModelConfig:
         return self.init_std / (2 * self.num_layers) ** 0.5 if self.scaled_output_init else self.init_std
 
     @property
+    def norm_kernel_applies(self) -> bool:
+        """Whether the Pallas norm kernels take this model's norm: Llama's RMSNorm, d_model a power of two (>= 16)."""
+        return self.arch == "llama" and self.d_model >= 16 and self.d_model & (self.d_model - 1) == 0
+
+    @property
     def norms_in_kernel(self) -> bool:
-        """RMSNorm in the Pallas kernels (kernels/pallas_norm.py) wherever the attention runs in Pallas's: one read
-        of the residual stream forward, one pass backward with the residual's gradient added. Their block spans a
-        whole row, so d_model must be a power of two; other widths keep XLA's norm."""
-        return self.arch == "llama" and self.attention_impl == "pallas" and self.d_model & (self.d_model - 1) == 0
+        """RMSNorm in the Pallas kernels (kernels/pallas_norm.py): one read of the residual stream forward, one pass
+        backward with the residual's gradient added. `auto` here (a model built without the setup, which resolves
+        it per platform: with_norm_impl) counts as XLA's norm."""
+        return self.norm_impl == "pallas"
+
+    def with_norm_impl(self, backend: str) -> ModelConfig:
+        """norm_impl=auto resolved for a backend ('gpu', 'tpu', 'cpu'): the Pallas kernels on a GPU where they apply
+        (Triton), XLA's norm elsewhere; a named one kept."""
+        if self.norm_impl != "auto":
+            return self
+        return self.replace(norm_impl="pallas" if backend == "gpu" and self.norm_kernel_applies else "xla")
 
     @property
     def mixes_values(self) -> bool:

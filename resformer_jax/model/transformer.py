@@ -25,7 +25,7 @@ import numpy as np
 
 from resformer_jax import kernels
 from resformer_jax.kernels import cpu_matmul
-from resformer_jax.kernels.names import ATTENTION_RESIDUALS
+from resformer_jax.kernels.names import ATTENTION_RESIDUALS, target_backend
 from resformer_jax.model.attention import (
     Attention,
     Carry,
@@ -209,6 +209,7 @@ class Transformer(nn.Module):
             )
         if m.matmuls == "auto":  # a model built without the setup: the default backend's forms, decided here once
             m = m.replace(matmuls=cpu_matmul.forms_for(jax.default_backend()))
+        m = m.with_norm_impl(target_backend())  # the same for the norm (a compile target's inside compiling_for)
         object.__setattr__(self, "cfg", m)
         super().__post_init__()
 
