@@ -327,7 +327,11 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     rep = json.loads(out.read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1]) == rep
     assert rep["backend"] == "cpu" and rep["reduced_shapes"] and rep["complete"]
-    assert set(rep["seconds"]) == {"attention", "auto", "decode", "train", "variants"}  # saved part by part
+    assert set(rep["seconds"]) == {"attention", "norm", "auto", "decode", "train", "variants"}  # saved part by part
+    norms = {x["impl"]: x for x in rep["norm"]["rows"]}  # the Pallas norm kernels checked interpreted, XLA's timed
+    assert max(norms["pallas"]["max_rel_error_fp32"].values()) < 1e-5, norms["pallas"]
+    assert norms["pallas"]["status"].startswith("interpreted") and norms["xla"]["status"] == "ok"
+    assert norms["xla"]["fwd_bwd_ms_bf16"] > 0
     rows = {x["impl"]: x for x in rep["attention"]["rows"]}
     assert rows["cudnn"]["status"].startswith("not applicable") and "NVIDIA GPU" in rows["cudnn"]["status"]
     for impl in ("pallas", "splash", "chunked", "xla"):

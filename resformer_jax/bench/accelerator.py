@@ -5,6 +5,8 @@ One JSON report (stdout, and --out FILE) and a short table (stderr), in under 10
   attention  every impl's correctness against the fp32 reference (forward and the three gradients,
              fp32 and bf16 inputs) and its speed at the 468M attention shape, next to JAX's own GPU
              Pallas attention (`jax.experimental.pallas.ops.gpu`) on a GPU
+  norm       the Pallas RMSNorm kernels (model.norm_impl: auto's choice on a GPU) against XLA's norm at the 468M
+             row shape: their forward and gradients against fp32, and forward + backward time of each
   auto       what `attention_impl=auto` chose at the 468M shapes for ResFormer (each candidate timed on its
              layers' value mix), and why it rejected the others
   train      one ResFormer 468M train step per impl that passed: step time, tokens/s, MFU against the
@@ -18,6 +20,7 @@ its speed numbers there say nothing about an accelerator.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -31,6 +34,7 @@ from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 from resformer_jax import kernels, perf
 from resformer_jax.bench.attention import time_attention
 from resformer_jax.bench.decode import bench_decode_matrix
+from resformer_jax.bench.timing import median_seconds
 from resformer_jax.bench.train import TrainBench
 from resformer_jax.config import RunConfig, paper_config, tiny_config
 from resformer_jax.train.setup import AttentionChoice
@@ -69,6 +73,23 @@ def attention_fn(impl: str):
 def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
+
+
+def _plain_norm(h, scale):
+    """XLA's RMSNorm (model/layers.RMSNorm's own path), with the residual stream passed on as the kernels pass it."""
+    x = h.astype(jnp.float32)
+    return h, (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale).astype(h.dtype)
+
+
+def _pallas_norm(h, scale):
+    return kernels.rms_norm(h, scale, eps=1e-5, out_dtype=h.dtype, passes=True)
+
+
+def _norm_fwd_bwd(norm, h, scale, dpass, dy):
+    """(y, dh, dscale): the norm's output and the gradients of the stream and of scale, the stream's own gradient
+    `dpass` added as a block's residual add gives it."""
+    (h_out, y), vjp = jax.vjp(norm, h, scale)
+    return (y, *vjp((dpass.astype(h_out.dtype), dy.astype(y.dtype))))
 
 
 def correctness(impl: str, shape, dtype) -> dict:
@@ -218,6 +239,29 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
             log(f"attention {impl:>15}: {row['status']}")
         return {"check_shape": check_shape, "speed_shape": speed_shape, "rows": rows}
 
+    def norm():
+        # one row block of the 468M's layers: 16 sequences of 2,048 tokens a GPU, d_model 1,024 (reduced on CPU)
+        N, E = (256, 128) if on_cpu else (16 * 2048, 1024)
+        ks = jax.random.split(jax.random.PRNGKey(2), 4)
+        h32, dpass32, dy32 = (jax.random.normal(k, (1, N, E)) for k in ks[:3])
+        scale = 1.0 + 0.1 * jax.random.normal(ks[3], (E,))
+        want = jax.jit(functools.partial(_norm_fwd_bwd, _plain_norm))(h32, scale, dpass32, dy32)
+        bf16 = [h32.astype(jnp.bfloat16), scale, dpass32.astype(jnp.bfloat16), dy32.astype(jnp.bfloat16)]
+        rows = []
+        for impl, fn in (("pallas", _pallas_norm), ("xla", _plain_norm)):
+            row: dict = {"impl": impl}
+            try:
+                run = jax.jit(functools.partial(_norm_fwd_bwd, fn))
+                got = run(h32, scale, dpass32, dy32)
+                row["max_rel_error_fp32"] = {n: _rel(g, w) for n, g, w in zip(("y", "dh", "dscale"), got, want)}
+                row["fwd_bwd_ms_bf16"] = round(1e3 * median_seconds(run, *bf16), 4)
+                row["status"] = "ok" if backend == "gpu" or impl == "xla" else "interpreted: not a GPU's speed"
+            except Exception as e:
+                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            rows.append(row)
+            log(f"norm {impl:>6}: {row['status']}, {row.get('fwd_bwd_ms_bf16')} ms forward + backward")
+        return {"rows_x_d_model": [N, E], "rows": rows}
+
     def auto():
         B, T, H, K, D = speed_shape
         # timed as a ResFormer run's auto times them: on its layers' value mix (the variants below run this choice)
@@ -285,7 +329,14 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
         return rows
 
     # decode before the train steps: the train rows are the longest part, and a check cut short keeps the rest
-    parts = (("attention", attention), ("auto", auto), ("decode", decoding), ("train", train), ("variants", variants))
+    parts = (
+        ("attention", attention),
+        ("norm", norm),
+        ("auto", auto),
+        ("decode", decoding),
+        ("train", train),
+        ("variants", variants),
+    )
     for name, fn in parts:
         _section(report, name, save, fn)
     report["complete"] = True
@@ -309,7 +360,13 @@ def table(report: dict) -> str:
             f"{r['impl']:>15} {e32:9.1e} {e16:9.1e} {sp.get('fwd', {}).get('ms', float('nan')):8.2f} "
             f"{sp.get('fwd_bwd', {}).get('ms', float('nan')):11.2f}  {r['status'][:60]}"
         )
-    for name in ("attention", "auto", "decode", "train", "variants"):
+    for r in report.get("norm", {}).get("rows", []):
+        err = max(r.get("max_rel_error_fp32", {}).values(), default=float("nan"))
+        lines.append(
+            f"{'norm ' + r['impl']:>15} {err:9.1e} {'':>9} {'':>8} {r.get('fwd_bwd_ms_bf16', float('nan')):11.2f}"
+            f"  {r['status'][:60]}"
+        )
+    for name in ("attention", "norm", "auto", "decode", "train", "variants"):
         part = report.get(name)
         if isinstance(part, dict) and str(part.get("status", "")).startswith("failed"):
             lines.append(f"{name}: {part['status']}")
