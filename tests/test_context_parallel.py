@@ -20,9 +20,10 @@ from resformer_jax.train.setup import build
 VARIANTS = ("none", "resformer", "svformer", "skipv1")
 
 
-def config(variant, context, data=-1, fsdp=1, documents=False, num_devices=0, impl="xla"):
+def config(variant, context, data=-1, fsdp=1, documents=False, num_devices=0, impl="xla", norm="auto"):
     c = tiny_config(variant)
     c.model.attention_impl = impl
+    c.model.norm_impl = norm
     c.model.num_kv_heads = 2
     c.model.scan_layers = False
     c.data.seq_len = 32
@@ -65,7 +66,7 @@ def tokens_for(c, documents=False):
         dict(context=2, data=2, fsdp=2),
         dict(context=4, data=2, fsdp=1),
         dict(context=8, data=1, fsdp=1),
-        dict(context=4, data=2, impl="pallas"),
+        dict(context=4, data=2, impl="pallas", norm="pallas"),  # the norm kernels on each device's tokens too
     ],
     ids=["xla-data2-fsdp2-context2", "xla-data2-context4", "xla-context8", "pallas-data2-context4"],
 )
