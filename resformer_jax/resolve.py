@@ -143,15 +143,20 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
     return choice
 
 
-def model_config(cfg, attention: AttentionChoice, platform: str | None = None) -> ModelConfig:
+def model_config(
+    cfg, attention: AttentionChoice, platform: str | None = None, probe_rows: int = 0, log: Callable[[str], Any] = print
+) -> ModelConfig:
     """The typed model config the modules are built from: the run's, with the attention impl resolved and, for
     `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere), and for
-    `norm_impl=auto` the platform's norm (the Pallas kernels on a GPU where they apply).
-    (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
+    `norm_impl=auto` the platform's norm: on a GPU where the Pallas kernels apply, the faster of them and XLA's
+    at `probe_rows` tokens (kernels.probe_norm), or the kernels unprobed (a compile target, a loaded run);
+    elsewhere XLA's. (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
     m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
     platform = platform or jax.devices()[0].platform
     if m.matmuls == "auto":
         m = m.replace(matmuls=cpu_matmul.forms_for(platform))
+    if m.norm_impl == "auto" and probe_rows and backend_of(platform) == "gpu" and m.norm_kernel_applies:
+        return m.replace(norm_impl=kernels.probe_norm(probe_rows, m.d_model, jnp.dtype(m.dtype), log))
     return m.with_norm_impl(backend_of(platform))
 
 
@@ -227,6 +232,7 @@ def resolve(
         cfg.model.document_eot = eot
     if not isinstance(attention, AttentionChoice):
         attention = resolve_attention(cfg, override=attention, log=log, platform=platform)
+    here = platform is None  # run on this machine's devices (the norm can be timed), not compiled for others
     platform = platform or jax.devices()[0].platform
     n = devices or cfg.mesh.num_devices or jax.device_count()
     rows = sequences_per_device(cfg, n) * cfg.data.seq_len
@@ -236,7 +242,7 @@ def resolve(
     return Run(
         asked=ml_collections.FrozenConfigDict(asked),
         cfg=RunConfig.of(cfg),
-        model=model_config(cfg, attention, platform),
+        model=model_config(cfg, attention, platform, probe_rows=rows if here else 0, log=log),
         attention=attention,
         compiler_options=tuple(sorted(options.items())),
         platform=platform,

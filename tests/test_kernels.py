@@ -378,3 +378,25 @@ def test_pallas_rope_on_the_queries_equals_rotating_them_first(T, H, K, D, docum
         assert rel(g, w) < 1e-5, f"{name} T={T} H/K={H}/{K} D={D}: {rel(g, w):.2e}"
     with pytest.raises(ValueError, match="RoPE on the queries"):
         kernels.attention(q, k, v, impl="xla", rope_q=(positions, inv_freq))
+
+
+def test_norm_auto_on_a_gpu_times_the_kernels_against_xla_and_falls_back_when_they_fail(monkeypatch):
+    """kernels.probe_norm (norm_impl=auto on a GPU): the faster forward+backward wins, each time logged; kernels
+    that fail are XLA's norm, with the reason. The clock is injected; the kernels run interpreted here."""
+
+    def clock_for(pallas_s, xla_s):
+        ticks = iter([0.0, pallas_s] * 3 + [0.0, xla_s] * 3)
+        return lambda: next(ticks)
+
+    logs: list[str] = []
+    assert kernels.probe_norm(64, 32, jnp.float32, logs.append, clock=clock_for(1e-3, 2e-3)) == "pallas"
+    assert kernels.probe_norm(64, 32, jnp.float32, logs.append, clock=clock_for(2e-3, 1e-3)) == "xla"
+    assert "norm_impl=auto chose 'pallas'" in logs[0] and "pallas 1.000 ms; xla 2.000 ms" in logs[0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Triton could not compile it")
+
+    monkeypatch.setattr(kernels, "rms_norm", broken)
+    ticks = iter([0.0, 1e-3] * 3)
+    assert kernels.probe_norm(64, 32, jnp.float32, logs.append, clock=lambda: next(ticks)) == "xla"
+    assert "the kernels failed (RuntimeError: Triton could not compile it)" in logs[-1]

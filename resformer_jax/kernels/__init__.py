@@ -213,6 +213,48 @@ def rms_norm(h_BxTxE, scale_E, *, eps, out_dtype, passes=False, outputs=1, mesh=
     )(h_BxTxE, scale_E)
 
 
+def probe_norm(rows: int, d_model: int, dtype, log_fn=print, repeats: int = 3, clock=time.perf_counter) -> str:
+    """model.norm_impl=auto on a GPU: 'pallas' or 'xla', whichever runs RMSNorm forward + backward faster at the run's
+    rows (a device's tokens a microbatch) and width, as a layer runs it (the stream passed through, y to two groups of
+    consumers, real cotangents). Kernels that fail fall back to XLA's norm, the reason logged."""
+    h = jnp.full((1, rows, d_model), 0.1, dtype)
+    scale = jnp.ones((d_model,), jnp.float32)
+    cotangents = tuple(jnp.full((1, rows, d_model), 0.01 * (i + 1), dtype) for i in range(3))
+
+    def plain(h, scale):
+        x = h.astype(jnp.float32)
+        y = (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale).astype(dtype)
+        return h, y, y
+
+    def in_kernels(h, scale):
+        return rms_norm(h, scale, eps=1e-5, out_dtype=dtype, passes=True, outputs=2)
+
+    seconds: dict[str, float] = {}
+    failed = ""
+    for impl, fn in (("pallas", in_kernels), ("xla", plain)):
+
+        def fwd_bwd(h, scale, cts, fn=fn):
+            outs, vjp = jax.vjp(fn, h, scale)
+            return outs[1], vjp(cts)
+
+        step = jax.jit(fwd_bwd)
+        try:
+            jax.block_until_ready(step(h, scale, cotangents))  # compiles
+        except Exception as e:
+            failed = f"; the kernels failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+            continue
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            jax.block_until_ready(step(h, scale, cotangents))
+            best = min(best, clock() - t0)
+        seconds[impl] = best
+    choice = min(seconds, key=lambda k: seconds[k])
+    times = "".join(f"; {k} {v * 1e3:.3f} ms" for k, v in seconds.items())
+    log_fn(f"model.norm_impl=auto chose {choice!r} (faster forward+backward at {rows} x {d_model}{times}){failed}")
+    return choice
+
+
 def context_size(mesh) -> int:
     """Devices each sequence is split over (the mesh's `context` axis; 1 without one)."""
     return int(dict(mesh.shape).get("context", 1)) if mesh is not None else 1
