@@ -105,6 +105,35 @@ def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, docu
         assert rel(g, w) < 1e-5, f"{name} at T={T} H/K={H}/{K} D={D} documents={documents}: {rel(g, w):.2e}"
 
 
+@pytest.mark.parametrize("T,H,K,D,documents", [(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 32, False)])
+def test_pallas_gated_value_mix_equals_attention_over_the_gated_value(T, H, K, D, documents):
+    """resformer_lambdas=gated inside the kernels: a gate g per key row and kv head, g V_1 + (1 - g) V_n formed
+    as each block of V loads; the output and the gradients of q, k, V_n, V_1 and g equal attention over the mix
+    formed first as model/attention.gated_value forms it (GQA sums the gate's gradient over a kv head's queries)."""
+    from resformer_jax.model.attention import ValueMix, gated_value
+
+    q, k, v, do = inputs(T, H, K, D, jnp.float32, seed=4)
+    v1 = jax.random.normal(jax.random.PRNGKey(T + 2), v.shape)
+    gate = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(T + 3), v.shape[:3]))
+    segments = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(T), 0.04, (2, T)), axis=1) if documents else None
+
+    def mixed_first(q, k, v, v1, gate):
+        mixed = gated_value(ValueMix(v, v1, None, None, None, v.dtype, None, None, gate))
+        return kernels.attention(q, k, mixed, impl="reference", segments_BxT=segments)
+
+    def in_kernel(q, k, v, v1, gate):
+        return kernels.attention(q, k, v, impl="pallas", segments_BxT=segments, value_mix=(v1, gate))
+
+    def run_impl(f):
+        o, vjp = jax.vjp(f, q, k, v, v1, gate)
+        return (o,) + vjp(do)
+
+    want, got = run_impl(mixed_first), jax.jit(lambda: run_impl(in_kernel))()
+    for name, g, w in zip(("out", "dq", "dk", "dv_n", "dv_1", "dgate"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert rel(g, w) < 1e-5, f"{name} at T={T} H/K={H}/{K} D={D} documents={documents}: {rel(g, w):.2e}"
+
+
 def test_value_mix_is_refused_where_no_kernel_forms_it():
     x = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(ValueError, match="value mix"):
@@ -269,12 +298,14 @@ def test_splash_tpu_kernel_matches_reference_interpreted(T, H, K):
 
 
 @pytest.mark.slow  # over 12 s in the fast tier
-def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path):
+@pytest.mark.parametrize("lambdas", ["fixed", "gated"])
+def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path, lambdas):
     """Under a data x fsdp mesh, pallas runs through shard_map (XLA cannot partition a custom call):
-    the same losses as XLA's attention and norm on the same mesh."""
+    the same losses as XLA's attention and norm on the same mesh (the gated mix's gate split as V)."""
     out = {}
     for impl in ("pallas", "xla"):
         c = tiny_config("resformer")  # the value mix and the queries' RoPE in the kernel, per shard (V_1 split as V)
+        c.model.resformer_lambdas = lambdas
         c.model.attention_impl = impl
         c.model.norm_impl = impl  # the norm kernels per shard too
         c.train.steps, c.train.warmup_steps, c.train.log_every, c.train.eval_every = 3, 1, 1, 1000

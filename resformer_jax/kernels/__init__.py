@@ -96,7 +96,8 @@ def attention(
 
     `value_mix` (impl=pallas only, no context axis): (V_1 [B, S, K, D], (l1, l2) fp32 [2]), with v_BxSxKxD the
     layer's own V_n: attend over ResFormer's l1 V_1 + l2 V_n (Eq. 7), formed by the kernels as they load V;
-    lambda_grads=False where (l1, l2) are constants (their gradient then reads as zero).
+    lambda_grads=False where (l1, l2) are constants (their gradient then reads as zero). Or (V_1, g fp32
+    [B, S, K]): the gated mix g V_1 + (1 - g) V_n of each key row and kv head (its gradient always formed).
 
     `rope_q` (impl=pallas only, no context axis): (positions [B, T], inv_freq [D/2]) with q before RoPE (k after
     it): the kernel rotates q and its dQ kernel rotates the gradient back (kernels/rope.rotate_half).
@@ -140,7 +141,8 @@ def attention(
                 rope_q=rope_q,
             )
 
-        mix_spec = None if value_mix is None else (spec, P())  # V_1 split as V, (l1, l2) whole
+        # V_1 split as V; (l1, l2) whole, or a gate [B, S, K] split as V
+        mix_spec = None if value_mix is None else (spec, P() if value_mix[1].ndim == 1 else spec)
         rope_spec = None if rope_q is None else (spec, P())  # positions split as q, inv_freq whole
         return jax.shard_map(
             per_shard,

@@ -250,14 +250,27 @@ def _mixed_value(v1, vn, l1, l2):
     return (l1 * v1.astype(jnp.float32) + l2 * vn.astype(jnp.float32)).astype(vn.dtype)
 
 
-def _value_loader(v_ref, mix_refs):
+def _value_loader(v_ref, mix_refs, gated: bool = False):
     """rows -> the block of values the kernel attends over: V's rows, or Eq. 7's mix of V_1's and V_n's rows
-    (mix_refs: V_1 and the fp32 pair (l1, l2))."""
+    (mix_refs: V_1 and the fp32 pair (l1, l2)); gated: the gate g of each key row, l1 = g and l2 = 1 - g
+    (resformer_lambdas=gated, model/attention.gated_value)."""
     if not mix_refs:
         return lambda rows: v_ref[rows, :]
     v1_ref, lam_ref = mix_refs
+    if gated:
+
+        def load(rows):
+            g = lam_ref[rows][:, None]
+            return _mixed_value(v1_ref[rows, :], v_ref[rows, :], g, 1.0 - g)
+
+        return load
     l1, l2 = lam_ref[0], lam_ref[1]
     return lambda rows: _mixed_value(v1_ref[rows, :], v_ref[rows, :], l1, l2)
+
+
+def _gated(mix) -> bool:
+    """Whether a value mix (V_1, weights) weighs by a gate per key row and kv head [B, S, K], not (l1, l2) [2]."""
+    return mix is not None and mix[1].ndim == 3
 
 
 # ----------------------------------------------------------------------------- forward
@@ -286,7 +299,7 @@ def _scores_kept(q_idx, k_idx, kv_len: int, bk: int, causal: bool, doc_start=Non
     return kept
 
 
-def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False):
+def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False, gated=False):
     # docs: packed documents, one more input: where each query's document starts. Under the causal mask a key is
     # in its query's document exactly when it is at or after that start (documents are contiguous), so no segment
     # ids are held; key blocks before the block's first document are skipped, not just masked.
@@ -295,7 +308,7 @@ def _fwd_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mix
     # mixed: two more inputs, V_1 and (l1, l2): the values attended over are Eq. 7's mix, formed block by block
     ins, start_ref, qpos_ref, (o_ref, lse_ref) = _split_refs(refs, docs, positions, 3 + 2 * mixed)
     q_ref, k_ref, v_ref = ins[:3]
-    load_v = _value_loader(v_ref, ins[3:])
+    load_v = _value_loader(v_ref, ins[3:], gated)
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, D]
     D = q.shape[-1]
@@ -382,6 +395,7 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
         docs=docs,
         positions=positions,
         mixed=mix is not None,
+        gated=_gated(mix),
     )
     kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     mix_specs, mix_in = _mix_inputs(mix, kv_spec, Sp)
@@ -416,10 +430,14 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
 
 
 def _mix_inputs(mix, v_spec, Sp: int):
-    """The kernels' extra inputs for Eq. 7's mix (V_1 padded as V, read through V's spec; (l1, l2) whole), or none."""
+    """The kernels' extra inputs for Eq. 7's mix (V_1 padded as V, read through V's spec; (l1, l2) whole, or a gate
+    [B, S, K] read as V's rows are), or none."""
     if mix is None:
         return [], []
     v1, lam = mix
+    if _gated(mix):
+        gate_spec = pl.BlockSpec(v_spec.block_shape[:3], lambda *a: v_spec.index_map(*a)[:3])
+        return [v_spec, gate_spec], [_pad(v1, 1, Sp), _pad(lam.astype(jnp.float32), 1, Sp)]
     return [v_spec, pl.BlockSpec((2,), lambda *_: (0,))], [_pad(v1, 1, Sp), lam.astype(jnp.float32)]
 
 
@@ -427,7 +445,7 @@ def _mix_inputs(mix, v_spec, Sp: int):
 
 
 def _dkdv_kernel(
-    *refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False, mixed=False, lambda_grads=False
+    *refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False, mixed=False, gated=False, lambda_grads=False
 ):
     # docs: where every query's document starts (the forward's mask), and one past where each key of the block's
     # document ends (query blocks after the block's last document are skipped). positions: every query's
@@ -442,7 +460,7 @@ def _dkdv_kernel(
     end_ref = ins[6 + n_mix + positions] if docs else None
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
-    v = _value_loader(v_ref, mix_refs[:2])(slice(None))
+    v = _value_loader(v_ref, mix_refs[:2], gated)(slice(None))
     D = k.shape[-1]
     k_idx = j * bk + jnp.arange(bk)
 
@@ -475,6 +493,13 @@ def _dkdv_kernel(
         outs[1][...] = dv.astype(outs[1].dtype)
         return
     lam_ref, (dvn_ref, dv1_ref, *dl_refs) = mix_refs[1], outs[1:]
+    if gated:  # each key row's own weights: g for V_1, 1 - g for V_n; the gate's gradient (V_1 - V_n) . dV a row
+        g = lam_ref[...][:, None]
+        dvn_ref[...] = ((1.0 - g) * dv).astype(dvn_ref.dtype)
+        dv1_ref[...] = (g * dv).astype(dv1_ref.dtype)
+        v1_again, vn_again = mix_refs[2:]
+        dl_refs[0][...] = jnp.sum((v1_again[...].astype(jnp.float32) - vn_again[...].astype(jnp.float32)) * dv, 1)
+        return
     dvn_ref[...] = (lam_ref[1] * dv).astype(dvn_ref.dtype)
     dv1_ref[...] = (lam_ref[0] * dv).astype(dv1_ref.dtype)
     if lambda_grads:  # this key block's share, one number each, from V_1 and V_n read again through refs of
@@ -484,13 +509,13 @@ def _dkdv_kernel(
         dl_refs[1][...] = jnp.sum(vn_again[...].astype(jnp.float32) * dv)
 
 
-def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False, rope=False):
+def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixed=False, gated=False, rope=False):
     # as the forward's; it also forms the block's delta_i = sum_d O_id dO_id (FlashAttention-2) from the O and dO
     # it holds, and writes it for the dK/dV kernel after it (no pass over O and dO of its own)
     n_in = 6 + 2 * mixed + 2 * rope
     ins, start_ref, qpos_ref, (dq_ref, delta_ref) = _split_refs(refs, docs, positions, n_in)
     q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref = ins[:6]
-    load_v = _value_loader(v_ref, ins[6 : 6 + 2 * mixed])
+    load_v = _value_loader(v_ref, ins[6 : 6 + 2 * mixed], gated)
     i = pl.program_id(0)
     q = q_ref[...]
     do = do_ref[...]
@@ -566,7 +591,8 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         dkdv_extra_specs = [*dkdv_extra_specs, pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0))]
         dkdv_extra = [*dkdv_extra, qpos_p]
         dq_extra_specs, dq_extra = [*dq_extra_specs, query_rows], [*dq_extra, qpos_p]
-    mixed, again = mix is not None, mix is not None and lambda_grads  # again: V_1 and V_n once more, for the shares
+    gated = _gated(mix)  # a gate's gradient is always formed (it is learned)
+    mixed, again = mix is not None, mix is not None and (lambda_grads or gated)  # again: V_1, V_n for the shares
     # dQ first: it writes delta, which dK/dV reads
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
@@ -576,7 +602,9 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     if rope is not None:  # (positions [B, T], inv_freq [D/2]): dQ rotated back to the query before RoPE
         rope_specs = [query_rows, pl.BlockSpec((D // 2,), lambda i, b, h: (0,))]
         rope_in = [_pad(rope[0].astype(jnp.int32), 1, Tp), rope[1].astype(jnp.float32)]
-    shared = dict(scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions, mixed=mixed)
+    shared = dict(
+        scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions, mixed=mixed, gated=gated
+    )
     dq, delta = _pallas(
         functools.partial(_dq_kernel, **shared, rope=rope is not None),
         grid=(Tp // bq, B, H),
@@ -606,8 +634,12 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     grad_shape = jax.ShapeDtypeStruct((B, Sp, H, D), k.dtype if G == 1 else jnp.float32)
     key_share = pl.BlockSpec((None, None, None), lambda j, b, h: (b, h, j))  # per key block: V_1 . dV, V_n . dV
     shares = 2 if again else 0
+    share_shape = jax.ShapeDtypeStruct((B, H, Sp // bk), jnp.float32)
+    if gated:  # per key row and query head: (V_1 - V_n) . dV, the gate's gradient
+        key_share = pl.BlockSpec((None, bk, None), lambda j, b, h: (b, j, h))
+        shares, share_shape = 1, jax.ShapeDtypeStruct((B, Sp, H), jnp.float32)
     mix_out_specs = [out_block, *[key_share] * shares] if mixed else []
-    mix_out_shape = [grad_shape, *[jax.ShapeDtypeStruct((B, H, Sp // bk), jnp.float32)] * shares] if mixed else []
+    mix_out_shape = [grad_shape, *[share_shape] * shares] if mixed else []
     dk_h, dv_h, *mix_grads = _pallas(
         functools.partial(_dkdv_kernel, **shared, q_blocks=Tp // bq, lambda_grads=again),
         grid=(Sp // bk, B, H),
@@ -635,7 +667,10 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     if not mixed:
         return dq[:, :T], dk, dv
     (dv1_h, *key_shares), (v1, lam) = mix_grads, mix
-    dlam = jnp.stack([x.sum() for x in key_shares]) if again else jnp.zeros_like(lam)
+    if gated:  # the gate's gradient per key row and kv head: the sum over the query heads that read it
+        dlam = key_shares[0][:, :S].reshape(B, S, K, G).sum(axis=3)
+    else:
+        dlam = jnp.stack([x.sum() for x in key_shares]) if again else jnp.zeros_like(lam)
     return dq[:, :T], dk, dv, per_kv_head(dv1_h, v1.dtype), dlam
 
 

@@ -76,7 +76,7 @@ class LayerPlan:
     gate: bool = False  # the mix's weight is a gate of the layer input (resformer_lambdas=gated)
     value_table: int = -1  # the value-embedding table added to V_n (model.value_embeddings), -1: none
     value_table_gate: bool = False  # added through a gate of the layer input instead of two scalars
-    mix_in_kernel: bool = False  # Eq. 7 formed by the attention kernel as it loads V (pallas): no pass of its own
+    mix_in_kernel: bool = False  # Eq. 7 (or the gated mix) formed by the attention kernel as it loads V (pallas)
     rope_in_kernel: bool = False  # the queries' RoPE gradient rotated back by the dQ kernel as it writes it (pallas)
 
     @property
@@ -152,7 +152,9 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
         anchor=anchor,
         own_value_heads=own_heads,
         gate=m.gates_values and mix is gated_value,
-        mix_in_kernel=mix is eq7_resformer_value and m.attention_impl == "pallas" and not m.uses_neutreno,
+        mix_in_kernel=mix in (eq7_resformer_value, gated_value)
+        and m.attention_impl == "pallas"
+        and not m.uses_neutreno,
         rope_in_kernel=_rope_in_kernel(m),
         value_table=m.value_table(layer),
         value_table_gate=m.value_embedding_gate,
@@ -488,7 +490,7 @@ class Attention(nn.Module):
                 impl=m.attention_impl,
                 mesh=ctx.mesh,
                 segments_BxT=ctx.segments,
-                value_mix=(v_src, self._kernel_lambdas(l1, l2)) if in_kernel else None,
+                value_mix=(v_src, gate_BxTxK if p.gate else self._kernel_lambdas(l1, l2)) if in_kernel else None,
                 lambda_grads=m.learns_lambdas,
                 rope_q=rope_q if rope_in_kernel else None,
             )
