@@ -61,7 +61,7 @@ MASK = -1e30
 @functools.cache
 def _warn_interpreted(backend: str):
     log.warning(
-        "attention_impl='pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
+        "attention_impl or norm_impl 'pallas' on backend %r: running the GPU kernel in Pallas interpret mode "
         "(correct but slow; for tests)",
         backend,
     )
@@ -198,8 +198,9 @@ def num_warps(bq: int, bk: int) -> int:
     return 8 if bq * bk >= 64 * 128 else 4
 
 
-def _pallas(kernel, *, num_warps_: int, **kw):
-    """A pallas_call lowered as a Triton kernel for CUDA and run interpreted on any other platform."""
+def gpu_pallas_call(kernel, *, num_warps_: int, **kw):
+    """A pallas_call lowered as a Triton kernel for CUDA and run interpreted on any other platform (the norm
+    kernels, kernels/pallas_norm.py, are called through it too)."""
 
     def compiled(*args):
         return pl.pallas_call(
@@ -408,7 +409,7 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
         extra_specs, extra = [row_q], [start]
     if positions:
         extra_specs, extra = [*extra_specs, row_q], [*extra, qpos_p]
-    o, lse = _pallas(
+    o, lse = gpu_pallas_call(
         kernel,
         num_warps_=num_warps(bq, bk),
         grid=(Tp // bq, B, H),
@@ -605,7 +606,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     shared = dict(
         scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions, mixed=mixed, gated=gated
     )
-    dq, delta = _pallas(
+    dq, delta = gpu_pallas_call(
         functools.partial(_dq_kernel, **shared, rope=rope is not None),
         grid=(Tp // bq, B, H),
         in_specs=[
@@ -640,7 +641,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         shares, share_shape = 1, jax.ShapeDtypeStruct((B, Sp, H), jnp.float32)
     mix_out_specs = [out_block, *[key_share] * shares] if mixed else []
     mix_out_shape = [grad_shape, *[share_shape] * shares] if mixed else []
-    dk_h, dv_h, *mix_grads = _pallas(
+    dk_h, dv_h, *mix_grads = gpu_pallas_call(
         functools.partial(_dkdv_kernel, **shared, q_blocks=Tp // bq, lambda_grads=again),
         grid=(Sp // bk, B, H),
         in_specs=[

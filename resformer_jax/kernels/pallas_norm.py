@@ -9,7 +9,7 @@ gradient, with each program's share of d scale summed afterwards. It is the fuse
 
     (h_out, y) = rms_norm(h, scale)        h_out is h; its cotangent is added to the norm's in the backward
 
-The kernels run interpreted on other platforms (tests), as the attention kernels do (pallas_attention._pallas).
+The kernels run interpreted on other platforms (tests), as the attention kernels do (pallas_attention.gpu_pallas_call).
 """
 
 from __future__ import annotations
@@ -21,16 +21,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from resformer_jax.kernels.pallas_attention import _pallas
+from resformer_jax.kernels.pallas_attention import gpu_pallas_call
 
 ROWS = 8  # rows a program holds at once: [8, 1024] fp32 is 32 values a thread at 8 warps, three of them live
 CHUNKS = 8  # blocks of ROWS a backward program walks, summing its share of d scale in registers
 WARPS = 8
-
-
-def supports(d_model: int) -> bool:
-    """Whether the kernels take rows of this width (a Triton block spans the whole row: a power of two)."""
-    return d_model >= 16 and d_model & (d_model - 1) == 0
 
 
 def _fwd_kernel(h_ref, scale_ref, *out_refs, eps):
@@ -85,7 +80,7 @@ def _forward(h_NxE, scale_E, eps, out_dtype, copy: bool = False):
     hp = _padded(h_NxE, ROWS)
     Np = hp.shape[0]
     block = pl.BlockSpec((ROWS, E), lambda i: (i, 0))
-    outs = _pallas(
+    outs = gpu_pallas_call(
         functools.partial(_fwd_kernel, eps=eps),
         num_warps_=WARPS,
         grid=(Np // ROWS,),
@@ -108,7 +103,7 @@ def _backward(h_NxE, rstd_N, scale_E, dys, dpass_NxE):
         ins.append(_padded(dpass_NxE, rows))
     Np = ins[0].shape[0]
     block = pl.BlockSpec((rows, E), lambda i: (i, 0))
-    dh, dscale_parts = _pallas(
+    dh, dscale_parts = gpu_pallas_call(
         functools.partial(_bwd_kernel, chunks=rows // ROWS, passes=passes, outputs=len(dys)),
         num_warps_=WARPS,
         grid=(Np // rows,),
