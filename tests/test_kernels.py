@@ -384,9 +384,9 @@ def test_norm_impl_auto_is_the_kernels_on_a_gpu_where_they_apply_and_a_named_one
 
 
 @pytest.mark.parametrize("T,H,K,D,documents", [(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 128, False)])
-def test_pallas_rope_on_the_queries_equals_rotating_them_first(T, H, K, D, documents):
-    """rope_q: the kernel takes q before RoPE, rotates it, and its dQ kernel rotates the gradient back (by the
-    head's halves): output and dQ/dK/dV as RoPE by kernels/rope.py and then the reference attention."""
+def test_pallas_rope_inside_the_kernel_equals_rotating_q_and_k_first(T, H, K, D, documents):
+    """rope: the kernel takes q and k before RoPE, rotates them, and its dQ and dK/dV kernels rotate the gradients
+    back (by the head's halves): output and dQ/dK/dV as RoPE by kernels/rope.py and then the reference attention."""
     from resformer_jax.kernels.rope import inverse_frequencies, rotate_half
 
     q, k, v, do = inputs(T, H, K, D, jnp.float32, seed=3)
@@ -398,17 +398,18 @@ def test_pallas_rope_on_the_queries_equals_rotating_them_first(T, H, K, D, docum
     inv_freq = inverse_frequencies(D, 10000.0)
 
     def kernel(q, k, v):
-        return kernels.attention(q, k, v, impl="pallas", segments_BxT=seg, rope_q=(positions, inv_freq))
+        return kernels.attention(q, k, v, impl="pallas", segments_BxT=seg, rope=(positions, inv_freq))
 
     def reference(q, k, v):
-        return kernels.attention(rotate_half(q, positions, inv_freq), k, v, impl="reference", segments_BxT=seg)
+        qr, kr = rotate_half(q, positions, inv_freq), rotate_half(k, positions, inv_freq)
+        return kernels.attention(qr, kr, v, impl="reference", segments_BxT=seg)
 
     got_o, got_vjp = jax.vjp(kernel, q, k, v)
     want_o, want_vjp = jax.vjp(reference, q, k, v)
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got_o, *got_vjp(do)), (want_o, *want_vjp(do))):
         assert rel(g, w) < 1e-5, f"{name} T={T} H/K={H}/{K} D={D}: {rel(g, w):.2e}"
-    with pytest.raises(ValueError, match="RoPE on the queries"):
-        kernels.attention(q, k, v, impl="xla", rope_q=(positions, inv_freq))
+    with pytest.raises(ValueError, match="RoPE"):
+        kernels.attention(q, k, v, impl="xla", rope=(positions, inv_freq))
 
 
 def test_norm_auto_on_a_gpu_times_the_kernels_against_xla_and_falls_back_when_they_fail(monkeypatch):

@@ -280,6 +280,7 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "", docu
                 device_kind=device_kind,
                 documents=documents,
                 tables=name + pallas_attention.TABLES in where,
+                rope=pallas_attention.ROPE in where,
             )
         if module is tpu_attention and len(q[0][1]) >= 3 and len(k[0][1]) >= 2:
             return module.kernel_flops(name, q[0][1], k[0][1])

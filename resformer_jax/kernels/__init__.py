@@ -87,7 +87,7 @@ def attention(
     segments_BxT=None,
     value_mix=None,
     lambda_grads=True,
-    rope_q=None,
+    rope=None,
 ):
     """Causal multi-head attention; dispatches to the chosen implementation.
 
@@ -99,8 +99,8 @@ def attention(
     lambda_grads=False where (l1, l2) are constants (their gradient then reads as zero). Or (V_1, g fp32
     [B, S, K]): the gated mix g V_1 + (1 - g) V_n of each key row and kv head (its gradient always formed).
 
-    `rope_q` (impl=pallas only, no context axis): (positions [B, T], inv_freq [D/2]) with q before RoPE (k after
-    it): the kernel rotates q and its dQ kernel rotates the gradient back (kernels/rope.rotate_half).
+    `rope` (impl=pallas only, no context axis): (positions [B, T], inv_freq [D/2]) with q and k before RoPE: the
+    kernel rotates them and its dQ and dK/dV kernels rotate their gradients back (kernels/rope.rotate_half).
 
     `auto` is resolved by the run's setup (`probe_auto`) before the model is built; an
     unresolved `auto` (a model built by hand, shape-only tracing) is `unprobed_auto`: the backend's first
@@ -110,7 +110,7 @@ def attention(
     """
     if impl == "auto":
         impl = unprobed_auto(target_backend())
-    for what, given in (("the value mix", value_mix), ("RoPE on the queries", rope_q)):
+    for what, given in (("the value mix", value_mix), ("RoPE", rope)):
         if given is not None and (impl != "pallas" or context_size(mesh) > 1):
             raise ValueError(
                 f"{what} is formed inside the attention only by impl='pallas' off a context axis, not {impl!r}"
@@ -128,7 +128,7 @@ def attention(
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
         spec = jax.sharding.PartitionSpec(batch_axes)
 
-        def per_shard(q, k, v, segments, value_mix, rope_q):
+        def per_shard(q, k, v, segments, value_mix, rope):
             return attention(
                 q,
                 k,
@@ -138,19 +138,19 @@ def attention(
                 segments_BxT=segments,
                 value_mix=value_mix,
                 lambda_grads=lambda_grads,
-                rope_q=rope_q,
+                rope=rope,
             )
 
         # V_1 split as V; (l1, l2) whole, or a gate [B, S, K] split as V
         mix_spec = None if value_mix is None else (spec, P() if value_mix[1].ndim == 1 else spec)
-        rope_spec = None if rope_q is None else (spec, P())  # positions split as q, inv_freq whole
+        rope_spec = None if rope is None else (spec, P())  # positions split as q, inv_freq whole
         return jax.shard_map(
             per_shard,
             mesh=mesh,
             in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec, rope_spec),
             out_specs=spec,
             check_vma=False,
-        )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope_q)
+        )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope)
     if impl == "reference":
         mask = None
         if segments_BxT is not None:
@@ -191,7 +191,7 @@ def attention(
             segments_BxT=segments_BxT,
             value_mix=value_mix,
             lambda_grads=lambda_grads,
-            rope_q=rope_q,
+            rope=rope,
         )
     if impl == "splash":
         from resformer_jax.kernels import tpu_attention

@@ -152,16 +152,18 @@ def kernel_flops(
     device_kind: str = "",
     documents=None,
     tables: bool = False,
+    rope: bool = False,
 ) -> float:
     """FLOPs of one call of kernel `name` on q [B, Tp, H, D] and k [B, Sp, K, D] (padded) on `device_kind`, by
     this file's own block choice and causal skipping: 2 FLOPs a multiply-add. `tables`: the kernel reads
-    per-position tables (its name ends in TABLES); `documents` (rows of 1s at each document's end, [R, T]): the
-    kernels' packed-document skipping at that packing, averaged over the rows."""
+    per-position tables (its name holds TABLES); `rope`: it rotates RoPE's gradient back (ROPE); `documents` (rows
+    of 1s at each document's end, [R, T]): the kernels' packed-document skipping at that packing, averaged over the
+    rows."""
     B, Tp, H, D = q_shape
     Sp = k_shape[1]
     bq, bk = choose_blocks(Tp, Sp, D, int(itemsize), budget=smem_budget(device_kind))
     if name != "flash_attention_fwd":
-        bq, bk = backward_blocks(bq, bk, D, int(itemsize), tables)
+        bq, bk = backward_blocks(bq, bk, D, int(itemsize), tables, rope)
     if documents is not None and tables and causal and Tp == Sp:
         pairs = visited_blocks_documents(documents, Tp, bq, bk, dkdv=name == "flash_attention_dkdv")
     else:
@@ -169,26 +171,31 @@ def kernel_flops(
     return float(B * H * pairs * 2 * bq * bk * D * dict(KERNEL_MATMULS)[name])
 
 
-def backward_blocks(bq: int, bk: int, D: int, itemsize: int, tables: bool = False) -> tuple[int, int]:
+def backward_blocks(
+    bq: int, bk: int, D: int, itemsize: int, tables: bool = False, rope: bool = False
+) -> tuple[int, int]:
     """The backward kernels' own blocks, within the forward's: each of their tiles of Q, K, V or dO at most 16 KiB
     (128 rows of 64 bf16 values). The backward keeps two fp32 accumulators and several tiles in registers; past
     that ptxas spills (at head_dim 128 with 128 x 128 blocks: 372 bytes a thread in dK/dV). `tables` (the kernels
     reading per-position tables: packed documents, a context axis's positions): key blocks of at most 64, for
-    the registers their masks take (with 128: dK/dV spills 360 bytes a thread at the 468M's shape)."""
+    the registers their masks take (with 128: dK/dV spills 360 bytes a thread at the 468M's shape). `rope` (the
+    kernels rotating dQ and dK back): key blocks of at most 64 too, for dK's two half accumulators (with 128:
+    8 bytes a thread spill)."""
     while bq > 16 and bq * D * itemsize > 128 * 64 * 2:
         bq //= 2
-    while bk > 16 and (bk * D * itemsize > 128 * 64 * 2 or (tables and bk > 64)):
+    while bk > 16 and (bk * D * itemsize > 128 * 64 * 2 or ((tables or rope) and bk > 64)):
         bk //= 2
     return bq, bk
 
 
 TABLES = "_tables"  # the name suffix of the kernels that read per-position tables (documents, positions)
 MIXED = "_value_mix"  # the name suffix of the kernels that form Eq. 7's value mix (after TABLES)
+ROPE = "_rope"  # the name suffix of the backward kernels that rotate RoPE's gradient back (after MIXED)
 
 
-def _kernel_name(base: str, tables: bool, mixed: bool) -> str:
+def _kernel_name(base: str, tables: bool, mixed: bool, rope: bool = False) -> str:
     """The pallas_call name the roofline and the ptxas report know a kernel by."""
-    return base + (TABLES if tables else "") + (MIXED if mixed else "")
+    return base + (TABLES if tables else "") + (MIXED if mixed else "") + (ROPE if rope else "")
 
 
 def num_warps(bq: int, bk: int) -> int:
@@ -446,7 +453,19 @@ def _mix_inputs(mix, v_spec, Sp: int):
 
 
 def _dkdv_kernel(
-    *refs, scale, causal, bq, bk, kv_len, q_blocks, docs, positions=False, mixed=False, gated=False, lambda_grads=False
+    *refs,
+    scale,
+    causal,
+    bq,
+    bk,
+    kv_len,
+    q_blocks,
+    docs,
+    positions=False,
+    mixed=False,
+    gated=False,
+    lambda_grads=False,
+    rope=False,
 ):
     # docs: where every query's document starts (the forward's mask), and one past where each key of the block's
     # document ends (query blocks after the block's last document are skipped). positions: every query's
@@ -454,16 +473,33 @@ def _dkdv_kernel(
     # mixed: V is Eq. 7's l1 V_1 + l2 V_n (two more inputs); the kernel writes V_n's gradient l2 dV, V_1's l1 dV,
     # and with lambda_grads the key block's share of the lambdas' gradients (the sums of V_1 . dV and V_n . dV)
     n_mix = 2 * mixed + 2 * lambda_grads
-    ins, start_ref, qpos_ref, outs = _split_refs(refs, docs, positions, 6 + n_mix + positions + docs)
+    ins, start_ref, qpos_ref, outs = _split_refs(refs, docs, positions, 6 + n_mix + 2 * rope + positions + docs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
     mix_refs = ins[6 : 6 + n_mix]
-    qstart_ref = ins[6 + n_mix] if positions else None
-    end_ref = ins[6 + n_mix + positions] if docs else None
+    rope_refs = ins[6 + n_mix : 6 + n_mix + 2 * rope]
+    qstart_ref = ins[6 + n_mix + 2 * rope] if positions else None
+    end_ref = ins[6 + n_mix + 2 * rope + positions] if docs else None
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, D]
     v = _value_loader(v_ref, mix_refs[:2], gated)(slice(None))
     D = k.shape[-1]
     k_idx = j * bk + jnp.arange(bk)
+
+    def body_halves(i, carry):  # dK by halves of the head, for RoPE's rotation back (rotate-half pairs d, d + D/2)
+        dk1, dk2, dv = carry
+        rows = pl.ds(i * bq, bq)
+        q1, q2 = q_ref[rows, pl.ds(0, D // 2)], q_ref[rows, pl.ds(D // 2, D // 2)]
+        do = do_ref[rows, :]
+        lse = lse_ref[rows]
+        delta = delta_ref[rows]
+        q_idx = qpos_ref[rows] if positions else i * bq + jnp.arange(bq)
+        s = (_dot_t(q1, k_ref[:, pl.ds(0, D // 2)]) + _dot_t(q2, k_ref[:, pl.ds(D // 2, D // 2)])) * scale
+        mask = _scores_kept(q_idx, k_idx, kv_len, bk, causal, start_ref[rows] if docs else None)
+        p = jnp.exp(s - lse[:, None])
+        p = p if mask is None else jnp.where(mask, p, 0.0)
+        dv = dv + _tdot(p.astype(do.dtype), do)
+        ds = (p * (_dot_t(do, v) - delta[:, None])).astype(q1.dtype)
+        return dk1 + _tdot(ds, q1) * scale, dk2 + _tdot(ds, q2) * scale, dv
 
     def body(i, carry):
         dk, dv = carry
@@ -487,13 +523,29 @@ def _dkdv_kernel(
     if causal and positions:
         start = jnp.min(qstart_ref[...])
     stop = jnp.minimum(q_blocks, lax.div(jnp.max(end_ref[...]) + bq - 1, bq)) if docs else q_blocks
+    if rope:
+        half = jnp.zeros((bk, D // 2), jnp.float32)
+        dk1, dk2, dv = lax.fori_loop(start, stop, body_halves, (half, half, jnp.zeros((bk, D), jnp.float32)))
+        _write_dv(dv, outs[1:], mix_refs, mixed, gated, lambda_grads)
+        pos_ref, inv_freq_ref = rope_refs
+        angles = pos_ref[...].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        # the transpose of k_rot = (k1 cos - k2 sin, k2 cos + k1 sin): the gradient of the key before its rotation
+        outs[0][:, pl.ds(0, D // 2)] = (dk1 * cos + dk2 * sin).astype(outs[0].dtype)
+        outs[0][:, pl.ds(D // 2, D // 2)] = (dk2 * cos - dk1 * sin).astype(outs[0].dtype)
+        return
     init = (jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
     dk, dv = lax.fori_loop(start, stop, body, init)
     outs[0][...] = dk.astype(outs[0].dtype)
+    _write_dv(dv, outs[1:], mix_refs, mixed, gated, lambda_grads)
+
+
+def _write_dv(dv, outs, mix_refs, mixed: bool, gated: bool, lambda_grads: bool):
+    """dK/dV's value gradients: dV, or with a mix V_n's and V_1's (and the weights' shares or the gate's rows)."""
     if not mixed:
-        outs[1][...] = dv.astype(outs[1].dtype)
+        outs[0][...] = dv.astype(outs[0].dtype)
         return
-    lam_ref, (dvn_ref, dv1_ref, *dl_refs) = mix_refs[1], outs[1:]
+    lam_ref, (dvn_ref, dv1_ref, *dl_refs) = mix_refs[1], outs
     if gated:  # each key row's own weights: g for V_1, 1 - g for V_n; the gate's gradient (V_1 - V_n) . dV a row
         g = lam_ref[...][:, None]
         dvn_ref[...] = ((1.0 - g) * dv).astype(dvn_ref.dtype)
@@ -571,7 +623,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     S, K = k.shape[1], k.shape[2]
     G = H // K
     docs, positions = seg is not None, qpos is not None
-    bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize, tables=docs or positions)
+    bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize, tables=docs or positions, rope=rope is not None)
     Tp, Sp = o_p.shape[1], pl.cdiv(S, bk) * bk
     qp, kp, vp, dop = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp), _pad(do, 1, Tp)
     scale = 1.0 / math.sqrt(D)
@@ -623,7 +675,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         out_specs=[q_block, row_block],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         num_warps_=num_warps(bq, bk),
-        name=_kernel_name("flash_attention_dq", docs or positions, mixed),
+        name=_kernel_name("flash_attention_dq", docs or positions, mixed, rope is not None),
     )(qp, kp, vp, dop, lse, o_p, *mix_in, *rope_in, *dq_extra)
     q_spec_full = pl.BlockSpec((None, Tp, None, D), lambda j, b, h: (b, 0, h, 0))
     row_full = pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0))
@@ -641,8 +693,12 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
         shares, share_shape = 1, jax.ShapeDtypeStruct((B, Sp, H), jnp.float32)
     mix_out_specs = [out_block, *[key_share] * shares] if mixed else []
     mix_out_shape = [grad_shape, *[share_shape] * shares] if mixed else []
+    dkdv_rope_specs, dkdv_rope_in = [], []
+    if rope is not None:  # dK rotated back by the keys' positions (T == S: the queries' positions)
+        dkdv_rope_specs = [key_rows, pl.BlockSpec((D // 2,), lambda j, b, h: (0,))]
+        dkdv_rope_in = [_pad(rope[0].astype(jnp.int32), 1, Sp), rope[1].astype(jnp.float32)]
     dk_h, dv_h, *mix_grads = gpu_pallas_call(
-        functools.partial(_dkdv_kernel, **shared, q_blocks=Tp // bq, lambda_grads=again),
+        functools.partial(_dkdv_kernel, **shared, q_blocks=Tp // bq, lambda_grads=again, rope=rope is not None),
         grid=(Sp // bk, B, H),
         in_specs=[
             q_spec_full,
@@ -652,14 +708,27 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
             row_full,
             row_full,
             *dkdv_mix_specs,
+            *dkdv_rope_specs,
             *dkdv_first_specs,
             *dkdv_extra_specs,
         ],
         out_specs=[out_block, out_block, *mix_out_specs],
         out_shape=[grad_shape, grad_shape, *mix_out_shape],
         num_warps_=num_warps(bq, bk),
-        name=_kernel_name("flash_attention_dkdv", docs or positions, mixed),
-    )(qp, kp, vp, dop, lse, delta, *mix_in, *(mix_in[:1] + [vp] if again else []), *dkdv_first, *dkdv_extra)
+        name=_kernel_name("flash_attention_dkdv", docs or positions, mixed, rope is not None),
+    )(
+        qp,
+        kp,
+        vp,
+        dop,
+        lse,
+        delta,
+        *mix_in,
+        *(mix_in[:1] + [vp] if again else []),
+        *dkdv_rope_in,
+        *dkdv_first,
+        *dkdv_extra,
+    )
 
     def per_kv_head(g_h, dtype):  # GQA: a kv head's gradient is the sum over the query heads that read it
         return g_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(dtype)
@@ -680,14 +749,16 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _flash(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
-    """seg: packed documents' segment ids; mix: Eq. 7's (V_1, (l1, l2)); rope: (positions [B, T], inv_freq [D/2]),
-    q then unrotated: rotated here, and its gradient rotated back by the dQ kernel. Each None where unused."""
+    """seg: packed documents' segment ids; mix: Eq. 7's (V_1, (l1, l2)) or (V_1, gate); rope: (positions [B, T],
+    inv_freq [D/2]), q and k then unrotated: rotated here, their gradients rotated back by the dQ and dK/dV kernels.
+    Each None where unused."""
     return _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads)[0]
 
 
 def _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
     T = q.shape[1]
-    q = q if rope is None else rotate_half(q, *rope)
+    if rope is not None:  # T == S: the keys' positions are the queries'
+        q, k = rotate_half(q, *rope), rotate_half(k, *rope)
     o_p, lse = _forward(q, k, v, causal, bq, bk, seg, mix=mix)
     # Named for remat=attention (model/transformer.py): what the backward reads, kept instead of recomputed.
     q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
@@ -753,7 +824,7 @@ def flash_attention(
     segments_BxT=None,
     value_mix=None,
     lambda_grads=True,
-    rope_q=None,
+    rope=None,
 ):
     """Causal (or full) attention with q [B, T, H, D], k/v [B, S, K, D]; blocks capped at block_q/block_k
     and shrunk to the shared-memory budget (choose_blocks). `segments_BxT` (causal): packed documents, each
@@ -761,9 +832,9 @@ def flash_attention(
     [B, S, K, D], (l1, l2) fp32 [2]): attend over Eq. 7's l1 V_1 + l2 v, formed as the kernels load each block
     (the gradients of v, V_1 and (l1, l2) come from the dK/dV kernel: no pass over memory for the mix);
     lambda_grads=False: (l1, l2) are constants (the paper's fixed 1/2, 1/2), their gradient is not computed and
-    reads as zero (pass them through lax.stop_gradient). `rope_q` (positions [B, T], inv_freq [D/2]): q comes
-    before RoPE (k after it); it is rotated here (rotate_half) and the dQ kernel rotates its gradient back as it
-    writes it, where XLA would take a pass over dQ of its own."""
+    reads as zero (pass them through lax.stop_gradient). `rope` (positions [B, T], inv_freq [D/2]): q and k come
+    before RoPE; they are rotated here (rotate_half) and the dQ and dK/dV kernels rotate their gradients back as
+    they write them, where XLA would take a pass over dQ and dK of its own."""
     _B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     if H % K:
@@ -775,7 +846,7 @@ def flash_attention(
     )
     if segments_BxT is not None and not causal:
         raise ValueError("packed documents (segment ids) are for causal attention")
-    if rope_q is not None and D % 32:
-        raise ValueError(f"RoPE in the kernel takes head_dim a multiple of 32 (its halves Triton blocks), got {D}")
+    if rope is not None and (D < 32 or D & (D - 1)):
+        raise ValueError(f"RoPE in the kernel takes head_dim a power of two >= 32 (its halves Triton blocks), got {D}")
     mix = None if value_mix is None else (value_mix[0], value_mix[1])
-    return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, mix, rope_q, causal, bq, bk, lambda_grads)
+    return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, mix, rope, causal, bq, bk, lambda_grads)

@@ -77,7 +77,7 @@ class LayerPlan:
     value_table: int = -1  # the value-embedding table added to V_n (model.value_embeddings), -1: none
     value_table_gate: bool = False  # added through a gate of the layer input instead of two scalars
     mix_in_kernel: bool = False  # Eq. 7 (or the gated mix) formed by the attention kernel as it loads V (pallas)
-    rope_in_kernel: bool = False  # the queries' RoPE gradient rotated back by the dQ kernel as it writes it (pallas)
+    rope_in_kernel: bool = False  # RoPE's gradients rotated back by the dQ and dK/dV kernels as they write (pallas)
 
     @property
     def owns(self) -> tuple[bool, bool, bool]:
@@ -86,8 +86,10 @@ class LayerPlan:
 
 
 def _rope_in_kernel(m: ModelConfig | None) -> bool:
-    """The Pallas kernel takes the queries before RoPE (its dQ kernel's halves: head_dim a multiple of 32)."""
-    return m is not None and m.uses_rope and m.attention_impl == "pallas" and m.head_dim % 32 == 0
+    """The Pallas kernel takes q and k before RoPE (its backward's halves of the head are Triton blocks: head_dim a
+    power of two, at least 32)."""
+    D = m.head_dim if m is not None else 0
+    return m is not None and m.uses_rope and m.attention_impl == "pallas" and D >= 32 and D & (D - 1) == 0
 
 
 def _first_layer_plan(m: ModelConfig | None = None) -> LayerPlan:
@@ -470,8 +472,8 @@ class Attention(nn.Module):
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead.
         inv_freq = rope_inv_freq(m)
         rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if m.uses_rope else (lambda x: x)
-        qr_BxTxHxD, kr_BxTxKxD = q_BxTxHxD if rope_in_kernel else rotate(q_BxTxHxD), rotate(k_BxTxKxD)
-        rope_q = (ctx.positions, kernel_rope.inverse_frequencies(m.head_dim, m.rope_theta, inv_freq))
+        qr_BxTxHxD, kr_BxTxKxD = rotate(q_BxTxHxD), rotate(k_BxTxKxD)  # (in the kernel's path: unused, dropped)
+        rope_in = (ctx.positions, kernel_rope.inverse_frequencies(m.head_dim, m.rope_theta, inv_freq))
 
         # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs); Eq. 2 attends over layer n's and layer 1's K/V.
         k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
@@ -483,8 +485,8 @@ class Attention(nn.Module):
             u_BxTxHxD = self._attend_captured(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
         else:
             u_BxTxHxD = kernels.attention(
-                qr_BxTxHxD,
-                kr_BxTxKxD,
+                q_BxTxHxD if rope_in_kernel else qr_BxTxHxD,
+                k_BxTxKxD if rope_in_kernel else kr_BxTxKxD,
                 v_BxTxKxD if in_kernel else v_att_BxTxKxD,
                 causal=True,
                 impl=m.attention_impl,
@@ -492,7 +494,7 @@ class Attention(nn.Module):
                 segments_BxT=ctx.segments,
                 value_mix=(v_src, gate_BxTxK if p.gate else self._kernel_lambdas(l1, l2)) if in_kernel else None,
                 lambda_grads=m.learns_lambdas,
-                rope_q=rope_q if rope_in_kernel else None,
+                rope=rope_in if rope_in_kernel else None,
             )
 
         # Corrections after the attention: Eq. 6's identity mapping, Eq. 8's NeuTRENO.
