@@ -37,6 +37,12 @@ def inputs(T, H, K, D, dtype, seed=0):
     return [x.astype(dtype) for x in (q, k, v, do)]
 
 
+def _out_and_grads(f, args, do):
+    """f(*args) and the gradients of all its arguments for the output cotangent do."""
+    o, vjp = jax.vjp(f, *args)
+    return (o,) + vjp(do)
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     nb = np.linalg.norm(b)
@@ -92,11 +98,10 @@ def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, docu
             q, k, v, impl="pallas", segments_BxT=segments, value_mix=mix, lambda_grads=lambda_grads
         )
 
-    def run_impl(f):
-        o, vjp = jax.vjp(f, q, k, v, v1, lam)
-        return (o,) + vjp(do)
-
-    want, got = run_impl(mixed_first), jax.jit(lambda: run_impl(in_kernel))()
+    want, got = (
+        _out_and_grads(mixed_first, (q, k, v, v1, lam), do),
+        jax.jit(lambda: _out_and_grads(in_kernel, (q, k, v, v1, lam), do))(),
+    )
     for name, g, w in zip(("out", "dq", "dk", "dv_n", "dv_1", "dlambdas"), got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         if name == "dlambdas" and not lambda_grads:
@@ -124,11 +129,10 @@ def test_pallas_gated_value_mix_equals_attention_over_the_gated_value(T, H, K, D
     def in_kernel(q, k, v, v1, gate):
         return kernels.attention(q, k, v, impl="pallas", segments_BxT=segments, value_mix=(v1, gate))
 
-    def run_impl(f):
-        o, vjp = jax.vjp(f, q, k, v, v1, gate)
-        return (o,) + vjp(do)
-
-    want, got = run_impl(mixed_first), jax.jit(lambda: run_impl(in_kernel))()
+    want, got = (
+        _out_and_grads(mixed_first, (q, k, v, v1, gate), do),
+        jax.jit(lambda: _out_and_grads(in_kernel, (q, k, v, v1, gate), do))(),
+    )
     for name, g, w in zip(("out", "dq", "dk", "dv_n", "dv_1", "dgate"), got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         assert rel(g, w) < 1e-5, f"{name} at T={T} H/K={H}/{K} D={D} documents={documents}: {rel(g, w):.2e}"
@@ -318,7 +322,7 @@ def test_custom_call_kernels_run_per_batch_shard_on_a_mesh(tmp_path, lambdas):
 
 
 def _plain_rms_norm(h, scale, eps, dtype):
-    """RMSNorm as model/layers.RMSNorm's XLA path writes it (and tests/reference.py)."""
+    """RMSNorm as tests/reference.py writes it (the model's XLA path computes the same)."""
     x = h.astype(jnp.float32)
     return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale).astype(dtype)
 

@@ -200,6 +200,14 @@ def attention(
     raise KernelUnavailable(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
 
 
+def plain_rms_norm(h, scale_E, eps: float, out_dtype):
+    """RMSNorm as XLA's fusions compute it: h * rsqrt(mean(h^2) + eps) * scale in fp32, cast to out_dtype (the
+    model's norm off the kernels, and what they are checked and timed against)."""
+    x = h.astype(jnp.float32)  # normalise in fp32 for stability
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale_E).astype(out_dtype)
+
+
 def rms_norm(h_BxTxE, scale_E, *, eps, out_dtype, passes=False, outputs=1, mesh=None, batch_axes=("data", "fsdp")):
     """RMSNorm in the Pallas kernels (kernels/pallas_norm.py): y, or (h, y) with passes=True, where the residual
     stream goes on through h and the backward adds its gradient in the norm's own pass. Under a mesh it runs on
@@ -224,8 +232,7 @@ def probe_norm(rows: int, d_model: int, dtype, log_fn=print, repeats: int = 3, c
     cotangents = tuple(jnp.full((1, rows, d_model), 0.01 * (i + 1), dtype) for i in range(3))
 
     def plain(h, scale):
-        x = h.astype(jnp.float32)
-        y = (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale).astype(dtype)
+        y = plain_rms_norm(h, scale, 1e-5, dtype)
         return h, y, y
 
     def in_kernels(h, scale):

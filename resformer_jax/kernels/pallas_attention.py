@@ -526,13 +526,8 @@ def _dkdv_kernel(
     if rope:
         half = jnp.zeros((bk, D // 2), jnp.float32)
         dk1, dk2, dv = lax.fori_loop(start, stop, body_halves, (half, half, jnp.zeros((bk, D), jnp.float32)))
-        _write_dv(dv, outs[1:], mix_refs, mixed, gated, lambda_grads)
-        pos_ref, inv_freq_ref = rope_refs
-        angles = pos_ref[...].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-        # the transpose of k_rot = (k1 cos - k2 sin, k2 cos + k1 sin): the gradient of the key before its rotation
-        outs[0][:, pl.ds(0, D // 2)] = (dk1 * cos + dk2 * sin).astype(outs[0].dtype)
-        outs[0][:, pl.ds(D // 2, D // 2)] = (dk2 * cos - dk1 * sin).astype(outs[0].dtype)
+        _write_dv(dv, outs[1:], mix_refs, mixed, gated, lambda_grads)  # first: its registers free for sin/cos
+        _write_rotated_back(outs[0], dk1, dk2, *rope_refs)
         return
     init = (jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
     dk, dv = lax.fori_loop(start, stop, body, init)
@@ -608,12 +603,17 @@ def _dq_kernel(*refs, scale, causal, bq, bk, kv_len, docs, positions=False, mixe
         return
     zeros = jnp.zeros((bq, D // 2), jnp.float32)
     dq1, dq2 = lax.fori_loop(first, n_k, body_halves, (zeros, zeros))
-    pos_ref, inv_freq_ref = ins[6 + 2 * mixed :]
+    _write_rotated_back(dq_ref, dq1, dq2, *ins[6 + 2 * mixed :])
+
+
+def _write_rotated_back(out_ref, g1, g2, pos_ref, inv_freq_ref):
+    """Writes the gradient of x before RoPE from the halves (g1, g2) of its gradient after: the transpose of
+    x_rot = (x1 cos - x2 sin, x2 cos + x1 sin) at each row's position (kernels/rope.rotate_half's angles)."""
+    D2 = g1.shape[-1]
     angles = pos_ref[...].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    # the transpose of x_rot = (x1 cos - x2 sin, x2 cos + x1 sin): the gradient of the query before its rotation
-    dq_ref[:, pl.ds(0, D // 2)] = (dq1 * cos + dq2 * sin).astype(dq_ref.dtype)
-    dq_ref[:, pl.ds(D // 2, D // 2)] = (dq2 * cos - dq1 * sin).astype(dq_ref.dtype)
+    out_ref[:, pl.ds(0, D2)] = (g1 * cos + g2 * sin).astype(out_ref.dtype)
+    out_ref[:, pl.ds(D2, D2)] = (g2 * cos - g1 * sin).astype(out_ref.dtype)
 
 
 def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=None, lambda_grads=False, rope=None):

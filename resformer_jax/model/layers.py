@@ -105,9 +105,7 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(
                 x_BxTxE, scale_E, eps=self.eps, out_dtype=self.dtype, passes=passes, outputs=outputs, mesh=self.mesh
             )
-        x = x_BxTxE.astype(jnp.float32)  # normalise in fp32 for stability
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        y = (x * scale_E).astype(self.dtype)
+        y = kernels.plain_rms_norm(x_BxTxE, scale_E, self.eps, self.dtype)
         return (x_BxTxE,) + (y,) * outputs if passes else y
 
 
