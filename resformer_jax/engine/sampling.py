@@ -1,44 +1,117 @@
 """Sampling inside the compiled step, each row with its own settings: greedy at temperature 0, otherwise
 temperature, top-k and nucleus (top-p) over the top-k survivors; a row's randomness is its request's seed folded
-with the index of the token it samples, so a request samples the same tokens in any batch."""
+with the index of the token it samples, so a request samples the same tokens in any batch.
+
+Nothing sorts the vocabulary: the k-th largest logit and the nucleus's smallest logit are found by bisection over
+the logits' bits (32 halvings, each one pass over the rows), and the draw is one uniform number a row against the
+cumulative sum of the kept probabilities (inverse CDF). A sort of the rows' logits had cost a CPU step more than
+its model did (docs/evaluation.md has both measured)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+BISECTIONS = 32  # one halving per bit of a float32's order key: the threshold found is exact
+
 
 def row_keys(seeds_B, counters_B):
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds_B, counters_B)
 
 
+def order_key(x):
+    """uint32 keys in the order of the float32s x (-0 taken as +0, -inf lowest): a >= b iff key(a) >= key(b)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def largest_key_where(lo_B, hi_B, holds):
+    """Per row the largest key t in [lo, hi] with holds(t_Bx1) true, given that holds(lo) is true and holds is
+    monotone (true up to some key, false above it): bisection over the keys, each halving one pass over the rows."""
+
+    def halve(_, bounds):
+        lo_B, hi_B = bounds
+        mid_B = lo_B + (hi_B - lo_B) // 2 + (hi_B - lo_B) % 2  # the upper middle, without overflow
+        ok_B = holds(mid_B[:, None])
+        return jnp.where(ok_B, mid_B, lo_B), jnp.where(ok_B, hi_B, mid_B - 1)
+
+    return jax.lax.fori_loop(0, BISECTIONS, halve, (lo_B, hi_B))[0]
+
+
 def filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B):
-    """Logits / temperature with the tokens outside each row's top-k and top-p set to -inf."""
+    """Logits / temperature with the tokens outside each row's top-k and top-p set to -inf. The top-k are the
+    logits at least the k-th largest (its ties kept); the nucleus is the smallest run of the top-k, largest first,
+    whose probability (a softmax over exactly k of them) reaches top_p, and its last logit's ties. The
+    thresholds are exact; a nucleus's mass is summed in vocabulary order, so a mass within float rounding of
+    top_p may take one token more or fewer than a sorted cumulative sum would. Each search runs only when some
+    row asks for it."""
     V = logits_BxV.shape[-1]
-    scaled = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
-    sorted_BxV = -jnp.sort(-scaled, axis=-1)
+    scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
     k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
-    kth_Bx1 = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)
-    scaled = jnp.where(scaled < kth_Bx1, -jnp.inf, scaled)
-    kept_BxV = jnp.where(jnp.arange(V)[None] < k_B[:, None], sorted_BxV, -jnp.inf)
-    cum_BxV = jnp.cumsum(jax.nn.softmax(kept_BxV, axis=-1), axis=-1)
-    # the smallest prefix whose mass reaches top_p (at least one token)
-    cut_B = jnp.minimum(jnp.sum(cum_BxV < top_p_B[:, None], axis=-1), V - 1)
-    cutoff_Bx1 = jnp.take_along_axis(kept_BxV, cut_B[:, None], axis=-1)
-    return jnp.where((top_p_B[:, None] < 1.0) & (scaled < cutoff_Bx1), -jnp.inf, scaled)
+    lowest_B, highest_B = jnp.zeros_like(k_B, jnp.uint32), jnp.full_like(k_B, 2**32 - 1, jnp.uint32)
+    keys_BxV = order_key(scaled_BxV)
+
+    def kth_largest(_):
+        return largest_key_where(lowest_B, highest_B, lambda t: jnp.sum(keys_BxV >= t, axis=-1) >= k_B)
+
+    kth_B = jax.lax.cond(jnp.any(k_B < V), kth_largest, lambda _: lowest_B, None)  # key 0: every token
+    e_BxV = jnp.exp(scaled_BxV - jnp.max(scaled_BxV, axis=-1, keepdims=True))
+
+    def nucleus_floor(_):
+        # the largest key above the k-th whose tokens at or above it hold top_p of the mass over exactly k tokens
+        # (those above the k-th, then as many of its ties as fill k), else the k-th
+        above_BxV = keys_BxV > kth_B[:, None]
+        e_kth_B = jnp.max(jnp.where(keys_BxV == kth_B[:, None], e_BxV, 0.0), axis=-1)
+        z_B = jnp.sum(jnp.where(above_BxV, e_BxV, 0.0), axis=-1) + (k_B - jnp.sum(above_BxV, axis=-1)) * e_kth_B
+        reaches = lambda t: jnp.sum(jnp.where(keys_BxV >= t, e_BxV, 0.0), axis=-1) >= top_p_B * z_B
+        return largest_key_where(kth_B, highest_B, lambda t: (t[:, 0] == kth_B) | reaches(t))
+
+    nucleus_B = jax.lax.cond(jnp.any(top_p_B < 1.0), nucleus_floor, lambda _: kth_B, None)
+    floor_B = jnp.where(top_p_B < 1.0, nucleus_B, kth_B)
+    return jnp.where(keys_BxV >= floor_B[:, None], scaled_BxV, -jnp.inf)
+
+
+def draw(keys, masked_BxV, block: int = 128):
+    """One token a row from softmax(masked): a uniform number a row against the cumulative sum of the
+    probabilities in vocabulary order (inverse CDF), in two levels (which block of `block` tokens, then which
+    token of it: XLA:CPU's cumulative sum over a whole row is its slowest pass), never a token of probability 0."""
+    B, V = masked_BxV.shape
+    e_BxV = jnp.exp(masked_BxV - jnp.max(masked_BxV, axis=-1, keepdims=True))
+    e_BxNxC = jnp.pad(e_BxV, ((0, 0), (0, -V % block))).reshape(B, -1, block)
+    mass_BxN = jnp.sum(e_BxNxC, axis=-1)
+    cum_BxN = jnp.cumsum(mass_BxN, axis=-1)
+    target_B = jax.vmap(jax.random.uniform)(keys) * cum_BxN[:, -1]
+
+    def last_positive(e_BxX):  # u * total can round up to the total: never past the last token that can be drawn
+        return jnp.max(jnp.where(e_BxX > 0, jnp.arange(e_BxX.shape[-1]), 0), axis=-1)
+
+    n_B = jnp.minimum(jnp.sum(cum_BxN <= target_B[:, None], axis=-1), last_positive(mass_BxN))
+    before_B = jnp.where(n_B > 0, jnp.take_along_axis(cum_BxN, jnp.maximum(n_B - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    e_BxC = jnp.take_along_axis(e_BxNxC, n_B[:, None, None], axis=1)[:, 0]
+    cum_BxC = before_B[:, None] + jnp.cumsum(e_BxC, axis=-1)
+    c_B = jnp.minimum(jnp.sum(cum_BxC <= target_B[:, None], axis=-1), last_positive(e_BxC))
+    return (n_B * block + c_B).astype(jnp.int32)
+
+
+def first_argmax(x_BxV, max_Bx1):
+    """jnp.argmax(x, -1) (the first maximum; the first NaN in a row holding one) given the rows' max, as two plain
+    reductions: XLA:CPU runs argmax's variadic reduce element by element, at under half their speed."""
+    iota_BxV = jax.lax.broadcasted_iota(jnp.int32, x_BxV.shape, 1)
+    return jnp.min(jnp.where((x_BxV == max_Bx1) | jnp.isnan(x_BxV), iota_BxV, x_BxV.shape[-1]), axis=-1)
 
 
 def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B):
     """(token [B], its log-probability under the model [B]): greedy rows by argmax; the filtering and the draw
     run only when some row samples."""
-    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
+    greedy_B = first_argmax(logits_BxV, max_Bx1)
 
-    def draw(_):
-        keys = row_keys(seeds_B, counters_B)
+    def sample(_):
         masked = filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B)
-        drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, masked).astype(jnp.int32)
-        return jnp.where(temperature_B > 0, drawn, greedy_B)
+        return jnp.where(temperature_B > 0, draw(row_keys(seeds_B, counters_B), masked), greedy_B)
 
-    token_B = jax.lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, None)
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV, axis=-1), token_B[:, None], axis=-1)[:, 0]
-    return token_B, logprob_B
+    token_B = jax.lax.cond(jnp.any(temperature_B > 0), sample, lambda _: greedy_B, None)
+    # log_softmax(logits)[token] as jax.nn.log_softmax forms it, for the sampled column only
+    log_sum_B = jnp.log(jnp.sum(jnp.exp(logits_BxV - max_Bx1), axis=-1))
+    picked_B = jnp.take_along_axis(logits_BxV, token_B[:, None], axis=-1)[:, 0]
+    return token_B, (picked_B - max_Bx1[:, 0]) - log_sum_B

@@ -1,0 +1,86 @@
+"""The engine's sampler (engine/sampling.py) against plain sort-based references: the top-k and top-p sets, the
+draw's frequencies, greedy's argmax and the log-probabilities."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from resformer_jax.engine import sampling
+
+
+def reference_kept(x_V, temperature, top_k, top_p):
+    """The tokens a row keeps, by sorting (what vLLM's and HF's samplers do): the logits at least the k-th
+    largest; then, over a softmax of exactly those k largest, the smallest prefix reaching top_p and the ties of
+    its last logit."""
+    V = x_V.shape[0]
+    s = x_V / (temperature if temperature > 0 else 1.0)
+    order = np.sort(s)[::-1]
+    k = min(top_k, V) if top_k > 0 else V
+    keep = (s >= order[k - 1]) & np.isfinite(s)  # a -inf logit stays ruled out
+    if top_p < 1.0:
+        top = order[:k].astype(np.float64)
+        p = np.exp(top - top[0]) / np.exp(top - top[0]).sum()
+        cut = min(int(np.sum(np.cumsum(p) < top_p)), k - 1)
+        keep &= s >= top[cut]
+    return keep
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_and_top_p_keep_what_sorting_keeps(ties):
+    rng = np.random.default_rng(1 + ties)
+    filtered = jax.jit(sampling.filtered_logits)
+    for _ in range(12):
+        B, V = 16, int(rng.integers(2, 2000))
+        x = (rng.standard_normal((B, V)) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)
+        if ties:
+            x = np.round(x)  # many equal logits, at the k-th and the nucleus's edge too
+        x[::4, : V // 3] = -np.inf  # rows with tokens already ruled out
+        temperature = rng.choice([0.5, 1.0, 2.0], B).astype(np.float32)
+        top_k = rng.choice([0, 1, 2, 5, 50, V, V + 3], B).astype(np.int32)
+        # top_p away from where float rounding of the mass could move the edge by a token
+        top_p = rng.choice([1.0, 0.9, 0.5, 0.01], B).astype(np.float32)
+        got = np.asarray(filtered(x, temperature, top_k, top_p))
+        for b in range(B):
+            want = reference_kept(x[b], temperature[b], top_k[b], top_p[b])
+            np.testing.assert_array_equal(np.isfinite(got[b]), want, err_msg=f"row {b}: k={top_k[b]} p={top_p[b]}")
+            np.testing.assert_array_equal(got[b][want], x[b][want] / temperature[b])
+
+
+def test_the_draw_follows_the_kept_probabilities_and_never_takes_a_ruled_out_token():
+    probs = np.array([0.05, 0.0, 0.4, 0.15, 0.3, 0.1])
+    logits = np.where(probs > 0, np.log(np.maximum(probs, 1e-30)), -np.inf).astype(np.float32)
+    n = 20_000
+    keys = sampling.row_keys(jnp.full((n,), 7, jnp.uint32), jnp.arange(n, dtype=jnp.int32))
+    tokens = np.asarray(jax.jit(sampling.draw)(keys, jnp.tile(jnp.asarray(logits), (n, 1))))
+    freq = np.bincount(tokens, minlength=len(probs)) / n
+    assert freq[1] == 0
+    np.testing.assert_allclose(freq, probs, atol=0.015)  # 4 standard deviations at p = 0.4
+
+
+def test_greedy_and_log_probabilities_equal_argmax_and_log_softmax():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 1000)).astype(np.float32)
+    x[1, 5] = x[1, 900] = 50  # the first of two maxima
+    x[2, 7] = x[2, 3] = np.nan  # the first NaN, as jnp.argmax
+    x[3, :] = 1.0
+    x[4, 10] = np.inf
+    x[5, :] = -np.inf
+    got = jax.jit(sampling.first_argmax)(x, jnp.max(x, axis=-1, keepdims=True))
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+    y = (rng.standard_normal((8, 5000)) * 4).astype(np.float32)
+    B = y.shape[0]
+    temperature = jnp.where(jnp.arange(B) % 2 == 0, 0.0, 0.8)
+    token, logprob = jax.jit(sampling.sample_rows)(
+        y,
+        temperature,
+        jnp.full((B,), 40, jnp.int32),
+        jnp.full((B,), 0.9),
+        jnp.arange(B, dtype=jnp.uint32),
+        jnp.zeros((B,), jnp.int32),
+    )
+    np.testing.assert_array_equal(token[::2], np.argmax(y[::2], axis=-1))
+    want = jnp.take_along_axis(jax.nn.log_softmax(y, axis=-1), token[:, None], axis=-1)[:, 0]
+    np.testing.assert_array_equal(logprob, want)  # the model's log-probability, bit for bit
+    top40 = np.argsort(-y, axis=-1)[:, :40]
+    assert all(int(token[b]) in top40[b] for b in range(1, B, 2))
