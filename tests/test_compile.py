@@ -436,7 +436,9 @@ def test_counting_documents_on_a_run_that_does_not_mask_them_is_refused_in_one_l
 def test_the_tpu_decode_step_reads_its_pages_in_place_without_copying_the_pools():
     """At a head_dim JAX's TPU paged kernel cannot take, the blocked loop reads pages-major pools ('lanes'): the
     compiled decode step's temporaries stay far below the cache (heads-major pools were relaid out whole every
-    step: several times the cache in temporaries)."""
+    step: several times the cache in temporaries). The sampler's bisection loops hold a few MB of their own
+    (3.3 MB at this model's 32 rows of 256 logits; 0.04 GiB at the 468M's 64 rows of 50,277), under a quarter of
+    even this small cache, where one relaid-out pool is the whole of it."""
     from resformer_jax.compile.aot import compile_for_target
     from resformer_jax.compile.targets import parse_target
 
@@ -444,7 +446,7 @@ def test_the_tpu_decode_step_reads_its_pages_in_place_without_copying_the_pools(
     c.data.seq_len, c.model.max_seq_len = 512, 512
     report = compile_for_target(c, parse_target("v5e-8"), steps=("decode",), log=lambda s: None)
     token = next(s for s in report.steps if s.name == "decode_token")
-    assert token.fits and token.memory.temporaries < 0.1 * token.decode["kv_cache_bytes"], (
+    assert token.fits and token.memory.temporaries < 0.25 * token.decode["kv_cache_bytes"], (
         token.memory,
         token.decode,
     )

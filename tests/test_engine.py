@@ -156,6 +156,38 @@ def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
     assert burst_stats.decode_readbacks <= single_stats.decode_readbacks / 2  # 6 against 12
 
 
+def test_a_gpus_step_form_pads_rows_and_the_lm_head_and_gives_the_same_tokens(monkeypatch):
+    """A GPU's engine runs one row as two and holds the LM head padded (engine.StepForm, read off the compiled
+    step): the same greedy tokens, sampled tokens and log-probabilities as the plain form, the padding's logits
+    never sampled. Run here on a CPU with the GPU's shapes, without its XLA:GPU option."""
+    from resformer_jax.engine import engine as engine_module
+    from resformer_jax.kernels.names import compiling_for
+
+    with compiling_for("cuda"):
+        gpu = engine_module.step_form()
+    assert gpu.min_rows == 2 and gpu.vocab_multiple == 128
+    assert dict(gpu.compiler_options) == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert engine_module.step_form() == engine_module.StepForm()  # a CPU: as the program is written
+
+    m, params = peaky_model("svformer")
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, m.vocab_size, 11)]
+    settings = [SamplingParams(max_tokens=7), SamplingParams(max_tokens=7, temperature=1.0, top_p=0.9, seed=2)]
+
+    def run():
+        engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)
+        return engine, [engine.generate([prompt], s)[0] for s in settings]  # one row at a time
+
+    plain_engine, plain = run()
+    monkeypatch.setattr(engine_module, "step_form", lambda: engine_module.StepForm(min_rows=2, vocab_multiple=100))
+    padded_engine, padded = run()
+    assert padded_engine.params["lm_head"]["kernel"].shape[-1] == -(-m.vocab_size // 100) * 100 > m.vocab_size
+    assert {shape[0] for shape in padded_engine.stats.compiled_shapes} == {2}
+    assert {shape[0] for shape in plain_engine.stats.compiled_shapes} == {1}
+    for a, b in zip(plain, padded):
+        assert a.tokens == b.tokens and max(b.tokens) < m.vocab_size
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
+
+
 def test_cancel_frees_pages_at_once():
     m, params = peaky_model("svformer")
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)

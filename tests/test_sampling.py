@@ -26,10 +26,12 @@ def reference_kept(x_V, temperature, top_k, top_p):
     return keep
 
 
+@pytest.mark.parametrize("by_sort", [False, True], ids=["bisection", "sort"])
 @pytest.mark.parametrize("ties", [False, True])
-def test_top_k_and_top_p_keep_what_sorting_keeps(ties):
+def test_top_k_and_top_p_keep_what_sorting_keeps(ties, by_sort):
+    """Both ways the engine filters (bisection on a CPU or TPU, a sort on a GPU) keep the reference's tokens."""
     rng = np.random.default_rng(1 + ties)
-    filtered = jax.jit(sampling.filtered_logits)
+    filtered = jax.jit(lambda *a: sampling.filtered_logits(*a, by_sort=by_sort))
     for _ in range(12):
         B, V = 16, int(rng.integers(2, 2000))
         x = (rng.standard_normal((B, V)) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)

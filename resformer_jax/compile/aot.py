@@ -204,8 +204,13 @@ class CompileReport:
                 + (f"; MFU ceiling {r['mfu_ceiling_model']:.3f}" if r.get("mfu_ceiling_model") is not None else "")
                 + (
                     f"; {s.decode['tokens_per_s_bound']:,.0f} tokens/s bound on one device ({s.decode['rows']} "
-                    f"sequences at {s.decode['context_tokens']} tokens of context, a paged cache of "
-                    f"{gib(s.decode['kv_cache_bytes'])})"
+                    f"sequence{'s' if s.decode['rows'] != 1 else ''} at {s.decode['context_tokens']} tokens of context"
+                    + (
+                        f", run as {s.decode['rows_run']} rows"
+                        if s.decode.get("rows_run", s.decode["rows"]) != s.decode["rows"]
+                        else ""
+                    )
+                    + f", a paged cache of {gib(s.decode['kv_cache_bytes'])})"
                     if s.decode and s.decode.get("tokens_per_s_bound")
                     else ""
                 )
@@ -527,24 +532,33 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     engine's: in the compute dtype (engine.serving_params)."""
     from jax.sharding import Mesh
 
-    from resformer_jax.engine.engine import pool_shapes, serving_config, serving_params, step_program, step_shapes
+    from resformer_jax.engine.engine import (
+        bucket,
+        pool_shapes,
+        serving_config,
+        serving_params,
+        step_form,
+        step_program,
+        step_shapes,
+    )
     from resformer_jax.model.attention import PageLayout
     from resformer_jax.model.transformer import Transformer
 
     with compiling_for(target.platform, target.kind):
-        m = serving_config(setup.model_cfg)
+        m, form = serving_config(setup.model_cfg), step_form()
     rows = batch or DECODE_ROWS
+    run_rows = bucket(rows, at_least=form.min_rows)  # the rows the engine runs them as, padding included
     context = min(prompt_len or setup.cfg.data.seq_len, m.max_seq_len - 1)
     pages_per_row = -(-(context + 1) // DECODE_PAGE)
-    model = Transformer(m, pages=PageLayout(rows * pages_per_row + 1, DECODE_PAGE))
+    model = Transformer(m, pages=PageLayout(run_rows * pages_per_row + 1, DECODE_PAGE))
     one = NamedSharding(Mesh(target.devices()[:1], ("x",)), P())
     on_one = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-    params = on_one(jax.eval_shape(lambda p: serving_params(m, p), setup.abstract_state.params))
+    params = on_one(jax.eval_shape(lambda p: serving_params(m, p, form.vocab_multiple), setup.abstract_state.params))
     with compiling_for(target.platform, target.kind):  # the pools laid out for the target's kernel
         cache = on_one(pool_shapes(model))
-    program = jax.jit(step_program(model), donate_argnums=(1,))
+    program = jax.jit(step_program(model), donate_argnums=(1,), compiler_options=dict(form.compiler_options))
     out = []
-    for name, (r, T) in (("decode_prefill", (4, min(256, context))), ("decode_token", (rows, 1))):
+    for name, (r, T) in (("decode_prefill", (4, min(256, context))), ("decode_token", (run_rows, 1))):
         step = compile_step(
             name, program, (params, cache, *on_one(step_shapes(model, r, T, pages_per_row))), target, setup.cfg, log=log
         )
@@ -552,6 +566,7 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
             bound = step.roofline["per_op_bound_s"]
             step.decode = {
                 "rows": rows,
+                "rows_run": run_rows,  # with the padding rows a GPU's engine adds (StepForm.min_rows)
                 "context_tokens": context,
                 "kv_cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)),
                 "bound_s": bound,

@@ -175,11 +175,13 @@ class Engine:
         self.pool = ShardedPages(self.shards, num_pages, self.page_size)
         self.layout = PageLayout(num_pages, self.page_size)  # a shard's pages: the model runs per shard
         self.model = Transformer(self.model_cfg, pages=self.layout)
-        self.params = serving_params(self.model_cfg, params)
+        self.form = step_form()
+        self.params = serving_params(self.model_cfg, params, self.form.vocab_multiple)
         pools = init_pools(Transformer(self.model_cfg, pages=PageLayout(self.shards * num_pages, self.page_size)))
+        options = dict(self.form.compiler_options)
         if mesh is None:
             self.cache = pools
-            self._jit = lambda program: jax.jit(program, donate_argnums=(1,))
+            self._jit = lambda program: jax.jit(program, donate_argnums=(1,), compiler_options=options)
         else:
             kernel = paged_attention.kernel_for(self.model_cfg.attention_impl, self.model_cfg.head_dim)
             row_spec = P(mesh.axis_names)
@@ -193,7 +195,7 @@ class Engine:
                 in_specs = (P(), cache_spec) + (row_spec,) * 9
                 out_specs = (row_spec, row_spec, cache_spec)
                 sharded = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-                return jax.jit(sharded, donate_argnums=(1,))
+                return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
 
             self._jit = per_shard
         self._step_fn = self._jit(step_program(self.model))
@@ -411,7 +413,7 @@ class Engine:
         for r in rows:
             slot.append(per_shard[r.shard])
             per_shard[r.shard] += 1
-        Bs = bucket(max(per_shard))  # rows a shard
+        Bs = bucket(max(per_shard), at_least=self.form.min_rows)  # rows a shard
         slot = [r.shard * Bs + j for r, j in zip(rows, slot)]
         B = self.shards * Bs
         Pn = bucket(max(len(r.pages) for r in rows), at_least=4)
@@ -491,13 +493,39 @@ def serving_config(m: ModelConfig) -> ModelConfig:
     return m.replace(scan_layers=False, remat="none", matmuls=matmuls)
 
 
-def serving_params(m: ModelConfig, params):
+@dataclasses.dataclass(frozen=True)
+class StepForm:
+    """How the engine's programs are shaped for the backend they run on, resolved once (`step_form`)."""
+
+    min_rows: int = 1  # rows a step runs at least (a padding row attends over nothing and writes nothing)
+    vocab_multiple: int = 1  # the LM head's columns held padded with zeros to a multiple of this, cut after
+    compiler_options: tuple[tuple[str, Any], ...] = ()  # XLA options for every program the engine compiles
+
+
+def step_form() -> StepForm:
+    """The form for the backend the engine is traced for (kernels.names.target_backend). A GPU (read off the
+    compiled 468M step, docs/kernels-and-compile.md): two rows at least, as XLA:GPU makes a one-row matmul an
+    elementwise product and a reduction (2.7x the weight's bytes); the LM head padded once to 128 columns, which
+    XLA would pad with a copy of the weight every step; and no dot merger, which concatenates each MLP's gate and
+    up weights into one operand every step (a training step amortizes that copy over its tokens, a decode step
+    cannot)."""
+    if target_backend() == "gpu":
+        return StepForm(min_rows=2, vocab_multiple=128, compiler_options=(("xla_gpu_dot_merger_threshold_mb", 0),))
+    return StepForm()
+
+
+def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
     """The parameters as the engine holds them (m from serving_config): unrolled (a layer each), and where the
     compute dtype is narrower than float32 rounded to it once (training keeps float32 masters; a decode step that
     cast them each time would read 4 bytes a weight and write 2 before its matmuls read them: decode is bound by
-    those bytes): stored in it, or for the "rounded" matmuls as its values in float32."""
+    those bytes): stored in it, or for the "rounded" matmuls as its values in float32. An untied LM head's columns
+    padded with zeros to a multiple of vocab_multiple (StepForm)."""
     params = nn.unbox(params)
     params = unrolled_params(params, m.num_layers) if "layers" in params else params
+    pad = -m.vocab_size % vocab_multiple
+    if pad and "lm_head" in params:
+        kernel = params["lm_head"]["kernel"]
+        params = {**params, "lm_head": {**params["lm_head"], "kernel": jnp.pad(kernel, ((0, 0), (0, pad)))}}
     if m.dtype in ("bfloat16", "float16"):
         narrow = jnp.dtype(m.dtype)
         to = (lambda x: x.astype(narrow).astype(x.dtype)) if m.matmuls == "rounded" else (lambda x: x.astype(narrow))
@@ -522,7 +550,9 @@ def step_program(model: Transformer):
             mutable=["cache"],
         )
         h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
-        logits_BxV = lm_head_logits(m, params, h_BxE)[:, 0, : m.vocab_size]
+        # the LM head as held (serving_params may pad its columns), the padding's logits cut
+        width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
+        logits_BxV = lm_head_logits(m.replace(vocab_size=width), params, h_BxE)[:, 0, : m.vocab_size]
         token_B, logprob_B = sample_rows(logits_BxV, temp_B, topk_B, topp_B, seed_B, n_B)
         return token_B, logprob_B, mutated["cache"]
 

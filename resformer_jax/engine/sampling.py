@@ -2,15 +2,19 @@
 temperature, top-k and nucleus (top-p) over the top-k survivors; a row's randomness is its request's seed folded
 with the index of the token it samples, so a request samples the same tokens in any batch.
 
-Nothing sorts the vocabulary: the k-th largest logit and the nucleus's smallest logit are found by bisection over
-the logits' bits (32 halvings, each one pass over the rows), and the draw is one uniform number a row against the
-cumulative sum of the kept probabilities (inverse CDF). A sort of the rows' logits had cost a CPU step more than
-its model did (docs/evaluation.md has both measured)."""
+On a CPU or TPU nothing sorts the vocabulary: the k-th largest logit and the nucleus's smallest logit are found by
+bisection over the logits' bits (32 halvings, each one pass over the rows). XLA:CPU's sort of the rows had cost a
+step more than its model did (docs/evaluation.md). A GPU sorts them in a few kernels (XLA's own sort or CUB's radix
+sort, as XLA's benchmarks chose), where 64 halvings would be 64 trips round a loop, so a GPU keeps the sort. Both
+keep the same tokens. The draw is one uniform number a row against the cumulative sum of the kept probabilities
+(inverse CDF)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from resformer_jax.kernels.names import target_backend
 
 BISECTIONS = 32  # one halving per bit of a float32's order key: the threshold found is exact
 
@@ -38,16 +42,35 @@ def largest_key_where(lo_B, hi_B, holds):
     return jax.lax.fori_loop(0, BISECTIONS, halve, (lo_B, hi_B))[0]
 
 
-def filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B):
+def filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B, by_sort: bool | None = None):
     """Logits / temperature with the tokens outside each row's top-k and top-p set to -inf. The top-k are the
     logits at least the k-th largest (its ties kept); the nucleus is the smallest run of the top-k, largest first,
-    whose probability (a softmax over exactly k of them) reaches top_p, and its last logit's ties. The
-    thresholds are exact; a nucleus's mass is summed in vocabulary order, so a mass within float rounding of
-    top_p may take one token more or fewer than a sorted cumulative sum would. Each search runs only when some
-    row asks for it."""
+    whose probability (a softmax over exactly k of them) reaches top_p, and its last logit's ties. by_sort (default:
+    on a GPU) finds both by sorting each row, else by bisection (`_bisected`)."""
     V = logits_BxV.shape[-1]
     scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
     k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
+    if target_backend() == "gpu" if by_sort is None else by_sort:
+        return _sorted(scaled_BxV, k_B, top_p_B)
+    return _bisected(scaled_BxV, k_B, top_p_B)
+
+
+def _sorted(scaled_BxV, k_B, top_p_B):
+    V = scaled_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)
+    kept_BxV = jnp.where(jnp.arange(V)[None] < k_B[:, None], sorted_BxV, -jnp.inf)
+    cum_BxV = jnp.cumsum(jax.nn.softmax(kept_BxV, axis=-1), axis=-1)
+    cut_B = jnp.minimum(jnp.sum(cum_BxV < top_p_B[:, None], axis=-1), V - 1)  # the prefix reaching top_p
+    floor_Bx1 = jnp.where(top_p_B[:, None] < 1.0, jnp.take_along_axis(kept_BxV, cut_B[:, None], axis=-1), kth_Bx1)
+    return jnp.where(scaled_BxV < jnp.maximum(floor_Bx1, kth_Bx1), -jnp.inf, scaled_BxV)
+
+
+def _bisected(scaled_BxV, k_B, top_p_B):
+    """The thresholds exact; the nucleus's mass summed in vocabulary order, so a mass within float rounding of
+    top_p may take one token more or fewer than a sorted cumulative sum would. Each search runs only when some
+    row asks for it."""
+    V = scaled_BxV.shape[-1]
     lowest_B, highest_B = jnp.zeros_like(k_B, jnp.uint32), jnp.full_like(k_B, 2**32 - 1, jnp.uint32)
     keys_BxV = order_key(scaled_BxV)
 
