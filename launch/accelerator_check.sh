@@ -5,7 +5,8 @@
 #   1. `bench accelerator`: attention kernels (correctness, speed), auto's choice, the 468M train step as shipped
 #      per attention impl, the decode engine's matrix
 #   2. the 468M train step as shipped (cudnn, 16 sequences a GPU), vanilla/ResFormer/SVFormer/SkipV1 taking turns
-#   3. the decode engine, 468M, batch 1-128 at 2,048 tokens of context, vanilla and SVFormer
+#   3. the decode engine, 468M, batch 16 and 128 at 2,048 tokens of context, vanilla and SVFormer (1 and 64 are
+#      part 1's; each batch and variant is an engine of its own, its decode step compiled afresh: 10-20 s each)
 #   4. attention forward+backward at head_dim 64 and 128 (GQA at 128)
 # Packages the device's image lacks travel as wheels in .whl/ (see docs/device/README.md).
 set -u
@@ -33,16 +34,16 @@ step() {  # step SECONDS NAME COMMAND...: stdout to NAME.jsonl, stderr to NAME_l
   timeout "$limit" "$@" >"$OUT/$name.jsonl" 2>"$OUT/${name}_log.txt"
   echo "== $name: rc $? in $((SECONDS - t0)) s"
 }
-step "${T_ACCEL:-290}" accelerator $B accelerator --out="$OUT/accelerator_report.json"
+step "${T_ACCEL:-250}" accelerator $B accelerator --out="$OUT/accelerator_report.json"
 grep -vE "^(W|I)[0-9]{4} " "$OUT/accelerator_log.txt" | tail -25
-step "${T_VARIANTS:-140}" train_variants $B train $SHIPPED --config.model.attention_impl=cudnn --steps=3 \
+step "${T_VARIANTS:-110}" train_variants $B train $SHIPPED --config.model.attention_impl=cudnn --steps=3 \
   --compare=none,resformer,svformer,skipv1
 tail -6 "$OUT/train_variants_log.txt"
-step "${T_DECODE:-70}" decode $B decode --config=configs/resformer_468m.py --compare=none,svformer \
-  --matrix=1,16,64,128:2048 --new_tokens=16 --rounds=1 --prefill=false
+step "${T_DECODE:-90}" decode $B decode --config=configs/resformer_468m.py --compare=none,svformer \
+  --matrix=16,128:2048 --new_tokens=16 --rounds=1 --prefill=false
 tail -10 "$OUT/decode_log.txt"
 t0=$SECONDS  # stdout and stderr in one file: 8 files come back at most
-timeout "${T_ATTN:-35}" $B attention --shapes=4,2048,16,16,64 --shapes=4,2048,16,4,128 --impls=pallas,cudnn,xla \
+timeout "${T_ATTN:-25}" $B attention --shapes=4,2048,16,16,64 --shapes=4,2048,16,4,128 --impls=pallas,cudnn,xla \
   --dtype=bfloat16 >"$OUT/attention.txt" 2>&1
 echo "== attention: rc $? in $((SECONDS - t0)) s"
 grep -vE "^(W|I)[0-9]{4} " "$OUT/attention.txt" | tail -8
