@@ -7,7 +7,8 @@
 #   2. the 468M train step as shipped (cudnn, 16 sequences a GPU), vanilla/ResFormer/SVFormer/SkipV1 taking turns
 #   3. the decode engine, 468M, batch 16 and 128 at 2,048 tokens of context, vanilla and SVFormer (1 and 64 are
 #      part 1's; each batch and variant is an engine of its own, its decode step compiled afresh: 10-20 s each)
-#   4. attention forward+backward at head_dim 64 and 128 (GQA at 128)
+#   4. the decode engine, 468M SVFormer, batch 64 with every request sampled (temperature 0.8, top-p 0.9)
+#   5. attention forward+backward at head_dim 64 and 128 (GQA at 128)
 # Packages the device's image lacks travel as wheels in .whl/ (see docs/device/README.md).
 set -u
 OUT=${OUT:-/tmp/accelerator_check}
@@ -34,14 +35,19 @@ step() {  # step SECONDS NAME COMMAND...: stdout to NAME.jsonl, stderr to NAME_l
   timeout "$limit" "$@" >"$OUT/$name.jsonl" 2>"$OUT/${name}_log.txt"
   echo "== $name: rc $? in $((SECONDS - t0)) s"
 }
-step "${T_ACCEL:-250}" accelerator $B accelerator --out="$OUT/accelerator_report.json"
+step "${T_ACCEL:-240}" accelerator $B accelerator --out="$OUT/accelerator_report.json"
 grep -vE "^(W|I)[0-9]{4} " "$OUT/accelerator_log.txt" | tail -25
-step "${T_VARIANTS:-110}" train_variants $B train $SHIPPED --config.model.attention_impl=cudnn --steps=3 \
+step "${T_VARIANTS:-100}" train_variants $B train $SHIPPED --config.model.attention_impl=cudnn --steps=3 \
   --compare=none,resformer,svformer,skipv1
 tail -6 "$OUT/train_variants_log.txt"
-step "${T_DECODE:-90}" decode $B decode --config=configs/resformer_468m.py --compare=none,svformer \
+step "${T_DECODE:-85}" decode $B decode --config=configs/resformer_468m.py --compare=none,svformer \
   --matrix=16,128:2048 --new_tokens=16 --rounds=1 --prefill=false
 tail -10 "$OUT/decode_log.txt"
+t0=$SECONDS  # the same files again (8 come back at most): SVFormer at batch 64 with every request sampled
+timeout "${T_SAMPLED:-30}" $B decode --config=configs/resformer_468m.py --compare=svformer --matrix=64:2048 \
+  --new_tokens=16 --rounds=1 --prefill=false --temperature=0.8 --top_p=0.9 >>"$OUT/decode.jsonl" 2>>"$OUT/decode_log.txt"
+echo "== decode sampled: rc $? in $((SECONDS - t0)) s"
+tail -3 "$OUT/decode_log.txt"
 t0=$SECONDS  # stdout and stderr in one file: 8 files come back at most
 timeout "${T_ATTN:-25}" $B attention --shapes=4,2048,16,16,64 --shapes=4,2048,16,4,128 --impls=pallas,cudnn,xla \
   --dtype=bfloat16 >"$OUT/attention.txt" 2>&1

@@ -392,6 +392,8 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
             "--matrix=1,2:16",
             "--new_tokens=3",
             "--rounds=1",
+            "--temperature=0.7",  # every request sampled: the sampler's cost is part of the step
+            "--top_k=5",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -401,6 +403,7 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert [(x["variant"], x["batch"]) for x in rows] == [("none", 1), ("svformer", 1), ("none", 2), ("svformer", 2)]
+    assert {x["sampling"] for x in rows} == {"temperature 0.7, top_k 5"}
     none, sv = rows[0], rows[1]
     assert sv["kv_cache_bytes_held_per_token"] < none["kv_cache_bytes_held_per_token"]  # V_1 cached once
     # ... but read by every layer, whose attention matrices differ: a step reads the same cache bytes
@@ -415,6 +418,22 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
         timeout=300,
     )
     assert bad.returncode == 2 and "BATCHES:CONTEXTS" in bad.stderr and "Traceback" not in bad.stderr
+    knob = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax.bench",
+            "decode",
+            "--config=configs/tiny.py",
+            "--matrix=1:16",
+            "--top_p=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert knob.returncode == 2 and "top_p=0.0: must be in (0, 1]" in knob.stderr and "Traceback" not in knob.stderr
 
 
 def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():

@@ -4,6 +4,7 @@ sequences the budget held at once)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ def weight_bytes_read(m: ModelConfig, params) -> int:
 
 
 PREFILL_CHUNK, PREFILL_ROWS = 512, 4  # steady_decode's engine
+GREEDY = SamplingParams()  # the benches' requests unless told (frozen: a default shared safely)
 
 
 def tokens_asked(batch: int, context: int, new_tokens: int, decode_steps: int) -> int:
@@ -57,13 +59,14 @@ def steady_decode(
     page_size: int = 16,
     prefill: bool = True,
     decode_steps: int = DECODE_STEPS,
+    sampling: SamplingParams = GREEDY,
 ) -> dict:
     """`batch` requests of `context` prompt tokens prefilled, then about `new_tokens` decode steps timed, every
     row `decode_steps` at a time (the first such run, which compiles, excluded; the timing stops before a row
     would take fewer, which would run and compile a shorter program). prefill=False: each request's pages are
     taken and its prompt counted as cached without running the prompt (the pages hold zeros: a decode step reads
     the same bytes), which times large batches and contexts on a CPU in seconds instead of the prefill's
-    minutes."""
+    minutes. Each request decodes as `sampling` says (its max tokens set here; request i seeded sampling.seed + i)."""
     asked = tokens_asked(batch, context, new_tokens, decode_steps)
     need = (batch + 1) * (context + asked + page_size) * cache_bytes_per_token(m)
     engine = Engine(
@@ -78,7 +81,10 @@ def steady_decode(
     )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
-    reqs = [engine.submit(p, SamplingParams(max_tokens=asked)) for p in prompts]
+    reqs = [
+        engine.submit(p, dataclasses.replace(sampling, max_tokens=asked, seed=sampling.seed + i))
+        for i, p in enumerate(prompts)
+    ]
     if not prefill:
         engine.skip_prefill()
     while any(r.state in ("waiting", "prefill") for r in reqs):
@@ -112,16 +118,27 @@ def steady_decode(
     return result
 
 
-def bench_decode(model: ModelConfig, context, new_tokens, batch) -> dict:
+def describe_sampling(sampling: SamplingParams) -> str:
+    """How a bench's requests decoded, for its rows: "greedy", or the sampling knobs that are on."""
+    if sampling.temperature == 0:
+        return "greedy"
+    on = [f"temperature {sampling.temperature:g}"]
+    on += [f"top_k {sampling.top_k}"] if sampling.top_k else []
+    on += [f"top_p {sampling.top_p:g}"] if sampling.top_p < 1 else []
+    return ", ".join(on)
+
+
+def bench_decode(model: ModelConfig, context, new_tokens, batch, sampling: SamplingParams = GREEDY) -> dict:
     m = model.replace(
         max_seq_len=max(model.max_seq_len, context + tokens_asked(batch, context, new_tokens, DECODE_STEPS))
     )
-    r = steady_decode(m, random_params(m), batch, context, new_tokens)
+    r = steady_decode(m, random_params(m), batch, context, new_tokens, sampling=sampling)
     return {
         "variant": m.value_residual,
         "context": context,
         "new_tokens": new_tokens,
         "batch": batch,
+        "sampling": describe_sampling(sampling),
         "kv_cache_bytes_per_token": r["cache_bytes_held_per_token"],
         "kv_cache_bytes": r["cache_bytes_held_per_token"] * batch * (context + new_tokens),  # what the batch holds
         "decode_tokens_per_s": round(r["tokens_per_s"], 2),
@@ -172,11 +189,12 @@ def bench_decode_matrix(
     prefill: bool = True,
     log=lambda m: print(m, file=sys.stderr),
     decode_steps: int = DECODE_STEPS,
+    sampling: SamplingParams = GREEDY,
 ) -> Iterator[dict]:
     """Engine decode tokens/s for every (batch, context) and variant, the variants taking turns round by round;
     with the bytes a step reads (the weights once; each layer's K and attended V over the filled pages) and the
     fraction of this process's copy bandwidth that implies, and of its read bandwidth (a decode step only reads);
-    and the cache each variant holds a token.
+    and the cache each variant holds a token. Every request decodes as `sampling` says (greedy by default).
     prefill=False: the prompts' pages taken, not computed (steady_decode). Rows are yielded as each (batch,
     context) finishes, and each phase's seconds logged, so a run cut short keeps what it measured."""
 
@@ -200,7 +218,16 @@ def bench_decode_matrix(
                 for (m, params), res in zip(runs, measured):
                     t0 = time.perf_counter()
                     res.append(
-                        steady_decode(m, params, batch, context, new_tokens, prefill=prefill, decode_steps=decode_steps)
+                        steady_decode(
+                            m,
+                            params,
+                            batch,
+                            context,
+                            new_tokens,
+                            prefill=prefill,
+                            decode_steps=decode_steps,
+                            sampling=sampling,
+                        )
                     )
                     log(
                         f"bench decode {m.value_residual} batch {batch} context {context}: "
@@ -217,6 +244,7 @@ def bench_decode_matrix(
                         "batch": batch,
                         "context": context,
                         "new_tokens": new_tokens,
+                        "sampling": describe_sampling(sampling),
                         "decode_tokens_per_s": round(batch / step_s, 2),
                         "step_ms": round(step_s * 1e3, 2),
                         "weight_bytes_per_step": int(weights),
@@ -241,10 +269,12 @@ def bench_decode_stream(
     new_tokens: int,
     seed: int = 0,
     decode_steps: int = DECODE_STEPS,
+    sampling: SamplingParams = GREEDY,
 ) -> list[dict]:
     """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
-    tokens/s, time to first token and inter-token latency (p50, p99), and the most sequences held at once."""
+    tokens/s, time to first token and inter-token latency (p50, p99), and the most sequences held at once. Every
+    request decodes as `sampling` says (request i seeded sampling.seed + i)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(16, max_context + 1, requests)
     arrivals = np.cumsum(rng.exponential(1 / rate, requests)) if rate > 0 else np.zeros(requests)
@@ -262,7 +292,8 @@ def bench_decode_stream(
             while queued or engine.busy:
                 now = time.perf_counter() - t0
                 while queued and queued[0][0] <= now:
-                    reqs.append(engine.submit(queued.pop(0)[1], SamplingParams(max_tokens=new_tokens)))
+                    asked = dataclasses.replace(sampling, max_tokens=new_tokens, seed=sampling.seed + len(reqs))
+                    reqs.append(engine.submit(queued.pop(0)[1], asked))
                 if engine.busy:
                     engine.step()
                 elif queued:
@@ -279,6 +310,7 @@ def bench_decode_stream(
                 "kv_cache_bytes_held_per_token": engine.bytes_per_token,
                 "requests": requests,
                 "rate": rate,
+                "sampling": describe_sampling(sampling),
                 "tokens_per_s": round(sum(len(r.tokens) for r in reqs) / wall, 2),
                 "ttft_p50_s": round(pct(ttft, 50), 3),
                 "ttft_p99_s": round(pct(ttft, 99), 3),

@@ -96,6 +96,9 @@ flags.DEFINE_bool(
     "decode --matrix: run the prompts (False: take their pages without computing them; the decode steps read "
     "the same bytes, and a CPU times batch 32 at 2,048 tokens in seconds, not the prefill's minutes).",
 )
+flags.DEFINE_float("temperature", 0.0, "decode: every request's sampling temperature (0: greedy).")
+flags.DEFINE_integer("top_k", 0, "decode: sample among the k most likely tokens (0: off).")
+flags.DEFINE_float("top_p", 1.0, "decode: sample from the nucleus of this probability mass (1: off).")
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
 flags.DEFINE_integer("decode_steps", 8, "decode --matrix/--stream: decode steps a program runs between readbacks.")
 flags.DEFINE_integer(
@@ -151,7 +154,10 @@ def run_train(modes: list[str]) -> list[dict]:
 
 def run_decode(modes: list[str]) -> list[dict]:
     from resformer_jax.bench.decode import bench_decode, bench_decode_matrix
+    from resformer_jax.engine import SamplingParams
 
+    sampling = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+    sampling.check()  # a knob out of range: one line naming it
     models = [RunConfig.of(c).model for c in _variants(modes, [FLAGS.config.model.dtype])]
     if FLAGS.matrix:
         b_text, _, c_text = FLAGS.matrix.partition(":")
@@ -169,6 +175,7 @@ def run_decode(modes: list[str]) -> list[dict]:
             FLAGS.rounds,
             prefill=FLAGS.prefill,
             decode_steps=FLAGS.decode_steps,
+            sampling=sampling,
         )
         for r in rows:
             print(json.dumps(r), flush=True)  # each row as it is measured
@@ -184,10 +191,11 @@ def run_decode(modes: list[str]) -> list[dict]:
             FLAGS.context,
             FLAGS.new_tokens,
             decode_steps=FLAGS.decode_steps,
+            sampling=sampling,
         ):
             print(json.dumps(r))
         return []
-    return [bench_decode(m, FLAGS.context, FLAGS.new_tokens, FLAGS.batch) for m in models]
+    return [bench_decode(m, FLAGS.context, FLAGS.new_tokens, FLAGS.batch, sampling) for m in models]
 
 
 def run_data(modes: list[str]) -> list[dict]:
