@@ -462,3 +462,14 @@ def test_a_bf16_pool_on_cpu_holds_its_bits_and_reads_back_its_values(kernel):
             np.asarray(pa.blocked_decode_attention(q, values, values, *args)),
             rtol=1e-6,
         )
+
+
+def test_time_per_output_token_spans_first_to_last_token_whatever_the_bursts():
+    """k decode steps a readback hand a row k tokens at once: most inter-token gaps are 0, and the time per output
+    token (first token to last, a token) is the pace a reader sees."""
+    from resformer_jax.engine.engine import Request
+
+    r = Request(id=0, prompt=[1], params=SamplingParams(), submitted_s=0.5, token_times_s=[1.0, 1.0, 1.0, 2.0, 2.0])
+    assert r.inter_token_s == [0.0, 0.0, 1.0, 0.0]
+    assert r.time_per_output_token_s == 0.25 and r.time_to_first_token_s == 0.5
+    assert Request(id=1, prompt=[1], params=SamplingParams(), token_times_s=[1.0]).time_per_output_token_s is None

@@ -273,7 +273,8 @@ def bench_decode_stream(
 ) -> list[dict]:
     """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
-    tokens/s, time to first token and inter-token latency (p50, p99), and the most sequences held at once. Every
+    tokens/s, time to first token, inter-token latency and time per output token (p50, p99; tokens come k decode
+    steps a readback, so most inter-token gaps are 0), and the most sequences held at once. Every
     request decodes as `sampling` says (request i seeded sampling.seed + i)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(16, max_context + 1, requests)
@@ -301,6 +302,7 @@ def bench_decode_stream(
             wall = time.perf_counter() - t0
         ttft = [r.time_to_first_token_s for r in reqs]
         itl = [d for r in reqs for d in r.inter_token_s]
+        tpot = [t for r in reqs if (t := r.time_per_output_token_s) is not None]
         pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
         out.append(
             {
@@ -316,6 +318,8 @@ def bench_decode_stream(
                 "ttft_p99_s": round(pct(ttft, 99), 3),
                 "itl_p50_s": round(pct(itl, 50), 4),
                 "itl_p99_s": round(pct(itl, 99), 4),
+                "tpot_p50_s": round(pct(tpot, 50), 4),
+                "tpot_p99_s": round(pct(tpot, 99), 4),
                 "most_concurrent": engine.stats.most_concurrent,
                 "preemptions": engine.stats.preemptions,
                 "compiled_shapes": len(engine.stats.compiled_shapes),

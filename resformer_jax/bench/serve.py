@@ -47,7 +47,9 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, seed: int) 
                 if c.get("token_ids"):
                     times.append(time.perf_counter())
                     tokens += len(c["token_ids"])
-    return {"ttft": times[0] - t0 if times else None, "itl": list(np.diff(times)), "tokens": tokens}
+    # time per output token (vLLM's TPOT): first token to last, a token, however the chunks grouped them
+    tpot = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+    return {"ttft": times[0] - t0 if times else None, "itl": list(np.diff(times)), "tpot": tpot, "tokens": tokens}
 
 
 async def _load(url: str, prompts, max_tokens: int, rate: float, concurrency: int, seed: int) -> list[dict]:
@@ -95,6 +97,7 @@ def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurren
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     itl = [d for r in ok for d in r["itl"]]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None
     return {
         **_server_gauges(url),
@@ -109,4 +112,5 @@ def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurren
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
         **{f"ttft_p{q}_s": pct(ttft, q) for q in (50, 90, 99)},
         **{f"itl_p{q}_s": pct(itl, q) for q in (50, 90, 99)},
+        **{f"tpot_p{q}_s": pct(tpot, q) for q in (50, 90, 99)},
     }

@@ -101,6 +101,13 @@ class Request:
     def inter_token_s(self) -> list[float]:
         return list(np.diff(self.token_times_s))
 
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        """From the first token to the last, a token (vLLM's TPOT): k decode steps a readback hand a row its tokens
+        k at a time, so most inter-token gaps are 0 and this is the pace a reader sees."""
+        n = len(self.token_times_s)
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1) if n > 1 else None
+
 
 def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
     """The power of `base` >= n (and >= at_least): the shapes a step is compiled for."""
