@@ -246,7 +246,8 @@ def test_bench_serve_loads_the_server_and_reads_its_cache_gauges(server):
     (out,) = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert (out["requests"], out["failed"]) == (12, 0), out
     assert out["tokens_per_s"] > 0 and out["ttft_p50_s"] <= out["ttft_p99_s"] and out["itl_p50_s"] is not None
-    assert 0 < out["tpot_p50_s"] <= out["tpot_p99_s"], out  # first token to last, a token
+    # first token to last, a token (0 where a request's tokens came in one chunk; Request's own test checks the sum)
+    assert 0 <= out["tpot_p50_s"] <= out["tpot_p99_s"], out
     assert out["server_cache_pages"] == server.metric("resformer:kv_cache_pages_total")
     assert 2 <= out["server_max_sequences_cached"] <= server.metric("resformer:kv_cache_pages_total")
 
