@@ -43,6 +43,11 @@ PREFILL_CHUNK, PREFILL_ROWS = 512, 4  # steady_decode's engine
 GREEDY = SamplingParams()  # the benches' requests unless told (frozen: a default shared safely)
 
 
+def request_sampling(sampling: SamplingParams, i: int, max_tokens: int) -> SamplingParams:
+    """A bench's request i: `sampling` with its max tokens, seeded sampling.seed + i (rows draw apart)."""
+    return dataclasses.replace(sampling, max_tokens=max_tokens, seed=sampling.seed + i)
+
+
 def tokens_asked(batch: int, context: int, new_tokens: int, decode_steps: int) -> int:
     """The tokens steady_decode's requests ask for: the timed ones, the untimed run that compiles, and the single
     steps the first rows take while the others' prompts are read (one a prefill step)."""
@@ -66,7 +71,7 @@ def steady_decode(
     would take fewer, which would run and compile a shorter program). prefill=False: each request's pages are
     taken and its prompt counted as cached without running the prompt (the pages hold zeros: a decode step reads
     the same bytes), which times large batches and contexts on a CPU in seconds instead of the prefill's
-    minutes. Each request decodes as `sampling` says (its max tokens set here; request i seeded sampling.seed + i)."""
+    minutes. Each request decodes as `sampling` says (request_sampling)."""
     asked = tokens_asked(batch, context, new_tokens, decode_steps)
     need = (batch + 1) * (context + asked + page_size) * cache_bytes_per_token(m)
     engine = Engine(
@@ -81,10 +86,7 @@ def steady_decode(
     )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
-    reqs = [
-        engine.submit(p, dataclasses.replace(sampling, max_tokens=asked, seed=sampling.seed + i))
-        for i, p in enumerate(prompts)
-    ]
+    reqs = [engine.submit(p, request_sampling(sampling, i, asked)) for i, p in enumerate(prompts)]
     if not prefill:
         engine.skip_prefill()
     while any(r.state in ("waiting", "prefill") for r in reqs):
@@ -275,7 +277,7 @@ def bench_decode_stream(
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
     tokens/s, time to first token, inter-token latency and time per output token (p50, p99; tokens come k decode
     steps a readback, so most inter-token gaps are 0), and the most sequences held at once. Every
-    request decodes as `sampling` says (request i seeded sampling.seed + i)."""
+    request decodes as `sampling` says (request_sampling)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(16, max_context + 1, requests)
     arrivals = np.cumsum(rng.exponential(1 / rate, requests)) if rate > 0 else np.zeros(requests)
@@ -293,8 +295,7 @@ def bench_decode_stream(
             while queued or engine.busy:
                 now = time.perf_counter() - t0
                 while queued and queued[0][0] <= now:
-                    asked = dataclasses.replace(sampling, max_tokens=new_tokens, seed=sampling.seed + len(reqs))
-                    reqs.append(engine.submit(queued.pop(0)[1], asked))
+                    reqs.append(engine.submit(queued.pop(0)[1], request_sampling(sampling, len(reqs), new_tokens)))
                 if engine.busy:
                     engine.step()
                 elif queued:
