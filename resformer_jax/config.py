@@ -183,7 +183,7 @@ def as_run(saved: dict) -> dict:
     record had both hold the resolved values in place already)."""
     if not isinstance(saved, dict) or "resolved" not in saved:
         return saved
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in saved.items() if k != "resolved"}
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in saved.items() if k not in ("resolved", "resolved_why")}
     for field, value in saved["resolved"].items():
         section, name = field.split(".", 1)
         out.setdefault(section, {})[name] = value
@@ -504,14 +504,20 @@ class WatchdogConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = 1000
+    # Steps between checkpoints; 0: 1,000, or a tenth of train.steps where that is fewer (a short run resumes too).
+    every_steps: int = 0
     max_to_keep: int = 3
     keep_period: int = 0  # >0: also keep every K-th step for the record.
     async_save: bool = True
     allow_fresh_start: bool = False  # True: start from step 0 even though this workdir once held checkpoints
 
     def __post_init__(self):
-        _positive_steps("checkpoint.every_steps", self.every_steps)
+        if self.every_steps < 0:
+            _fail(
+                "checkpoint.every_steps",
+                f"must be a number of steps >= 0, got {self.every_steps}",
+                "set N >= 1, or 0 for 1,000 or a tenth of train.steps, whichever is fewer",
+            )
 
 
 # The config's sections in order, read-only: RunConfig's fields, base_config's ConfigDict sections.
@@ -581,6 +587,12 @@ class RunConfig:
 
     def replace(self, **sections) -> RunConfig:
         return dataclasses.replace(self, **sections)
+
+    @property
+    def checkpoint_every_steps(self) -> int:
+        """Steps between checkpoints: checkpoint.every_steps, or where 0 (the default) 1,000 or a tenth of
+        train.steps, whichever is fewer."""
+        return self.checkpoint.every_steps or max(1, min(1000, self.train.steps // 10))
 
     def __post_init__(self):
         m, d = self.model, self.data

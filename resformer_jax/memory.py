@@ -109,6 +109,10 @@ def too_big_for_here(cfg, devices: int) -> str | None:
         else memory_knobs(cfg, devices) + f" (parameters and optimizer state alone: {gib(est['state'])} a device)"
     )
     sized = (f"this config is sized for {cfg.mesh.target}" + (f": {check}" if check else "")) if cfg.mesh.target else ""
+    if fits:  # what fits may still not finish: say how long a step would take here
+        floor, how = perf.step_time_floor(cfg)
+        if floor > 3600:
+            here += f", but one step would take at least {perf.say_hours(floor)} on this machine ({how})"
     return (
         f"the train step needs about {gib(est['total'])} per device by the analytic estimate (state "
         f"{gib(est['state'])}, activations {gib(est['activations_kept'] + est['one_layer'])}, attention "

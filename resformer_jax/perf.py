@@ -52,18 +52,44 @@ def _matmul_fn():
     return jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
 
 
-def faster_cpu_dtype(m, tokens: int, min_gain: float = 1.2) -> tuple[str, str]:
-    """("bfloat16" or "float32", why): bf16 when this CPU multiplies the model's MLP shape
-    ([tokens, d_model] x [d_model, ffn_dim]) at least `min_gain` times as fast in bf16 as in fp32
-    (CPUs with AVX-512 BF16 or AMX do; others convert bf16 to fp32 and gain nothing)."""
+def time_cpu_matmul(shape: tuple[int, int, int], dtype: str) -> float:
+    """Seconds of one [M, K] x [K, N] matmul at `dtype` (fp32 accumulation), compiled and warmed first."""
+    m, k, n = shape
+    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
+    f = _matmul_fn()
+    f(a, b).block_until_ready()
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    return time.perf_counter() - t
+
+
+def faster_cpu_dtype(
+    m, tokens: int, min_gain: float = 1.5, rounds: int = 7, timer=time_cpu_matmul, has_bf16=None
+) -> tuple[str, str]:
+    """("bfloat16" or "float32", why), the same for the same command on the same machine. A CPU without bf16
+    matmul instructions (AVX-512 BF16 or AMX) converts bf16 to fp32 and gains nothing: float32, not timed.
+    Otherwise the MLP's matmul ([tokens, d_model] x [d_model, ffn_dim]) timed in `rounds` interleaved rounds (fp32,
+    bf16, fp32, ...; each the best of 3), and bf16 only if the median round's speed-up is at least `min_gain`:
+    such CPUs measure 2-10x, so a busy host's noise around equal speeds cannot flip it. `timer(shape, dtype)`:
+    seconds of one matmul (tests inject a clock)."""
+    has_bf16 = cpu_has_bf16_matmul() if has_bf16 is None else has_bf16
+    if not has_bf16:
+        return "float32", "this CPU has no AVX-512 BF16 or AMX instructions (bf16 would be converted to fp32); not timed"
     shape = (min(max(tokens, 64), 8192), m.d_model, m.ffn_dim)  # rows capped: representative, never huge
-    f32 = max(sample_cpu_matmul_peak(shape=shape, repeats=4) for _ in range(2))
-    b16 = max(sample_cpu_matmul_peak(shape=shape, repeats=4, dtype="bfloat16") for _ in range(2))
-    choice = "bfloat16" if b16 >= min_gain * f32 else "float32"
+    flops = 2 * shape[0] * shape[1] * shape[2]
+    gains, f32s, b16s = [], [], []
+    for _ in range(rounds):
+        f32 = min(timer(shape, "float32") for _ in range(3))
+        b16 = min(timer(shape, "bfloat16") for _ in range(3))
+        f32s.append(flops / f32)
+        b16s.append(flops / b16)
+        gains.append(f32 / b16)
+    gain = float(np.median(gains))
+    choice = "bfloat16" if gain >= min_gain else "float32"
     return choice, (
-        f"bf16 {b16 / 1e9:.0f} vs fp32 {f32 / 1e9:.0f} GFLOP/s at the MLP's matmul "
-        f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}] on this CPU (bf16 only at >= {min_gain:g}x fp32's "
-        "speed); decided once per run: a resumed run keeps it"
+        f"bf16 {np.median(b16s) / 1e9:.0f} vs fp32 {np.median(f32s) / 1e9:.0f} GFLOP/s (median of {rounds} "
+        f"interleaved rounds; bf16/fp32 {gain:.2f}x, bf16 only at >= {min_gain:g}x) at the MLP's matmul "
+        f"[{shape[0]}x{shape[1]}]x[{shape[1]}x{shape[2]}]; decided once per run: a resumed run keeps it"
     )
 
 
@@ -175,6 +201,24 @@ def fsdp_devices(cfg, devices: int) -> int:
 def context_devices(cfg) -> int:
     """The devices each sequence is split over (config.mesh.context)."""
     return max(1, cfg.mesh.context)
+
+
+def step_time_floor(cfg: RunConfig) -> tuple[float, str]:
+    """(seconds, how): the least time one optimizer step of `cfg` can take on this machine's devices: its FLOPs
+    (flops_per_token x global_batch x seq_len) at their peak (datasheet, or on a CPU measured). nan where the peak is
+    unknown."""
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16"
+    peak, _ = device_peak_flops(dtype)
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+    return per_token * tokens / peak, (
+        f"{per_token / 1e9:.2f} GFLOP a token x {tokens:,} tokens a step at this machine's peak of "
+        f"{peak / 1e12:.3f} TFLOP/s"
+    )
+
+
+def say_hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} hours" if seconds >= 3600 else f"{seconds / 60:.0f} minutes"
 
 
 def estimate_train_memory(cfg: RunConfig, devices: int, flash_attention: bool = True) -> dict:

@@ -60,10 +60,12 @@ class Run:
     attention: AttentionChoice
     compiler_options: tuple[tuple[str, Any], ...]
     platform: str
+    why: dict = dataclasses.field(default_factory=dict)  # {resolved field: how `auto` decided it (its numbers)}
 
     def record(self) -> dict:
-        """What a run saves: the config as asked and the values resolved at start (config.RESOLVED_FIELDS)."""
-        return run_record(self.asked.to_dict(), self.cfg)
+        """What a run saves: the config as asked, the values resolved at start (config.RESOLVED_FIELDS) and how
+        each `auto` among them was decided."""
+        return {**run_record(self.asked.to_dict(), self.cfg), "resolved_why": dict(self.why)}
 
 
 def sequences_per_device(cfg, devices: int) -> int:
@@ -121,18 +123,18 @@ def resolve_attention(
     return AttentionChoice(choice, rejected, True)
 
 
-def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None = None) -> str:
-    """`model.dtype=auto` -> a concrete compute dtype (returned; `cfg` is not changed): bfloat16 on accelerators
-    (also a compile target's `platform`); on CPU whichever multiplies the model's shapes faster here (measured,
-    printed). A named dtype is kept."""
+def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None = None) -> tuple[str, str]:
+    """`model.dtype=auto` -> (a concrete compute dtype, why); `cfg` is not changed: bfloat16 on accelerators (also a
+    compile target's `platform`); on a CPU float32 unless it has bf16 matmul instructions and multiplies the
+    model's shapes clearly faster in bf16 (perf.faster_cpu_dtype, printed). A named dtype is kept."""
     platform = platform or jax.devices()[0].platform
     if cfg.model.dtype != "auto":
         if cfg.model.dtype == "bfloat16" and platform == "cpu" and not perf.cpu_has_bf16_matmul():
             log(
                 "note: model.dtype=bfloat16 on a CPU without AVX-512 BF16 or AMX, where bf16 matmuls are usually "
-                "slower than fp32; --config.model.dtype=auto measures both once and picks"
+                "slower than fp32; --config.model.dtype=auto chooses float32 there"
             )
-        return cfg.model.dtype
+        return cfg.model.dtype, "named in the config"
     if platform != "cpu":
         choice, why = "bfloat16", f"{platform} computes in bf16 natively"
     else:
@@ -140,7 +142,7 @@ def resolve_dtype(cfg, log: Callable[[str], Any] = print, platform: str | None =
             ModelConfig.of(cfg.model), sequences_per_device(cfg, jax.device_count()) * cfg.data.seq_len
         )
     log(f"model.dtype=auto chose {choice}: {why}")
-    return choice
+    return choice, why
 
 
 def model_config(
@@ -217,9 +219,12 @@ def resolve(
     cfg.train.init_from = fork_point(cfg, run, log)
     if cfg.train.init_from and cfg.train.schedule == "wsd" and not cfg.train.decay_start_step:
         cfg.train.decay_start_step = parse_init_from(cfg.train.init_from)[1]  # a fork of a WSD run: its cooldown
+    dtype_why = ""
     if cfg.model.dtype == "auto":
-        cfg.model.dtype = recorded_dtype(run, log) or "auto"
-    cfg.model.dtype = resolve_dtype(cfg, log=log, platform=platform)
+        recorded = recorded_dtype(run, log)
+        cfg.model.dtype, dtype_why = (recorded, "as chosen at the run's start") if recorded else ("auto", "")
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype, dtype_why = resolve_dtype(cfg, log=log, platform=platform)
     if tokenizer_hash is not None:
         set_dotted(cfg, "data.tokenizer_hash", tokenizer_hash)
     if cfg.data.document_mask:  # the token documents end with: set, or the corpus's
@@ -246,4 +251,5 @@ def resolve(
         attention=attention,
         compiler_options=tuple(sorted(options.items())),
         platform=platform,
+        why={"model.dtype": dtype_why} if dtype_why else {},
     )

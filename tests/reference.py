@@ -372,3 +372,16 @@ def hf_llama_greedy_numpy(sd, cfg, prompt, new_tokens):
         if i + 1 < new_tokens:  # as generate() does: the last token is returned, never fed back
             logits = hf_llama_forward_numpy(sd, cfg, np.asarray([[out[-1]]]), cache)
     return out, cache
+
+
+def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None):
+    """The engine's oracle: greedy decoding with no cache at all, the full forward over the whole prefix for each
+    new token. logits_fn: tokens [1, T] -> logits [1, T, V]. pad_to: the prefix right-padded to this length (a
+    causal model's logits at a position do not see the padding after it; one shape, one compile)."""
+    seq = [int(t) for t in prompt]
+    for _ in range(new_tokens):
+        tokens = np.zeros((1, pad_to or len(seq)), np.int32)
+        tokens[0, : len(seq)] = seq
+        logits = np.asarray(logits_fn(tokens))
+        seq.append(int(np.argmax(logits[0, len(seq) - 1])))
+    return seq[len(prompt) :]

@@ -125,3 +125,30 @@ def test_every_ablation_trains_a_few_steps_on_its_tiny_override():
             state, m = step(state, tokens)
             losses.append(float(m["loss"]))
         assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
+
+
+FAST_DECODE = ("mapping_cross_layer", "svformer_share_k", "cla2", "resformer_gated")  # the fast tier's few
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_DECODE else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
+def test_every_ablation_decodes_through_the_engine_as_its_cache_free_forward(name):
+    """#73: each ablation and after-paper variant on the tiny model, greedy through the paged engine, equals greedy
+    decoding by the full forward over the whole prefix each token (no cache at all)."""
+    from resformer_jax.engine import Engine, SamplingParams
+
+    c = tiny(name)
+    c = c.replace(model=c.model.replace(dtype="float32"))
+    m = ModelConfig.of(c.model)
+    model = Transformer(m)
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})  # far-apart logits: no ties
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, m.vocab_size, size=k)] for k in (3, 9, 14)]
+    # one prefill shape, one decode program, one page bucket: a compile or two a config
+    engine = Engine(m, params, cache_bytes=2**21, page_size=8, max_batch=4, prefill_chunk=16, decode_steps=1)
+    got = engine.generate(prompts, SamplingParams(max_tokens=6))
+    assert len(engine.stats.compiled_shapes) <= 3, engine.stats.compiled_shapes
+    forward = jax.jit(lambda t: model.apply({"params": params}, t))
+    for p, r in zip(prompts, got):
+        assert r.tokens == ref.greedy_uncached(forward, p, 6, pad_to=24), f"{name}: prompt of {len(p)} tokens"
+    assert engine.pool.used == 0

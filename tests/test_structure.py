@@ -462,7 +462,7 @@ def test_every_config_section_is_typed_and_checks_its_own_fields():
         "train": {"steps": 0},
         "data": {"seq_len": 0},
         "mesh": {"context": 0},
-        "checkpoint": {"every_steps": 0},
+        "checkpoint": {"every_steps": -1},
         "watchdog": {"eval_s": 0.0},
         "distributed": {"heartbeat_timeout_s": 0},
         "model": {"num_heads": 3},

@@ -136,7 +136,7 @@ def run_train(modes: list[str]) -> list[dict]:
 
     if not FLAGS.compare_dtypes:
         # model.dtype=auto: measured once, so every compared variant runs in the same dtype
-        FLAGS.config.model.dtype = resolve_dtype(FLAGS.config, log=lambda m: print(m, file=sys.stderr))
+        FLAGS.config.model.dtype = resolve_dtype(FLAGS.config, log=lambda m: print(m, file=sys.stderr))[0]
     cfgs = _variants(modes, FLAGS.compare_dtypes.split(",") if FLAGS.compare_dtypes else [FLAGS.config.model.dtype])
     # `auto` is probed once, at the first variant's shapes, and used by every variant.
     attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))

@@ -539,8 +539,8 @@ class Attention(nn.Module):
         # a padding token (paged, position -1) attends to position 0: finite, and discarded
         mask_BxTxS = jnp.arange(k_all.shape[1])[None, None, :] <= jnp.maximum(ctx.positions, 0)[:, :, None]
         if self.plan.mapping == "cross_layer" and not self.plan.first:  # Eq. 2 over the caches of layers n and 1
-            k_all_ = jnp.concatenate([k_all, first.k_all], axis=1)
-            v_all_ = jnp.concatenate([v_all, first.v_all], axis=1)
+            k_all_ = jnp.concatenate([k_all, dense_kv(first.k_all)], axis=1)
+            v_all_ = jnp.concatenate([v_all, dense_kv(first.v_all)], axis=1)
             mask_BxTxS_ = jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1)
             u_BxTxHxD, probs = kernels.reference_attention(
                 qr_BxTxHxD, k_all_, v_all_, mask_BxTxS=mask_BxTxS_, return_probs=True

@@ -100,6 +100,7 @@ class Ledger:
         self._lock = threading.Lock()
         self.steps: list[int | None] = [None, None]  # [first step of this invocation, last step it finished]
         self.recomputed_steps, self.recomputed_s = 0, 0.0
+        self._written = 0.0  # time.monotonic() of the last write
 
     def start_writing(self, enabled: bool = True) -> None:
         """The run has started: read the earlier invocations (process 0 writes; the others keep time only)."""
@@ -141,7 +142,13 @@ class Ledger:
             self.recomputed_s = redo * float(prev["seconds"].get("steps", 0.0)) / done
 
     def finished_step(self, step: int) -> None:
+        """Records the step, written at once (a local file; on object storage at most every 30 s): an invocation
+        killed without a word still says how far it got, so the resumed one counts the steps it recomputes."""
         self.steps[1] = step
+        now = time.monotonic()
+        if self.enabled and (not storage.is_remote(self.path) or now - self._written >= 30.0):
+            self.write()
+
 
     def record(self, end: str = "open") -> dict:
         self.switch(self.category)
@@ -168,6 +175,7 @@ class Ledger:
         invocations = self.invocations(end)
         if self.enabled:
             storage.write_text_atomic(self.path, json.dumps({"invocations": invocations}, indent=1))
+            self._written = time.monotonic()
         return totals(invocations)
 
 

@@ -39,12 +39,24 @@ def global_batch(s, local):
     return jax.make_array_from_process_local_data(s.setup.batch_sh, local, shape)
 
 
-def evaluate(s) -> dict:
+class Interrupted(Exception):
+    """A hook stopped between its batches because the run was asked to stop (SIGTERM/SIGINT): the checkpoint
+    comes first."""
+
+
+def evaluate(s, stop: Callable[[], bool] = lambda: False) -> dict:
     """Validation loss per domain and its mean; with a tokenizer also bits per byte per domain and overall
-    (nats over the UTF-8 bytes of the text the target tokens stand for, / ln 2)."""
+    (nats over the UTF-8 bytes of the text the target tokens stand for, / ln 2). `stop()` is asked between
+    batches (one batch in flight at most): true raises Interrupted."""
     out, nats, nbytes = {}, 0.0, 0
     for dom, batches in s.eval_sets.items():
-        losses = [s.setup.eval_step(s.state.params, global_batch(s, b)) for b in batches]
+        losses: list = []
+        for b in batches:
+            if losses:
+                jax.block_until_ready(losses[-1])  # one batch in flight: a stop waits for one batch, not a domain
+            if stop():
+                raise Interrupted(dom)
+            losses.append(s.setup.eval_step(s.state.params, global_batch(s, b)))
         out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
     out["eval/loss"] = float(np.mean([v for k, v in out.items()]))
     if s.setup.model_cfg.gates_values and s.eval_sets:  # the learned gates per layer, on a validation batch
@@ -62,9 +74,9 @@ def evaluate(s) -> dict:
     return out
 
 
-def log_validation(s, step: int, say: Callable[[str], Any]) -> None:
+def log_validation(s, step: int, say: Callable[[str], Any], stop: Callable[[], bool] = lambda: False) -> None:
     """The validation sets evaluated, to TensorBoard and one console line."""
-    s.last_eval = evaluate(s)
+    s.last_eval = evaluate(s, stop)
     s.writer.scalars(step, s.last_eval)
     say(
         f"step {step:>7}  validation loss {s.last_eval['eval/loss']:.4f}  "

@@ -33,7 +33,7 @@ from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
 from resformer_jax.train import goodput
 from resformer_jax.train.faults import Faults
-from resformer_jax.train.hooks import Hook, evaluate, evaluate_tasks, global_batch, log_validation, window_scalars
+from resformer_jax.train.hooks import Hook, Interrupted, evaluate, evaluate_tasks, global_batch, log_validation, window_scalars
 from resformer_jax.train.interrupt import StartupInterrupt
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.resume import Resume
@@ -171,6 +171,18 @@ class Trainer:
         if error is not None:
             raise error
 
+    def _check_step_time(self, cfg):
+        """A step that takes more than an hour here is said in one line before the compile: the run will start,
+        but a user on the wrong machine learns it now, not after the first step."""
+        floor, how = perf.step_time_floor(RunConfig.of(cfg))
+        if floor > 3600:
+            self._warn(
+                f"warning: one step of this config takes at least {perf.say_hours(floor)} on this machine ({how}); "
+                "for this machine take a smaller preset (configs/resformer_2m.py), inspect this one with "
+                "--mode=summary, or check it for the hardware it is sized for with `resformer compile "
+                "--config=(the same file) --target=h100x8`"
+            )
+
     def _warn(self, msg):
         print(msg, file=sys.stderr, flush=True)
 
@@ -220,6 +232,7 @@ class Trainer:
         self.resume.check_workdir_model(cfg, corpus)
         self.resume.check_fork(cfg, corpus)
         self._check_fits_here(cfg)
+        self._check_step_time(cfg)
         # The run resolved once, then the one builder: mesh, model, optimizer, shardings, steps.
         run = resolve(
             cfg,
@@ -275,6 +288,12 @@ class Trainer:
             f"devices, mesh {dict(setup.mesh.shape)}; peak {peak / 1e12:.3f} TFLOP/s ({peak_src})"
         )
         self.say(group_sizes(setup.abstract_state.params).describe(cfg.train))
+        every = cfg.checkpoint_every_steps
+        self.say(
+            f"checkpoints: every {every} steps and at the last"
+            + ("" if cfg.checkpoint.every_steps else " (a tenth of train.steps, at most 1,000)" if every < 1000 else "")
+            + f", to {self.run.path}; a rerun of this command resumes from the newest"
+        )
         self.say(f"logs: tensorboard --logdir {self.run.path}")
         now = time.perf_counter()
         s = Session(
@@ -304,6 +323,8 @@ class Trainer:
         self.ledger.resumed_at(start_step)
         if self.ledger.recomputed_steps:
             self.say(f"goodput: {self.ledger.recomputed_steps} steps after the checkpoint are recomputed")
+        if "first_eval_loss" in progress:  # resumed: the closing line still reads from the run's first validation
+            s.first_eval = {"eval/loss": float(progress["first_eval_loss"])}
         if start_step == 0 and eval_sets:
             self._enter("evaluation", 0)
             s.first_eval = s.last_eval = evaluate(s)
@@ -352,17 +373,30 @@ class Trainer:
             self.watchdog.progress(step)
             self.ledger.finished_step(step)
             s.pending.append(m)  # pulled to the host at the next log step (after the next dispatch)
+            # Asked to stop: the checkpoint before any evaluation (a preemption's grace period is 30-90 s).
+            stopping = self._should_stop(s, step)
             for hook in s.hooks:
-                if hook.due(step, cfg.train.steps):
+                if hook.due(step, cfg.train.steps) and not (stopping and hook.phase == "evaluation"):
                     with self._phase(hook.phase, step) if hook.phase != "step" else contextlib.nullcontext():
-                        hook.run(s, step)
-            if self._should_stop(s, step):
+                        try:
+                            hook.run(s, step)
+                        except Interrupted:  # a signal during the evaluation: it is dropped, the save comes now
+                            stopping = True
+                            break
+            if stopping:
                 with self._phase("checkpoint save", step):
                     self._save(s, step)
                     s.ckpt.wait()
-                self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
+                if step < cfg.train.steps:
+                    self.say(f"preempted: saved a checkpoint at step {step}; rerun the same command to resume")
+                else:
+                    s.last_eval = None  # the final validation did not run: no closing loss from an older one
+                    self.say(
+                        f"stopped at the last step ({step}) and saved it; its final validation was skipped "
+                        f"(`resformer evaluate --workdir={self.workdir}` scores it)"
+                    )
                 break
-            if step % cfg.checkpoint.every_steps == 0 and step < end:
+            if step % cfg.checkpoint_every_steps == 0 and step < end:
                 with self._phase("checkpoint save", step):
                     self._save(s, step)
         else:
@@ -387,7 +421,9 @@ class Trainer:
         say, workdir = self.say, self.workdir
         hooks = [Hook("log", cfg.train.log_every, "step", self._log)]
         if validating:
-            hooks.append(Hook("validation", cfg.train.eval_every, "evaluation", lambda s, k: log_validation(s, k, say)))
+            stop = self._local_stop
+            validate_ = lambda s, k: log_validation(s, k, say, stop)
+            hooks.append(Hook("validation", cfg.train.eval_every, "evaluation", validate_))
         if cfg.eval.tasks:
             tasks = lambda s, k: evaluate_tasks(s, k, workdir, say)
             hooks.append(Hook("tasks", cfg.eval.tasks_every, "evaluation", tasks))
@@ -428,6 +464,11 @@ class Trainer:
         for sig, h in self._old_handlers.items():
             signal.signal(sig, h)
 
+    def _local_stop(self) -> bool:
+        """A signal reached this single-process run: an evaluation stops between batches (several processes stop
+        together only at a step's end, where they agree)."""
+        return self.preempt and jax.process_count() == 1
+
     def _should_stop(self, s: Session, step: int) -> bool:
         flag = self.preempt
         if jax.process_count() > 1:
@@ -444,6 +485,8 @@ class Trainer:
             "tokens": step * s.setup.global_batch_shape[0] * s.cfg.data.seq_len,
             "elapsed_s": s.elapsed_before + time.perf_counter() - s.t_start,
         }
+        if s.first_eval:
+            progress["first_eval_loss"] = s.first_eval["eval/loss"]
         s.ckpt.save(step, s.state, s.data, s.setup.run.record(), progress, force=force)
         self.ledger.write()
 
