@@ -183,7 +183,8 @@ def as_run(saved: dict) -> dict:
     record had both hold the resolved values in place already)."""
     if not isinstance(saved, dict) or "resolved" not in saved:
         return saved
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in saved.items() if k not in ("resolved", "resolved_why")}
+    kept = {k: v for k, v in saved.items() if k not in ("resolved", "resolved_why")}
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in kept.items()}
     for field, value in saved["resolved"].items():
         section, name = field.split(".", 1)
         out.setdefault(section, {})[name] = value

@@ -74,7 +74,7 @@ def faster_cpu_dtype(
     seconds of one matmul (tests inject a clock)."""
     has_bf16 = cpu_has_bf16_matmul() if has_bf16 is None else has_bf16
     if not has_bf16:
-        return "float32", "this CPU has no AVX-512 BF16 or AMX instructions (bf16 would be converted to fp32); not timed"
+        return "float32", "this CPU has no AVX-512 BF16 or AMX (bf16 would be converted to fp32); not timed"
     shape = (min(max(tokens, 64), 8192), m.d_model, m.ffn_dim)  # rows capped: representative, never huge
     flops = 2 * shape[0] * shape[1] * shape[2]
     gains, f32s, b16s = [], [], []

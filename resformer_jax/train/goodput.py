@@ -149,7 +149,6 @@ class Ledger:
         if self.enabled and (not storage.is_remote(self.path) or now - self._written >= 30.0):
             self.write()
 
-
     def record(self, end: str = "open") -> dict:
         self.switch(self.category)
         with self._lock:

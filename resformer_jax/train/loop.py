@@ -33,7 +33,15 @@ from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
 from resformer_jax.train import goodput
 from resformer_jax.train.faults import Faults
-from resformer_jax.train.hooks import Hook, Interrupted, evaluate, evaluate_tasks, global_batch, log_validation, window_scalars
+from resformer_jax.train.hooks import (
+    Hook,
+    Interrupted,
+    evaluate,
+    evaluate_tasks,
+    global_batch,
+    log_validation,
+    window_scalars,
+)
 from resformer_jax.train.interrupt import StartupInterrupt
 from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.resume import Resume
