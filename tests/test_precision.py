@@ -143,3 +143,26 @@ def test_tiny_model_bf16_loss_and_gradients_track_fp32():
         assert b.dtype == jnp.float32
         cos = float(jnp.vdot(a.ravel(), b.ravel()) / (jnp.linalg.norm(a) * jnp.linalg.norm(b) + 1e-30))
         assert cos > 0.99, cos
+
+
+def test_dtype_auto_is_the_same_every_time_under_a_noisy_clock_and_float32_without_bf16_instructions():
+    """#73: `model.dtype=auto` on a CPU. With bf16 instructions, speeds equal but each reading off by up to 35% (a
+    busy host): float32 every time, over 200 independent clocks; a real 3x gain: bfloat16 every time. Without them:
+    float32 and no timing at all."""
+    from resformer_jax.model.config import ModelConfig
+    from resformer_jax.perf import faster_cpu_dtype
+
+    m = ModelConfig(d_model=64, num_layers=2, num_heads=4, ffn_dim=128, vocab_size=256)
+
+    def clock(seed, bf16_speedup):
+        rng = np.random.default_rng(seed)
+        return lambda shape, dtype: (1.0 / (bf16_speedup if dtype == "bfloat16" else 1.0)) * rng.uniform(0.65, 1.35)
+
+    assert {faster_cpu_dtype(m, 512, timer=clock(s, 1.0), has_bf16=True)[0] for s in range(200)} == {"float32"}
+    assert {faster_cpu_dtype(m, 512, timer=clock(s, 3.0), has_bf16=True)[0] for s in range(200)} == {"bfloat16"}
+
+    def no_clock(shape, dtype):
+        raise AssertionError("timed on a CPU without bf16 instructions")
+
+    choice, why = faster_cpu_dtype(m, 512, timer=no_clock, has_bf16=False)
+    assert choice == "float32" and "not timed" in why

@@ -145,3 +145,84 @@ def test_generate_on_a_missing_workdir_creates_nothing(tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr and str(missing) in r.stderr, r.stderr
     assert not missing.exists()
+
+
+def _train_until(wd, marker, *flags, env=None):
+    """A tiny run in a subprocess, SIGTERM when `marker` is printed: (output, seconds from the signal to the exit,
+    the return code)."""
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *flags],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, sent = [], None
+    for line in proc.stdout:
+        out.append(line)
+        if marker in line and sent is None:
+            proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+    proc.wait(120)
+    return "".join(out), (time.monotonic() - sent) if sent else None, proc.returncode
+
+
+SLOW = [
+    "--config.mesh.num_devices=1",
+    "--config.train.steps=6",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=3",
+    "--config.train.eval_batches=40",
+]
+
+
+def test_sigterm_during_a_long_validation_saves_at_once_and_the_rerun_resumes_bitwise(tmp_path):
+    """#73: a validation of 40 x 2 s is under way at step 3 when SIGTERM comes: the checkpoint of step 3 is saved
+    within seconds (not after the validation), the process exits 0, and the rerun's losses are an uninterrupted
+    run's, bit for bit. SIGTERM during the last step's validation: saved, and the run says it is done."""
+    wd = str(tmp_path / "run")
+    text, seconds, rc = _train_until(
+        wd, "validation at step 3 is slowed", *SLOW, env={"RESFORMER_TEST_SLOW_EVAL": "3:2"}
+    )
+    assert rc == 0 and seconds is not None and seconds < 30, text
+    assert "preempted: saved a checkpoint at step 3" in text and "Traceback" not in text, text
+    assert "checkpoints: every 1 steps" not in text and "checkpoints: every " in text, text
+    rerun = subprocess.run(
+        [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *SLOW],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "done: validation loss" in rerun.stdout + rerun.stderr  # the closing summary after a resume too
+    whole = str(tmp_path / "whole")
+    assert run(tiny_flags_config(SLOW), whole) == 0
+    losses = lambda d: read_jsonl(os.path.join(d, "metrics.jsonl"), "train/loss")
+    assert losses(wd) == losses(whole)
+
+    last = str(tmp_path / "last")
+    text, seconds, rc = _train_until(
+        last, "validation at step 6 is slowed", *SLOW, env={"RESFORMER_TEST_SLOW_EVAL": "6:2"}
+    )
+    assert rc == 0 and seconds < 30, text
+    assert "stopped at the last step (6) and saved it" in text and "rerun the same command" not in text, text
+    assert "done." in text, text
+
+
+def tiny_flags_config(flags):
+    """configs/tiny.py with `--config.X=V` flags applied, as the command line would."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    for f in flags:
+        key, value = f[len("--config.") :].split("=")
+        section, name = key.split(".")
+        c[section][name] = type(c[section][name])(value)
+    return c

@@ -6,18 +6,22 @@ they change nothing.
                                                       as a read hung on a network filesystem would: the watchdog
   RESFORMER_TEST_NOISE_BATCH=STEP[,STEP...]           those steps train on uniformly random tokens instead of their
                                                       batch: a loss spike, for train.spike_sigma
+  RESFORMER_TEST_SLOW_EVAL=STEP:SECONDS               each validation batch from STEP on takes SECONDS more (said
+                                                      once on stderr): a validation of minutes, for preemption
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 import numpy as np
 
 BLOCK_ENV = "RESFORMER_TEST_BLOCK_DATA"
 NOISE_ENV = "RESFORMER_TEST_NOISE_BATCH"
+SLOW_EVAL_ENV = "RESFORMER_TEST_SLOW_EVAL"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,7 @@ class Faults:
     block_at: int | None = None  # the 1-based step whose data read blocks in this process
     block_s: float = float("inf")
     noise_at: frozenset[int] = frozenset()
+    slow_eval: tuple[int, float] | None = None  # (from step, extra seconds a validation batch)
 
     @classmethod
     def from_env(cls, process_index: int, environ=os.environ) -> Faults:
@@ -37,7 +42,17 @@ class Faults:
                 block_at = int(parts[0])
                 block_s = float(parts[2]) if len(parts) > 2 else float("inf")
         noise = frozenset(int(x) for x in environ.get(NOISE_ENV, "").replace(" ", "").split(",") if x)
-        return cls(block_at, block_s, noise)
+        slow = environ.get(SLOW_EVAL_ENV, "").strip()
+        slow_eval = (int(slow.split(":")[0]), float(slow.split(":")[1])) if slow else None
+        return cls(block_at, block_s, noise, slow_eval)
+
+    def eval_batch(self, step: int) -> None:
+        """Before each validation batch at `step`."""
+        if self.slow_eval is not None and step >= self.slow_eval[0]:
+            if step not in _SAID:
+                _SAID.add(step)
+                print(f"test fault: the validation at step {step} is slowed", file=sys.stderr, flush=True)
+            time.sleep(self.slow_eval[1])
 
     def before_read(self, step: int) -> None:
         if self.block_at == step:
@@ -48,6 +63,9 @@ class Faults:
             return local
         rng = np.random.default_rng(step)  # the same noise on a rerun: a resume replays the spike exactly
         return rng.integers(0, vocab_size, size=local.shape).astype(local.dtype)
+
+
+_SAID: set[int] = set()  # steps whose slowed validation was said (a test's marker; faults are never on in a run)
 
 
 def _blocked_read(seconds: float) -> None:

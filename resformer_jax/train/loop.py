@@ -430,7 +430,10 @@ class Trainer:
         hooks = [Hook("log", cfg.train.log_every, "step", self._log)]
         if validating:
             stop = self._local_stop
-            validate_ = lambda s, k: log_validation(s, k, say, stop)
+
+            def validate_(s, k):
+                return log_validation(s, k, say, lambda: self.faults.eval_batch(k) or stop())
+
             hooks.append(Hook("validation", cfg.train.eval_every, "evaluation", validate_))
         if cfg.eval.tasks:
             tasks = lambda s, k: evaluate_tasks(s, k, workdir, say)
