@@ -74,6 +74,14 @@ class Server:
         return self.proc.stdout.read()
 
 
+CHAT_TEMPLATE = "\n".join(
+    [
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}",
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+    ]
+)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     from demo_runs import tokenized_tiny_config
@@ -86,8 +94,10 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(run_dir):
-    s = Server(run_dir, "--cache_gib=0.05", "--max_batch=32")
+def server(run_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    s = Server(run_dir, "--cache_gib=0.05", "--max_batch=32", f"--chat_template={template}")
     yield s
     s.stop()
 
@@ -164,9 +174,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
         (b"{not json", 400, "not valid JSON"),
         ({"prompt": "x" * 1_000_000, "max_tokens": 4}, 400, "exceed the model's context"),
         ({"prompt": "def", "max_tokens": 0}, 400, "max_tokens=0"),
-        ({"prompt": "def", "max_tokens": "ten"}, 400, "'max_tokens' must be int"),
-        ({"prompt": "def", "temperature": -1}, 400, "temperature=-1"),
-        ({"prompt": "def", "stop": [1, 2]}, 400, "'stop' must be a string or a list of strings"),
+        ({"prompt": "def", "max_tokens": "ten"}, 400, "'max_tokens' Input should be a valid integer"),
+        ({"prompt": "def", "temperature": -1}, 400, "'temperature' Input should be greater than or equal to 0"),
+        ({"prompt": "def", "stop": [1, 2]}, 400, "'stop"),
+        ({"prompt": "def", "logprobs": 21}, 400, "'logprobs' Input should be less than or equal to 20"),
+        ({"prompt": [[1, 2], "x"]}, 400, "'prompt"),
         ({"prompt": "def", "model": "gpt-4"}, 404, "does not exist"),
         ({"max_tokens": 4}, 400, "'prompt' is required"),
     ],
@@ -210,6 +222,7 @@ def test_sigterm_lets_8_streams_in_flight_finish_and_exits_0(run_dir):
 
     def stream(i):
         body = {"prompt": "def main():", "max_tokens": 60, "temperature": 1.0, "seed": i, "stream": True}
+        body["stream_options"] = {"include_usage": True}
         events = []
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
@@ -267,5 +280,164 @@ def test_an_exported_folder_serves_the_runs_greedy_text(server, run_dir, tmp_pat
     try:
         for prompt in PROMPTS[:2]:
             assert greedy(s.client(), prompt).text == greedy(server.client(), prompt).text, prompt
+        with pytest.raises(openai.BadRequestError, match="--chat_template"):  # a base model: no template, as vLLM
+            s.client().chat.completions.create(model=None, messages=[{"role": "user", "content": "hi"}])
     finally:
         s.stop()
+
+
+def test_the_openai_sdk_unchanged_streams_scores_and_chats(server):
+    """#74: the official SDK's everyday calls, sync and async: the plain streaming loop (no usage chunk unless asked),
+    stream_options, n, logprobs with top alternatives and offsets, echo (the prompt's log-probabilities, the first
+    None; max_tokens 0 scores it alone), a batch of token-id prompts, chat with the template file, streamed and not.
+    """
+    import asyncio
+
+    client = server.client()
+    text = ""
+    for chunk in client.completions.create(model=None, prompt="def main():", max_tokens=12, temperature=0, stream=True):
+        text += chunk.choices[0].text  # IndexError before: a usage chunk with no choices ended every stream
+    assert text == greedy(client, "def main():").text
+    chunks = list(
+        client.completions.create(
+            model=None, prompt="x", max_tokens=3, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == 1  # the prompt counted once, not per choice
+    assert chunks[-1].usage.completion_tokens == 6
+    assert all(c.choices for c in chunks[:-1])
+
+    r = client.completions.create(model=None, prompt="def main():", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) >= 3 and value == max(top.values()) and top[token] == value  # greedy: the most likely
+    assert lp.text_offset[0] == len("def main():")
+
+    prompt_ids = [[5, 17, 42, 7], [3, 9, 11]]
+    echo = client.completions.create(model=None, prompt=prompt_ids, max_tokens=0, echo=True, logprobs=1)
+    assert [len(c.logprobs.token_logprobs) for c in echo.choices] == [4, 3] and echo.usage.prompt_tokens == 7
+    assert all(c.logprobs.token_logprobs[0] is None for c in echo.choices)
+    one = client.completions.create(
+        model=None, prompt=prompt_ids[0], max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    np.testing.assert_allclose(one.choices[0].logprobs.token_logprobs[1:4], echo.choices[0].logprobs.token_logprobs[1:])
+    many = client.completions.create(model=None, prompt=prompt_ids, max_tokens=5, temperature=0)
+    assert [c.text for c in many.choices] == [greedy(client, p, 5).text for p in prompt_ids]
+
+    messages = [{"role": "user", "content": "def main():"}]
+    chat = client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0)
+    rendered = "user: def main():\nassistant:"
+    assert chat.choices[0].message.content == greedy(client, rendered, 6).text
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=None, messages=messages, max_tokens=6, temperature=0, stream=True)
+        if c.choices
+    )
+    assert streamed == chat.choices[0].message.content
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": rendered}).json()["count"] == chat.usage.prompt_tokens
+
+    async def async_stream():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        out = ""
+        async for c in await aclient.completions.create(
+            model=None, prompt="def main():", max_tokens=12, temperature=0, stream=True
+        ):
+            out += c.choices[0].text
+        return out
+
+    assert asyncio.run(async_stream()) == text
+
+
+def test_lm_evals_local_completions_with_its_defaults_equals_the_harness(server, run_dir, shared_data, tmp_path):
+    """#74: lm-eval's own API model (`local-completions`, tokenized requests, 4 concurrent, the server's tokenizer
+    found by itself through /tokenizer_info and /tokenize) scores piqa_local and generates arc_easy_gen_local through
+    `resformer serve`; every per-choice log-likelihood equals `resformer harness` on the same run within 1e-4."""
+    pytest.importorskip("tenacity", reason="lm-eval's api extra is not installed (pip install -e '.[lm_eval]')")
+    import glob
+
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    tasks = os.path.join(ROOT, "configs", "lm_eval_tasks")
+    common = ["--include_path", tasks, "--limit", "8", "--log_samples"]
+    api = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+         f"model={os.path.basename(run_dir)},base_url={server.url}/v1/completions,num_concurrent=4",
+         "--tasks", "piqa_local,arc_easy_gen_local", "--output_path", str(tmp_path / "api"), *common],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert api.returncode == 0, api.stderr[-3000:]
+    own = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "harness", "--model", "resformer_jax", "--model_args",
+         f"workdir={run_dir},batch_size=8", "--tasks", "piqa_local", "--output_path", str(tmp_path / "own"), *common],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert own.returncode == 0, own.stderr[-3000:]
+
+    def samples(folder, task):
+        (path,) = glob.glob(str(tmp_path / folder / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        return [json.loads(line) for line in open(path)]
+
+    a, b = samples("api", "piqa_local"), samples("own", "piqa_local")
+    assert len(a) == len(b) == 8
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(
+            [float(r[0][0]) for r in x["resps"]], [float(r[0][0]) for r in y["resps"]], atol=1e-4, rtol=0
+        )
+        assert x["acc"] == y["acc"] and x["acc_norm"] == y["acc_norm"]
+    assert len(samples("api", "arc_easy_gen_local")) == 8
+
+
+def test_past_the_shutdown_budget_each_stream_ends_with_abort_and_done(run_dir):
+    """#73: SIGTERM with long streams in flight and a 2 s budget: each stream still running then gets a final chunk
+    with finish_reason "abort" and [DONE]; one log line per request cut, no traceback; exit 0 within the budget
+    plus 5 s."""
+    s = Server(run_dir, "--cache_gib=0.05", "--shutdown_budget_s=2", "--decode_steps=1")
+    client = s.client()
+    greedy(client, "x", 4)  # compiled: the streams below are decoding when the signal comes
+
+    def stream(i):
+        body = {"prompt": "x", "max_tokens": 250, "temperature": 1.0, "seed": i, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        return events
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, i) for i in range(6)]
+        time.sleep(1.0)
+        s.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        results = [f.result(timeout=60) for f in futures]
+    s.proc.wait(30)
+    took = time.monotonic() - sent
+    log = s.stop()
+    assert s.proc.returncode == 0 and took < 2 + 5, (took, log)
+    reasons = []
+    for events in results:
+        assert events[-1] == "[DONE]", events[-3:]
+        reasons.append(json.loads(events[-2])["choices"][0]["finish_reason"])
+    assert "abort" in reasons and set(reasons) <= {"abort", "length"}, reasons
+    assert "Traceback" not in log and "Event loop is closed" not in log, log
+    assert log.count("aborted: the 2 s budget ran out") == reasons.count("abort"), log
+
+
+def test_a_busy_port_and_a_workdir_that_is_a_file_are_refused_before_the_model_loads(run_dir, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t = time.monotonic()
+        r = subprocess.run(
+            [sys.executable, "-m", "resformer_jax", "serve", f"--workdir={run_dir}", f"--port={port}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode != 0 and "another process holds it" in r.stderr and "serving" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t < 60
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "serve", f"--workdir={f}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert r.returncode != 0 and "is a file, not a directory" in r.stderr, r.stderr

@@ -5,9 +5,11 @@
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-POST /v1/completions (text or token ids; "stream": true for server-sent events), GET /v1/models, GET /health,
-GET /metrics (Prometheus). SIGTERM or Ctrl-C: stops accepting, lets the requests in flight finish (at most
---shutdown_budget_s), exits 0. Needs the serve extra: pip install -e '.[serve]'.
+POST /v1/completions (text, texts, token ids or lists of them; echo and logprobs; "stream": true for server-sent
+events), POST /v1/chat/completions (with --chat_template=FILE), GET /v1/models, POST /tokenize and /detokenize,
+GET /tokenizer_info, GET /health, GET /metrics (Prometheus). SIGTERM or Ctrl-C: stops accepting, lets the requests
+in flight finish for --shutdown_budget_s, then ends each one left with finish_reason "abort" and exits 0. Needs the
+serve extra: pip install -e '.[serve]'.
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ flags.DEFINE_integer(
     "decode_steps", 8, "Decode steps a program runs between readbacks (1: each token streamed as it is sampled)."
 )
 flags.DEFINE_string("model_name", None, "The name /v1/models gives (default: the run directory's name).")
-flags.DEFINE_float("shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish.")
+flags.DEFINE_float(
+    "shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish; then they end as 'abort'."
+)
+flags.DEFINE_string(
+    "chat_template",
+    None,
+    "A Jinja chat template file for /v1/chat/completions (as vLLM takes it; default: the export's "
+    "tokenizer_config.json's, if it has one).",
+)
 FLAGS = flags.FLAGS
 
 
@@ -45,6 +55,7 @@ def main(argv):
     import os
     import signal
     import sys
+    import threading
 
     from resformer_jax.commands import common as cli
 
@@ -65,7 +76,10 @@ def main(argv):
     from resformer_jax.serve.metrics import ServeMetrics
 
     with cli.exit_on_user_error():
-        model_cfg, params, step, tokenizer = _load(FLAGS.workdir, FLAGS.step)
+        _check_workdir(FLAGS.workdir)
+        template = _chat_template(FLAGS.chat_template, FLAGS.workdir)
+        sock = _bind(FLAGS.host, FLAGS.port)  # before the model loads: a busy port is said at once
+        model_cfg, params, step, tokenizer, trained_len = _load(FLAGS.workdir, FLAGS.step)
         engine = Engine(
             model_cfg,
             params,
@@ -80,35 +94,107 @@ def main(argv):
     thread = EngineThread(engine, metrics)
     thread.start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    full = engine.pool.usable // engine.pool.pages_for(engine.max_len)
     print(
         f"serving {name} ({step}, {model_cfg.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
         f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
-        f"({engine.bytes_per_token} bytes a token)"
+        f"({engine.bytes_per_token} bytes a token): {full} sequences of the full {engine.max_len}-token context"
         + (f", on {engine.shards} devices" if engine.shards > 1 else "")
+        + (
+            f"; trained at {trained_len} tokens: prompts past that are extrapolation"
+            if trained_len and trained_len < engine.max_len
+            else ""
+        )
         + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids"),
         file=sys.stderr,
         flush=True,
     )
+    app = make_app(thread, tokenizer, name, metrics, chat_template=template, trained_len=trained_len)
+    budget = FLAGS.shutdown_budget_s
     config = uvicorn.Config(
-        make_app(thread, tokenizer, name, metrics),
-        host=FLAGS.host,
-        port=FLAGS.port,
+        app,
         log_level="warning",
-        timeout_graceful_shutdown=FLAGS.shutdown_budget_s,
+        timeout_graceful_shutdown=budget + 3.0,  # a backstop: the requests left were ended at `budget`
     )
+
+    class Server(uvicorn.Server):
+        """uvicorn's server; its first exit signal also starts the budget, after which the requests still in flight
+        end with finish_reason "abort" (a final chunk and [DONE]), so uvicorn's own cut never comes."""
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                timer = threading.Timer(budget, lambda: app.state.serving.abort_all(f"the {budget:g} s budget ran out"))
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
     # uvicorn restores the handlers it found and raises the signal again once it has shut down: a handler of ours
     # lets that end in exit 0 instead of the default action (death by signal)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish what is in flight
+        Server(config).run(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, finish what is in flight
     finally:
         thread.stop()
     print("server stopped", file=sys.stderr, flush=True)
 
 
+def _check_workdir(path: str) -> None:
+    import os
+
+    from resformer_jax.commands import common as cli
+
+    if os.path.isfile(path):
+        raise cli.ConfigFlagError(f"--workdir={path} is a file, not a directory; give a run directory or an export")
+    if "://" not in path and not os.path.isdir(path):
+        raise cli.ConfigFlagError(f"--workdir={path}: the run directory does not exist; check the path")
+
+
+def _bind(host: str, port: int):
+    """The listening socket, bound now (uvicorn serves on it): a port in use is one line before anything loads."""
+    import socket
+
+    from resformer_jax.commands import common as cli
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise cli.ConfigFlagError(
+            f"--port={port}: cannot listen on {host}:{port} ({e.strerror}); another process holds it: choose "
+            "another --port or stop that process"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _chat_template(path: str | None, workdir: str) -> str | None:
+    """--chat_template's text, or the export's tokenizer_config.json's chat_template, or None (a base model)."""
+    import json
+    import os
+
+    from resformer_jax.commands import common as cli
+
+    if path:
+        if not os.path.isfile(path):
+            raise cli.ConfigFlagError(f"--chat_template={path}: no such file; give a Jinja template file")
+        with open(path) as f:
+            return f.read()
+    config = os.path.join(workdir, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            template = json.load(f).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
 def _load(path: str, step: int | None):
-    """(model config, parameters, what was loaded, tokenizer or None) of a run directory or an exported HF folder."""
+    """(model config, parameters, what was loaded, tokenizer or None, the trained sequence length or None) of a run
+    directory or an exported HF folder."""
     import os
 
     from tokenizers import Tokenizer
@@ -126,12 +212,12 @@ def _load(path: str, step: int | None):
             )
         model_cfg, params = load_hf_llama(path)
         tok = os.path.join(path, "tokenizer.json")
-        return model_cfg, params, "exported", Tokenizer.from_file(tok) if os.path.isfile(tok) else None
+        return model_cfg, params, "exported", Tokenizer.from_file(tok) if os.path.isfile(tok) else None, None
     from resformer_jax.load import load_run
 
     run = RunDir(path)
     cfg, params, loaded = load_run(run.workdir, step)
-    return cfg.model, params, f"step {loaded}", run.tokenizer()
+    return cfg.model, params, f"step {loaded}", run.tokenizer(), cfg.data.seq_len
 
 
 def cli_main():

@@ -52,6 +52,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # a stop id ends the request only from this many new tokens on (the benchmarks' fixed lengths)
 
     def check(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -462,7 +463,7 @@ class Engine:
             r.on_token(r, token, logprob)
             if r.done:  # the callback ended it (a stop string, a client gone)
                 return True
-        if token in r.params.stop_ids:
+        if token in r.params.stop_ids and len(r.tokens) >= r.params.min_tokens:
             self._finish(r, "stop")
         elif len(r.tokens) >= r.params.max_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
             self._finish(r, "length")

@@ -1,45 +1,41 @@
-"""The OpenAI-compatible app: POST /v1/completions (text or token ids; streamed as server-sent events or not),
-GET /v1/models, GET /health, GET /metrics. Bad input is an OpenAI-style JSON error (400; 404 for another model),
-one line in the log, and the server goes on."""
+"""The OpenAI-compatible app, in FastAPI's idiom (module-level routes, pydantic request models: serve/protocol.py):
+POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET /v1/models, vLLM's POST
+/tokenize and /detokenize and GET /tokenizer_info, GET /health, GET /metrics. Bad input is an OpenAI-style JSON
+error (400; 404 for another model), one line in the log, and the server goes on. What the routes share lives in
+`Serving`, on `app.state.serving`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import secrets
+import threading
 import time
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from resformer_jax.engine import EngineError, SamplingParams
-from resformer_jax.serve.engine_thread import EngineThread
+from resformer_jax.engine.scoring import PromptScorer
+from resformer_jax.serve.engine_thread import EngineThread, Handle
 from resformer_jax.serve.metrics import ServeMetrics
+from resformer_jax.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIModel,
+    SamplingFields,
+    TokenizeRequest,
+)
 
 log = logging.getLogger("resformer_jax.serve")
-
-# (field, accepted types, default): what /v1/completions reads; other fields are ignored, as vLLM does
-FIELDS: Mapping[str, tuple[tuple[type, ...], Any]] = MappingProxyType(
-    {
-        "model": ((str,), None),
-        "prompt": ((str, list), None),
-        "max_tokens": ((int,), 16),
-        "temperature": ((int, float), 1.0),
-        "top_p": ((int, float), 1.0),
-        "top_k": ((int,), 0),
-        "seed": ((int,), None),
-        "stop": ((str, list), None),
-        "n": ((int,), 1),
-        "stream": ((bool,), False),
-        "logprobs": ((int,), None),
-        "echo": ((bool,), False),
-    }
-)
+router = APIRouter()
 
 
 class BadRequest(Exception):
@@ -54,234 +50,614 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def make_app(engine_thread: EngineThread, tokenizer, model_name: str, metrics: ServeMetrics) -> FastAPI:
+@dataclasses.dataclass
+class Serving:
+    """What every route reads: the engine's thread, the tokenizer (None: token ids only), the names and limits,
+    the chat template, the scorer of prompts, and the requests in flight (ended with `abort` at shutdown)."""
+
+    engine_thread: EngineThread
+    tokenizer: Any
+    model_name: str
+    metrics: ServeMetrics
+    chat_template: str | None = None
+    trained_len: int | None = None  # the sequence length the run trained at (None: unknown, an export)
+    live: dict = dataclasses.field(default_factory=dict)  # {Handle: "its request id#choice"}, not yet finished
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    scorer: PromptScorer | None = None
+
+    @property
+    def eot(self) -> int | None:
+        return self.tokenizer.token_to_id("<|endoftext|>") if self.tokenizer is not None else None
+
+    @property
+    def max_len(self) -> int:
+        return self.engine_thread.engine.max_len
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def token_text(self, t: int) -> str:
+        return self.decode([t]) if self.tokenizer is not None else str(t)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest(
+                "this run trained on token ids only (no tokenizer): send 'prompt' as a list of token ids", "prompt"
+            )
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def score(self, ids: list[int]):
+        if self.scorer is None:
+            self.scorer = PromptScorer(self.engine_thread.engine)
+        return self.scorer.score(ids)
+
+    def abort_all(self, why: str) -> int:
+        """Ends every request in flight with finish_reason `abort` (shutdown's budget spent): one line each."""
+        with self.lock:
+            live = list(self.live.items())
+        for h, name in live:
+            log.warning("request %s aborted: %s", name, why)
+            self.engine_thread.cancel(h, "abort")
+        return len(live)
+
+
+def make_app(
+    engine_thread: EngineThread,
+    tokenizer,
+    model_name: str,
+    metrics: ServeMetrics,
+    chat_template: str | None = None,
+    trained_len: int | None = None,
+) -> FastAPI:
     """The app over a started engine thread; `tokenizer` None: a run trained on token ids serves ids only."""
     app = FastAPI(title="resformer_jax", docs_url=None, redoc_url=None)
-    eot = tokenizer.token_to_id("<|endoftext|>") if tokenizer is not None else None
+    app.state.serving = Serving(engine_thread, tokenizer, model_name, metrics, chat_template, trained_len)
+    app.include_router(router)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(BadRequest, bad_request)
+    return app
 
-    def parse(body: dict) -> dict:
-        args = {}
-        for name, (types, default) in FIELDS.items():
-            value = body.get(name, default)
-            if value is not None and (not isinstance(value, types) or (bool in types) != isinstance(value, bool)):
-                names = " or ".join(t.__name__ for t in types)
-                raise BadRequest(f"'{name}' must be {names}, got {type(value).__name__}", name)
-            args[name] = value
-        if args["model"] is not None and args["model"] != model_name:
-            raise BadRequest(
-                f"The model '{args['model']}' does not exist; this server serves '{model_name}'", "model", 404
-            )
-        if args["prompt"] is None:
-            raise BadRequest("'prompt' is required: text, or a list of token ids", "prompt")
-        if args["echo"]:
-            raise BadRequest("'echo' is not supported", "echo")
-        stop = args["stop"]
-        if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-            raise BadRequest("'stop' must be a string or a list of strings", "stop")
-        args["stop"] = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        if not 1 <= args["n"] <= 16:
-            raise BadRequest("'n' must be between 1 and 16", "n")
-        return args
 
-    def prompts_of(prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [list(prompt)]
-        if prompt and all(isinstance(p, str) for p in prompt):
-            if tokenizer is None:
-                raise BadRequest(
-                    "this run trained on token ids only (no tokenizer): send 'prompt' as a list of token ids", "prompt"
-                )
-            return [tokenizer.encode(p, add_special_tokens=False).ids for p in prompt]
-        raise BadRequest("'prompt' must be text, a list of texts or a list of token ids", "prompt")
+async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """pydantic's complaint as one OpenAI-style line naming the field."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
+    if first.get("type") == "json_invalid" or (
+        tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), (bytes, str))
+    ):
+        return error_response(f"the body is not valid JSON ({first.get('msg')})")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    field = loc[0] if loc else None
+    if first.get("type") == "missing" and field:
+        return error_response(f"'{field}' is required", param=field)
+    where = ".".join(loc) or "the body"
+    return error_response(f"'{where}' {first.get('msg', 'is invalid')} (got {first.get('input')!r})", param=field)
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids) if tokenizer is not None else ""
 
-    def submit(ids: list[int], params: SamplingParams, stops: list[str], loop, q: asyncio.Queue):
-        def on_token(r, token, logprob):
-            if token >= 0 and stops and any(s in decode(r.tokens) for s in stops):
-                engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
-            loop.call_soon_threadsafe(q.put_nowait, (token, logprob, r.finish_reason))
+async def bad_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BadRequest)
+    return error_response(str(exc), exc.status, exc.param)
 
-        return engine_thread.submit(ids, params, on_token)
 
-    def cut(text: str, stops: list[str]) -> str:
-        for s in stops:
-            if s in text:
-                text = text[: text.index(s)]
-        return text
+def serving_of(request: Request) -> Serving:
+    return request.app.state.serving
 
-    @app.get("/health")
-    async def health():
-        return PlainTextResponse("ok")
 
-    @app.get("/v1/models")
-    async def models():
-        m = engine_thread.engine.model_cfg  # max_model_len as vLLM gives it; vocab_size for clients sending ids
-        entry = {"id": model_name, "object": "model", "owned_by": "resformer_jax", "max_model_len": m.max_seq_len}
-        return {"object": "list", "data": [{**entry, "vocab_size": m.vocab_size}]}
+def check_model(s: Serving, req: OpenAIModel) -> None:
+    name = getattr(req, "model", None)
+    if name is not None and name != s.model_name:
+        raise BadRequest(f"The model '{name}' does not exist; this server serves '{s.model_name}'", "model", 404)
+    if ignored := req.ignored_fields():
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
 
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        try:
+def sampling_params(s: Serving, req: SamplingFields, max_tokens: int, seed: int, j: int) -> SamplingParams:
+    top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+    stop_ids = (s.eot,) if s.eot is not None and not req.ignore_eos else ()
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(1.0 if req.temperature is None else req.temperature),
+        top_k=top_k,
+        top_p=float(1.0 if req.top_p is None else req.top_p),
+        seed=seed + j,
+        stop_ids=stop_ids,
+        min_tokens=req.min_tokens,
+    )
+
+
+def prompts_of(s: Serving, prompt) -> list[list[int]]:
+    """A prompt as OpenAI takes it: text, a list of texts, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [s.encode(prompt)]
+    if not prompt:
+        raise BadRequest("'prompt' is empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [s.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def cut(text: str, stops: list[str]) -> str:
+    for stop in stops:
+        if stop in text:
+            text = text[: text.index(stop)]
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- running a request
+
+
+@dataclasses.dataclass
+class Choice:
+    """One choice in flight: its prompt, its engine handle, the queue its tokens arrive on."""
+
+    index: int
+    prompt: list[int]
+    queue: asyncio.Queue
+    handle: Handle | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def submit(s: Serving, choice: Choice, params: SamplingParams, stops: list[str], min_tokens: int, rid: str) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_token(r, token, logprob):
+        if token >= 0 and stops and len(r.tokens) >= min_tokens and any(x in s.decode(r.tokens) for x in stops):
+            s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
+        with contextlib.suppress(RuntimeError):  # the event loop has closed (the server is gone): nobody waits
+            loop.call_soon_threadsafe(choice.queue.put_nowait, (token, logprob, r.finish_reason))
+
+    choice.handle = s.engine_thread.submit(choice.prompt, params, on_token)
+    with s.lock:
+        s.live[choice.handle] = f"{rid}#{choice.index}"
+
+
+def finished(s: Serving, choices: list[Choice]) -> None:
+    """The choices are over (done, or their client gone): cancel what still runs, forget them."""
+    for c in choices:
+        if c.handle is None:
+            continue
+        if c.handle.request is None or not c.handle.request.done:
+            s.engine_thread.cancel(c.handle)
+        with s.lock:
+            s.live.pop(c.handle, None)
+
+
+def start(s: Serving, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, rid: str) -> list[Choice]:
+    """Every prompt's n choices checked, then submitted: index prompt * n + j (vLLM's order)."""
+    seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
+    plans = []
+    for ids in prompts:
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise BadRequest("'prompt' must be text, a list of texts, token ids or a list of token-id lists", "prompt")
+        new = max_tokens if max_tokens is not None else max(s.max_len - len(ids), 1)
+        for j in range(req.n):
+            params = sampling_params(s, req, new, seed, j)
             try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise BadRequest(f"the body is not valid JSON ({e})") from None
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
-            args = parse(body)
-            prompts = prompts_of(args["prompt"])
-            seed = args["seed"] if args["seed"] is not None else secrets.randbelow(2**31)
-            stop_ids = (eot,) if eot is not None else ()
-            try:
-                params = [
-                    SamplingParams(
-                        args["max_tokens"],
-                        float(args["temperature"]),
-                        args["top_k"] if args["top_k"] > 0 else 0,
-                        float(args["top_p"]),
-                        seed + j,
-                        stop_ids,
-                    )
-                    for j in range(args["n"])
-                ]
-                for ids in prompts:
-                    engine_thread.engine.check(ids, params[0])
+                s.engine_thread.engine.check(ids, params)
             except EngineError as e:
                 raise BadRequest(str(e)) from None
-        except BadRequest as e:
-            return error_response(str(e), e.status, e.param)
-        loop = asyncio.get_running_loop()
-        queues, handles = [], []
-        for ids in prompts:
-            for p in params:
-                q: asyncio.Queue = asyncio.Queue()
-                queues.append((ids, q))
-                handles.append(submit(ids, p, args["stop"], loop, q))
-        rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        if args["stream"]:
+            plans.append((ids, params))
+    choices = [Choice(i, ids, asyncio.Queue()) for i, (ids, _) in enumerate(plans)]
+    for c, (_, params) in zip(choices, plans):
+        submit(s, c, params, req.stops, req.min_tokens, rid)
+    return choices
+
+
+def kept_tokens(s: Serving, c: Choice) -> list[int]:
+    """The tokens a client sees: the end-of-text token that ended a choice is not shown."""
+    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] == s.eot:
+        return c.tokens[:-1]
+    return c.tokens
+
+
+async def collect(c: Choice) -> None:
+    while True:
+        token, _, reason = await c.queue.get()
+        if token < 0:
+            c.finish_reason = reason
+            return
+        c.tokens.append(token)
+
+
+def reason_of(engine_reason: str | None) -> str:
+    return {"stop": "stop", "abort": "abort", "error": "abort"}.get(engine_reason or "", "length")
+
+
+async def until_done_or_gone(request: Request, s: Serving, choices: list[Choice]) -> None:
+    """Waits for every choice; a client that went away frees its pages at once."""
+
+    async def cancel_when_gone():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.1)
+        finished(s, choices)
+
+    watcher = asyncio.create_task(cancel_when_gone())
+    try:
+        await asyncio.gather(*(collect(c) for c in choices))
+    finally:
+        watcher.cancel()
+        finished(s, choices)
+
+
+def logprobs_record(s: Serving, ids: list[int], start: int, n: int, offset0: int) -> dict:
+    """OpenAI's completion logprobs for ids[start:] (scored over the whole of `ids`): each token's text, its
+    log-probability (None for a sequence's first token), the n most likely tokens there, and its text offset."""
+    scored = s.score(ids)
+    tokens, offsets, text = [], [], ""
+    for t in ids[start:]:
+        offsets.append(offset0 + len(text))
+        piece = s.token_text(t)
+        tokens.append(piece)
+        text += piece
+    top = []
+    for i in range(start, len(ids)):
+        alts = scored.top_ids[i]
+        if alts is None:
+            top.append(None)
+            continue
+        entry = {s.token_text(a): lp for a, lp in zip(alts[:n], scored.top_logprobs[i][:n])}  # type: ignore[index]
+        entry.setdefault(s.token_text(ids[i]), scored.token_logprobs[i])  # the chosen token is always there
+        top.append(entry)
+    return {
+        "tokens": tokens,
+        "token_logprobs": scored.token_logprobs[start:],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices it has
+    completion = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+@router.get("/health")
+async def health():
+    return PlainTextResponse("ok")
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    s = serving_of(request)
+    m = s.engine_thread.engine.model_cfg  # max_model_len as vLLM gives it; vocab_size for clients sending ids
+    entry = {"id": s.model_name, "object": "model", "owned_by": "resformer_jax", "max_model_len": s.max_len}
+    if s.trained_len is not None:  # prompts past it are extrapolation
+        entry["trained_seq_len"] = s.trained_len
+    return {"object": "list", "data": [{**entry, "vocab_size": m.vocab_size}]}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    return PlainTextResponse(generate_latest(serving_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    s = serving_of(request)
+    if s.tokenizer is None:
+        raise BadRequest("this run trained on token ids only: it has no tokenizer", status=404)
+    eos = "<|endoftext|>" if s.eot is not None else None
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "bos_token": None,
+        "pad_token": eos,
+        "chat_template": s.chat_template,
+        "model_max_length": s.max_len,
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request):
+    s = serving_of(request)
+    check_model(s, req)
+    if req.messages is not None:
+        text = render_chat(s, req.messages, req.add_generation_prompt, None)
+    elif req.prompt is not None:
+        text = req.prompt
+    else:
+        raise BadRequest("give 'prompt' (text) or 'messages'", "prompt")
+    ids = s.encode(text)
+    return {"count": len(ids), "max_model_len": s.max_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request):
+    s = serving_of(request)
+    check_model(s, req)
+    vocab = s.engine_thread.engine.model_cfg.vocab_size
+    if any(t < 0 or t >= vocab for t in req.tokens):
+        raise BadRequest(f"'tokens' holds ids outside the vocabulary [0, {vocab})", "tokens")
+    if s.tokenizer is None:
+        raise BadRequest("this run trained on token ids only: it has no tokenizer", status=404)
+    return {"prompt": s.decode(req.tokens)}
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    s = serving_of(request)
+    check_model(s, req)
+    prompts = prompts_of(s, req.prompt)
+    if req.max_tokens == 0 and not req.echo:
+        raise BadRequest("max_tokens=0: must be a positive integer (0 only with echo: the prompt scored)", "max_tokens")
+    rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+    if req.max_tokens == 0:  # echo alone: the prompts scored, nothing generated
+        choices = [Choice(i * req.n + j, ids, asyncio.Queue()) for i, ids in enumerate(prompts) for j in range(req.n)]
+        for c in choices:
+            c.finish_reason = "length"
+        if req.stream:
             return StreamingResponse(
-                stream(rid, created, queues, handles, args),
+                stream_completion(s, request, req, rid, created, prompts, choices, run=False),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
+        return await completion_response(s, req, rid, created, prompts, choices)
+    choices = start(s, req, prompts, req.max_tokens, rid)
+    if req.stream:
+        return StreamingResponse(
+            stream_completion(s, request, req, rid, created, prompts, choices),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    await until_done_or_gone(request, s, choices)
+    return await completion_response(s, req, rid, created, prompts, choices)
 
-        async def cancel_when_gone():  # a client that went away frees its pages at once
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.1)
-            for h in handles:
-                engine_thread.cancel(h)
 
-        watcher = asyncio.create_task(cancel_when_gone())
-        try:
-            choices = await asyncio.gather(*(collect(q) for _, q in queues))
-        finally:
-            watcher.cancel()
-        out, completion_tokens = [], 0
-        for i, (tokens, logprobs, reason) in enumerate(choices):
-            kept = tokens[:-1] if reason == "stop" and tokens and tokens[-1] == eot else tokens
-            completion_tokens += len(tokens)
-            text = cut(decode(kept), args["stop"])
-            out.append(
-                {
-                    "index": i,
-                    "text": text,
-                    "token_ids": kept,
-                    "logprobs": logprob_record(kept, logprobs[: len(kept)]) if args["logprobs"] is not None else None,
-                    "finish_reason": "stop" if reason == "stop" else "length",
-                }
-            )
-        prompt_tokens = sum(len(ids) for ids in prompts)
+async def completion_response(s, req: CompletionRequest, rid, created, prompts, choices: list[Choice]) -> dict:
+    out = []
+    for c in choices:
+        kept = kept_tokens(s, c)
+        text = cut(s.decode(kept), req.stops)
+        prompt_text = s.decode(c.prompt)
+        entry: dict[str, Any] = {
+            "index": c.index,
+            "text": (prompt_text + text) if req.echo else text,
+            "token_ids": kept,
+            "logprobs": None,
+            "finish_reason": reason_of(c.finish_reason),
+        }
+        if req.logprobs is not None:
+            ids = c.prompt + kept
+            start_at = 0 if req.echo else len(c.prompt)
+            offset0 = 0 if req.echo else len(prompt_text)
+            entry["logprobs"] = await asyncio.to_thread(logprobs_record, s, ids, start_at, req.logprobs, offset0)
+        out.append(entry)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": s.model_name,
+        "choices": out,
+        "usage": usage(prompts, choices),
+    }
+
+
+async def merged_tokens(choices: list[Choice]):
+    """(choice, token, engine reason) as they come, over every choice, until each has ended (token -1)."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(c: Choice):
+        while True:
+            item = await c.queue.get()
+            await merged.put((c, *item))
+            if item[0] < 0:
+                return
+
+    tasks = [asyncio.create_task(forward(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, token, _, reason = await merged.get()
+            if token < 0:
+                left -= 1
+                c.finish_reason = reason
+            yield c, token, reason
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def stream_completion(
+    s: Serving, request: Request, req: CompletionRequest, rid, created, prompts, choices, run: bool = True
+):
+    """One event a token a choice (its text delta), each choice's finish reason, the usage chunk where
+    `stream_options.include_usage` asks, then [DONE]. A client that goes away cancels its requests."""
+    texts = {c.index: "" for c in choices}
+    shown: dict[int, list[int]] = {c.index: [] for c in choices}
+
+    def chunk(choice_list, **extra):
         return {
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": model_name,
-            "choices": out,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "model": s.model_name,
+            "choices": choice_list,
+            **extra,
         }
 
-    def logprob_record(tokens: list[int], logprobs: list[float]) -> dict:
-        return {
-            "tokens": [decode([t]) if tokenizer is not None else str(t) for t in tokens],
-            "token_logprobs": logprobs,
-            "top_logprobs": None,
-            "text_offset": None,
-        }
-
-    async def collect(q: asyncio.Queue):
-        tokens, logprobs = [], []
-        while True:
-            token, logprob, reason = await q.get()
-            if token < 0:
-                return tokens, logprobs, reason
-            tokens.append(token)
-            logprobs.append(logprob)
-
-    async def stream(rid, created, queues, handles, args):
-        """One server-sent event a token a choice (its text delta), each choice's finish reason, then the usage
-        and [DONE]. A client that goes away cancels its requests: their pages are freed at once."""
-        finished = 0
-        texts = ["" for _ in queues]
-        tokens: list[list[int]] = [[] for _ in queues]
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def forward(i, q):
-            while True:
-                item = await q.get()
-                await merged.put((i, *item))
-                if item[0] < 0:
-                    return
-
-        tasks = [asyncio.create_task(forward(i, q)) for i, (_, q) in enumerate(queues)]
-        try:
-            while finished < len(queues):
-                i, token, logprob, reason = await merged.get()
-                choice: dict[str, Any] = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
-                if token >= 0 and not (token == eot and reason == "stop"):
-                    tokens[i].append(token)
-                    full = cut(decode(tokens[i]), args["stop"])
-                    choice["text"], texts[i] = full[len(texts[i]) :], full
-                    choice["token_ids"] = [token]
-                    if args["logprobs"] is not None:
-                        choice["logprobs"] = logprob_record([token], [logprob])
-                elif token < 0:
-                    finished += 1
-                    choice["finish_reason"] = "stop" if reason == "stop" else "length"
+    try:
+        if req.echo:  # the prompt first, scored where logprobs are asked
+            for c in choices:
+                entry = {"index": c.index, "text": s.decode(c.prompt), "logprobs": None, "finish_reason": None}
+                if req.logprobs is not None:
+                    entry["logprobs"] = await asyncio.to_thread(logprobs_record, s, c.prompt, 0, req.logprobs, 0)
+                yield sse(chunk([entry]))
+        if run:
+            async for c, token, reason in merged_tokens(choices):
+                entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
+                if token >= 0:
+                    c.tokens.append(token)
+                    if token == s.eot and reason == "stop":
+                        continue  # the end-of-text token: not shown, the finish reason follows
+                    shown[c.index].append(token)
+                    full = cut(s.decode(shown[c.index]), req.stops)
+                    entry["text"], texts[c.index] = full[len(texts[c.index]) :], full
+                    entry["token_ids"] = [token]
+                    if req.logprobs is not None:  # this token's, over the prompt and what came before it
+                        ids = c.prompt + shown[c.index]
+                        before = s.decode(c.prompt + shown[c.index][:-1]) if req.echo else s.decode(shown[c.index][:-1])
+                        offset = len(before) + (0 if req.echo else len(s.decode(c.prompt)))
+                        entry["logprobs"] = await asyncio.to_thread(
+                            logprobs_record, s, ids, len(ids) - 1, req.logprobs, offset
+                        )
                 else:
-                    continue  # the end-of-text token: not shown, the finish reason follows
-                yield f"data: {json.dumps(chunk(rid, created, [choice]))}\n\n"
-            prompt_tokens = sum(len(ids) for ids, _ in queues)
-            completion = sum(len(r.tokens) for h in handles if (r := h.request) is not None)
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
+                    entry["finish_reason"] = reason_of(reason)
+                yield sse(chunk([entry]))
+        else:
+            for c in choices:
+                yield sse(chunk([{"index": c.index, "text": "", "logprobs": None, "finish_reason": "length"}]))
+        if req.include_usage:
+            yield sse(chunk([], usage=usage(prompts, choices)))
+        yield "data: [DONE]\n\n"
+    finally:
+        finished(s, choices)
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def render_chat(s: Serving, messages, add_generation_prompt: bool, template: str | None) -> str:
+    """The messages as the chat template renders them (Jinja, as transformers and vLLM render it)."""
+    source = template or s.chat_template
+    if not source:
+        raise BadRequest(
+            "this model has no chat template (a base model); start the server with --chat_template=FILE (a Jinja "
+            "template, as vLLM takes it), or send 'chat_template' with the request",
+            "messages",
+        )
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source).render(
+            messages=[{"role": m.role, "content": m.text()} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token="",
+            eos_token="<|endoftext|>" if s.eot is not None else "",
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise BadRequest(f"the chat template failed: {e}", "messages") from None
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    s = serving_of(request)
+    check_model(s, req)
+    prompt = s.encode(render_chat(s, req.messages, req.add_generation_prompt, req.chat_template))
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+    choices = start(s, req, [prompt], max_tokens, rid)
+    n_top = (req.top_logprobs or 0) if req.logprobs else None
+    if req.stream:
+        return StreamingResponse(
+            stream_chat(s, req, rid, created, prompt, choices, n_top),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    await until_done_or_gone(request, s, choices)
+    out = []
+    for c in choices:
+        kept = kept_tokens(s, c)
+        entry: dict[str, Any] = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": cut(s.decode(kept), req.stops)},
+            "logprobs": None,
+            "finish_reason": reason_of(c.finish_reason),
+        }
+        if n_top is not None and kept:
+            entry["logprobs"] = await asyncio.to_thread(chat_logprobs, s, prompt + kept, len(prompt), n_top)
+        out.append(entry)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": s.model_name,
+        "choices": out,
+        "usage": usage([prompt], choices),
+    }
+
+
+def chat_logprobs(s: Serving, ids: list[int], start: int, n: int) -> dict:
+    """Chat's logprobs shape: a content list, one entry a token, its top_logprobs a list."""
+    scored = s.score(ids)
+    content = []
+    for i in range(start, len(ids)):
+        alts, lps = scored.top_ids[i] or [], scored.top_logprobs[i] or []
+        content.append(
+            {
+                "token": s.token_text(ids[i]),
+                "logprob": scored.token_logprobs[i],
+                "bytes": list(s.token_text(ids[i]).encode()),
+                "top_logprobs": [
+                    {"token": s.token_text(a), "logprob": lp, "bytes": list(s.token_text(a).encode())}
+                    for a, lp in zip(alts[:n], lps[:n])
+                ],
             }
-            yield f"data: {json.dumps(chunk(rid, created, [], usage=usage))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            for t in tasks:
-                t.cancel()
-            for h in handles:
-                if h.request is None or not h.request.done:
-                    engine_thread.cancel(h)
+        )
+    return {"content": content}
 
-    def chunk(rid, created, choices, usage=None) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
 
-    return app
+async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prompt, choices, n_top):
+    def chunk(choice_list, **extra):
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": s.model_name,
+            "choices": choice_list,
+            **extra,
+        }
+
+    texts = {c.index: "" for c in choices}
+    shown: dict[int, list[int]] = {c.index: [] for c in choices}
+    try:
+        for c in choices:  # the role first, as OpenAI streams it
+            yield sse(
+                chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        async for c, token, reason in merged_tokens(choices):
+            entry: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
+            if token >= 0:
+                c.tokens.append(token)
+                if token == s.eot and reason == "stop":
+                    continue
+                shown[c.index].append(token)
+                full = cut(s.decode(shown[c.index]), req.stops)
+                entry["delta"] = {"content": full[len(texts[c.index]) :]}
+                texts[c.index] = full
+                if n_top is not None:
+                    ids = prompt + shown[c.index]
+                    entry["logprobs"] = await asyncio.to_thread(chat_logprobs, s, ids, len(ids) - 1, n_top)
+            else:
+                entry["finish_reason"] = reason_of(reason)
+            yield sse(chunk([entry]))
+        if req.include_usage:
+            yield sse(chunk([], usage=usage([prompt], choices)))
+        yield "data: [DONE]\n\n"
+    finally:
+        finished(s, choices)
