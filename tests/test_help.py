@@ -40,3 +40,10 @@ def test_usage_lines_keep_their_continuations():
         [sys.executable, "-m", "resformer_jax", "evaluate", "--help"], capture_output=True, text=True, timeout=120
     )
     assert "openbookqa \\\n" in out.stdout, out.stdout
+
+
+def test_train_help_says_how_to_set_any_config_field():
+    """#73: `train --help` names the --config.SECTION.FIELD syntax and where the fields are listed."""
+    r = subprocess.run([sys.executable, "-m", "resformer_jax", "train", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+    assert "--config.SECTION.FIELD=VALUE" in r.stdout and "resformer_jax/config.py" in r.stdout, r.stdout[:2000]

@@ -89,7 +89,9 @@ def test_ledger_categories_add_up_to_the_wall_and_resumes_count_recomputed_steps
     for category, seconds in (("compile", 0.05), ("steps", 0.1), ("checkpoint", 0.02), ("steps", 0.1)):
         first.switch(category)
         time.sleep(seconds)
-    first.finished_step(30)
+    first.finished_step(29)
+    first.finished_step(30)  # each step written at once: a SIGKILL between log steps still leaves step 30 (#73)
+    assert goodput.read(path)[0]["last_step"] == 30
     first.write()  # written at a log step, then the process is killed: the record stays "open"
     rec = goodput.read(path)[0]
     assert rec["end"] == "open" and abs(sum(rec["seconds"].values()) - rec["wall_s"]) < 1e-2

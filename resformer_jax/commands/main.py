@@ -3,6 +3,11 @@
 python -m resformer_jax.main                      # the offline demo
 python -m resformer_jax.main --config=configs/resformer_82m.py --workdir=RUN
 python -m resformer_jax.main --config=configs/resformer_468m.py --mode=summary
+
+Any field of the config from the command line: --config.SECTION.FIELD=VALUE, e.g. --config.train.steps=200
+--config.model.value_residual=svformer --config.data.path=/data/sp20b. The sections are model, data, train, eval,
+mesh, distributed, watchdog and checkpoint; their fields, defaults and meanings are in resformer_jax/config.py and
+resformer_jax/model/config.py (docs/training.md). A misspelt field is refused, naming the nearest one.
 """
 
 from __future__ import annotations
