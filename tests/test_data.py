@@ -281,3 +281,28 @@ def test_bad_data_stops_with_clear_messages(slimpajama, tmp_path):
         text=True,
     )
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow  # a run on the NeoX-prepared sample
+def test_a_document_masked_run_trains_on_the_corpus_data_prep_wrote_with_the_papers_tokenizer(slimpajama, tmp_path):
+    """#74: data.document_mask=True on the corpus `data_prep.prepare` wrote from ../shared/data with the NeoX
+    tokenizer (whose end-of-text id, 0, sits in metadata.json's tokenizer block): the run takes that id, trains,
+    and its validation loss falls."""
+    from resformer_jax.commands.training import run
+    from resformer_jax.metrics import read_jsonl
+
+    out, _ = slimpajama
+    meta = load_metadata(out)
+    c = tiny_config("resformer")
+    c.data.source, c.data.path, c.data.seq_len, c.model.max_seq_len = "array_record", out, SEQ, SEQ
+    c.model.vocab_size = meta["tokenizer"]["vocab_size"]
+    c.data.document_mask = True
+    c.train.steps, c.train.eval_every, c.train.log_every, c.train.eval_batches = 40, 40, 10, 2
+    c.train.peak_lr, c.train.warmup_steps = 3e-3, 5
+    c.mesh.num_devices = 1
+    wd = str(tmp_path / "run")
+    assert run(c, wd) == 0
+    saved = json.load(open(os.path.join(wd, "config.json")))
+    assert saved["resolved"]["model.document_eot"] == meta["tokenizer"]["eot_id"] == 0
+    losses = read_jsonl(os.path.join(wd, "metrics.jsonl"), "eval/loss")
+    assert losses[40] < losses[0] - 0.5, losses

@@ -143,6 +143,13 @@ class Corpus:
     meta: dict
 
     @property
+    def eot_id(self) -> int | None:
+        """The token that ends each document: the tokenizer's (data_prep writes it there), or a top-level one
+        (hand-made corpora)."""
+        value = self.meta.get("tokenizer", {}).get("eot_id", self.meta.get("eot_id"))
+        return None if value is None else int(value)
+
+    @property
     def tokenizer_sha256(self) -> str:
         return self.meta["tokenizer"]["sha256"]
 

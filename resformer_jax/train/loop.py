@@ -246,7 +246,7 @@ class Trainer:
             cfg,
             run=self.run,
             tokenizer_hash=corpus.tokenizer_sha256 if corpus is not None else None,
-            eot_id=corpus.meta.get("eot_id") if corpus is not None else None,
+            eot_id=corpus.eot_id if corpus is not None else None,
             log=self.say,
         )
         setup = build(run)
