@@ -25,25 +25,27 @@ ENVS = os.environ.get("RESFORMER_HF_ENVS", "/tmp/resformer_hf_envs")
 
 
 def environment(major: str) -> str:
-    """The Python of an environment with torch and transformers VERSIONS[major], made on first use."""
+    """The Python of an environment with torch and transformers VERSIONS[major], made on first use (one maker at a
+    time: the suite's two workers may both want it)."""
+    import fcntl
+
     folder = os.path.join(ENVS, f"transformers{VERSIONS[major]}")
     python = os.path.join(folder, "bin", "python")
-    done = os.path.join(folder, "ready")
-    if os.path.isfile(done):
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", folder], check=True)
-    env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}  # not the project's pins: its own torch
-    r = subprocess.run(
-        [python, "-m", "pip", "install", "-q", TORCH, f"transformers=={VERSIONS[major]}", "numpy", "safetensors"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1500,
-    )
-    if r.returncode != 0:
-        why = r.stderr[-500:]
-        pytest.skip(f"could not install transformers {VERSIONS[major]} and {TORCH} (no package index?): {why}")
-    open(done, "w").close()
+    os.makedirs(ENVS, exist_ok=True)
+    with open(os.path.join(ENVS, f"lock{major}"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(folder, "ready")):
+            return python
+        subprocess.run([sys.executable, "-m", "venv", "--clear", folder], check=True)
+        env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}  # not the project's pins: its own torch
+        packages = [TORCH, f"transformers=={VERSIONS[major]}", "numpy", "safetensors"]
+        r = subprocess.run(
+            [python, "-m", "pip", "install", "-q", *packages], capture_output=True, text=True, env=env, timeout=1500
+        )
+        if r.returncode != 0:
+            why = r.stderr[-500:]
+            pytest.skip(f"could not install transformers {VERSIONS[major]} and {TORCH} (no package index?): {why}")
+        open(os.path.join(folder, "ready"), "w").close()
     return python
 
 
