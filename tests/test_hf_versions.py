@@ -39,6 +39,7 @@ def environment(major: str) -> str:
         subprocess.run([sys.executable, "-m", "venv", "--clear", folder], check=True)
         env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}  # not the project's pins: its own torch
         packages = [TORCH, f"transformers=={VERSIONS[major]}", "numpy", "safetensors"]
+        subprocess.run([python, "-m", "pip", "install", "-q", "-U", "pip"], capture_output=True, env=env, timeout=600)
         r = subprocess.run(
             [python, "-m", "pip", "install", "-q", *packages], capture_output=True, text=True, env=env, timeout=1500
         )
