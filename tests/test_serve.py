@@ -441,3 +441,55 @@ def test_a_busy_port_and_a_workdir_that_is_a_file_are_refused_before_the_model_l
         [sys.executable, "-m", "resformer_jax", "serve", f"--workdir={f}"], cwd=ROOT, capture_output=True, text=True
     )
     assert r.returncode != 0 and "is a file, not a directory" in r.stderr, r.stderr
+
+
+def test_bench_serve_check_reports_each_part_of_the_api_the_server_answers(server):
+    """#74: `resformer bench serve --check` against the server (with its chat template): every check passes, one line
+    each."""
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "bench", "serve", f"--url={server.url}", "--check"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith(("ok", "FAIL"))]
+    assert len(lines) == 13 and all(x.startswith("ok") for x in lines), r.stdout
+    assert "a message, and a stream that starts with the role" in r.stdout
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["failed"] == [] and summary["passed"] == 13
+
+
+def test_bench_serve_check_names_what_a_server_lacks_and_exits_1():
+    """A stub that answers /v1/models and nothing else: every other check FAILs by name, exit 1."""
+    import http.server
+    import threading
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "stub", "max_model_len": 64}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{stub.server_address[1]}"
+        r = subprocess.run(
+            [sys.executable, "-m", "resformer_jax", "bench", "serve", f"--url={url}", "--check"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        stub.shutdown()
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "ok    GET /v1/models" in r.stdout and "FAIL  completions: echo with logprobs" in r.stdout, r.stdout
+    assert json.loads(r.stdout.strip().splitlines()[-1])["passed"] == 1

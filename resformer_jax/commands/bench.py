@@ -9,6 +9,7 @@
   resformer bench accelerator [--out=report.json]   # first thing to run on new hardware
   resformer bench serve --url=http://127.0.0.1:8000 --requests=64 --rate=4 --context=512 --new_tokens=64 \\
       [--data=PREPARED_DIR] [--concurrency=16]   # a served run under load: TTFT, ITL, tokens/s
+  resformer bench serve --url=http://127.0.0.1:8000 --check   # which parts of the OpenAI API any server answers
   resformer bench data --config=configs/resformer_82m.py --config.data.path=DIR [--steps=200] \\
       [--step_tokens_per_s=X]    # the training input pipeline's tokens/s against what the step consumes
   resformer bench zero_shot --config=configs/resformer_82m.py --task_data=DIR --tokenizer=FILE \\
@@ -109,6 +110,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_float("rate", 0.0, "decode --stream, serve: Poisson arrivals a second (0: all at once).")
 flags.DEFINE_string("url", None, "serve: the server to load (resformer serve), e.g. http://127.0.0.1:8000.")
+flags.DEFINE_bool(
+    "check", False, "serve: instead of a load, check which parts of the OpenAI API the server answers as specified."
+)
 flags.DEFINE_integer("requests", 64, "serve: requests to send.")
 flags.DEFINE_integer("concurrency", 0, "serve: requests in flight at most (0: no limit).")
 flags.DEFINE_string("data", None, "serve: a prepared corpus whose validation text the prompts are cut from.")
@@ -271,6 +275,8 @@ def run_serve(modes: list[str]) -> list[dict]:
 
     if not FLAGS.url:
         raise cli.ConfigFlagError("bench serve needs --url=http://HOST:PORT of a running `resformer serve`")
+    if FLAGS.check:
+        return check_serve(FLAGS.url)
     try:
         model = httpx.get(f"{FLAGS.url.rstrip('/')}/v1/models", timeout=10).json()["data"][0]
         name, vocab = model["id"], int(model["vocab_size"])  # random prompts stay inside the served vocabulary
@@ -279,6 +285,25 @@ def run_serve(modes: list[str]) -> list[dict]:
     prompts = corpus_prompts(FLAGS.data, FLAGS.requests, FLAGS.prompt_min, FLAGS.context, vocab)
     out = bench_serve(FLAGS.url, prompts, FLAGS.new_tokens, FLAGS.rate, FLAGS.concurrency)
     print(json.dumps({"model": name, **out}))
+    return []
+
+
+def check_serve(url: str) -> list[dict]:
+    """One line a check (ok or FAIL, what it saw), then the counts as JSON; exit 1 if any failed."""
+    import httpx
+
+    from resformer_jax.bench.conformance import check_server
+
+    try:
+        checks = check_server(url)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise cli.ConfigFlagError(f"--url={url}: no OpenAI-compatible server answers /v1/models there ({e})") from None
+    for c in checks:
+        print(f"{'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
+    failed = [c.name for c in checks if not c.ok]
+    print(json.dumps({"url": url, "checks": len(checks), "passed": len(checks) - len(failed), "failed": failed}))
+    if failed:
+        sys.exit(1)
     return []
 
 
