@@ -473,3 +473,77 @@ def test_time_per_output_token_spans_first_to_last_token_whatever_the_bursts():
     assert r.inter_token_s == [0.0, 0.0, 1.0, 0.0]
     assert r.time_per_output_token_s == 0.25 and r.time_to_first_token_s == 0.5
     assert Request(id=1, prompt=[1], params=SamplingParams(), token_times_s=[1.0]).time_per_output_token_s is None
+
+
+# ---------------------------------------------------------------------------------------------- the prefix cache
+
+
+def _shared_prefix_prompts(rng, vocab, prefixes=3, per_prefix=4, prefix_len=37, suffix=(1, 12)):
+    heads = [[int(t) for t in rng.integers(0, vocab, prefix_len)] for _ in range(prefixes)]
+    return [
+        heads[i % prefixes] + [int(t) for t in rng.integers(0, vocab, int(rng.integers(*suffix)))]
+        for i in range(prefixes * per_prefix)
+    ]
+
+
+@pytest.mark.parametrize("variant", ["none", "svformer", pytest.param("skipv1", marks=pytest.mark.slow)])
+def test_prefix_cache_outputs_equal_the_cache_off_run_under_eviction(variant):
+    """#75: prompts sharing prefixes, through a pool so small that cached pages are evicted and requests preempted:
+    greedy tokens equal and log-probabilities within 1e-5 of the same engine with the prefix cache off; the hits
+    are counted in tokens, fewer prompt tokens are computed, and the pool ends with nothing held."""
+    m, params = peaky_model(variant, **VARIANTS[variant])
+    prompts = _shared_prefix_prompts(np.random.default_rng(3), m.vocab_size)
+    runs = {}
+    for on in (False, True):
+        engine = Engine(m, params, cache_bytes=14 * 8 * _bytes(m), page_size=8, max_batch=6, prefill_chunk=16,
+                        prefix_cache=on)  # fmt: skip
+        runs[on] = (engine, engine.generate(prompts, SamplingParams(max_tokens=10)))
+    (off, want), (on, got) = runs[False], runs[True]
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    assert on.stats.prefix_hits >= 8 * 4 and on.stats.prefix_queries >= sum(len(p) for p in prompts)
+    assert on.stats.prefill_tokens < off.stats.prefill_tokens - on.stats.prefix_hits // 2
+    assert off.stats.prefix_hits == 0
+    assert on.pool.used == 0 and on.pool[0].cached > 0  # cached pages stay, idle, held by no one
+
+
+def _bytes(m):
+    from resformer_jax.engine.engine import cache_bytes_per_token
+
+    return cache_bytes_per_token(m)
+
+
+def test_a_shared_page_is_freed_only_when_both_requests_end_and_a_half_prefilled_page_is_never_cached():
+    """#75: two live requests with one prefix hold the same pages (two holders each); the first to end leaves them
+    held; after both they stay cached, idle. A request cancelled mid-prefill leaves only the pages it filled
+    completely as blocks: the next request with that prompt reuses exactly those and gives the cache-off tokens."""
+    m, params = peaky_model("svformer")
+    rng = np.random.default_rng(5)
+    prefix = [int(t) for t in rng.integers(0, m.vocab_size, 24)]  # 3 full pages of 8
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
+    a = engine.submit(prefix + [1, 2], SamplingParams(max_tokens=40))
+    while a.cached < len(a.prompt):  # its prompt read: its 3 full pages are blocks
+        engine.step()
+    b = engine.submit(prefix + [3], SamplingParams(max_tokens=90))
+    engine.step()
+    assert a.pages[:3] == b.pages[:3] and all(engine.pool[0].holders[p] == 2 for p in a.pages[:3])
+    assert engine.stats.prefix_hits == 24
+    while not a.done:
+        engine.step()
+    assert not b.done and all(engine.pool[0].holders[p] == 1 for p in b.pages[:3])
+    shared = b.pages[:3]
+    while engine.busy:
+        engine.step()
+    assert engine.pool.used == 0 and all(p in engine.pool[0]._idle for p in shared)
+
+    long = [int(t) for t in rng.integers(0, m.vocab_size, 40)]
+    c = engine.submit(long, SamplingParams(max_tokens=4))
+    engine.step()  # one prefill chunk of 16 tokens: pages 0 and 1 full, nothing more
+    assert c.cached == 16 and len(c.blocks) == 2
+    engine.cancel(c)
+    hits = engine.stats.prefix_hits
+    (d,) = engine.generate([long], SamplingParams(max_tokens=4))
+    assert engine.stats.prefix_hits - hits == 16  # the two full pages, not the half-written third
+    off = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16, prefix_cache=False)
+    assert d.tokens == off.generate([long], SamplingParams(max_tokens=4))[0].tokens

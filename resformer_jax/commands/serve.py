@@ -36,6 +36,12 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "decode_steps", 8, "Decode steps a program runs between readbacks (1: each token streamed as it is sampled)."
 )
+flags.DEFINE_bool(
+    "prefix_cache",
+    True,
+    "Keep full pages of prompts and reuse them for prompts that start with the same tokens (vLLM's automatic "
+    "prefix caching); --noprefix_cache (or --prefix_cache=false) turns it off.",
+)
 flags.DEFINE_string("model_name", None, "The name /v1/models gives (default: the run directory's name).")
 flags.DEFINE_float(
     "shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish; then they end as 'abort'."
@@ -88,6 +94,7 @@ def main(argv):
             page_size=FLAGS.page_size,
             decode_steps=FLAGS.decode_steps,
             mesh=engine_mesh(FLAGS.devices),
+            prefix_cache=FLAGS.prefix_cache,
         )
     name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
     metrics = ServeMetrics(name)
@@ -100,6 +107,7 @@ def main(argv):
         f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
         f"({engine.bytes_per_token} bytes a token): {full} sequences of the full {engine.max_len}-token context"
         + (f", on {engine.shards} devices" if engine.shards > 1 else "")
+        + ("; prefix cache on" if engine.prefix_cache else "; prefix cache off")
         + (
             f"; trained at {trained_len} tokens: prompts past that are extrapolation"
             if trained_len and trained_len < engine.max_len

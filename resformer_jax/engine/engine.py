@@ -83,6 +83,7 @@ class Request:
     shard: int = 0  # which shard of the cache (a device of the engine's mesh) holds its pages and runs its row
     cached: int = 0  # tokens whose K/V are in the cache
     preemptions: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)  # prefix-cache block ids of its first full pages
 
     @property
     def done(self) -> bool:
@@ -133,6 +134,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_pages_read: int = 0  # pages the decode steps attended over, summed over steps (the filled ones)
     decode_rows: int = 0  # tokens the decode steps gave (kept: none after a stop)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admission (vLLM's prefix_cache_queries)
+    prefix_hits: int = 0  # of those, tokens found cached: not prefilled, no new pages (vLLM's prefix_cache_hits)
 
 
 class Engine:
@@ -157,11 +160,13 @@ class Engine:
         prefill_rows: int = 4,
         decode_steps: int = DECODE_STEPS,
         mesh: Mesh | None = None,
+        prefix_cache: bool = True,
     ):
         self.model_cfg = serving_config(m)
         self.page_size, self.max_batch = int(page_size), int(max_batch)
         self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.decode_steps = int(decode_steps)
+        self.prefix_cache = bool(prefix_cache)  # full pages of prompts kept and shared by their tokens (pages.py)
         sizes = (self.page_size, self.max_batch, self.prefill_chunk, self.prefill_rows, self.decode_steps)
         if min(sizes) < 1:
             raise EngineError("page_size, max_batch, prefill_chunk, prefill_rows and decode_steps must be >= 1")
@@ -311,16 +316,47 @@ class Engine:
         rows_per_shard = -(-self.max_batch // self.shards)
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            need = self.pool.pages_for(len(r.to_cache) + 1)
-            room = [self.pool[s].free - promised[s] if rows[s] < rows_per_shard else -1 for s in range(self.shards)]
-            shard = int(np.argmax(room))  # the shard with the most pages to spare
-            if room[shard] < need:
+            tokens = r.to_cache
+            need = self.pool.pages_for(len(tokens) + 1)
+            best = None  # (cached pages, room to spare, shard, pages, blocks): the longest prefix found, then room
+            for sh in range(self.shards):
+                if rows[sh] >= rows_per_shard:
+                    continue
+                pool = self.pool[sh]
+                # the last token is always computed (its logits give the next), so a page holding it is never shared
+                pages, blocks = (
+                    pool.match(tokens, (len(tokens) - 1) // self.page_size) if self.prefix_cache else ([], [])
+                )
+                idle = sum(1 for p in pages if pool.holders[p] == 0)  # leaving the free count when shared
+                spare = pool.free - promised[sh] - idle - (need - len(pages))
+                if spare >= 0 and (best is None or (len(pages), spare) > best[:2]):
+                    best = (len(pages), spare, sh, pages, blocks)
+            if best is None:
                 break  # the oldest waits for pages (first come, first served)
+            _, _, shard, pages, blocks = best
             self.waiting.popleft()
-            r.state, r.cached, r.shard = "prefill", 0, shard
+            self.pool[shard].share(pages)
+            r.state, r.shard, r.pages, r.blocks = "prefill", shard, list(pages), list(blocks)
+            r.cached = len(pages) * self.page_size
+            if self.prefix_cache:
+                self.stats.prefix_queries += len(tokens)
+                self.stats.prefix_hits += r.cached
             self.running.append(r)
-            promised[shard] += need
+            promised[shard] += need - len(pages)
             rows[shard] += 1
+
+    def _register_full_pages(self, r: Request) -> None:
+        """The pages `r` has filled completely since it was admitted become prefix-cache blocks (after the step that
+        wrote them: a page still being filled, or a request cancelled mid-prefill, leaves nothing half-written
+        cached)."""
+        if not self.prefix_cache:
+            return
+        pool, tokens = self.pool[r.shard], r.to_cache
+        for j in range(len(r.blocks), min(r.cached, len(tokens)) // self.page_size):
+            if r.blocks and r.blocks[-1] < 0:
+                return  # the chain is broken (an equal page was another block's): nothing after it is findable
+            parent = r.blocks[-1] if r.blocks else -1
+            r.blocks.append(pool.register(r.pages[j], parent, tokens[j * self.page_size : (j + 1) * self.page_size]))
 
     def _grow(self, r: Request, tokens: int) -> bool:
         """Pages for `r` to hold `tokens` tokens; False when the pool has too few."""
@@ -340,7 +376,7 @@ class Engine:
             if victim is not keep and victim.pages and victim.shard == keep.shard:
                 self.running.remove(victim)
                 self.pool[victim.shard].give_back(victim.pages)
-                victim.pages, victim.cached, victim.state = [], 0, "waiting"
+                victim.pages, victim.cached, victim.state, victim.blocks = [], 0, "waiting", []
                 victim.preemptions += 1
                 self.stats.preemptions += 1
                 self.waiting.appendleft(victim)
@@ -380,6 +416,7 @@ class Engine:
         for i, (r, c) in enumerate(live):
             r.cached += len(c)
             self.stats.prefill_tokens += len(c)
+            self._register_full_pages(r)
             if r.cached == len(r.to_cache):
                 r.state = "decode"
                 # the prompt's last token gives the first new one (after a preemption it is known already)
@@ -473,7 +510,7 @@ class Engine:
         if r in self.running:
             self.running.remove(r)
         self.pool[r.shard].give_back(r.pages)
-        r.pages, r.state, r.finish_reason = [], "done", reason
+        r.pages, r.state, r.finish_reason, r.blocks = [], "done", reason, []
         if r.on_token is not None:
             r.on_token(r, -1, 0.0)  # the end: token -1
 

@@ -63,12 +63,11 @@ class EngineThread:
             try:
                 self._drain(block=not self.engine.busy)
                 if self.engine.busy:
-                    preempted = self.engine.stats.preemptions
-                    generated = self.engine.stats.generated_tokens
+                    st = self.engine.stats
+                    before = (st.generated_tokens, st.preemptions, st.prefix_queries, st.prefix_hits)
                     self.engine.step()
-                    self._observe(
-                        self.engine.stats.generated_tokens - generated, self.engine.stats.preemptions - preempted
-                    )
+                    after = (st.generated_tokens, st.preemptions, st.prefix_queries, st.prefix_hits)
+                    self._observe(*(a - b for a, b in zip(after, before)))
             except Exception:  # a failed step must not leave clients waiting forever: end what is running
                 log.exception("engine step failed; ending the running requests")
                 for r in list(self.engine.running) + list(self.engine.waiting):
@@ -111,11 +110,14 @@ class EngineThread:
 
         return on_token
 
-    def _observe(self, tokens: int, preemptions: int) -> None:
+    def _observe(self, tokens: int, preemptions: int, prefix_queries: int = 0, prefix_hits: int = 0) -> None:
         m, now = self.metrics, time.perf_counter()
         m.label(m.generation_tokens).inc(tokens)
         if preemptions:
             m.label(m.preemptions).inc(preemptions)
+        if prefix_queries:
+            m.label(m.prefix_queries).inc(prefix_queries)
+            m.label(m.prefix_hits).inc(prefix_hits)
         self._recent.append((now, tokens))
         while self._recent and now - self._recent[0][0] > 5.0:
             self._recent.popleft()

@@ -29,6 +29,12 @@ class ServeMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
         self.requests = Counter("vllm:request_success", "Finished requests.", [*labels, "finished_reason"], registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted for pages.", labels, registry=r)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", labels, registry=r
+        )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=LATENCY_BUCKETS, registry=r
         )
