@@ -297,12 +297,12 @@ def test_a_document_masked_run_trains_on_the_corpus_data_prep_wrote_with_the_pap
     c.data.source, c.data.path, c.data.seq_len, c.model.max_seq_len = "array_record", out, SEQ, SEQ
     c.model.vocab_size = meta["tokenizer"]["vocab_size"]
     c.data.document_mask = True
-    c.train.steps, c.train.eval_every, c.train.log_every, c.train.eval_batches = 40, 40, 10, 2
-    c.train.peak_lr, c.train.warmup_steps = 3e-3, 5
+    c.train.steps, c.train.eval_every, c.train.log_every, c.train.eval_batches = 16, 16, 8, 1
+    c.train.global_batch, c.train.peak_lr, c.train.warmup_steps = 4, 1e-2, 2
     c.mesh.num_devices = 1
     wd = str(tmp_path / "run")
     assert run(c, wd) == 0
     saved = json.load(open(os.path.join(wd, "config.json")))
     assert saved["resolved"]["model.document_eot"] == meta["tokenizer"]["eot_id"] == 0
     losses = read_jsonl(os.path.join(wd, "metrics.jsonl"), "eval/loss")
-    assert losses[40] < losses[0] - 0.5, losses
+    assert losses[16] < losses[0] - 0.5, losses

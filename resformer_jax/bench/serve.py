@@ -79,6 +79,9 @@ def _server_gauges(url: str) -> dict:
     want = {
         "resformer:max_sequences_cached": "server_max_sequences_cached",
         "resformer:kv_cache_pages_total": "server_cache_pages",
+        "vllm:prefix_cache_queries_total": "server_prefix_queries",
+        "vllm:prefix_cache_hits_total": "server_prefix_hits",
+        "vllm:num_preemptions_total": "server_preemptions",
     }
     try:
         text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).text
@@ -91,16 +94,27 @@ def _server_gauges(url: str) -> dict:
 def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurrency: int = 0, seed: int = 0) -> dict:
     """Drives the server at `url` with `prompts` (Poisson arrivals at `rate` a second, 0: all at once; at most
     `concurrency` in flight, 0: no limit) and reports what a client saw."""
+    before = _server_gauges(url)
     t0 = time.perf_counter()
     results = asyncio.run(_load(url.rstrip("/"), prompts, max_tokens, rate, concurrency, seed))
     wall = time.perf_counter() - t0
+    after = _server_gauges(url)
+    # this load's share of the server's counters (they count since it started)
+    counted = {
+        k: after[k] - before.get(k, 0)
+        for k in ("server_prefix_queries", "server_prefix_hits", "server_preemptions")
+        if k in after
+    }
+    queries = counted.get("server_prefix_queries", 0)
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     itl = [d for r in ok for d in r["itl"]]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None
     return {
-        **_server_gauges(url),
+        **{k: v for k, v in after.items() if k not in counted},
+        **counted,
+        "prefix_hit_rate": round(counted.get("server_prefix_hits", 0) / queries, 4) if queries else None,
         "url": url,
         "requests": len(prompts),
         "failed": len(results) - len(ok),

@@ -117,6 +117,13 @@ flags.DEFINE_integer("requests", 64, "serve: requests to send.")
 flags.DEFINE_integer("concurrency", 0, "serve: requests in flight at most (0: no limit).")
 flags.DEFINE_string("data", None, "serve: a prepared corpus whose validation text the prompts are cut from.")
 flags.DEFINE_integer("prompt_min", 16, "serve: the shortest prompt (tokens); the longest is --context.")
+flags.DEFINE_integer(
+    "shared_prefixes",
+    0,
+    "serve: N > 0: a shared-prefix workload (as vLLM's and SGLang's prefix benchmarks): N distinct prefixes of "
+    "--prefix_len tokens, request i the prefix i %% N then a distinct suffix of --prompt_min..--context tokens.",
+)
+flags.DEFINE_integer("prefix_len", 512, "serve: the shared prefixes' length (tokens), with --shared_prefixes.")
 flags.DEFINE_float("cache_gib", 0.25, "decode --stream: the paged KV cache's budget, the same for every variant.")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
 flags.DEFINE_string(
@@ -283,6 +290,9 @@ def run_serve(modes: list[str]) -> list[dict]:
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise cli.ConfigFlagError(f"--url={FLAGS.url}: no resformer server answers there ({e}); start one") from None
     prompts = corpus_prompts(FLAGS.data, FLAGS.requests, FLAGS.prompt_min, FLAGS.context, vocab)
+    if FLAGS.shared_prefixes > 0:
+        prefixes = corpus_prompts(FLAGS.data, FLAGS.shared_prefixes, FLAGS.prefix_len, FLAGS.prefix_len, vocab, seed=1)
+        prompts = [prefixes[i % len(prefixes)] + p for i, p in enumerate(prompts)]
     out = bench_serve(FLAGS.url, prompts, FLAGS.new_tokens, FLAGS.rate, FLAGS.concurrency)
     print(json.dumps({"model": name, **out}))
     return []
