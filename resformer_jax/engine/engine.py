@@ -279,7 +279,7 @@ class Engine:
     def skip_prefill(self) -> None:
         """Benchmarks: admits every waiting request and counts its prompt as cached without computing it (its pages
         taken, holding whatever they held): the next steps decode, at the bytes the real prompts would cost."""
-        self._admit()
+        self._admit(share=False)  # the prompts are not computed: nothing to share or wait for
         for r in self.running:
             if r.state == "prefill":
                 if not self._grow(r, len(r.to_cache) + 1):
@@ -305,7 +305,7 @@ class Engine:
         self.stats.steps += 1
         return finished
 
-    def _admit(self) -> None:
+    def _admit(self, share: bool = True) -> None:
         # a shard's pages the requests still reading their prompts will take: promised, not yet handed out
         promised = [0] * self.shards
         rows = [0] * self.shards
@@ -314,8 +314,12 @@ class Engine:
             if r.state == "prefill":
                 promised[r.shard] += max(0, self.pool.pages_for(len(r.to_cache) + 1) - len(r.pages))
         rows_per_shard = -(-self.max_batch // self.shards)
+        deferred: list[Request] = []  # waiting for a prefix another request is computing now
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
+            if share and self._prefix_in_flight(r):
+                deferred.append(self.waiting.popleft())
+                continue
             tokens = r.to_cache
             need = self.pool.pages_for(len(tokens) + 1)
             best = None  # (cached pages, room to spare, shard, pages, blocks): the longest prefix found, then room
@@ -324,9 +328,8 @@ class Engine:
                     continue
                 pool = self.pool[sh]
                 # the last token is always computed (its logits give the next), so a page holding it is never shared
-                pages, blocks = (
-                    pool.match(tokens, (len(tokens) - 1) // self.page_size) if self.prefix_cache else ([], [])
-                )
+                most = (len(tokens) - 1) // self.page_size if self.prefix_cache and share else 0
+                pages, blocks = pool.match(tokens, most)
                 idle = sum(1 for p in pages if pool.holders[p] == 0)  # leaving the free count when shared
                 spare = pool.free - promised[sh] - idle - (need - len(pages))
                 if spare >= 0 and (best is None or (len(pages), spare) > best[:2]):
@@ -344,6 +347,25 @@ class Engine:
             self.running.append(r)
             promised[shard] += need - len(pages)
             rows[shard] += 1
+        self.waiting.extendleft(reversed(deferred))  # first in line again, in their order
+
+    def _prefix_in_flight(self, r: Request) -> bool:
+        """Whether a request still reading its prompt shares full pages with `r` that it has not cached yet: `r`
+        waits for them (a step or a few) instead of computing and holding the same prefix a second time."""
+        if not self.prefix_cache:
+            return False
+        tokens, ps = r.to_cache, self.page_size
+        for other in self.running:
+            if other.state != "prefill":
+                continue
+            theirs = other.to_cache
+            common = 0
+            limit = min(len(tokens) - 1, len(theirs)) // ps
+            while common < limit and tokens[common * ps : (common + 1) * ps] == theirs[common * ps : (common + 1) * ps]:
+                common += 1
+            if common > len(other.blocks):
+                return True
+        return False
 
     def _register_full_pages(self, r: Request) -> None:
         """The pages `r` has filled completely since it was admitted become prefix-cache blocks (after the step that
