@@ -115,3 +115,18 @@ def test_the_goodput_start_is_the_interpreters_not_the_shells(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     started = json.loads((workdir / "goodput.json").read_text())["invocations"][0]["started_unix"]
     assert started >= shell_start + 3, f"the ledger starts {started - shell_start:.2f} s after the shell, not >= 3"
+
+
+def test_the_468m_memory_hint_and_the_start_say_how_long_a_step_would_take_here():
+    """#73: the hint that makes the 468M preset fit this CPU also says one of its steps takes hours here, and the
+    same estimate (FLOPs a step at the measured peak) is what the start-up warns with."""
+    from resformer_jax import perf
+    from resformer_jax.config import RunConfig, paper_config
+    from resformer_jax.memory import too_big_for_here
+
+    cfg = paper_config("468m")
+    cfg.mesh.device_memory_limit_gb = 23.5  # one CPU device with this machine's memory (the suite splits it in 8)
+    why = too_big_for_here(cfg, 1)
+    assert why and "--config.train.microbatch=" in why and "one step would take at least" in why, why
+    floor, how = perf.step_time_floor(RunConfig.of(cfg))
+    assert floor > 3600 and "GFLOP a token" in how and perf.say_hours(floor) in why
