@@ -207,10 +207,10 @@ def step_time_floor(cfg: RunConfig) -> tuple[float, str]:
     """(seconds, how): the least time one optimizer step of `cfg` can take on this machine's devices: its FLOPs
     (flops_per_token x global_batch x seq_len) at their peak (datasheet, or on a CPU measured). nan where the peak is
     unknown."""
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16"
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16"  # auto: the faster choice, a lower bound
     peak, _ = device_peak_flops(dtype)
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+    per_token = flops_per_token(cfg.model.replace(dtype=dtype), cfg.data.seq_len)
     return per_token * tokens / peak, (
         f"{per_token / 1e9:.2f} GFLOP a token x {tokens:,} tokens a step at this machine's peak of "
         f"{peak / 1e12:.3f} TFLOP/s"

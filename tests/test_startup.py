@@ -130,3 +130,5 @@ def test_the_468m_memory_hint_and_the_start_say_how_long_a_step_would_take_here(
     assert why and "--config.train.microbatch=" in why and "one step would take at least" in why, why
     floor, how = perf.step_time_floor(RunConfig.of(cfg))
     assert floor > 3600 and "GFLOP a token" in how and perf.say_hours(floor) in why
+    cfg.model.dtype = "auto"  # the demo's and most configs' dtype, resolved only later: the estimate takes it too
+    assert perf.step_time_floor(RunConfig.of(cfg))[0] > 3600
