@@ -393,19 +393,11 @@ async def completions(req: CompletionRequest, request: Request):
         for c in choices:
             c.finish_reason = "length"
         if req.stream:
-            return StreamingResponse(
-                stream_completion(s, request, req, rid, created, prompts, choices, run=False),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return event_stream(stream_completion(s, request, req, rid, created, prompts, choices, run=False))
         return await completion_response(s, req, rid, created, prompts, choices)
     choices = start(s, req, prompts, req.max_tokens, rid)
     if req.stream:
-        return StreamingResponse(
-            stream_completion(s, request, req, rid, created, prompts, choices),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        return event_stream(stream_completion(s, request, req, rid, created, prompts, choices))
     await until_done_or_gone(request, s, choices)
     return await completion_response(s, req, rid, created, prompts, choices)
 
@@ -462,6 +454,11 @@ async def merged_tokens(choices: list[Choice]):
     finally:
         for t in tasks:
             t.cancel()
+
+
+def event_stream(events) -> StreamingResponse:
+    """Server-sent events, as OpenAI streams them."""
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def sse(obj) -> str:
@@ -565,11 +562,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     choices = start(s, req, [prompt], max_tokens, rid)
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     if req.stream:
-        return StreamingResponse(
-            stream_chat(s, req, rid, created, prompt, choices, n_top),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        return event_stream(stream_chat(s, req, rid, created, prompt, choices, n_top))
     await until_done_or_gone(request, s, choices)
     out = []
     for c in choices:
