@@ -547,3 +547,40 @@ def test_a_shared_page_is_freed_only_when_both_requests_end_and_a_half_prefilled
     assert engine.stats.prefix_hits - hits == 16  # the two full pages, not the half-written third
     off = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16, prefix_cache=False)
     assert d.tokens == off.generate([long], SamplingParams(max_tokens=4))[0].tokens
+
+
+@pytest.mark.parametrize("variant", ["none", "svformer", pytest.param("resformer", marks=pytest.mark.slow)])
+def test_prompt_and_token_scores_equal_the_whole_forward_with_the_prefix_cache_on_or_off(variant):
+    """#75: what echo and logprobs return, read in the engine's prefill and decode steps: each prompt token's
+    log-probability and its 20 most likely alternatives equal the cache-free whole-sequence forward's (fp32,
+    within 1e-5; ids equal), with prompts sharing prefixes served from cached blocks (which keep their scores),
+    chunks of 16 crossing pages of 8, and a request of 0 new tokens scoring its prompt only."""
+    m, params = peaky_model(variant, **VARIANTS[variant])
+    prompts = _shared_prefix_prompts(np.random.default_rng(7), m.vocab_size, prefixes=2, per_prefix=3)
+    model = Transformer(m)
+
+    def whole(ids):  # log p at every position of ids (row t predicts token t + 1), the cache-free forward
+        return np.asarray(jax.nn.log_softmax(model.apply({"params": params}, jnp.array([ids]))[0], -1))
+
+    runs = {}
+    for on in (False, True):
+        engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16, prefix_cache=on)
+        asks = [SamplingParams(max_tokens=0 if i % 2 else 5, logprobs=3, prompt_logprobs=3) for i in range(6)]
+        runs[on] = (engine, engine.generate(prompts, asks))
+    assert runs[True][0].stats.prefix_hits >= 2 * 2 * 32  # the later requests of each prefix: 4 full pages
+    for on, (engine, got) in runs.items():
+        for p, r in zip(prompts, got):
+            ids = p + r.tokens
+            logp = whole(ids)
+            assert r.scores.logprob[0] is None and len(r.tokens) == (0 if r.params.max_tokens == 0 else 5)
+            for i in range(1, len(ids)):
+                want = np.argsort(-logp[i - 1])[:20]
+                top_ids, top_lps = r.scores.top[i]
+                # logits of up to ~50 (the scaled head): fp32 round-off relative to them
+                np.testing.assert_allclose(r.scores.logprob[i], logp[i - 1, ids[i]], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(top_lps, logp[i - 1, want], rtol=1e-5, atol=1e-5)
+                assert list(top_ids[:3]) == list(want[:3]), f"prefix cache {on}, position {i}"
+        assert engine.pool.used == 0
+    for off, on in zip(runs[False][1], runs[True][1]):  # the issue's bar: the cache changes nothing past 1e-5
+        assert on.tokens == off.tokens
+        np.testing.assert_allclose(on.scores.logprob[1:], off.scores.logprob[1:], atol=1e-5)

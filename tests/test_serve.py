@@ -429,7 +429,8 @@ def test_past_the_shutdown_budget_each_stream_ends_with_abort_and_done(run_dir):
     """#73: SIGTERM with long streams in flight and a 2 s budget: each stream still running then gets a final chunk
     with finish_reason "abort" and [DONE]; one log line per request cut, no traceback; exit 0 within the budget
     plus 5 s."""
-    s = Server(run_dir, "--cache_gib=0.05", "--shutdown_budget_s=2", "--decode_steps=1")
+    # one row at a time: 6 x 250 tokens one step each outlast the budget however fast the machine
+    s = Server(run_dir, "--cache_gib=0.05", "--shutdown_budget_s=2", "--decode_steps=1", "--max_batch=1")
     client = s.client()
     greedy(client, "x", 4)  # compiled: the streams below are decoding when the signal comes
 

@@ -39,6 +39,7 @@ from resformer_jax.model.transformer import Transformer, lm_head_logits, unrolle
 # tokens a row (at one row a 468M step's bytes take 0.2-0.7 ms on an H100 or H200, less than Python's work for a
 # step; on 2 CPU cores 8 measured 5-10% faster than 1). While prompts are being read, one step a readback.
 DECODE_STEPS = 8
+TOP_LOGPROBS = 20  # alternatives a scored position gives at most (vLLM's and OpenAI's maximum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,17 @@ class SamplingParams:
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
     min_tokens: int = 0  # a stop id ends the request only from this many new tokens on (the benchmarks' fixed lengths)
+    logprobs: int | None = None  # the most likely N tokens at each generated position, beside the chosen one's
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and the N most likely there
 
     def check(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt scored only
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
             raise EngineError(f"max_tokens={self.max_tokens!r}: must be a positive integer (new tokens to generate)")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, int) and 0 <= n <= TOP_LOGPROBS):
+                raise EngineError(f"{name}={n!r}: must be an integer in [0, {TOP_LOGPROBS}]")
         if not self.temperature >= 0:
             raise EngineError(f"temperature={self.temperature!r}: must be >= 0 (0: greedy)")
         if not 0 < self.top_p <= 1:
@@ -84,6 +92,8 @@ class Request:
     cached: int = 0  # tokens whose K/V are in the cache
     preemptions: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)  # prefix-cache block ids of its first full pages
+    scores: Scores | None = None  # asked by logprobs or prompt_logprobs: each position's log-probabilities
+    carry: np.ndarray | None = None  # the hidden state before its first token to compute (a cached prefix's last)
 
     @property
     def done(self) -> bool:
@@ -109,6 +119,30 @@ class Request:
         k at a time, so most inter-token gaps are 0 and this is the pace a reader sees."""
         n = len(self.token_times_s)
         return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1) if n > 1 else None
+
+
+class Scores:
+    """Per position i of a request's prompt and generated tokens: log p(token_i | the tokens before it) and the
+    TOP_LOGPROBS most likely tokens there with theirs, most likely first; None where not computed (position 0; the
+    prompt when only generated tokens were asked)."""
+
+    def __init__(self, prompt_len: int):
+        self.logprob: list[float | None] = [None] * prompt_len
+        self.top: list[tuple[np.ndarray, np.ndarray] | None] = [None] * prompt_len  # (ids, log-probabilities)
+        self.page_ends: dict[int, np.ndarray] = {}  # page j -> the hidden state at its last position
+
+    def set(self, i: int, logprob: float, ids: np.ndarray, lps: np.ndarray) -> None:
+        while len(self.logprob) <= i:
+            self.logprob.append(None)
+            self.top.append(None)
+        self.logprob[i], self.top[i] = float(logprob), (ids, lps)
+
+    def entry(self, i: int) -> tuple[float, np.ndarray, np.ndarray] | None:
+        top, lp = self.top[i], self.logprob[i]
+        return None if top is None or lp is None else (lp, *top)
+
+    def prompt_done(self, upto: int) -> bool:
+        return all(self.top[i] is not None for i in range(1, upto))
 
 
 def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
@@ -194,7 +228,7 @@ class Engine:
         options = dict(self.form.compiler_options)
         if mesh is None:
             self.cache = pools
-            self._jit = lambda program: jax.jit(program, donate_argnums=(1,), compiler_options=options)
+            self._jit = lambda program, *_: jax.jit(program, donate_argnums=(1,), compiler_options=options)
         else:
             kernel = paged_attention.kernel_for(self.model_cfg.attention_impl, self.model_cfg.head_dim)
             row_spec = P(mesh.axis_names)
@@ -204,15 +238,16 @@ class Engine:
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
 
-            def per_shard(program):  # (params, cache) and 9 arguments a row
-                in_specs = (P(), cache_spec) + (row_spec,) * 9
-                out_specs = (row_spec, row_spec, cache_spec)
+            def per_shard(program, row_args: int = 9, scored: int = 0):  # after (params, cache); scores out
+                in_specs = (P(), cache_spec) + (row_spec,) * row_args
+                scores = ((row_spec,) * scored,) if scored else ()
+                out_specs = (row_spec, row_spec, *scores, cache_spec)
                 sharded = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
                 return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
 
             self._jit = per_shard
-        self._step_fn = self._jit(step_program(self.model))
-        self._decode_fns: dict[int, Callable] = {}  # k steps a readback: decode_program(k), made when first run
+        self._step_fns: dict[int, Callable] = {}  # step_program(top), made when first run
+        self._decode_fns: dict[tuple[int, int], Callable] = {}  # (k steps a readback, top): decode_program
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
         self.max_len = m.max_seq_len
         self._next_id = 0
@@ -329,7 +364,7 @@ class Engine:
                 pool = self.pool[sh]
                 # the last token is always computed (its logits give the next), so a page holding it is never shared
                 most = (len(tokens) - 1) // self.page_size if self.prefix_cache and share else 0
-                pages, blocks = pool.match(tokens, most)
+                pages, blocks = pool.match(tokens, most, scored=r.params.prompt_logprobs is not None)
                 idle = sum(1 for p in pages if pool.holders[p] == 0)  # leaving the free count when shared
                 spare = pool.free - promised[sh] - idle - (need - len(pages))
                 if spare >= 0 and (best is None or (len(pages), spare) > best[:2]):
@@ -341,6 +376,15 @@ class Engine:
             self.pool[shard].share(pages)
             r.state, r.shard, r.pages, r.blocks = "prefill", shard, list(pages), list(blocks)
             r.cached = len(pages) * self.page_size
+            if r.scores is None and (r.params.logprobs is not None or r.params.prompt_logprobs is not None):
+                r.scores = Scores(len(r.prompt))
+            if r.params.prompt_logprobs is not None:  # the cached pages' prompt scores, kept with their blocks
+                for j, block in enumerate(blocks):
+                    for i, entry in enumerate(self.pool[shard].scores_of(block)):
+                        if entry is not None and j * self.page_size + i < len(r.prompt):
+                            r.scores.set(j * self.page_size + i, *entry)  # type: ignore[union-attr]
+                if blocks:  # the next token's log-probability reads the cached prefix's last hidden state
+                    r.carry = self.pool[shard].hidden_of(blocks[-1])
             if self.prefix_cache:
                 self.stats.prefix_queries += len(tokens)
                 self.stats.prefix_hits += r.cached
@@ -378,7 +422,14 @@ class Engine:
             if r.blocks and r.blocks[-1] < 0:
                 return  # the chain is broken (an equal page was another block's): nothing after it is findable
             parent = r.blocks[-1] if r.blocks else -1
-            r.blocks.append(pool.register(r.pages[j], parent, tokens[j * self.page_size : (j + 1) * self.page_size]))
+            ps = self.page_size
+            block = pool.register(r.pages[j], parent, tokens[j * ps : (j + 1) * ps])
+            r.blocks.append(block)
+            s = r.scores
+            if s is None or block < 0 or (j + 1) * ps > len(r.prompt):
+                continue
+            if s.prompt_done((j + 1) * ps) and j in s.page_ends:
+                pool.keep_scores(block, [s.entry(i) for i in range(j * ps, (j + 1) * ps)], s.page_ends[j])
 
     def _grow(self, r: Request, tokens: int) -> bool:
         """Pages for `r` to hold `tokens` tokens; False when the pool has too few."""
@@ -432,17 +483,33 @@ class Engine:
             return []
         # prompt tokens a row: 16, 64, 256, ... (at most the chunk): few compiles, little padding
         T = min(bucket(max(len(c) for _, c in live), at_least=16, base=4), bucket(self.prefill_chunk))
-        tok, lp = self._run([r for r, _ in live], [c for _, c in live], T)
+        scored = any(r.scores is not None for r, _ in live)
+        tok, lp, scores = self._run([r for r, _ in live], [c for _, c in live], T, top=TOP_LOGPROBS if scored else 0)
         self.stats.prefill_steps += 1
         finished = []
         for i, (r, c) in enumerate(live):
+            if r.scores is not None:  # score j: token cached + j (0: from the carried state; the last: the next)
+                chosen, ids, lps, hidden = (x[i] for x in scores)  # type: ignore[index]
+                for j in range(0 if r.carry is not None else 1, len(c) + 1):
+                    at = r.cached + j
+                    if at < len(r.prompt) and r.params.prompt_logprobs is not None:
+                        r.scores.set(at, chosen[j], ids[j], lps[j])
+                    elif at == len(r.prompt) and not r.tokens:
+                        r.scores.set(at, 0.0, ids[j], lps[j])  # its log-probability comes with the token
+                for j in range(len(c)):  # a page's last hidden state, kept with its block
+                    if (r.cached + j + 1) % self.page_size == 0:
+                        r.scores.page_ends[(r.cached + j) // self.page_size] = hidden[j]
+                r.carry = None
             r.cached += len(c)
             self.stats.prefill_tokens += len(c)
             self._register_full_pages(r)
             if r.cached == len(r.to_cache):
                 r.state = "decode"
+                if r.params.max_tokens == 0:  # the prompt scored: nothing to generate
+                    self._finish(r, "length")
+                    finished.append(r)
                 # the prompt's last token gives the first new one (after a preemption it is known already)
-                if not r.tokens and self._emit(r, int(tok[i, 0]), float(lp[i, 0])):
+                elif not r.tokens and self._emit(r, int(tok[i, 0]), float(lp[i, 0])):
                     finished.append(r)
         return finished
 
@@ -450,7 +517,8 @@ class Engine:
         t0 = time.perf_counter()
         steps = [self._steps_left(r, k) for r in rows]
         k = bucket(max(steps))  # no more steps than the rows need (1, 2, 4 or 8: few compiles)
-        tok, lp = self._run(rows, [[r.tokens[-1]] for r in rows], 1, steps if k > 1 else None, k)
+        top = TOP_LOGPROBS if any(r.params.logprobs is not None for r in rows) else 0
+        tok, lp, tops = self._run(rows, [[r.tokens[-1]] for r in rows], 1, steps if k > 1 else None, k, top)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
         self.stats.decode_readbacks += 1
@@ -462,17 +530,28 @@ class Engine:
             for j in range(n):  # tokens after a stop id were computed and are dropped
                 r.cached += 1
                 self.stats.decode_rows += 1
+                if top and r.scores is not None:
+                    r.scores.set(len(r.prompt) + len(r.tokens), 0.0, tops[0][i, j], tops[1][i, j])
                 if self._emit(r, int(tok[i, j]), float(lp[i, j])):
                     finished.append(r)
                     break
         return finished
 
     def _run(
-        self, rows: list[Request], new_tokens: list[list[int]], T: int, steps: list[int] | None = None, k: int = 1
+        self,
+        rows: list[Request],
+        new_tokens: list[list[int]],
+        T: int,
+        steps: list[int] | None = None,
+        k: int = 1,
+        top: int = 0,
     ):
         """One step: row i's `new_tokens[i]` at positions from rows[i].cached on; with `steps`, decode_program's
         k steps from row i's one token, steps[i] of them written. Rows are laid out shard by shard (each shard's
-        slots padded to one bucket; position -1: a padding slot). Returns (token, logprob) a row, [rows, k] each."""
+        slots padded to one bucket; position -1: a padding slot). Returns (token, logprob) a row, [rows, k] each,
+        and with `top` the scores: a step (chosen [rows, T], top ids and log-probabilities [rows, T, top]): each
+        position's log-probability of the token after it and the `top` most likely there; decode k steps (top
+        ids and log-probabilities [rows, k, top]); None without."""
         holding = sum(1 for r in self.running if r.pages)  # the pages of this step are allocated by now
         self.stats.most_concurrent = max(self.stats.most_concurrent, holding)
         per_shard = [0] * self.shards
@@ -498,24 +577,43 @@ class Engine:
             counters[i] = len(r.tokens)
         sampling = (temperature, top_k, top_p, seeds, counters)
         if steps is None:
+            if top not in self._step_fns:
+                self._step_fns[top] = self._jit(step_program(self.model, top), 11 if top else 9, 4 if top else 0)
             self.stats.compiled_shapes.add((B, T, Pn, 1))
-            tok, lp, self.cache = self._step_fn(self.params, self.cache, tokens, positions, table, last, *sampling)
-            return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None]
-        if k not in self._decode_fns:
-            self._decode_fns[k] = self._jit(decode_program(self.model, k))
+            targets: tuple[np.ndarray, ...] = ()
+            if top:  # the token after each one fed: the next of the sequence (0 past its end: not read)
+                targets_BxT = np.zeros((B, T), np.int32)
+                carry_BxE = np.zeros((B, self.model_cfg.d_model), np.float32)
+                for i, r, new in zip(slot, rows, new_tokens):
+                    after = r.to_cache[r.cached + 1 : r.cached + len(new) + 1]
+                    targets_BxT[i, : len(after)] = after
+                    if r.carry is not None:
+                        carry_BxE[i] = r.carry
+                targets = (targets_BxT, carry_BxE)
+            out = self._step_fns[top](self.params, self.cache, tokens, positions, table, last, *sampling, *targets)
+            tok, lp, self.cache = out[0], out[1], out[-1]
+            scores = tuple(np.asarray(x)[slot] for x in out[2]) if top else None
+            return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None], scores
+        if (k, top) not in self._decode_fns:
+            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 9, 3 if top else 0)
         steps_B = np.zeros((B,), np.int32)
         steps_B[slot] = steps
         self.stats.compiled_shapes.add((B, T, Pn, k))
-        tok, lp, self.cache = self._decode_fns[k](
+        out = self._decode_fns[k, top](
             self.params, self.cache, tokens[:, 0], positions[:, 0], table, steps_B, *sampling
         )
-        return np.asarray(tok)[slot], np.asarray(lp)[slot]
+        tok, lp, self.cache = out[0], out[1], out[-1]
+        tops = tuple(np.asarray(x)[slot] for x in out[2][1:]) if top else None  # (ids, log-probabilities)
+        return np.asarray(tok)[slot], np.asarray(lp)[slot], tops
 
     # ------------------------------------------------------------------ ends
     def _emit(self, r: Request, token: int, logprob: float) -> bool:
         """Records a new token; True if it ended the request."""
         r.tokens.append(token)
         r.logprobs.append(logprob)
+        at = len(r.prompt) + len(r.tokens) - 1
+        if r.scores is not None and at < len(r.scores.top) and r.scores.top[at] is not None:
+            r.scores.logprob[at] = logprob  # the step's top tokens are set already; the chosen one's comes here
         r.token_times_s.append(time.perf_counter())
         self.stats.generated_tokens += 1
         if r.on_token is not None:
@@ -600,14 +698,20 @@ def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
     return params
 
 
-def step_program(model: Transformer):
+def step_program(model: Transformer, top: int = 0):
     """The engine's one program as a pure function: the paged model over `tokens_BxT` at `positions_BxT` (-1: a
     padding slot, nothing written), each row's pages in `table_BxP`; the LM head at each row's `last_B` token;
     per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with the cache donated;
-    `resformer compile --steps=decode` compiles it for a target."""
+    `resformer compile --steps=decode` compiles it for a target.
+
+    With `top` (the scored form; two more arguments: targets_BxT, the token after each one fed, and carry_BxE,
+    the hidden state before the first one, a cached prefix's last): the LM head at the carried state and at every
+    position, and after the sampled tokens, per row: log p of tokens_BxT[:, 0] then of targets_BxT [B, T + 1], the
+    `top` most likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E]
+    (a page's last is kept with its block): a prompt's log-probabilities read in its prefill."""
     m = model.cfg
 
-    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B):
+    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B, *tgt):
         h_BxTxE, mutated = model.apply(
             {"params": params, "cache": cache},
             tokens_BxT,
@@ -619,35 +723,54 @@ def step_program(model: Transformer):
         h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
         # the LM head as held (serving_params may pad its columns), the padding's logits cut
         width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
-        logits_BxV = lm_head_logits(m.replace(vocab_size=width), params, h_BxE)[:, 0, : m.vocab_size]
-        token_B, logprob_B = sample_rows(logits_BxV, temp_B, topk_B, topp_B, seed_B, n_B)
-        return token_B, logprob_B, mutated["cache"]
+        head = lambda h: lm_head_logits(m.replace(vocab_size=width), params, h)[..., : m.vocab_size]
+        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, seed_B, n_B)
+        if not top:
+            return token_B, logprob_B, mutated["cache"]
+        targets_BxT, carry_BxE = tgt
+        h_BxT1xE = jnp.concatenate([carry_BxE[:, None].astype(h_BxTxE.dtype), h_BxTxE], axis=1)
+        targets_BxT1 = jnp.concatenate([tokens_BxT[:, :1], targets_BxT], axis=1)
+        logp_BxT1xV = jax.nn.log_softmax(head(h_BxT1xE).astype(jnp.float32), axis=-1)
+        chosen_BxT1 = jnp.take_along_axis(logp_BxT1xV, targets_BxT1[..., None], axis=-1)[..., 0]
+        top_lp_BxT1xN, top_id_BxT1xN = jax.lax.top_k(logp_BxT1xV, top)
+        return token_B, logprob_B, (chosen_BxT1, top_id_BxT1xN, top_lp_BxT1xN, h_BxTxE), mutated["cache"]
 
     return forward
 
 
-def decode_program(model: Transformer, k: int):
+def decode_program(model: Transformer, k: int, top: int = 0):
     """`k` decode steps as one program, read back once (the host's work and the readback paid once for k tokens,
     not per token): each step feeds the token it sampled to the next, a row's K/V written at positions_B,
     positions_B + 1, ... Row b runs its first steps_B[b] steps (its pages reserved for them); after those, and on
     a padding row (position -1), nothing is written. A row's i-th token samples with counter n_B + i, as k single
-    steps would. Returns (token_BxK, logprob_BxK, the updated cache)."""
-    forward = step_program(model)
+    steps would. Returns (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the
+    `top` most likely ids [B, K, top], their log-probabilities) at each step."""
+    forward = step_program(model, top)
 
     def decode(params, cache, token_B, positions_B, table_BxP, steps_B, temp_B, topk_B, topp_B, seed_B, n_B):
         B = token_B.shape[0]
         last_B = jnp.zeros((B,), jnp.int32)
 
         def one(i, carry):
-            cache, token_B, tokens_KxB, logprobs_KxB = carry
+            cache, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
             pos_B = jnp.where((positions_B >= 0) & (i < steps_B), positions_B + i, -1)
             args = (token_B[:, None], pos_B[:, None], table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B + i)
-            token_B, logprob_B, cache = forward(params, cache, *args)
-            return cache, token_B, tokens_KxB.at[i].set(token_B), logprobs_KxB.at[i].set(logprob_B)
+            carried = (token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else ()
+            out = forward(params, cache, *args, *carried)
+            token_B, logprob_B, cache = out[0], out[1], out[-1]
+            if top:  # score 1: after the token fed (0 is the carried state's, unused here)
+                ids_KxBxN, lps_KxBxN = ids_KxBxN.at[i].set(out[2][1][:, 1]), lps_KxBxN.at[i].set(out[2][2][:, 1])
+            tokens_KxB, logprobs_KxB = tokens_KxB.at[i].set(token_B), logprobs_KxB.at[i].set(logprob_B)
+            return cache, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
 
-        init = (cache, token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32))
-        cache, _, tokens_KxB, logprobs_KxB = jax.lax.fori_loop(0, k, one, init)
-        return tokens_KxB.T, logprobs_KxB.T, cache
+        n = max(top, 1)
+        init = (cache, token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
+                jnp.zeros((k, B, n), jnp.int32), jnp.zeros((k, B, n), jnp.float32))  # fmt: skip
+        cache, _, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = jax.lax.fori_loop(0, k, one, init)
+        if not top:
+            return tokens_KxB.T, logprobs_KxB.T, cache
+        scores = (logprobs_KxB.T, ids_KxBxN.transpose(1, 0, 2), lps_KxBxN.transpose(1, 0, 2))
+        return tokens_KxB.T, logprobs_KxB.T, scores, cache
 
     return decode
 

@@ -33,6 +33,7 @@ class PagePool:
         self._page_of: dict[int, int] = {}  # block id -> page
         self._block_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> its block's key
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unheld; LRU first
+        self._scores: dict[int, tuple] = {}  # block id -> (its tokens' prompt scores, its last hidden state)
         self._next_block = 0
 
     @property
@@ -81,12 +82,13 @@ class PagePool:
                 self._free.append(page)
 
     # ---------------------------------------------------------------------------------------- the prefix cache
-    def match(self, tokens: list[int], most: int) -> tuple[list[int], list[int]]:
-        """(pages, block ids) of the longest run of cached blocks that starts `tokens`, at most `most` pages."""
+    def match(self, tokens: list[int], most: int, scored: bool = False) -> tuple[list[int], list[int]]:
+        """(pages, block ids) of the longest run of cached blocks that starts `tokens`, at most `most` pages;
+        `scored`: of blocks that keep their tokens' prompt scores (a request that asks for them)."""
         pages, blocks, parent = [], [], -1
         for j in range(min(most, len(tokens) // self.page_size)):
             block = self._blocks.get((parent, tuple(tokens[j * self.page_size : (j + 1) * self.page_size])))
-            if block is None:
+            if block is None or (scored and block not in self._scores):
                 break
             pages.append(self._page_of[block])
             blocks.append(block)
@@ -109,9 +111,23 @@ class PagePool:
             self._blocks[key], self._page_of[block], self._block_of[page] = block, page, key
         return block if block is not None else -2  # -2: the page is another block's; nothing chains after it
 
+    def keep_scores(self, block: int, entries: list, last_hidden) -> None:
+        """A block's tokens' prompt scores (per token: log-probability, top ids, their log-probabilities; None at
+        a sequence's first) and the hidden state at its last token (the next token's log-probability reads it),
+        kept with it: a function of the block's tokens and those before it, as its K/V are."""
+        self._scores.setdefault(block, (entries, last_hidden))
+
+    def scores_of(self, block: int) -> list:
+        return self._scores[block][0] if block in self._scores else []
+
+    def hidden_of(self, block: int):
+        return self._scores[block][1]
+
     def _forget(self, page: int) -> None:
         key = self._block_of.pop(page)
-        self._page_of.pop(self._blocks.pop(key))
+        block = self._blocks.pop(key)
+        self._page_of.pop(block)
+        self._scores.pop(block, None)
 
 
 class ShardedPages:

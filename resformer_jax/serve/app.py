@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from resformer_jax.engine import EngineError, SamplingParams
-from resformer_jax.engine.scoring import PromptScorer
+from resformer_jax.engine.engine import Scores
 from resformer_jax.serve.engine_thread import EngineThread, Handle
 from resformer_jax.serve.metrics import ServeMetrics
 from resformer_jax.serve.protocol import (
@@ -53,7 +53,7 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
 @dataclasses.dataclass
 class Serving:
     """What every route reads: the engine's thread, the tokenizer (None: token ids only), the names and limits,
-    the chat template, the scorer of prompts, and the requests in flight (ended with `abort` at shutdown)."""
+    the chat template, and the requests in flight (ended with `abort` at shutdown)."""
 
     engine_thread: EngineThread
     tokenizer: Any
@@ -63,7 +63,6 @@ class Serving:
     trained_len: int | None = None  # the sequence length the run trained at (None: unknown, an export)
     live: dict = dataclasses.field(default_factory=dict)  # {Handle: "its request id#choice"}, not yet finished
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    scorer: PromptScorer | None = None
 
     @property
     def eot(self) -> int | None:
@@ -85,11 +84,6 @@ class Serving:
                 "this run trained on token ids only (no tokenizer): send 'prompt' as a list of token ids", "prompt"
             )
         return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def score(self, ids: list[int]):
-        if self.scorer is None:
-            self.scorer = PromptScorer(self.engine_thread.engine)
-        return self.scorer.score(ids)
 
     def abort_all(self, why: str) -> int:
         """Ends every request in flight with finish_reason `abort` (shutdown's budget spent): one line each."""
@@ -151,7 +145,9 @@ def check_model(s: Serving, req: OpenAIModel) -> None:
         log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
 
 
-def sampling_params(s: Serving, req: SamplingFields, max_tokens: int, seed: int, j: int) -> SamplingParams:
+def sampling_params(
+    s: Serving, req: SamplingFields, max_tokens: int, seed: int, j: int, logprobs: Logprobs
+) -> SamplingParams:
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
     stop_ids = (s.eot,) if s.eot is not None and not req.ignore_eos else ()
     return SamplingParams(
@@ -162,6 +158,8 @@ def sampling_params(s: Serving, req: SamplingFields, max_tokens: int, seed: int,
         seed=seed + j,
         stop_ids=stop_ids,
         min_tokens=req.min_tokens,
+        logprobs=logprobs.generated,
+        prompt_logprobs=logprobs.prompt,
     )
 
 
@@ -225,7 +223,23 @@ def finished(s: Serving, choices: list[Choice]) -> None:
             s.live.pop(c.handle, None)
 
 
-def start(s: Serving, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, rid: str) -> list[Choice]:
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """What a request asks the engine to score: the N most likely tokens at each generated position, and at each
+    prompt position (echo); None: not asked."""
+
+    generated: int | None = None
+    prompt: int | None = None
+
+
+def start(
+    s: Serving,
+    req: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    rid: str,
+    logprobs: Logprobs = Logprobs(),
+) -> list[Choice]:
     """Every prompt's n choices checked, then submitted: index prompt * n + j (vLLM's order)."""
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
     plans = []
@@ -234,7 +248,7 @@ def start(s: Serving, req: SamplingFields, prompts: list[list[int]], max_tokens:
             raise BadRequest("'prompt' must be text, a list of texts, token ids or a list of token-id lists", "prompt")
         new = max_tokens if max_tokens is not None else max(s.max_len - len(ids), 1)
         for j in range(req.n):
-            params = sampling_params(s, req, new, seed, j)
+            params = sampling_params(s, req, new, seed, j, logprobs)
             try:
                 s.engine_thread.engine.check(ids, params)
             except EngineError as e:
@@ -282,28 +296,35 @@ async def until_done_or_gone(request: Request, s: Serving, choices: list[Choice]
         finished(s, choices)
 
 
-def logprobs_record(s: Serving, ids: list[int], start: int, n: int, offset0: int) -> dict:
-    """OpenAI's completion logprobs for ids[start:] (scored over the whole of `ids`): each token's text, its
-    log-probability (None for a sequence's first token), the n most likely tokens there, and its text offset."""
-    scored = s.score(ids)
+def scores_of(c: Choice) -> Scores:
+    r = c.handle.request if c.handle is not None else None
+    if r is None or r.scores is None:
+        raise RuntimeError("a choice asked for log-probabilities has none")  # start() asks the engine for them
+    return r.scores
+
+
+def logprobs_record(s: Serving, scored: Scores, ids: list[int], start: int, n: int, offset0: int) -> dict:
+    """OpenAI's completion logprobs for ids[start:] (the prompt and the tokens kept, as the engine scored them):
+    each token's text, its log-probability (None for a sequence's first token), the n most likely tokens there,
+    and its text offset."""
     tokens, offsets, text = [], [], ""
     for t in ids[start:]:
         offsets.append(offset0 + len(text))
         piece = s.token_text(t)
         tokens.append(piece)
         text += piece
-    top = []
+    top: list[dict | None] = []
     for i in range(start, len(ids)):
-        alts = scored.top_ids[i]
+        alts = scored.top[i]
         if alts is None:
             top.append(None)
             continue
-        entry = {s.token_text(a): lp for a, lp in zip(alts[:n], scored.top_logprobs[i][:n])}  # type: ignore[index]
-        entry.setdefault(s.token_text(ids[i]), scored.token_logprobs[i])  # the chosen token is always there
+        entry = {s.token_text(int(a)): float(lp) for a, lp in zip(alts[0][:n], alts[1][:n])}
+        entry.setdefault(s.token_text(ids[i]), scored.logprob[i])  # the chosen token is always there
         top.append(entry)
     return {
         "tokens": tokens,
-        "token_logprobs": scored.token_logprobs[start:],
+        "token_logprobs": scored.logprob[start : len(ids)],
         "top_logprobs": top,
         "text_offset": offsets,
     }
@@ -388,14 +409,15 @@ async def completions(req: CompletionRequest, request: Request):
     if req.max_tokens == 0 and not req.echo:
         raise BadRequest("max_tokens=0: must be a positive integer (0 only with echo: the prompt scored)", "max_tokens")
     rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-    if req.max_tokens == 0:  # echo alone: the prompts scored, nothing generated
+    if req.max_tokens == 0 and req.logprobs is None:  # echo alone: nothing to compute
         choices = [Choice(i * req.n + j, ids, asyncio.Queue()) for i, ids in enumerate(prompts) for j in range(req.n)]
         for c in choices:
             c.finish_reason = "length"
         if req.stream:
             return event_stream(stream_completion(s, request, req, rid, created, prompts, choices, run=False))
         return await completion_response(s, req, rid, created, prompts, choices)
-    choices = start(s, req, prompts, req.max_tokens, rid)
+    asked = Logprobs(req.logprobs, req.logprobs if req.echo else None)  # echo: the prompt's too, read in its prefill
+    choices = start(s, req, prompts, req.max_tokens, rid, asked)
     if req.stream:
         return event_stream(stream_completion(s, request, req, rid, created, prompts, choices))
     await until_done_or_gone(request, s, choices)
@@ -419,7 +441,7 @@ async def completion_response(s, req: CompletionRequest, rid, created, prompts, 
             ids = c.prompt + kept
             start_at = 0 if req.echo else len(c.prompt)
             offset0 = 0 if req.echo else len(prompt_text)
-            entry["logprobs"] = await asyncio.to_thread(logprobs_record, s, ids, start_at, req.logprobs, offset0)
+            entry["logprobs"] = logprobs_record(s, scores_of(c), ids, start_at, req.logprobs, offset0)
         out.append(entry)
     return {
         "id": rid,
@@ -483,15 +505,23 @@ async def stream_completion(
             **extra,
         }
 
+    echoed: set[int] = set()
+
+    def echo(c: Choice) -> str:  # a choice's prompt first; with logprobs, once its prefill has scored it
+        echoed.add(c.index)
+        entry = {"index": c.index, "text": s.decode(c.prompt), "logprobs": None, "finish_reason": None}
+        if req.logprobs is not None:
+            entry["logprobs"] = logprobs_record(s, scores_of(c), c.prompt, 0, req.logprobs, 0)
+        return sse(chunk([entry]))
+
     try:
-        if req.echo:  # the prompt first, scored where logprobs are asked
+        if req.echo and (req.logprobs is None or not run):
             for c in choices:
-                entry = {"index": c.index, "text": s.decode(c.prompt), "logprobs": None, "finish_reason": None}
-                if req.logprobs is not None:
-                    entry["logprobs"] = await asyncio.to_thread(logprobs_record, s, c.prompt, 0, req.logprobs, 0)
-                yield sse(chunk([entry]))
+                yield echo(c)
         if run:
             async for c, token, reason in merged_tokens(choices):
+                if req.echo and c.index not in echoed:
+                    yield echo(c)
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
                 if token >= 0:
                     c.tokens.append(token)
@@ -505,9 +535,7 @@ async def stream_completion(
                         ids = c.prompt + shown[c.index]
                         before = s.decode(c.prompt + shown[c.index][:-1]) if req.echo else s.decode(shown[c.index][:-1])
                         offset = len(before) + (0 if req.echo else len(s.decode(c.prompt)))
-                        entry["logprobs"] = await asyncio.to_thread(
-                            logprobs_record, s, ids, len(ids) - 1, req.logprobs, offset
-                        )
+                        entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
                     entry["finish_reason"] = reason_of(reason)
                 yield sse(chunk([entry]))
@@ -559,8 +587,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     prompt = s.encode(render_chat(s, req.messages, req.add_generation_prompt, req.chat_template))
     max_tokens = req.max_completion_tokens or req.max_tokens
     rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-    choices = start(s, req, [prompt], max_tokens, rid)
     n_top = (req.top_logprobs or 0) if req.logprobs else None
+    choices = start(s, req, [prompt], max_tokens, rid, Logprobs(n_top))
     if req.stream:
         return event_stream(stream_chat(s, req, rid, created, prompt, choices, n_top))
     await until_done_or_gone(request, s, choices)
@@ -574,7 +602,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             "finish_reason": reason_of(c.finish_reason),
         }
         if n_top is not None and kept:
-            entry["logprobs"] = await asyncio.to_thread(chat_logprobs, s, prompt + kept, len(prompt), n_top)
+            entry["logprobs"] = chat_logprobs(s, scores_of(c), prompt + kept, len(prompt), n_top)
         out.append(entry)
     return {
         "id": rid,
@@ -586,19 +614,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     }
 
 
-def chat_logprobs(s: Serving, ids: list[int], start: int, n: int) -> dict:
+def chat_logprobs(s: Serving, scored: Scores, ids: list[int], start: int, n: int) -> dict:
     """Chat's logprobs shape: a content list, one entry a token, its top_logprobs a list."""
-    scored = s.score(ids)
     content = []
     for i in range(start, len(ids)):
-        alts, lps = scored.top_ids[i] or [], scored.top_logprobs[i] or []
+        alts, lps = scored.top[i] or ([], [])
         content.append(
             {
                 "token": s.token_text(ids[i]),
-                "logprob": scored.token_logprobs[i],
+                "logprob": scored.logprob[i],
                 "bytes": list(s.token_text(ids[i]).encode()),
                 "top_logprobs": [
-                    {"token": s.token_text(a), "logprob": lp, "bytes": list(s.token_text(a).encode())}
+                    {"token": s.token_text(int(a)), "logprob": float(lp), "bytes": list(s.token_text(int(a)).encode())}
                     for a, lp in zip(alts[:n], lps[:n])
                 ],
             }
@@ -645,7 +672,7 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
                 texts[c.index] = full
                 if n_top is not None:
                     ids = prompt + shown[c.index]
-                    entry["logprobs"] = await asyncio.to_thread(chat_logprobs, s, ids, len(ids) - 1, n_top)
+                    entry["logprobs"] = chat_logprobs(s, scores_of(c), ids, len(ids) - 1, n_top)
             else:
                 entry["finish_reason"] = reason_of(reason)
             yield sse(chunk([entry]))
