@@ -462,7 +462,8 @@ def test_hellaswag_through_the_prefix_cache_scores_as_without_it(neox_run, tmp_p
     (cached, hits, queries), (plain, no_hits, _) = got["true"], got["false"]
     assert len(cached) == len(plain) == 20
     for x, y in zip(cached, plain):
-        np.testing.assert_allclose([float(r[0][0]) for r in x["resps"]], [float(r[0][0]) for r in y["resps"]], atol=1e-5)
+        got, want = ([float(r[0][0]) for r in z["resps"]] for z in (x, y))
+        np.testing.assert_allclose(got, want, atol=1e-5)
         assert x["acc"] == y["acc"] and x["acc_norm"] == y["acc_norm"]
     assert no_hits == 0 and hits / queries > 0.3, (hits, queries)
 
