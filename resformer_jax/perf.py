@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.chips import chip_of_device
-from resformer_jax.model.decode import kv_cache_bytes_per_token
+from resformer_jax.engine.engine import cache_bytes_per_token
 from resformer_jax.model.transformer import param_counts, param_shapes
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ def summary(cfg) -> dict:
     value_tables = param_counts(cfg.model).get("params_value_embeddings")
     if value_tables:  # model.value_embeddings: the tables apart (embeddings, not in params_non_embedding)
         out["params_value_embeddings"] = value_tables
-    out["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(cfg.model)
+    out["kv_cache_bytes_per_token"] = cache_bytes_per_token(cfg.model)
     out["seq_len"] = cfg.data.seq_len
     out["tokens_per_step"] = cfg.train.global_batch * cfg.data.seq_len
     devices = cfg.mesh.num_devices or max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp)

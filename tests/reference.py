@@ -374,14 +374,26 @@ def hf_llama_greedy_numpy(sd, cfg, prompt, new_tokens):
     return out, cache
 
 
-def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None):
+def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None):
     """The engine's oracle: greedy decoding with no cache at all, the full forward over the whole prefix for each
     new token. logits_fn: tokens [1, T] -> logits [1, T, V]. pad_to: the prefix right-padded to this length (a
-    causal model's logits at a position do not see the padding after it; one shape, one compile)."""
+    causal model's logits at a position do not see the padding after it; one shape, one compile). eos_id: stop
+    after it (kept)."""
     seq = [int(t) for t in prompt]
     for _ in range(new_tokens):
         tokens = np.zeros((1, pad_to or len(seq)), np.int32)
         tokens[0, : len(seq)] = seq
         logits = np.asarray(logits_fn(tokens))
         seq.append(int(np.argmax(logits[0, len(seq) - 1])))
+        if seq[-1] == eos_id:
+            break
     return seq[len(prompt) :]
+
+
+def model_greedy(m, params, prompt, new_tokens, eos_id=None):
+    """greedy_uncached over a project model (ModelConfig m, its parameters), padded to the model's context."""
+    from resformer_jax.model import Transformer
+
+    apply = jax.jit(Transformer(m).apply)
+    pad_to = min(m.max_seq_len, len(prompt) + new_tokens)
+    return greedy_uncached(lambda t: apply({"params": params}, t), prompt, new_tokens, pad_to, eos_id)

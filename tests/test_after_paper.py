@@ -12,13 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode import assert_decode_equals_forward
+from test_decode import assert_decode_equals_forward, pool_bytes
 
 from resformer_jax.config import tiny_config, validate
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import ValueMix, gated_value, skipv1_value
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.model.decode import init_cache, kv_bytes
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.perf import summary
 
@@ -130,16 +129,14 @@ def test_decode_equals_forward(mode, lambdas, kv, extra, scan):
 @pytest.mark.slow  # over 12 s in the fast tier
 def test_skipv1s_cache_holds_only_its_own_heads_and_matches_the_summary():
     """L = 8, K = 4 value heads, 2 of them reused: layers >= 2 cache K in full and V at half, so the cache is
-    (2 + 1.5 * 7) / 16 of vanilla's (about 22% less); measured on the cache arrays, equal to --mode=summary's."""
+    (2 + 1.5 * 7) / 16 of vanilla's (about 22% less); measured on the engine's pools, equal to --mode=summary's."""
     sizes = {}
     for mode in ("none", "skipv1"):
         c = cfg(mode, layers=8, scan_layers=True)
-        p = init(c, jnp.zeros((1, 4), jnp.int32))
-        cache = init_cache(ModelConfig.of(c.model), p, 3, 40)
-        sizes[mode] = kv_bytes(cache)
+        sizes[mode], pools = pool_bytes(c)
         assert sizes[mode] == summary(c)["kv_cache_bytes_per_token"] * 3 * 40
-        if mode == "skipv1":
-            assert cache["layers"]["block"]["attn"]["v"].shape[-2] == 2 and cache["layer_1"]["attn"]["v"].shape[-2] == 4
+        if mode == "skipv1":  # value heads: 2 of layer 2's own, 4 of layer 1's
+            assert pools["layer_2"]["attn"]["v"].size * 2 == pools["layer_1"]["attn"]["v"].size
     assert sizes["skipv1"] / sizes["none"] == (2 + 1.5 * 7) / 16
 
 

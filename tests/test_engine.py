@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import model_greedy
 
 from resformer_jax.config import tiny_config
 from resformer_jax.engine import Engine, EngineError, SamplingParams
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.model.decode import generate
 
 VARIANTS = {
     "none": {},
@@ -45,22 +45,17 @@ def prompts_of(rng, n, vocab, lo=1, hi=40):
     return [[int(t) for t in rng.integers(0, vocab, size=int(k))] for k in rng.integers(lo, hi, size=n)]
 
 
-def dense_greedy(m, params, prompt, new):
-    out, _ = generate(m, params, np.array([prompt]), max_new_tokens=new)
-    return [int(t) for t in np.asarray(out)[0, len(prompt) :]]
-
-
 @pytest.mark.parametrize(
     "variant", [v if v in ("none", "svformer") else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS]
 )
-def test_greedy_tokens_equal_the_dense_cache_generate(variant):
+def test_greedy_tokens_equal_the_cache_free_forward(variant):
     m, params = peaky_model(variant, **VARIANTS[variant])
     rng = np.random.default_rng(1)
     prompts = prompts_of(rng, 6, m.vocab_size)
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)
     got = engine.generate(prompts, SamplingParams(max_tokens=8))
     for p, r in zip(prompts, got):
-        assert r.tokens == dense_greedy(m, params, p, 8), f"{variant}: prompt of {len(p)} tokens"
+        assert r.tokens == model_greedy(m, params, p, 8), f"{variant}: prompt of {len(p)} tokens"
         assert r.finish_reason == "length"
     assert engine.pool.used == 0
 
@@ -104,7 +99,7 @@ def test_stop_ids_and_sampling_are_per_request_and_reproducible():
     m, params = peaky_model("resformer")
     rng = np.random.default_rng(3)
     prompt = prompts_of(rng, 1, m.vocab_size, 5, 6)[0]
-    greedy = dense_greedy(m, params, prompt, 6)
+    greedy = model_greedy(m, params, prompt, 6)
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16)
     stop = SamplingParams(max_tokens=6, stop_ids=(greedy[2],))
     hot = SamplingParams(max_tokens=6, temperature=5.0, top_k=50, top_p=0.9, seed=7)
@@ -124,7 +119,7 @@ def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
     m, params = peaky_model("svformer")
     rng = np.random.default_rng(4)
     prompts = prompts_of(rng, 6, m.vocab_size, 3, 30) + [[7] * (m.max_seq_len - 10)]
-    greedy = dense_greedy(m, params, prompts[0], 9)
+    greedy = model_greedy(m, params, prompts[0], 9)
     settings = [
         SamplingParams(max_tokens=9, stop_ids=(greedy[5],)),
         SamplingParams(max_tokens=13, temperature=2.0, top_k=20, seed=3),
@@ -244,7 +239,7 @@ def test_paged_kernel_reads_pages_in_place_and_equals_the_gather_path(variant):
     prompts = prompts_of(np.random.default_rng(5), 4, m.vocab_size)
     got = engine.generate(prompts, SamplingParams(max_tokens=6))
     for p, r in zip(prompts, got):
-        assert r.tokens == dense_greedy(m, params, p, 6), f"{variant}: prompt of {len(p)} tokens"
+        assert r.tokens == model_greedy(m, params, p, 6), f"{variant}: prompt of {len(p)} tokens"
     assert engine.pool.used == 0
 
 

@@ -81,7 +81,7 @@ def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
 
 
 def test_rolling_and_generation(trained):
-    from resformer_jax.model.decode import generate
+    from reference import model_greedy
 
     _wd, lm = trained
     short = "def main():\n    return 0\n"  # within the context: one window, every token given all before it
@@ -105,10 +105,7 @@ def test_rolling_and_generation(trained):
     prompt = "def main():"
     (out,) = lm.generate_until(_instances("generate_until", [(prompt, {"until": ["\n\n"], "max_gen_toks": 12})]))
     p = lm.encode(prompt)
-    toks, _ = generate(
-        lm.cfg.model, lm.params, np.asarray([p]), max_new_tokens=12, max_len=len(p) + 12, eos_id=lm.eot_id
-    )
-    new = [int(t) for t in np.asarray(toks[0, len(p) :])]
+    new = model_greedy(lm.cfg.model, lm.params, p, 12, eos_id=lm.eot_id)
     new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
     want = lm.tok.decode(new).split("\n\n")[0]
     assert out == want
@@ -159,8 +156,8 @@ def test_context_defaults_to_the_exports_and_a_too_long_continuation_is_refused_
 
 def test_generate_until_batches_200_prompts_through_the_engine(trained):
     """200 prompts of mixed lengths: one engine, a handful of compiled shapes (buckets, not one per length), and
-    the texts one-at-a-time greedy decoding (the dense-cache `generate`) gives, on a sample of them."""
-    from resformer_jax.model.decode import generate
+    the texts cache-free greedy decoding (tests/reference.model_greedy) gives, on a sample of them."""
+    from reference import model_greedy
 
     _wd, lm = trained
     rng = np.random.default_rng(0)
@@ -175,7 +172,6 @@ def test_generate_until_batches_200_prompts_through_the_engine(trained):
     assert lm._engine.pool.used == 0
     for i in range(0, 200, 25):
         p = lm.encode(prompts[i])
-        toks, _ = generate(lm.cfg.model, lm.params, np.asarray([p]), max_new_tokens=8, eos_id=lm.eot_id)
-        new = [int(t) for t in np.asarray(toks[0, len(p) :])]
+        new = model_greedy(lm.cfg.model, lm.params, p, 8, eos_id=lm.eot_id)
         new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
         assert outs[i] == lm.tok.decode(new).split("\n\n")[0], f"prompt {i} ({len(p)} tokens)"

@@ -1,4 +1,4 @@
-"""Attention with value-residual mixing (paper Sec. 3) and a KV cache.
+"""Attention with value-residual mixing (paper Sec. 3) and the engine's paged KV cache.
 
 Layer n projects Q_n, K_n, V_n from its normed input. Layer 1 is standard and
 its tensors reach every later layer (`Context.first`). For n >= 2 the layer
@@ -17,7 +17,7 @@ add a variant: its equation function here and its case in `plan_layer` (a new
 value mix is a function of `ValueMix`; tests/test_structure.py adds one).
 
 Values stay in key/value-head layout [B, T, K, D] (before GQA repetition) and
-are never rotated. In decode mode each layer keeps only what its equation
+are never rotated. Over a paged cache each layer keeps only what its equation
 needs: K for every layer that owns keys, V only where the layer owns values
 (SVFormer: once).
 """
@@ -167,7 +167,7 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
 
 
 class LayerTensors(NamedTuple):
-    """A layer's projections, the value its attention used, and (decode) the full-length K/V it attended."""
+    """A layer's projections, the value its attention used, and the K/V it attended (paged: the layer's cache)."""
 
     q: jax.Array  # [B, T, H, D], before RoPE
     k: jax.Array  # [B, T, K, D], before RoPE
@@ -189,12 +189,10 @@ class PageLayout:
 
 @struct.dataclass
 class Context:
-    """Inputs every layer >= 2 reads and nobody changes: positions, layer 1's tensors, the decode index."""
+    """Inputs every layer >= 2 reads and nobody changes: positions, layer 1's tensors, the paged cache's table."""
 
     positions: jax.Array  # [B, T]
     first: LayerTensors | None = None
-    index: jax.Array | None = None  # decode: where this call's tokens go in the cache
-    max_len: int = struct.field(pytree_node=False, default=0)  # decode cache length
     mesh: Any = struct.field(pytree_node=False, default=None)  # the device mesh, for kernels run per shard
     value_embeds: Any = None  # model.value_embeddings: each table's lookup of this call's tokens, [B, T, K, D]
     pages: PageLayout | None = struct.field(pytree_node=False, default=None)  # a paged cache (engine/)
@@ -417,11 +415,12 @@ def output_projection(m: ModelConfig, d_model: int) -> DenseGeneral:
 
 class Attention(nn.Module):
     """One layer's attention: the paths for vanilla, ResFormer and SVFormer read as tests/reference.py does;
-    the ablations are fields of the layer's plan. Decoding and the analysis' capture have their own methods."""
+    the ablations are fields of the layer's plan. The paged cache and the analysis' capture have their own
+    methods."""
 
     cfg: ModelConfig  # attention_impl already resolved from `auto` by the setup
     plan: LayerPlan
-    decode: bool = False
+    paged: bool = False  # tokens at positions over the engine's paged cache
     capture: bool = False  # sow attention probabilities and values for analysis
 
     @nn.compact
@@ -464,7 +463,7 @@ class Attention(nn.Module):
         mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)
         # Eq. 7 (and the queries' RoPE) in the attention kernel where it runs on the whole sequence (training,
         # evaluation)
-        whole = not (self.decode or self.capture) and kernels.context_size(ctx.mesh) == 1
+        whole = not (self.paged or self.capture) and kernels.context_size(ctx.mesh) == 1
         in_kernel = p.mix_in_kernel and whole
         rope_in_kernel = p.rope_in_kernel and whole and not (p.mapping == "cross_layer" and not p.first)
         v_att_BxTxKxD = None if in_kernel else p.mix(mix_in)
@@ -477,7 +476,7 @@ class Attention(nn.Module):
 
         # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs); Eq. 2 attends over layer n's and layer 1's K/V.
         k_all, v_all = kr_BxTxKxD, v_att_BxTxKxD
-        if self.decode:
+        if self.paged:
             u_BxTxHxD, k_all, v_all = self._attend_cached(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD, ctx, carry)
         elif p.mapping == "cross_layer" and not p.first:
             u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, rotate(first.k), first.v)
@@ -522,8 +521,8 @@ class Attention(nn.Module):
         return value_embedding_mix(v_BxTxKxD, ve_BxTxKxD, ab[0], ab[1], None, jnp.dtype(m.dtype))
 
     def _attend_cached(self, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD, ctx: Context, carry: Carry):
-        """Decoding: this call's K and attended V go into the layer's cache, and the queries attend over the
-        whole cache (a layer that owns no K or V reads the full-length one of the layer that does).
+        """Over the paged cache: this call's K and attended V go into the layer's pages, and the queries attend
+        over the row's pages (a layer that owns no K or V reads the pages of the layer that does).
         Returns (U_n, the cached K, the cached V)."""
         first: Any = ctx.first
         k_all, v_all = self._cache(kr_BxTxKxD, v_att_BxTxKxD, ctx, carry)
@@ -570,19 +569,12 @@ class Attention(nn.Module):
         self.sow("intermediates", "keys", kr_BxTxKxD)
 
     def _cache(self, k_cur, v_cur, ctx: Context, carry: Carry):
-        """Preallocated [B, max_len, K, D] caches updated in place at ctx.index."""
+        """The layer's K and V pages written at this call's positions (only what its equation owns)."""
         m, p = self.cfg, self.plan
-        shape = (k_cur.shape[0], ctx.max_len, m.kv_heads, m.head_dim)
-        dtype = jnp.dtype(m.dtype)
         first: Any = ctx.first
 
         def own(name, cur, heads=m.kv_heads):
-            if ctx.pages is not None:
-                return self._paged(name, cur, heads, ctx)
-            c = self.variable("cache", name, jnp.zeros, shape[:2] + (heads,) + shape[3:], dtype)
-            if not self.is_initializing():
-                c.value = jax.lax.dynamic_update_slice(c.value, cur.astype(dtype), (0, ctx.index, 0, 0))
-            return c.value
+            return self._paged(name, cur, heads, ctx)
 
         if p.key == "own":
             k_all = own("k", k_cur)

@@ -149,7 +149,7 @@ class DecoderBlock(nn.Module):
 
     cfg: ModelConfig
     layer: int | None  # 1-based; None in the scan (a generic layer >= 2)
-    decode: bool = False
+    paged: bool = False
     capture: bool = False
     planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan
 
@@ -159,10 +159,10 @@ class DecoderBlock(nn.Module):
         dtype = jnp.dtype(m.dtype)
         plan = self.planner(m, self.layer)
         lam_2 = block_lambdas(self, m, self.layer, lam_2)
-        kernel = not (self.decode or self.capture)
+        kernel = not (self.paged or self.capture)
         # the stream passes through each norm, so a kernel's backward adds its gradient in the norm's own pass
         h_BxTxE, x_BxTxE, x_kv_BxTxE = norm(m, dtype, "attn_norm", ctx.mesh, kernel)(carry.h, passes=True, outputs=2)
-        attn_out, tensors = Attention(m, plan, self.decode, self.capture, name="attn")(
+        attn_out, tensors = Attention(m, plan, self.paged, self.capture, name="attn")(
             x_BxTxE, ctx, carry, lam_2, x_kv_BxTxE
         )
         h_BxTxE = h_BxTxE + dropout(self, m, attn_out)
@@ -179,24 +179,23 @@ class ScannedBlock(nn.Module):
     """DecoderBlock in scan form: (carry, per-layer lambdas) -> (carry, None)."""
 
     cfg: ModelConfig
-    decode: bool = False
+    paged: bool = False
     capture: bool = False
     planner: Callable = plan_layer
 
     @nn.compact
     def __call__(self, carry, ctx, lam_2):
-        new, _ = DecoderBlock(self.cfg, None, self.decode, self.capture, self.planner, name="block")(carry, ctx, lam_2)
+        new, _ = DecoderBlock(self.cfg, None, self.paged, self.capture, self.planner, name="block")(carry, ctx, lam_2)
         return new, None
 
 
 class Transformer(nn.Module):
-    """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
+    """Token ids [B, T] -> fp32 logits [B, T, vocab]: a whole sequence, or (with `pages`) tokens at positions over
+    the engine's paged cache; `capture` records the per-layer tensors the analysis reads."""
 
     cfg: ModelConfig  # typed at the edge: config.RunConfig.of (a run's config), load_run (a saved run's)
-    decode: bool = False
     capture: bool = False
-    max_len: int = 0  # decode cache length
-    pages: PageLayout | None = None  # decode: a paged cache (engine/) instead of one [B, max_len] cache a layer
+    pages: PageLayout | None = None  # a paged cache (engine/): each layer's K/V pool
     planner: Callable = plan_layer  # (model cfg, layer) -> LayerPlan; tests pass a toy variant's
     mesh: Any = None  # the device mesh: attention kernels that XLA cannot partition run per batch shard
 
@@ -228,30 +227,20 @@ class Transformer(nn.Module):
         m = self.cfg
         dtype = jnp.dtype(m.dtype)
         B, T = tokens_BxT.shape
-        index = None
-        if self.pages is not None:
-            ctx = Context(positions=positions_BxT, mesh=self.mesh, pages=self.pages, page_table=page_table_BxP)
-        elif self.decode:
-            cache_index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-            index = cache_index.value
-            positions_BxT = jnp.broadcast_to(index + jnp.arange(T)[None], (B, T))
-            if not self.is_initializing():
-                cache_index.value = index + T
+        paged = self.pages is not None
         segments_BxT = None
-        if positions_BxT is None and not self.decode and self.pages is None and m.document_eot >= 0:
+        if positions_BxT is None and not paged and m.document_eot >= 0:
             segments_BxT, positions_BxT = document_segments(tokens_BxT, m.document_eot)
         elif positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-        decode = self.decode or self.pages is not None
-        context = not decode and self.context_parallel(B)
+        context = not paged and self.context_parallel(B)
         if context:  # the sequence in the balanced order of a context axis (kernels.balanced_order); undone below
             order = kernels.balanced_order(T, kernels.context_size(self.mesh))
             tokens_BxT, positions_BxT = tokens_BxT[:, order], positions_BxT[:, order]
             segments_BxT = None if segments_BxT is None else segments_BxT[:, order]
-        if self.pages is None:
-            ctx = Context(
-                positions=positions_BxT, index=index, max_len=self.max_len, mesh=self.mesh, segments=segments_BxT
-            )
+        ctx = Context(
+            positions=positions_BxT, mesh=self.mesh, segments=segments_BxT, pages=self.pages, page_table=page_table_BxP
+        )
 
         h_BxTxE = Embed(m.vocab_size, m.d_model, m.init_std, dtype, name="embed")(tokens_BxT)
         if m.arch == "gpt2":  # learned absolute positions
@@ -278,11 +267,11 @@ class Transformer(nn.Module):
         lams_Nx2 = stack_lambdas(self, m)
 
         block_cls = DecoderBlock
-        if m.remat != "none" and not decode:
+        if m.remat != "none" and not paged:
             block_cls = nn.remat(DecoderBlock, policy=remat_policy(m.remat), static_argnums=())
 
         # Layer 1: a standard layer that produces V_1 (and Q_1, K_1) for every later layer.
-        carry, first = block_cls(m, 1, decode, self.capture, self.planner, name="layer_1")(
+        carry, first = block_cls(m, 1, paged, self.capture, self.planner, name="layer_1")(
             Carry(h=h_BxTxE), ctx, lams_Nx2[0]
         )
         if context and first.v is not None:  # V_1 gathered over the context axis once, read by every later layer
@@ -294,7 +283,7 @@ class Transformer(nn.Module):
         if m.scan_layers and why_unrolled is None:
             scan = nn.scan(
                 nn.remat(ScannedBlock, policy=remat_policy(m.remat), prevent_cse=False)
-                if m.remat != "none" and not decode
+                if m.remat != "none" and not paged
                 else ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},
@@ -302,7 +291,7 @@ class Transformer(nn.Module):
                 length=m.num_layers - 1,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            carry, _ = scan(m, decode, self.capture, self.planner, name="layers")(carry, ctx, lams_Nx2)
+            carry, _ = scan(m, paged, self.capture, self.planner, name="layers")(carry, ctx, lams_Nx2)
         else:
             if m.scan_layers and why_unrolled:
                 log.warning("scan_layers=True but %s; running the layers unrolled.", why_unrolled)
@@ -310,7 +299,7 @@ class Transformer(nn.Module):
             if m.denseformer:
                 carry = dataclasses.replace(carry, h=DenseFormerAverage(2, name="dwa_1")(outputs))
             for n in range(2, m.num_layers + 1):
-                carry, _ = block_cls(m, n, decode, self.capture, self.planner, name=f"layer_{n}")(
+                carry, _ = block_cls(m, n, paged, self.capture, self.planner, name=f"layer_{n}")(
                     carry, ctx, lams_Nx2[n - 2]
                 )
                 if m.denseformer:
@@ -320,7 +309,7 @@ class Transformer(nn.Module):
         if context:  # back in the sequence's order, still split over the context axis
             h_BxTxE = kernels.on_context(h_BxTxE[:, np.argsort(order)], self.mesh)
 
-        h_BxTxE = norm(m, dtype, "final_norm", self.mesh, not (decode or self.capture))(h_BxTxE)
+        h_BxTxE = norm(m, dtype, "final_norm", self.mesh, not (paged or self.capture))(h_BxTxE)
         if self.capture:
             self.sow("intermediates", "final_norm_output", h_BxTxE)
         if return_hidden:

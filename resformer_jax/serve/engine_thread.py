@@ -38,6 +38,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._recent: collections.deque = collections.deque()  # (time, tokens) of the last steps, for tokens/s
         metrics.label(metrics.pages_total).set(engine.pool.usable)
+        for counter in (metrics.prefix_queries, metrics.prefix_hits, metrics.preemptions):
+            metrics.label(counter)  # exported from the start, at 0 (as vLLM's are)
 
     def start(self) -> None:
         self._thread.start()
