@@ -94,7 +94,7 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
 @needs_aot
 @pytest.mark.slow
 def test_the_decode_engines_program_compiles_with_a_tokens_per_s_bound():
-    """`compile --steps=decode` compiles the engine's own program (engine/engine.py step_program) for one device of
+    """`compile --steps=decode` compiles the engine's own program (engine/runner.py step_program) for one device of
     the target: SVFormer's paged cache holds (L+1)/(2L) of vanilla's bytes for the same sequences, and the decode
     step reports its tokens/s bound (rows over the roofline bound). Its pages are read in place by JAX's Pallas
     paged_attention, compiled by Triton; with the scatter into the donated pools counted as its update alone, the

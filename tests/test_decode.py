@@ -12,7 +12,7 @@ import pytest
 
 from resformer_jax.config import paper_config, tiny_config, validate
 from resformer_jax.engine import Engine, SamplingParams
-from resformer_jax.engine.engine import pool_shapes
+from resformer_jax.engine.runner import pool_shapes
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig

@@ -1,6 +1,6 @@
-"""The decode engine (resformer_jax/engine/): greedy tokens equal the model's own (the dense-cache `generate` and
-the full forward), for requests of mixed lengths that arrive while others decode, through a pool too small for
-all of them at once; the pool ends empty; a handful of compiles; bad input named."""
+"""The decode engine (resformer_jax/engine/): greedy tokens equal the model's own (the cache-free forward,
+tests/reference.model_greedy), for requests of mixed lengths that arrive while others decode, through a pool too
+small for all of them at once; the pool ends empty; a handful of compiles; bad input named."""
 
 import itertools
 
@@ -152,17 +152,17 @@ def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
 
 
 def test_a_gpus_step_form_pads_rows_and_the_lm_head_and_gives_the_same_tokens(monkeypatch):
-    """A GPU's engine runs one row as two and holds the LM head padded (engine.StepForm, read off the compiled
+    """A GPU's engine runs one row as two and holds the LM head padded (runner.StepForm, read off the compiled
     step): the same greedy tokens, sampled tokens and log-probabilities as the plain form, the padding's logits
     never sampled. Run here on a CPU with the GPU's shapes, without its XLA:GPU option."""
-    from resformer_jax.engine import engine as engine_module
+    from resformer_jax.engine import runner as runner_module
     from resformer_jax.kernels.names import compiling_for
 
     with compiling_for("cuda"):
-        gpu = engine_module.step_form()
+        gpu = runner_module.step_form()
     assert gpu.min_rows == 2 and gpu.vocab_multiple == 128
     assert dict(gpu.compiler_options) == {"xla_gpu_dot_merger_threshold_mb": 0}
-    assert engine_module.step_form() == engine_module.StepForm()  # a CPU: as the program is written
+    assert runner_module.step_form() == runner_module.StepForm()  # a CPU: as the program is written
 
     m, params = peaky_model("svformer")
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, m.vocab_size, 11)]
@@ -173,9 +173,9 @@ def test_a_gpus_step_form_pads_rows_and_the_lm_head_and_gives_the_same_tokens(mo
         return engine, [engine.generate([prompt], s)[0] for s in settings]  # one row at a time
 
     plain_engine, plain = run()
-    monkeypatch.setattr(engine_module, "step_form", lambda: engine_module.StepForm(min_rows=2, vocab_multiple=100))
+    monkeypatch.setattr(runner_module, "step_form", lambda: runner_module.StepForm(min_rows=2, vocab_multiple=100))
     padded_engine, padded = run()
-    assert padded_engine.params["lm_head"]["kernel"].shape[-1] == -(-m.vocab_size // 100) * 100 > m.vocab_size
+    assert padded_engine.runner.params["lm_head"]["kernel"].shape[-1] == -(-m.vocab_size // 100) * 100 > m.vocab_size
     assert {shape[0] for shape in padded_engine.stats.compiled_shapes} == {2}
     assert {shape[0] for shape in plain_engine.stats.compiled_shapes} == {1}
     for a, b in zip(plain, padded):
@@ -226,14 +226,16 @@ def test_a_cache_smaller_than_one_sequence_is_named():
 def test_paged_kernel_reads_pages_in_place_and_equals_the_gather_path(variant):
     """A GPU run's engine (attention_impl=pallas) decodes through JAX's Pallas paged_attention, which reads each
     row's pages where they lie (kernels/paged_attention.py; interpreted here): the decode step's program holds the
-    kernel and no gather of the pool, and its greedy tokens are the dense-cache generate's."""
-    from resformer_jax.engine.engine import step_program, step_shapes
+    kernel and no gather of the pool, and its greedy tokens are the cache-free forward's."""
+    from resformer_jax.engine.runner import step_program, step_shapes
 
     m, params = peaky_model(variant.split("+")[0], **VARIANTS.get(variant, {}))
     m = m.replace(attention_impl="pallas")
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
     jaxpr = str(
-        jax.make_jaxpr(step_program(engine.model))(engine.params, engine.cache, *step_shapes(engine.model, 4, 1, 8))
+        jax.make_jaxpr(step_program(engine.runner.model))(
+            engine.runner.params, engine.runner.cache, *step_shapes(engine.runner.model, 4, 1, 8)
+        )
     )
     assert "paged_attention" in jaxpr, "the decode step does not call the paged kernel"
     prompts = prompts_of(np.random.default_rng(5), 4, m.vocab_size)
@@ -316,7 +318,7 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
         m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=4, mesh=mesh
     )
     assert engine.bytes_per_token == 512 and engine.pool[0].usable == 7
-    pool = jax.tree.leaves(engine.cache)[0]
+    pool = jax.tree.leaves(engine.runner.cache)[0]
     assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"
     reqs = []
     for i in range(0, len(prompts), 8):  # eight arrive each step
@@ -351,7 +353,7 @@ def test_a_bf16_engine_on_a_cpu_multiplies_the_rounded_weights_in_fp32(variant):
     """On a CPU a bf16 model's engine holds its weights rounded to bf16 once, stored as fp32, and multiplies them
     in fp32 ("rounded" matmuls: XLA:CPU's bf16 matrix-vector products made one row's step 7x slower): the
     logits equal the bf16 model's own forward (fp32 masters cast per matmul) within bf16 rounding."""
-    from resformer_jax.engine.engine import serving_config, serving_params
+    from resformer_jax.engine.runner import serving_config, serving_params
 
     c = tiny_config(variant)
     c.model.dtype = "bfloat16"
@@ -504,7 +506,7 @@ def test_prefix_cache_outputs_equal_the_cache_off_run_under_eviction(variant):
 
 
 def _bytes(m):
-    from resformer_jax.engine.engine import cache_bytes_per_token
+    from resformer_jax.engine.runner import cache_bytes_per_token
 
     return cache_bytes_per_token(m)
 

@@ -194,7 +194,7 @@ def test_bad_input_is_an_openai_error_and_the_server_goes_on(server, body, statu
 
 def test_a_cache_for_4_sequences_queues_16_concurrent_requests(run_dir):
     # 16-token pages; a sequence of up to 10 + 40 tokens takes 4 pages: 17 pages hold 4 sequences
-    from resformer_jax.engine.engine import cache_bytes_per_token
+    from resformer_jax.engine.runner import cache_bytes_per_token
     from resformer_jax.load import load_run
 
     cfg, _, _ = load_run(run_dir)
@@ -398,12 +398,12 @@ def test_lm_evals_local_completions_with_its_defaults_equals_the_harness(server,
 def neox_run(tmp_path_factory):
     """The paper's 2M ResFormer trained a few steps on ../shared/data's SlimPajama sample prepared by data_prep with
     the GPT-NeoX tokenizer (the issue's run)."""
+    from conftest import SHARED_DATA as shared_data
+
     from resformer_jax.commands.training import run
     from resformer_jax.config import paper_config
     from resformer_jax.data.records import load_metadata
     from resformer_jax.data_prep.prepare import prepare
-
-    from conftest import SHARED_DATA as shared_data
 
     if not shared_data.is_dir():
         pytest.skip(f"{shared_data} is absent: these tests need ../shared/data beside the checkout")

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.engine import Engine, SamplingParams
-from resformer_jax.engine.engine import DECODE_STEPS, EngineStats, cache_bytes_per_token
+from resformer_jax.engine.engine import DECODE_STEPS, EngineStats
+from resformer_jax.engine.runner import cache_bytes_per_token
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 
@@ -111,7 +112,7 @@ def steady_decode(
         "step_s": seconds / steps,
         "cached_tokens_per_step": tokens_in_cache,
         "cache_bytes_held_per_token": engine.bytes_per_token,
-        "weight_bytes_per_step": weight_bytes_read(m, engine.params),
+        "weight_bytes_per_step": weight_bytes_read(m, engine.runner.params),
         "decode_steps_per_readback": k,
         "compiled_shapes": len(engine.stats.compiled_shapes),
     }

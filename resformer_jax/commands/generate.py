@@ -106,7 +106,7 @@ def main(argv):
         sys.exit(EXIT_USER_ERROR)
     # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
     from resformer_jax.engine import Engine, SamplingParams
-    from resformer_jax.engine.engine import engine_mesh
+    from resformer_jax.engine.runner import engine_mesh
 
     with cli.exit_on_user_error():
         engine = Engine(

@@ -76,7 +76,7 @@ def main(argv):
     import uvicorn
 
     from resformer_jax.engine import Engine
-    from resformer_jax.engine.engine import engine_mesh
+    from resformer_jax.engine.runner import engine_mesh
     from resformer_jax.serve.app import make_app
     from resformer_jax.serve.engine_thread import EngineThread
     from resformer_jax.serve.metrics import ServeMetrics

@@ -524,7 +524,7 @@ DECODE_PAGE = 16  # tokens a cache page holds (the engine's default)
 
 
 def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> list[CompiledStep]:
-    """The decode engine's two programs (engine/engine.py `step_program`) on one device of the target, as a
+    """The decode engine's two programs (engine/runner.py `step_program`) on one device of the target, as a
     deployment runs an engine a device: a prefill chunk (the engine's 4 rows of up to 256 prompt tokens) and a
     decode step of `batch` rows (default 32), each attending over `prompt_len` tokens (default data.seq_len) of a
     paged cache sized for exactly those rows; the parameters unrolled, replicated. The decode step's roofline bound
@@ -532,7 +532,7 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     engine's: in the compute dtype (engine.serving_params)."""
     from jax.sharding import Mesh
 
-    from resformer_jax.engine.engine import (
+    from resformer_jax.engine.runner import (
         bucket,
         pool_shapes,
         serving_config,

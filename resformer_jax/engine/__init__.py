@@ -7,7 +7,8 @@ V_1 once for SVFormer, the own heads for SkipV1Former, `num_kv_heads` heads unde
 
   pages.py     the page pool (host side) and the cache's size from a memory budget
   sampling.py  per-row sampling inside the compiled step (temperature, top-k, top-p, a seed a request)
-  engine.py    requests, the scheduler (chunked prefill interleaved with decoding, preemption), the compiled steps
+  engine.py    requests, the scheduler (chunked prefill interleaved with decoding, preemption, prefix sharing)
+  runner.py    the compiled half: the serving model and parameters, the cache pools, the step programs
 """
 
 from resformer_jax.engine.engine import Engine, Request, SamplingParams

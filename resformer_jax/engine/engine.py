@@ -20,20 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from resformer_jax.engine.pages import EngineError, ShardedPages, pages_in_budget
-from resformer_jax.engine.sampling import sample_rows
-from resformer_jax.kernels import paged_attention
-from resformer_jax.kernels.names import target_backend
-from resformer_jax.model.attention import PageLayout
+from resformer_jax.engine.runner import ModelRunner, bucket, cache_bytes_per_token, free_memory_bytes, serving_config
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.model.transformer import Transformer, lm_head_logits, unrolled_params
 
 # Decode steps one program runs between readbacks: the host's scheduling, dispatch and readback paid once for 8
 # tokens a row (at one row a 468M step's bytes take 0.2-0.7 ms on an H100 or H200, less than Python's work for a
@@ -145,14 +137,6 @@ class Scores:
         return all(self.top[i] is not None for i in range(1, upto))
 
 
-def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
-    """The power of `base` >= n (and >= at_least): the shapes a step is compiled for."""
-    b = 1
-    while b < n:
-        b *= base
-    return max(at_least, b)
-
-
 @dataclasses.dataclass
 class EngineStats:
     steps: int = 0
@@ -220,35 +204,7 @@ class Engine:
                 f"({self.bytes_per_token * self.page_size / 2**20:.2f} MiB); raise the cache budget"
             )
         self.pool = ShardedPages(self.shards, num_pages, self.page_size)
-        self.layout = PageLayout(num_pages, self.page_size)  # a shard's pages: the model runs per shard
-        self.model = Transformer(self.model_cfg, pages=self.layout)
-        self.form = step_form()
-        self.params = serving_params(self.model_cfg, params, self.form.vocab_multiple)
-        pools = init_pools(Transformer(self.model_cfg, pages=PageLayout(self.shards * num_pages, self.page_size)))
-        options = dict(self.form.compiler_options)
-        if mesh is None:
-            self.cache = pools
-            self._jit = lambda program, *_: jax.jit(program, donate_argnums=(1,), compiler_options=options)
-        else:
-            kernel = paged_attention.kernel_for(self.model_cfg.attention_impl, self.model_cfg.head_dim)
-            row_spec = P(mesh.axis_names)
-            split = P(*[None] * paged_attention.pages_axis(kernel), mesh.axis_names)  # each device its rows' pages
-            cache_spec = jax.tree.map(lambda _: split, pools)
-            self.cache = jax.device_put(pools, NamedSharding(mesh, split))
-            if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
-                self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
-
-            def per_shard(program, row_args: int = 9, scored: int = 0):  # after (params, cache); scores out
-                in_specs = (P(), cache_spec) + (row_spec,) * row_args
-                scores = ((row_spec,) * scored,) if scored else ()
-                out_specs = (row_spec, row_spec, *scores, cache_spec)
-                sharded = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-                return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
-
-            self._jit = per_shard
-        self._step_fns: dict[int, Callable] = {}  # step_program(top), made when first run
-        self._decode_fns: dict[tuple[int, int], Callable] = {}  # (k steps a readback, top): decode_program
-        self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
+        self.runner = ModelRunner(self.model_cfg, params, num_pages, self.page_size, mesh)
         self.max_len = m.max_seq_len
         self._next_id = 0
         self.waiting: collections.deque[Request] = collections.deque()
@@ -298,6 +254,10 @@ class Engine:
         if r in self.waiting:
             self.waiting.remove(r)
         self._finish(r, reason)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.runner.cache_bytes
 
     @property
     def busy(self) -> bool:
@@ -559,7 +519,7 @@ class Engine:
         for r in rows:
             slot.append(per_shard[r.shard])
             per_shard[r.shard] += 1
-        Bs = bucket(max(per_shard), at_least=self.form.min_rows)  # rows a shard
+        Bs = bucket(max(per_shard), at_least=self.runner.form.min_rows)  # rows a shard
         slot = [r.shard * Bs + j for r, j in zip(rows, slot)]
         B = self.shards * Bs
         Pn = bucket(max(len(r.pages) for r in rows), at_least=4)
@@ -577,8 +537,6 @@ class Engine:
             counters[i] = len(r.tokens)
         sampling = (temperature, top_k, top_p, seeds, counters)
         if steps is None:
-            if top not in self._step_fns:
-                self._step_fns[top] = self._jit(step_program(self.model, top), 11 if top else 9, 4 if top else 0)
             self.stats.compiled_shapes.add((B, T, Pn, 1))
             targets: tuple[np.ndarray, ...] = ()
             if top:  # the token after each one fed: the next of the sequence (0 past its end: not read)
@@ -590,19 +548,15 @@ class Engine:
                     if r.carry is not None:
                         carry_BxE[i] = r.carry
                 targets = (targets_BxT, carry_BxE)
-            out = self._step_fns[top](self.params, self.cache, tokens, positions, table, last, *sampling, *targets)
-            tok, lp, self.cache = out[0], out[1], out[-1]
+            out = self.runner.step(top, tokens, positions, table, last, *sampling, *targets)
+            tok, lp = out[0], out[1]
             scores = tuple(np.asarray(x)[slot] for x in out[2]) if top else None
             return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None], scores
-        if (k, top) not in self._decode_fns:
-            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 9, 3 if top else 0)
         steps_B = np.zeros((B,), np.int32)
         steps_B[slot] = steps
         self.stats.compiled_shapes.add((B, T, Pn, k))
-        out = self._decode_fns[k, top](
-            self.params, self.cache, tokens[:, 0], positions[:, 0], table, steps_B, *sampling
-        )
-        tok, lp, self.cache = out[0], out[1], out[-1]
+        out = self.runner.decode(k, top, tokens[:, 0], positions[:, 0], table, steps_B, *sampling)
+        tok, lp = out[0], out[1]
         tops = tuple(np.asarray(x)[slot] for x in out[2][1:]) if top else None  # (ids, log-probabilities)
         return np.asarray(tok)[slot], np.asarray(lp)[slot], tops
 
@@ -633,189 +587,3 @@ class Engine:
         r.pages, r.state, r.finish_reason, r.blocks = [], "done", reason, []
         if r.on_token is not None:
             r.on_token(r, -1, 0.0)  # the end: token -1
-
-
-def engine_mesh(devices: int) -> Mesh | None:
-    """The mesh an engine on `devices` devices runs on (-1: every device; 1: none, the default device)."""
-    have = jax.devices()
-    n = len(have) if devices == -1 else devices
-    if n < 1 or n > len(have):
-        choices = "1" if len(have) == 1 else f"1 to {len(have)}"
-        raise EngineError(
-            f"--devices={devices}: this host has {len(have)} device{'s' if len(have) > 1 else ''}; give {choices}, "
-            "or -1 (every device)"
-        )
-    return None if n == 1 else Mesh(np.asarray(have[:n]), ("data",))
-
-
-def serving_config(m: ModelConfig) -> ModelConfig:
-    """The model as the engine runs it, for the backend it is traced for (kernels.names.target_backend): layers
-    unrolled (a paged cache a layer: no stacked copies), no remat, and on a CPU with a bf16 or fp16 model the
-    "rounded" matmuls (cpu_matmul.rounded_matmul: the same rounded operands, fp32 arithmetic; XLA:CPU's bf16
-    matrix-vector products made one row's step 7x slower than fp32's)."""
-    narrow = m.dtype in ("bfloat16", "float16")
-    matmuls = "rounded" if narrow and target_backend() == "cpu" else m.matmuls
-    return m.replace(scan_layers=False, remat="none", matmuls=matmuls)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepForm:
-    """How the engine's programs are shaped for the backend they run on, resolved once (`step_form`)."""
-
-    min_rows: int = 1  # rows a step runs at least (a padding row attends over nothing and writes nothing)
-    vocab_multiple: int = 1  # the LM head's columns held padded with zeros to a multiple of this, cut after
-    compiler_options: tuple[tuple[str, Any], ...] = ()  # XLA options for every program the engine compiles
-
-
-def step_form() -> StepForm:
-    """The form for the backend the engine is traced for (kernels.names.target_backend). A GPU (read off the
-    compiled 468M step, docs/kernels-and-compile.md): two rows at least, as XLA:GPU makes a one-row matmul an
-    elementwise product and a reduction (2.7x the weight's bytes); the LM head padded once to 128 columns, which
-    XLA would pad with a copy of the weight every step; and no dot merger, which concatenates each MLP's gate and
-    up weights into one operand every step (a training step amortizes that copy over its tokens, a decode step
-    cannot)."""
-    if target_backend() == "gpu":
-        return StepForm(min_rows=2, vocab_multiple=128, compiler_options=(("xla_gpu_dot_merger_threshold_mb", 0),))
-    return StepForm()
-
-
-def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
-    """The parameters as the engine holds them (m from serving_config): unrolled (a layer each), and where the
-    compute dtype is narrower than float32 rounded to it once (training keeps float32 masters; a decode step that
-    cast them each time would read 4 bytes a weight and write 2 before its matmuls read them: decode is bound by
-    those bytes): stored in it, or for the "rounded" matmuls as its values in float32. An untied LM head's columns
-    padded with zeros to a multiple of vocab_multiple (StepForm)."""
-    params = nn.unbox(params)
-    params = unrolled_params(params, m.num_layers) if "layers" in params else params
-    pad = -m.vocab_size % vocab_multiple
-    if pad and "lm_head" in params:
-        kernel = params["lm_head"]["kernel"]
-        params = {**params, "lm_head": {**params["lm_head"], "kernel": jnp.pad(kernel, ((0, 0), (0, pad)))}}
-    if m.dtype in ("bfloat16", "float16"):
-        narrow = jnp.dtype(m.dtype)
-        to = (lambda x: x.astype(narrow).astype(x.dtype)) if m.matmuls == "rounded" else (lambda x: x.astype(narrow))
-        params = jax.tree.map(lambda x: to(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    return params
-
-
-def step_program(model: Transformer, top: int = 0):
-    """The engine's one program as a pure function: the paged model over `tokens_BxT` at `positions_BxT` (-1: a
-    padding slot, nothing written), each row's pages in `table_BxP`; the LM head at each row's `last_B` token;
-    per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with the cache donated;
-    `resformer compile --steps=decode` compiles it for a target.
-
-    With `top` (the scored form; two more arguments: targets_BxT, the token after each one fed, and carry_BxE,
-    the hidden state before the first one, a cached prefix's last): the LM head at the carried state and at every
-    position, and after the sampled tokens, per row: log p of tokens_BxT[:, 0] then of targets_BxT [B, T + 1], the
-    `top` most likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E]
-    (a page's last is kept with its block): a prompt's log-probabilities read in its prefill."""
-    m = model.cfg
-
-    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B, *tgt):
-        h_BxTxE, mutated = model.apply(
-            {"params": params, "cache": cache},
-            tokens_BxT,
-            positions_BxT,
-            return_hidden=True,
-            page_table_BxP=table_BxP,
-            mutable=["cache"],
-        )
-        h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
-        # the LM head as held (serving_params may pad its columns), the padding's logits cut
-        width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
-        head = lambda h: lm_head_logits(m.replace(vocab_size=width), params, h)[..., : m.vocab_size]
-        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, seed_B, n_B)
-        if not top:
-            return token_B, logprob_B, mutated["cache"]
-        targets_BxT, carry_BxE = tgt
-        h_BxT1xE = jnp.concatenate([carry_BxE[:, None].astype(h_BxTxE.dtype), h_BxTxE], axis=1)
-        targets_BxT1 = jnp.concatenate([tokens_BxT[:, :1], targets_BxT], axis=1)
-        logp_BxT1xV = jax.nn.log_softmax(head(h_BxT1xE).astype(jnp.float32), axis=-1)
-        chosen_BxT1 = jnp.take_along_axis(logp_BxT1xV, targets_BxT1[..., None], axis=-1)[..., 0]
-        top_lp_BxT1xN, top_id_BxT1xN = jax.lax.top_k(logp_BxT1xV, top)
-        return token_B, logprob_B, (chosen_BxT1, top_id_BxT1xN, top_lp_BxT1xN, h_BxTxE), mutated["cache"]
-
-    return forward
-
-
-def decode_program(model: Transformer, k: int, top: int = 0):
-    """`k` decode steps as one program, read back once (the host's work and the readback paid once for k tokens,
-    not per token): each step feeds the token it sampled to the next, a row's K/V written at positions_B,
-    positions_B + 1, ... Row b runs its first steps_B[b] steps (its pages reserved for them); after those, and on
-    a padding row (position -1), nothing is written. A row's i-th token samples with counter n_B + i, as k single
-    steps would. Returns (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the
-    `top` most likely ids [B, K, top], their log-probabilities) at each step."""
-    forward = step_program(model, top)
-
-    def decode(params, cache, token_B, positions_B, table_BxP, steps_B, temp_B, topk_B, topp_B, seed_B, n_B):
-        B = token_B.shape[0]
-        last_B = jnp.zeros((B,), jnp.int32)
-
-        def one(i, carry):
-            cache, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
-            pos_B = jnp.where((positions_B >= 0) & (i < steps_B), positions_B + i, -1)
-            args = (token_B[:, None], pos_B[:, None], table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B + i)
-            carried = (token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else ()
-            out = forward(params, cache, *args, *carried)
-            token_B, logprob_B, cache = out[0], out[1], out[-1]
-            if top:  # score 1: after the token fed (0 is the carried state's, unused here)
-                ids_KxBxN, lps_KxBxN = ids_KxBxN.at[i].set(out[2][1][:, 1]), lps_KxBxN.at[i].set(out[2][2][:, 1])
-            tokens_KxB, logprobs_KxB = tokens_KxB.at[i].set(token_B), logprobs_KxB.at[i].set(logprob_B)
-            return cache, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
-
-        n = max(top, 1)
-        init = (cache, token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
-                jnp.zeros((k, B, n), jnp.int32), jnp.zeros((k, B, n), jnp.float32))  # fmt: skip
-        cache, _, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = jax.lax.fori_loop(0, k, one, init)
-        if not top:
-            return tokens_KxB.T, logprobs_KxB.T, cache
-        scores = (logprobs_KxB.T, ids_KxBxN.transpose(1, 0, 2), lps_KxBxN.transpose(1, 0, 2))
-        return tokens_KxB.T, logprobs_KxB.T, scores, cache
-
-    return decode
-
-
-def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) -> tuple:
-    """step_program's arguments after (params, cache), as shapes: `rows` sequences of `tokens` new tokens each,
-    `pages_per_row` pages in each row's table."""
-    S = jax.ShapeDtypeStruct
-    i32, f32 = jnp.int32, jnp.float32
-    return (
-        S((rows, tokens), i32),  # tokens
-        S((rows, tokens), i32),  # positions
-        S((rows, pages_per_row), i32),  # page table
-        S((rows,), i32),  # last
-        S((rows,), f32),  # temperature
-        S((rows,), i32),  # top_k
-        S((rows,), f32),  # top_p
-        S((rows,), jnp.uint32),  # seed
-        S((rows,), i32),  # tokens generated so far
-    )
-
-
-def pool_shapes(model: Transformer):
-    """The cache pools of a paged model as shapes: {layer: {"k": pool, "v": ...}} as each layer's equation needs
-    them, each laid out for its kernel (kernels/paged_attention.pool_shape; nothing allocated)."""
-    one = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]
-
-
-def init_pools(model: Transformer):
-    """Zeroed cache pools of a paged model."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), pool_shapes(model))
-
-
-def cache_bytes_per_token(m: ModelConfig) -> int:
-    """Bytes a token takes in the paged cache, every layer together (what the pools hold per page slot)."""
-    shapes = pool_shapes(Transformer(m.replace(scan_layers=False), pages=PageLayout(1, 1)))
-    return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
-
-
-def free_memory_bytes() -> float:
-    """The default device's free memory (a CPU: the host's available memory)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    import psutil
-
-    return float(psutil.virtual_memory().available)
