@@ -53,14 +53,16 @@ def storage_error(e: BaseException) -> OSError | None:
     """The OSError (disk full, quota, read-only, permission) behind an exception, if any. TensorStore reports
     these as ValueErrors whose text carries the OS message, so that is recognised too."""
     seen = set()
-    while e is not None and id(e) not in seen:
+    at: BaseException | None = e
+    while at is not None and id(at) not in seen:
+        e = at
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
             return e
         for code in STORAGE_ERRNOS:
             if os.strerror(code) in str(e):
                 return OSError(code, os.strerror(code))
-        e = e.__cause__ or e.__context__
+        at = e.__cause__ or e.__context__
     return None
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Any
 
 import numpy as np
+from etils import epath
 
 from resformer_jax.analysis import grouping
 from resformer_jax.analysis.runs import RunsError, find_runs, read_run, read_train_loss, relative_curves, run_name
@@ -81,6 +83,7 @@ def _sort_key(v: str):
 
 
 def grouped(a: CompareOptions) -> int:
+    assert a.group_by is not None  # grouped runs only with --group_by
 
     runs = [read_run(r) for r in find_runs(a.runs)]
     clip_smooth(a, max((max(r.train, default=0) for r in runs), default=0))
@@ -124,14 +127,14 @@ def grouped(a: CompareOptions) -> int:
     save_figure(fig, out / "relative_train_loss.png")
     plt.close(fig)
     eval_keys = sorted({k for r in runs for k in r.evals})
-    eval_curves = {k: {} for k in eval_keys}
+    eval_curves: dict[str, dict] = {k: {} for k in eval_keys}
     for label, members in split.items():
         for k in eval_keys:
             try:
-                found = grouping.relative_eval_curves(members, a.group_by, a.baseline, k)
+                curves = grouping.relative_eval_curves(members, a.group_by, a.baseline, k)
             except ValueError:
                 continue
-            eval_curves[k].update({(f"{n} [{label}]" if label else n): c for n, c in found.items()})
+            eval_curves[k].update({(f"{n} [{label}]" if label else n): c for n, c in curves.items()})
     if eval_keys:
         fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
         for ax, key in zip(axes[0], eval_keys):
@@ -182,7 +185,7 @@ def grouped(a: CompareOptions) -> int:
     return 0
 
 
-def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, last: int, out: str) -> dict:
+def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, last: int, out: epath.Path) -> dict:
     """Fig. 11 right: for each value of `vs` (e.g. data.seq_len), each group's relative training loss and the
     step where the baseline overtakes it (predicted by a line over the last points where it has not yet),
     then an exponential fit of that step against `vs`."""
@@ -240,7 +243,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_last50") -> dict:
+def scaling(runs, group_by: str, baseline: str, out: epath.Path, measure: str = "train_last50") -> dict:
     """Loss against parameters (Fig. 5 middle: by default the paper's measure, the mean training loss over the last
     50 training steps; or the final validation loss) and validation loss against tokens, a power law per group,
     and the savings readout."""
@@ -260,13 +263,13 @@ def scaling(runs, group_by: str, baseline: str, out: str, measure: str = "train_
         m = RunConfig.of(with_defaults(r.config), strict=False).model  # a saved run's config, typed
         n = model_flops(m, r.config["data"]["seq_len"]).params_non_embedding
         by_group.setdefault(str(grouping.get_field(r.config, group_by)), {}).setdefault(n, []).append(r)
-    res = {}
+    res: dict[str, dict] = {}
     fig, (ax_n, ax_d) = plt.subplots(1, 2, figsize=(10, 4))
     fits_n, fits_d, xs = {}, {}, {}
     for g, sizes in sorted(by_group.items()):
         ns = sorted(sizes)
         losses = [float(np.mean([final_loss(r) for r in sizes[n]])) for n in ns]
-        entry = {"params_non_embedding": ns, "loss_measure": measure, "final_loss": losses}
+        entry: dict[str, Any] = {"params_non_embedding": ns, "loss_measure": measure, "final_loss": losses}
         if len(ns) >= 2:
             fits_n[g] = grouping.fit_power_law(ns, losses)
             entry["fit_params"] = {"a": fits_n[g][0], "b": fits_n[g][1], "form": "loss = a * N^-b"}

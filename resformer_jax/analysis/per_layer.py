@@ -200,7 +200,7 @@ def analyze_run(
                 acc["first_token"][n].add(measures.first_token_share(A))
                 acc["value_norm"][n].add(float(np.linalg.norm(v.reshape(len(v), -1), axis=-1).mean()))
                 acc["hidden_norm"][n].add(float(np.linalg.norm(h, axis=-1).mean()))
-    res = {k: [float(x.mean()) for x in v] for k, v in acc.items()}
+    res: dict[str, list[float | None]] = {k: [float(x.mean()) for x in v] for k, v in acc.items()}
     res["spectrum"] = [s.mean().tolist() for s in spectra]  # Eq. 12: per example, then averaged
     # Fig. 9 right: the largest eigenvalue of each layer's value second-moment matrix
     res["largest_eigenvalue"] = [float(s.mean()[0]) for s in spectra]

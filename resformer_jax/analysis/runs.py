@@ -74,7 +74,8 @@ def read_run(run: str):
         raise RunsError(
             f"{run}: no logged steps (metrics.jsonl missing or empty); is it a run directory that has logged a step?"
         )
-    train, evals = {}, {}
+    train: dict = {}
+    evals: dict = {}
     for rec in read_records(path, warn=_note):
         for k, v in rec.items():
             if k == "train/loss":

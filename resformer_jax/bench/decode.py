@@ -293,7 +293,8 @@ def bench_decode_stream(
             # fresh tokens each pass: the second's prompts are not in the prefix cache the first filled
             prompts = [rng.integers(0, m.vocab_size, n).tolist() for n in lengths]
             engine.stats = EngineStats()
-            t0, queued, reqs = time.perf_counter(), list(zip(arrivals, prompts)), []
+            reqs: list = []
+            t0, queued = time.perf_counter(), list(zip(arrivals, prompts))
             while queued or engine.busy:
                 now = time.perf_counter() - t0
                 while queued and queued[0][0] <= now:

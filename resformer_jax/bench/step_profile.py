@@ -66,7 +66,8 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]
     An instruction without a name scope of its own takes the scope of the instruction that calls its computation
     (ops XLA builds inside a loop body, e.g. under a `lax.map`, may carry no metadata)."""
     insts, comps = {}, {}
-    computation_of, caller_of = {}, {}
+    computation_of: dict[str, str] = {}
+    caller_of: dict[str, str] = {}
     module, _ = parse_module(hlo_text)
     for current, instrs in module.items():
         comps[current] = {ins.opcode for ins in instrs}
@@ -286,7 +287,7 @@ def breakdown(profile, hlo_text: str, wall_s: float, top_ops: int = 10) -> dict:
         while stack:
             close(stack.pop())
     # Time in which any op other than loop control ran (the union over threads).
-    busy, cur_s, cur_e = 0.0, None, None
+    busy, cur_s, cur_e = 0.0, 0.0, None
     for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
             if cur_e is not None:

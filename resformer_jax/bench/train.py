@@ -10,6 +10,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import jax
 
@@ -62,8 +63,11 @@ class TrainBench:
             "xla_memory_bytes_per_device": mem.total if mem is not None else None,
             "xla_temp_bytes_per_device": mem.temporaries if mem is not None else None,
         }
-        self.times, self.state, self.profiles, self.hlo = [], None, [], None
-        self.round_peaks = []  # CPU: the matmul peak sampled just before each timed step
+        self.times: list[float] = []
+        self.profiles: list = []
+        self.state: Any = None
+        self.hlo: str | None = None
+        self.round_peaks: list[float] = []  # CPU: the matmul peak sampled just before each timed step
         self._tokens = lambda: random_tokens(self.shape, cfg.model.vocab_size, self.setup.batch_sh, 0, document_len)
 
     def warm_up(self, steps=2):
@@ -94,8 +98,8 @@ class TrainBench:
         """One step under the profiler (step_profile.py); its trace stays in profile_dir."""
 
         t0 = time.perf_counter()
-        self.hlo = self.hlo or self.compiled.as_text()
-        p = profile_step(self.compiled, self.state, self.tokens, self.hlo, profile_dir)
+        hlo = self.hlo = self.hlo or self.compiled.as_text()
+        p = profile_step(self.compiled, self.state, self.tokens, hlo, profile_dir)
         self.state, self.metrics = p.state, p.metrics
         self.log(
             f"bench train {self.cfg.model.value_residual}: a step profiled and read in {time.perf_counter() - t0:.1f} s"
@@ -128,8 +132,8 @@ class TrainBench:
         chip = chip or chips.chip_of_device(jax.devices()[0].device_kind)
         if chip is None or not chip.has_roofline:
             return None
-        self.hlo = self.hlo or self.compiled.as_text()
-        r = roofline(self.hlo, chip)
+        hlo = self.hlo = self.hlo or self.compiled.as_text()
+        r = roofline(hlo, chip)
         return {
             "chip": chip.kind,
             "per_op_bound_ms": round(r.per_op_bound_s * 1e3, 2),
@@ -239,7 +243,7 @@ def bench_train(
     if compile_only:
         return [b.out for b in benches]
     tmp = tempfile.TemporaryDirectory() if profile_steps and profile_dir is None else None
-    root = profile_dir or (tmp.name if tmp else None)
+    root = profile_dir or (tmp.name if tmp else "")
     on_cpu = jax.devices()[0].platform == "cpu"
     # MFU against the matmul peak at each variant's compute dtype (sampled per dtype present)
     dtypes = list(dict.fromkeys(c.model.dtype for c in cfgs))

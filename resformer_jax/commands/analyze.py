@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from absl import flags
+from etils import epath
 
 flags.DEFINE_multi_string("workdir", [], "Run directory (give twice to overlay two runs).")
 flags.DEFINE_multi_string(
@@ -68,7 +69,7 @@ def _save(fig, path):
     return path
 
 
-def plot(results: list[dict], out: str) -> list[str]:
+def plot(results: list[dict], out: epath.Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")

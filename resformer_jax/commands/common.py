@@ -69,6 +69,7 @@ def load_config_file(path: str):
     if not os.path.isfile(path):
         raise ConfigFlagError(f"--config file {path!r} does not exist; give a file like configs/resformer_82m.py")
     spec = importlib.util.spec_from_file_location("_resformer_config", path)
+    assert spec is not None and spec.loader is not None  # a .py file that exists
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
@@ -163,7 +164,7 @@ class _LibraryErrorFile:
             self.candidates.insert(0, os.fspath(log))
         elif log is not None:  # object storage cannot append: a file per process
             self.candidates.insert(0, f"{os.fspath(log.parent).rstrip('/')}/{log.stem}-{os.getpid()}{log.suffix}")
-        self.path = None
+        self.path: str | None = None
         self.text = ""
 
     def write(self, text: str):

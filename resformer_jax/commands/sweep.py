@@ -140,7 +140,8 @@ def run_name(values: dict) -> str:
 
 
 def plan_runs(workdir: str, grid: dict) -> list[Run]:
-    runs, by_name = [], {}
+    runs: list[Run] = []
+    by_name: dict[str, dict] = {}
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo))
         name = run_name(values)

@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -167,7 +168,7 @@ def pack_and_write(kv, out: str, seq_len: int, dtype: str, budgets: dict, record
     prefix = "shard" if packing == "domain" else f"file{part:05d}-shard"
     local = tempfile.mkdtemp(prefix="resformer_beam_")
     w = ShardWriter(local, seq_len + 1, np.dtype(dtype), records_per_shard, prefix=prefix)
-    st = {"documents": 0, "tokens": 0}
+    st: dict[str, Any] = {"documents": 0, "tokens": 0}
     for _, _, ids in docs:
         if sp == "train" and dom in budgets and st["tokens"] >= budgets[dom]:
             continue  # this domain's budget is spent (per file under file packing: see metadata "packing")

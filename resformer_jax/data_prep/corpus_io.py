@@ -163,8 +163,8 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
         try:
             yield domain, raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            line = raw[: e.start].count(b"\n") + 1
-            raise BadInputFile(f"{path}:{line}: not UTF-8 ({e.reason}); convert the file to UTF-8") from None
+            at = raw[: e.start].count(b"\n") + 1
+            raise BadInputFile(f"{path}:{at}: not UTF-8 ({e.reason}); convert the file to UTF-8") from None
     elif path.endswith((".jsonl.zst", ".json.zst", ".jsonl")):
         chunks = _zst_bytes(path) if path.endswith(".zst") else _file_bytes(path)
         for n, line in _lines(path, chunks):
@@ -260,7 +260,8 @@ class ShardWriter:
         self.prefix = prefix
         os.makedirs(folder, exist_ok=True)
         self.buf = np.zeros(0, dtype)
-        self.writer, self.in_shard, self.shards, self.records = None, 0, [], 0
+        self.shards: list[str] = []
+        self.writer, self.in_shard, self.records = None, 0, 0
 
     def add(self, ids):
         self.buf = np.concatenate([self.buf, np.asarray(ids, self.dtype)])

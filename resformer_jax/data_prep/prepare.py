@@ -376,7 +376,7 @@ def _prepare_into(
     eot = eot_id_of(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     writers: dict[tuple[str, str], ShardWriter] = {}
-    stats: dict[str, dict[str, dict]] = {}
+    stats = {}  # domain -> split -> counts
     t0, total_tokens = time.time(), 0
 
     for fi, path in enumerate(files):

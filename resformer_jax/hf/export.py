@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -106,9 +107,10 @@ def hf_config(m: ModelConfig, tokenizer_meta: dict | None = None) -> dict:
     cfg["tie_word_embeddings"] = m.tie_embeddings
     rope_type = m.rope_type
     if rope_type != "default":  # an imported Llama 3.1 (llama3) or linear-scaled model, written back as HF writes it
-        cfg["rope_scaling"] = {"rope_type": rope_type, "factor": m.rope_factor}
+        scaling: dict[str, Any] = {"rope_type": rope_type, "factor": m.rope_factor}
+        cfg["rope_scaling"] = scaling
         if rope_type == "llama3":
-            cfg["rope_scaling"].update(
+            scaling.update(
                 low_freq_factor=m.rope_low_freq_factor,
                 high_freq_factor=m.rope_high_freq_factor,
                 original_max_position_embeddings=m.rope_original_max_position,
@@ -211,7 +213,8 @@ def export_params(
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
     else:
         tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
-    names, shards, cur, size = sorted(tensors), [], {}, 0
+    cur: dict[str, np.ndarray] = {}
+    names, shards, size = sorted(tensors), [], 0
     for n in names:
         if cur and size + tensors[n].nbytes > shard_bytes:
             shards.append(cur)

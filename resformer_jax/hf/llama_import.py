@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import ml_collections
 import numpy as np
@@ -166,7 +167,7 @@ def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ModelConfig, dic
 
     V, F = m.vocab_size, m.ffn_dim
     embed = get("model.embed_tokens.weight", (V, E))
-    params = {
+    params: dict[str, Any] = {
         "embed": {"embedding": embed},
         "final_norm": {"scale": get("model.norm.weight", (E,))},
         "lm_head": {"kernel": (get("lm_head.weight", (V, E)) if "lm_head.weight" in t else embed).T.copy()},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -33,7 +34,7 @@ def maybe_initialize_distributed(
     waits for every process)."""
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
-    timeouts = {
+    timeouts: dict[str, Any] = {
         "heartbeat_timeout_seconds": int(heartbeat_timeout_s),
         "initialization_timeout": int(initialization_timeout_s),
     }

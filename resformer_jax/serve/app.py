@@ -320,7 +320,7 @@ def logprobs_record(s: Serving, scored: Scores, ids: list[int], start: int, n: i
             top.append(None)
             continue
         entry = {s.token_text(int(a)): float(lp) for a, lp in zip(alts[0][:n], alts[1][:n])}
-        entry.setdefault(s.token_text(ids[i]), scored.logprob[i])  # the chosen token is always there
+        entry.setdefault(s.token_text(ids[i]), float(scored.logprob[i] or 0.0))  # the chosen token is always there
         top.append(entry)
     return {
         "tokens": tokens,

@@ -47,7 +47,8 @@ def move_tree(src, dst) -> None:
 
 def files_under(root) -> list[epath.Path]:
     """Every file below `root`, sorted (epath's rglob is refused on gs://, so a walk of iterdir)."""
-    out, todo = [], [epath.Path(root)]
+    out: list[epath.Path] = []
+    todo = [epath.Path(root)]
     while todo:
         for p in todo.pop().iterdir():
             (todo if p.is_dir() else out).append(p)
