@@ -32,7 +32,7 @@ from resformer_jax.config import (
     validate,
     with_defaults,
 )
-from resformer_jax.kernels import cpu_matmul
+from resformer_jax.kernels import cpu_matmul, names, probe
 from resformer_jax.kernels.names import backend_of
 from resformer_jax.model.attention import kernel_can_mix_values
 from resformer_jax.model.config import ModelConfig
@@ -81,9 +81,9 @@ def resolve_attention(
     log: Callable[[str], Any] = print,
     platform: str | None = None,
 ) -> AttentionChoice:
-    """`auto` -> the impl kernels.probe_auto picks at the run's shapes (per-device batch, seq_len, heads): on an
-    accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`, as bench
-    and analyze pass) is kept as it is: if it cannot run, the first call raises, it never falls back.
+    """`auto` -> the impl kernels/probe.py `probe_auto` picks at the run's shapes (per-device batch, seq_len, heads):
+    on an accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`,
+    as bench and analyze pass) is kept as it is: if it cannot run, the first call raises, it never falls back.
 
     `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (compile/aot.py); `auto`
     is then that platform's own kernel (splash on TPU, this project's Pallas/Triton kernel on GPU), chosen
@@ -102,8 +102,8 @@ def resolve_attention(
         log(f"attention_impl=auto is {choice!r} with mesh.context={context} (keys and values gathered over the axis)")
         return AttentionChoice(choice, rejected, False)
     if platform is not None:
-        candidates, rejected = kernels.auto_candidates(backend_of(platform))
-        choice = kernels.unprobed_auto(backend_of(platform))
+        candidates, rejected = names.auto_candidates(backend_of(platform))
+        choice = names.unprobed_auto(backend_of(platform))
         log(
             f"attention_impl=auto is {choice!r} on {platform} here (compiled, not probed: on the hardware "
             f"auto times {', '.join(candidates)} and keeps the fastest)"
@@ -112,7 +112,7 @@ def resolve_attention(
     m, mc = cfg.model, ModelConfig.of(cfg.model)
     if batch is None:
         batch = sequences_per_device(cfg, len(jax.devices()))
-    choice, rejected = kernels.probe_auto(
+    choice, rejected = probe.probe_auto(
         (batch, cfg.data.seq_len, m.num_heads, mc.head_dim),
         mc.kv_heads,
         jnp.dtype(m.dtype),
@@ -151,14 +151,14 @@ def model_config(
     """The typed model config the modules are built from: the run's, with the attention impl resolved and, for
     `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere), and for
     `norm_impl=auto` the platform's norm: on a GPU where the Pallas kernels apply, the faster of them and XLA's
-    at `probe_rows` tokens (kernels.probe_norm), or the kernels unprobed (a compile target, a loaded run);
+    at `probe_rows` tokens (kernels/probe.py probe_norm), or the kernels unprobed (a compile target, a loaded run);
     elsewhere XLA's. (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
     m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
     platform = platform or jax.devices()[0].platform
     if m.matmuls == "auto":
         m = m.replace(matmuls=cpu_matmul.forms_for(platform))
     if m.norm_impl == "auto" and probe_rows and backend_of(platform) == "gpu" and m.norm_kernel_applies:
-        return m.replace(norm_impl=kernels.probe_norm(probe_rows, m.d_model, jnp.dtype(m.dtype), log))
+        return m.replace(norm_impl=probe.probe_norm(probe_rows, m.d_model, jnp.dtype(m.dtype), log))
     return m.with_norm_impl(backend_of(platform))
 
 

@@ -769,3 +769,23 @@ def test_bench_documents_are_packed_with_the_last_id_at_their_mean_length():
     mean_len = docs.size / ends.sum()
     assert 56 < mean_len < 72, mean_len  # geometric lengths, mean 64
     assert ends.sum(axis=1).min() > 0  # every row holds several documents
+
+
+def test_bench_decode_stream_shared_prefixes_computes_each_prefix_once():
+    """`bench decode --stream --shared_prefixes=N` (the prefix benchmarks' workload through the engine, no server):
+    with the prefix cache, each of the N prefixes is computed once and every later request takes its pages, so the
+    prompt tokens computed fall by exactly (requests - N) * prefix_len; without it every prompt token is computed;
+    SVFormer's K pages and V_1 chain are shared as vanilla's K and V are."""
+    from resformer_jax.bench.decode import bench_decode_stream
+    from resformer_jax.config import tiny_config
+    from resformer_jax.model.config import ModelConfig
+
+    models = [ModelConfig.of(tiny_config(v).model).replace(dtype="float32") for v in ("none", "svformer")]
+    kw = dict(cache_gib=0.01, requests=8, rate=0.0, max_context=24, new_tokens=2, shared_prefixes=2, prefix_len=32)
+    on = bench_decode_stream(models, **kw)
+    off = bench_decode_stream(models[:1], **kw, prefix_cache=False)
+    for r in on:
+        assert r["prefill_tokens_computed"] == r["prompt_tokens"] - (8 - 2) * 32, r
+        assert r["prefix_hit_rate"] == round((8 - 2) * 32 / r["prompt_tokens"], 4) and r["preemptions"] == 0
+    assert off[0]["prefill_tokens_computed"] == off[0]["prompt_tokens"] and off[0]["prefix_hit_rate"] == 0
+    assert on[0]["prompt_tokens"] == off[0]["prompt_tokens"]  # the same stream: the seed's prompts

@@ -24,6 +24,7 @@ import pytest
 
 from resformer_jax import kernels
 from resformer_jax.config import tiny_config
+from resformer_jax.kernels import names, probe
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
 
@@ -391,13 +392,13 @@ def test_auto_on_tpu_times_jax_splash_kernel_against_xla():
     """The probe with the backend injected as TPU compiles and runs JAX's splash kernel (interpreted here) and
     xla, times both and keeps the faster: a clock that makes splash's runs 1 ms and xla's 2 ms picks splash."""
     msgs, ticks = [], iter([0.0, 0.001] * 3 + [0.0, 0.002] * 3)  # (start, end) of each timed run, splash then xla
-    choice, rejected = kernels.probe_auto(
+    choice, rejected = probe.probe_auto(
         (1, 128, 4, 64), 2, jnp.float32, msgs.append, backend="tpu", clock=lambda: next(ticks)
     )
     assert choice == "splash", (choice, rejected)
     assert "splash 1.00 ms" in msgs[0] and "xla 2.00 ms" in msgs[0], msgs
     assert set(rejected) == {"pallas", "cudnn"} and "not a GPU" in rejected["pallas"]
-    candidates, _ = kernels.auto_candidates("gpu")
+    candidates, _ = names.auto_candidates("gpu")
     assert candidates[0] == "pallas" and "splash" not in candidates
 
 

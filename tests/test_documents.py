@@ -11,6 +11,7 @@ import pytest
 
 from resformer_jax import kernels
 from resformer_jax.config import ConfigError, tiny_config, validate
+from resformer_jax.kernels import names
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import attended_fraction, document_segments
@@ -179,7 +180,7 @@ def test_bad_settings_are_named():
     with pytest.raises(kernels.KernelUnavailable, match="cannot mask documents"):
         q = jnp.zeros((1, 8, 2, 8))
         kernels.attention(q, q, q, impl="cudnn", segments_BxT=jnp.zeros((1, 8), jnp.int32))
-    candidates, rejected = kernels.auto_candidates("gpu", documents=True)
+    candidates, rejected = names.auto_candidates("gpu", documents=True)
     assert "cudnn" not in candidates and "document mask" in rejected["cudnn"]
 
 

@@ -8,6 +8,7 @@ import pytest
 from resformer_jax import kernels
 from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
+from resformer_jax.kernels import probe
 from resformer_jax.metrics import read_jsonl
 from resformer_jax.model.config import ModelConfig
 
@@ -163,7 +164,7 @@ def test_auto_probe_on_a_gpu_times_every_candidate_and_keeps_the_fastest():
     probe times both that run and keeps the faster, naming each time: a clock that makes pallas's runs 3 ms and
     xla's 2 ms picks xla (a shared host's timing noise cannot flip it)."""
     msgs, ticks = [], iter([0.0, 0.003] * 3 + [0.0, 0.002] * 3)  # (start, end) of each timed run, pallas then xla
-    choice, rejected = kernels.probe_auto(
+    choice, rejected = probe.probe_auto(
         (1, 128, 2, 32), 2, jnp.float32, msgs.append, backend="gpu", clock=lambda: next(ticks)
     )
     assert choice == "xla" and "cudnn" in rejected and "pallas" not in rejected, (choice, rejected)
@@ -182,7 +183,7 @@ def test_auto_probe_times_resformer_layers_on_their_value_mix(monkeypatch):
 
     monkeypatch.setattr(kernels, "attention", spy)
     msgs, ticks = [], iter([0.0, 0.002] * 3 + [0.0, 0.003] * 3)
-    choice, _ = kernels.probe_auto(
+    choice, _ = probe.probe_auto(
         (1, 64, 2, 32), 2, jnp.float32, msgs.append, backend="gpu", clock=lambda: next(ticks), value_mix=True
     )
     assert choice == "pallas" and ("pallas", True) in seen and ("xla", False) in seen, (choice, seen)
@@ -196,7 +197,7 @@ def test_auto_probe_times_resformer_layers_on_their_value_mix(monkeypatch):
 
 def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
     msgs = []
-    choice, rejected = kernels.probe_auto((1, 16, 4, 16), 2, jnp.float32, msgs.append)
+    choice, rejected = probe.probe_auto((1, 16, 4, 16), 2, jnp.float32, msgs.append)
     assert choice == "chunked" and "pallas" in rejected and "cudnn" in rejected
     assert "auto chose 'chunked'" in msgs[0]
 
@@ -425,8 +426,8 @@ def test_norm_auto_on_a_gpu_times_the_kernels_against_xla_and_falls_back_when_th
         return lambda: next(ticks)
 
     logs: list[str] = []
-    assert kernels.probe_norm(64, 32, jnp.float32, logs.append, clock=clock_for(1e-3, 2e-3)) == "pallas"
-    assert kernels.probe_norm(64, 32, jnp.float32, logs.append, clock=clock_for(2e-3, 1e-3)) == "xla"
+    assert probe.probe_norm(64, 32, jnp.float32, logs.append, clock=clock_for(1e-3, 2e-3)) == "pallas"
+    assert probe.probe_norm(64, 32, jnp.float32, logs.append, clock=clock_for(2e-3, 1e-3)) == "xla"
     assert "norm_impl=auto chose 'pallas'" in logs[0] and "pallas 1.000 ms; xla 2.000 ms" in logs[0]
 
     def broken(*args, **kwargs):
@@ -434,5 +435,5 @@ def test_norm_auto_on_a_gpu_times_the_kernels_against_xla_and_falls_back_when_th
 
     monkeypatch.setattr(kernels, "rms_norm", broken)
     ticks = iter([0.0, 1e-3] * 3)
-    assert kernels.probe_norm(64, 32, jnp.float32, logs.append, clock=lambda: next(ticks)) == "xla"
+    assert probe.probe_norm(64, 32, jnp.float32, logs.append, clock=lambda: next(ticks)) == "xla"
     assert "the kernels failed (RuntimeError: Triton could not compile it)" in logs[-1]

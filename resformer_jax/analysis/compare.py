@@ -98,34 +98,7 @@ def grouped(a: CompareOptions) -> int:
         res.update({(f"{n} [{label}]" if label else n): g for n, g in found.items()})
     out = run_path(a.out) if a.out else run_path(a.runs[0]) / "compare"
     out.mkdir(parents=True, exist_ok=True)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, g in res.items():
-        (line,) = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
-        ax.fill_between(g.steps, g.low, g.high, color=line.get_color(), alpha=0.2)
-        w = Writer(out / "tb" / name)
-        for i, st in enumerate(g.steps):
-            w.scalars(
-                st,
-                {
-                    "relative/train_loss": g.relative[i],
-                    "relative/train_loss_low": g.low[i],
-                    "relative/train_loss_high": g.high[i],
-                },
-            )
-        w.close()
-    ax.axhline(0.0, color="k", lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss - ({a.group_by}={a.baseline})")
-    ax.set_title(f"relative training loss\n(smoothed over {a.smooth} steps; band over seeds)", fontsize=10)
-    ax.legend()
-    fig.tight_layout()
-    save_figure(fig, out / "relative_train_loss.png")
-    plt.close(fig)
+    _plot_relative_train_loss(a, res, out)
     eval_keys = sorted({k for r in runs for k in r.evals})
     eval_curves: dict[str, dict] = {k: {} for k in eval_keys}
     for label, members in split.items():
@@ -136,21 +109,7 @@ def grouped(a: CompareOptions) -> int:
                 continue
             eval_curves[k].update({(f"{n} [{label}]" if label else n): c for n, c in curves.items()})
     if eval_keys:
-        fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
-        for ax, key in zip(axes[0], eval_keys):
-            for name, (steps, mean, lo, hi) in eval_curves[key].items():
-                (line,) = ax.plot(steps, mean, marker="o", label=name)
-                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
-                w = Writer(out / "tb" / name)
-                for i, st in enumerate(steps):
-                    w.scalars(st, {f"relative/{key}": mean[i]})
-                w.close()
-            ax.axhline(0.0, color="k", lw=0.8)
-            ax.set_title(f"relative {key}")
-            ax.legend()
-        fig.tight_layout()
-        save_figure(fig, out / "relative_validation_loss.png")
-        plt.close(fig)
+        _plot_relative_eval(eval_keys, eval_curves, out)
     report = {
         "group_by": a.group_by,
         "baseline": a.baseline,
@@ -183,6 +142,62 @@ def grouped(a: CompareOptions) -> int:
         f"TensorBoard logs under {out}/tb"
     )
     return 0
+
+
+def _plot_relative_train_loss(a: CompareOptions, res: dict, out: epath.Path) -> None:
+    """relative_train_loss.png (each group's mean over seeds, its band) and the same curves in TensorBoard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, g in res.items():
+        (line,) = ax.plot(g.steps, g.relative, label=f"{a.group_by}={name} ({len(g.seeds)} seeds)")
+        ax.fill_between(g.steps, g.low, g.high, color=line.get_color(), alpha=0.2)
+        w = Writer(out / "tb" / name)
+        for i, st in enumerate(g.steps):
+            w.scalars(
+                st,
+                {
+                    "relative/train_loss": g.relative[i],
+                    "relative/train_loss_low": g.low[i],
+                    "relative/train_loss_high": g.high[i],
+                },
+            )
+        w.close()
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train loss - ({a.group_by}={a.baseline})")
+    ax.set_title(f"relative training loss\n(smoothed over {a.smooth} steps; band over seeds)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out / "relative_train_loss.png")
+    plt.close(fig)
+
+
+def _plot_relative_eval(eval_keys: list[str], eval_curves: dict[str, dict], out: epath.Path) -> None:
+    """relative_validation_loss.png, a panel a validation set, and the same curves in TensorBoard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(eval_keys), figsize=(4.5 * len(eval_keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], eval_keys):
+        for name, (steps, mean, lo, hi) in eval_curves[key].items():
+            (line,) = ax.plot(steps, mean, marker="o", label=name)
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+            w = Writer(out / "tb" / name)
+            for i, st in enumerate(steps):
+                w.scalars(st, {f"relative/{key}": mean[i]})
+            w.close()
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_title(f"relative {key}")
+        ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out / "relative_validation_loss.png")
+    plt.close(fig)
 
 
 def critical_points(runs, group_by: str, baseline: str, vs: str, smooth: int, last: int, out: epath.Path) -> dict:

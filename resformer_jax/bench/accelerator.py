@@ -37,6 +37,7 @@ from resformer_jax.bench.decode import bench_decode_matrix
 from resformer_jax.bench.timing import median_seconds
 from resformer_jax.bench.train import TrainBench
 from resformer_jax.config import RunConfig, paper_config, tiny_config
+from resformer_jax.kernels import probe
 from resformer_jax.train.setup import AttentionChoice
 
 GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
@@ -264,7 +265,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
     def auto():
         B, T, H, K, D = speed_shape
         # timed as a ResFormer run's auto times them: on its layers' value mix (the variants below run this choice)
-        choice, rejected = kernels.probe_auto((B, T, H, D), K, jnp.bfloat16, log_fn=log, value_mix=True)
+        choice, rejected = probe.probe_auto((B, T, H, D), K, jnp.bfloat16, log_fn=log, value_mix=True)
         return {"choice": choice, "rejected": rejected, "shape": speed_shape, "timed_with_value_mix": True}
 
     cfg = tiny_config("resformer") if on_cpu else paper_config("468m", "resformer")

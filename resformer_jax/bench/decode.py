@@ -263,6 +263,37 @@ def bench_decode_matrix(
                 )
 
 
+def _stream_row(m, engine, reqs, prompts, wall: float, cache_gib: float, rate: float, sampling, prefix: tuple) -> dict:
+    """bench_decode_stream's row for one variant: the timed pass's requests, latencies and the engine's counts."""
+    ttft = [r.time_to_first_token_s for r in reqs]
+    itl = [d for r in reqs for d in r.inter_token_s]
+    tpot = [t for r in reqs if (t := r.time_per_output_token_s) is not None]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
+    return {
+        "variant": m.value_residual,
+        "cache_gib": cache_gib,
+        "cache_pages": engine.pool.usable,
+        "kv_cache_bytes_held_per_token": engine.bytes_per_token,
+        "requests": len(reqs),
+        "rate": rate,
+        "sampling": describe_sampling(sampling),
+        "tokens_per_s": round(sum(len(r.tokens) for r in reqs) / wall, 2),
+        "ttft_p50_s": round(pct(ttft, 50), 3),
+        "ttft_p99_s": round(pct(ttft, 99), 3),
+        "itl_p50_s": round(pct(itl, 50), 4),
+        "itl_p99_s": round(pct(itl, 99), 4),
+        "tpot_p50_s": round(pct(tpot, 50), 4),
+        "tpot_p99_s": round(pct(tpot, 99), 4),
+        "most_concurrent": engine.stats.most_concurrent,
+        "preemptions": engine.stats.preemptions,
+        "compiled_shapes": len(engine.stats.compiled_shapes),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "prefill_tokens_computed": engine.stats.prefill_tokens,
+        **(dict(zip(("shared_prefixes", "prefix_len", "prefix_cache"), prefix)) if prefix[0] else {}),
+        "prefix_hit_rate": round(engine.stats.prefix_hits / max(engine.stats.prefix_queries, 1), 4),
+    }
+
+
 def bench_decode_stream(
     models: list[ModelConfig],
     cache_gib: float,
@@ -273,25 +304,41 @@ def bench_decode_stream(
     seed: int = 0,
     decode_steps: int = DECODE_STEPS,
     sampling: SamplingParams = GREEDY,
+    shared_prefixes: int = 0,
+    prefix_len: int = 0,
+    prefix_cache: bool = True,
 ) -> list[dict]:
     """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
     tokens/s, time to first token, inter-token latency and time per output token (p50, p99; tokens come k decode
-    steps a readback, so most inter-token gaps are 0), and the most sequences held at once. Every
-    request decodes as `sampling` says (request_sampling)."""
+    steps a readback, so most inter-token gaps are 0), the most sequences held at once, and the prompt tokens
+    computed. Every request decodes as `sampling` says (request_sampling). With `shared_prefixes` N > 0, the
+    prefix benchmarks' workload: request i's prompt is prefix i % N (of `prefix_len` tokens) then its own suffix,
+    and the prefix cache's hit rate is reported."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(16, max_context + 1, requests)
     arrivals = np.cumsum(rng.exponential(1 / rate, requests)) if rate > 0 else np.zeros(requests)
+    prefix = (shared_prefixes, prefix_len, prefix_cache)
     out = []
     for model in models:
-        m = model.replace(max_seq_len=max(model.max_seq_len, max_context + new_tokens))
+        longest = max_context + new_tokens + (prefix_len if shared_prefixes else 0)
+        m = model.replace(max_seq_len=max(model.max_seq_len, longest))
         params = random_params(m)
         engine = Engine(
-            m, params, cache_bytes=cache_gib * 2**30, max_batch=256, prefill_chunk=256, decode_steps=decode_steps
+            m,
+            params,
+            cache_bytes=cache_gib * 2**30,
+            max_batch=256,
+            prefill_chunk=256,
+            decode_steps=decode_steps,
+            prefix_cache=prefix_cache,
         )
         for _ in range(2):  # the stream twice: the first compiles the shapes it meets, untimed
             # fresh tokens each pass: the second's prompts are not in the prefix cache the first filled
             prompts = [rng.integers(0, m.vocab_size, n).tolist() for n in lengths]
+            if shared_prefixes:
+                prefixes = [rng.integers(0, m.vocab_size, prefix_len).tolist() for _ in range(shared_prefixes)]
+                prompts = [prefixes[i % shared_prefixes] + p for i, p in enumerate(prompts)]
             engine.stats = EngineStats()
             reqs: list = []
             t0, queued = time.perf_counter(), list(zip(arrivals, prompts))
@@ -304,29 +351,5 @@ def bench_decode_stream(
                 elif queued:
                     time.sleep(min(0.01, queued[0][0] - now))
             wall = time.perf_counter() - t0
-        ttft = [r.time_to_first_token_s for r in reqs]
-        itl = [d for r in reqs for d in r.inter_token_s]
-        tpot = [t for r in reqs if (t := r.time_per_output_token_s) is not None]
-        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
-        out.append(
-            {
-                "variant": m.value_residual,
-                "cache_gib": cache_gib,
-                "cache_pages": engine.pool.usable,
-                "kv_cache_bytes_held_per_token": engine.bytes_per_token,
-                "requests": requests,
-                "rate": rate,
-                "sampling": describe_sampling(sampling),
-                "tokens_per_s": round(sum(len(r.tokens) for r in reqs) / wall, 2),
-                "ttft_p50_s": round(pct(ttft, 50), 3),
-                "ttft_p99_s": round(pct(ttft, 99), 3),
-                "itl_p50_s": round(pct(itl, 50), 4),
-                "itl_p99_s": round(pct(itl, 99), 4),
-                "tpot_p50_s": round(pct(tpot, 50), 4),
-                "tpot_p99_s": round(pct(tpot, 99), 4),
-                "most_concurrent": engine.stats.most_concurrent,
-                "preemptions": engine.stats.preemptions,
-                "compiled_shapes": len(engine.stats.compiled_shapes),
-            }
-        )
+        out.append(_stream_row(m, engine, reqs, prompts, wall, cache_gib, rate, sampling, prefix))
     return out

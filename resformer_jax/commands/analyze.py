@@ -12,6 +12,7 @@ TensorBoard scalars; a second --workdir is overlaid in the same plots, written i
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import flags
 from etils import epath
@@ -190,7 +191,6 @@ def main(argv):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

@@ -30,7 +30,9 @@ Each benchmark is a module of resformer_jax/bench/; BENCHMARKS below maps the su
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import statistics
 import sys
 
@@ -120,10 +122,14 @@ flags.DEFINE_integer("prompt_min", 16, "serve: the shortest prompt (tokens); the
 flags.DEFINE_integer(
     "shared_prefixes",
     0,
-    "serve: N > 0: a shared-prefix workload (as vLLM's and SGLang's prefix benchmarks): N distinct prefixes of "
-    "--prefix_len tokens, request i the prefix i %% N then a distinct suffix of --prompt_min..--context tokens.",
+    "serve, decode --stream: N > 0: a shared-prefix workload (as vLLM's and SGLang's prefix benchmarks): N "
+    "distinct prefixes of --prefix_len tokens, request i the prefix i %% N then a distinct suffix (serve: of "
+    "--prompt_min..--context tokens; decode: 16..--context).",
 )
-flags.DEFINE_integer("prefix_len", 512, "serve: the shared prefixes' length (tokens), with --shared_prefixes.")
+flags.DEFINE_integer(
+    "prefix_len", 512, "serve, decode --stream: the shared prefixes' length (tokens), with --shared_prefixes."
+)
+flags.DEFINE_bool("prefix_cache", True, "decode --stream: the engine's prefix cache (False: every prompt computed).")
 flags.DEFINE_float("cache_gib", 0.25, "decode --stream: the paged KV cache's budget, the same for every variant.")
 flags.DEFINE_string("out", None, "accelerator: also write the JSON report to this file.")
 flags.DEFINE_string(
@@ -203,6 +209,9 @@ def run_decode(modes: list[str]) -> list[dict]:
             FLAGS.new_tokens,
             decode_steps=FLAGS.decode_steps,
             sampling=sampling,
+            shared_prefixes=FLAGS.shared_prefixes,
+            prefix_len=FLAGS.prefix_len,
+            prefix_cache=FLAGS.prefix_cache,
         ):
             print(json.dumps(r))
         return []
@@ -244,7 +253,6 @@ def run_zero_shot(modes: list[str]) -> list[dict]:
 
     if not FLAGS.task_data or not FLAGS.tokenizer:
         raise cli.ConfigFlagError("bench zero_shot needs --task_data=DIR and --tokenizer=FILE (tokenizer.json)")
-    import os
 
     if not os.path.isfile(FLAGS.tokenizer):
         raise cli.ConfigFlagError(
@@ -271,7 +279,6 @@ def run_accelerator(modes: list[str]) -> list[dict]:
 
 
 def run_serve(modes: list[str]) -> list[dict]:
-    import importlib.util
 
     missing = [m for m in ("httpx", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
@@ -391,7 +398,6 @@ def main(argv):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

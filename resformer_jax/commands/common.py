@@ -12,7 +12,15 @@ and an exit code, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import importlib.util
+import inspect
+import logging
+import os
 import sys
+import tempfile
+import threading
+import traceback
 
 from resformer_jax.errors import EXIT_USER_ERROR, UserError
 
@@ -60,8 +68,6 @@ class ConfigFlagError(UserError, ValueError):
 def load_config_file(path: str):
     """The ConfigDict a config file's get_config() returns; ConfigFlagError for a missing file, a syntax
     error, an error while it runs, or no get_config()."""
-    import importlib.util
-    import os
 
     arg = None
     if not os.path.isfile(path) and ":" in path and os.path.isfile(path.rsplit(":", 1)[0]):
@@ -89,7 +95,6 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
     """Checks --config and every --config.a.b flag before absl parses them (absl's own errors are tracebacks
     from deep inside ml_collections): a missing or broken file, an unknown field (with the closest names),
     a value of the wrong type. Exits 2 with one line on the first problem."""
-    import difflib
 
     from resformer_jax.config import MissingField, get_dotted
 
@@ -146,8 +151,6 @@ class _LibraryErrorFile:
     storage, which cannot append, a file per process rewritten whole (errors are rare)."""
 
     def __init__(self, workdir: str):
-        import os
-        import tempfile
 
         from etils import epath
 
@@ -187,8 +190,6 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
     """Errors that libraries log from their own threads (orbax's asynchronous writers, asyncio) go to a file
     instead of the console, where they would bury the one line that says what happened; that line points to
     the file. Warnings stay on the console."""
-    import logging
-    import threading
 
     sink = _LibraryErrorFile(workdir)
 
@@ -201,8 +202,6 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
 
     for h in logging.getLogger().handlers + logging.getLogger("absl").handlers:
         h.addFilter(Divert())
-
-    import traceback
 
     def thread_hook(args):
         sink.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
@@ -226,7 +225,6 @@ HELP_FLAGS = ("--help", "-h", "--helpshort", "-?", "--help=true")
 def command_help(module) -> str:
     """A command's --help: its docstring, then each flag it defines with its help and default (absl's own --help
     lists only the flags of the program's __main__ module, which for `resformer COMMAND` is the dispatcher)."""
-    import inspect
 
     from absl import flags
 

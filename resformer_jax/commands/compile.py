@@ -146,7 +146,6 @@ def _target_platform(argv) -> str:
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

@@ -9,6 +9,10 @@ Writes RUN/eval/*.json and TensorBoard scalars under RUN/tb.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import time
+
 from absl import flags
 
 flags.DEFINE_string("workdir", None, "Run directory.", required=True)
@@ -22,8 +26,6 @@ FLAGS = flags.FLAGS
 
 
 def validation_table(cfg, params, data: str | None, batch: int, say=print) -> dict:
-    import dataclasses
-    import time
 
     import jax
     import numpy as np
@@ -63,7 +65,6 @@ def main(argv):
 
 
 def evaluate():
-    import sys
 
     from resformer_jax.commands.common import ConfigFlagError
     from resformer_jax.eval.zero_shot import check_tasks, zero_shot
@@ -124,7 +125,6 @@ def evaluate():
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

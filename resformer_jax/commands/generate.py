@@ -64,6 +64,24 @@ def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def read_prompts(tok, vocab_size: int) -> list[list[int]]:
+    """The prompts as token ids: --prompt_ids, or --prompt and --prompts_file's lines encoded by the run's tokenizer."""
+    if FLAGS.prompt_ids:
+        return [parse_prompt_ids(FLAGS.prompt_ids, vocab_size)]
+    texts = [FLAGS.prompt] if FLAGS.prompt is not None else []
+    if FLAGS.prompts_file:
+        with open(FLAGS.prompts_file) as f:
+            texts += [ln.rstrip("\n") for ln in f if ln.strip()]
+    if not texts:
+        raise cli.ConfigFlagError("give --prompt, --prompts_file or --prompt_ids")
+    if tok is None:
+        raise cli.ConfigFlagError(
+            f"{FLAGS.workdir.rstrip('/')}/tokenizer.json not found (a run on synthetic data has no tokenizer); "
+            "use --prompt_ids"
+        )
+    return [tok.encode(t, add_special_tokens=False).ids or [0] for t in texts]
+
+
 def main(argv):
     cli.start()
 
@@ -74,27 +92,9 @@ def main(argv):
         cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
     from resformer_jax.rundir import RunDir
 
-    tok_path = f"{FLAGS.workdir.rstrip('/')}/tokenizer.json"
     with cli.exit_on_user_error():
         tok = RunDir(FLAGS.workdir).tokenizer()
-    if FLAGS.prompt_ids:
-        with cli.exit_on_user_error():
-            prompts = [parse_prompt_ids(FLAGS.prompt_ids, cfg.model.vocab_size)]
-    else:
-        texts = [FLAGS.prompt] if FLAGS.prompt is not None else []
-        if FLAGS.prompts_file:
-            with open(FLAGS.prompts_file) as f:
-                texts += [ln.rstrip("\n") for ln in f if ln.strip()]
-        if not texts:
-            print("error: give --prompt, --prompts_file or --prompt_ids", file=sys.stderr)
-            sys.exit(EXIT_USER_ERROR)
-        if tok is None:
-            print(
-                f"error: {tok_path} not found (a run on synthetic data has no tokenizer); use --prompt_ids",
-                file=sys.stderr,
-            )
-            sys.exit(EXIT_USER_ERROR)
-        prompts = [tok.encode(t, add_special_tokens=False).ids or [0] for t in texts]
+        prompts = read_prompts(tok, cfg.model.vocab_size)
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
     if max_len > cfg.model.max_seq_len:
@@ -118,7 +118,14 @@ def main(argv):
         )
         stop = (eot,) if eot is not None else ()
         sampling = [
-            SamplingParams(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed + i, stop)
+            SamplingParams(
+                max_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature,
+                top_k=FLAGS.top_k,
+                top_p=FLAGS.top_p,
+                seed=FLAGS.seed + i,
+                stop_ids=stop,
+            )
             for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
@@ -149,7 +156,6 @@ def main(argv):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

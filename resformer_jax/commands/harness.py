@@ -11,12 +11,13 @@ resformer_jax/eval/lm_eval_model.py, and then runs lm-eval's own CLI.)
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 from resformer_jax.errors import EXIT_USER_ERROR
 
 
 def cli_main():
-    import importlib.util
-    import sys
 
     from resformer_jax.commands import common as cli
 

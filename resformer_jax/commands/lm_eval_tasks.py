@@ -5,6 +5,8 @@ resformer lm-eval-tasks --task_data=DIR --out=configs/lm_eval_tasks
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
 
 from resformer_jax.commands import common as cli
@@ -24,7 +26,6 @@ def main(argv):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

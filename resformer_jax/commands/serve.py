@@ -14,8 +14,18 @@ serve extra: pip install -e '.[serve]'.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
 from absl import flags
 
+from resformer_jax.commands import common as cli
 from resformer_jax.errors import EXIT_USER_ERROR
 
 flags.DEFINE_string(
@@ -56,15 +66,6 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    import importlib.util
-    import logging
-    import os
-    import signal
-    import sys
-    import threading
-
-    from resformer_jax.commands import common as cli
-
     cli.start()
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
@@ -101,22 +102,7 @@ def main(argv):
     thread = EngineThread(engine, metrics)
     thread.start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    full = engine.pool.usable // engine.pool.pages_for(engine.max_len)
-    print(
-        f"serving {name} ({step}, {model_cfg.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
-        f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
-        f"({engine.bytes_per_token} bytes a token): {full} sequences of the full {engine.max_len}-token context"
-        + (f", on {engine.shards} devices" if engine.shards > 1 else "")
-        + ("; prefix cache on" if engine.prefix_cache else "; prefix cache off")
-        + (
-            f"; trained at {trained_len} tokens: prompts past that are extrapolation"
-            if trained_len and trained_len < engine.max_len
-            else ""
-        )
-        + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids"),
-        file=sys.stderr,
-        flush=True,
-    )
+    print(_capacity_line(name, step, engine, tokenizer, trained_len), file=sys.stderr, flush=True)
     app = make_app(thread, tokenizer, name, metrics, chat_template=template, trained_len=trained_len)
     budget = FLAGS.shutdown_budget_s
     config = uvicorn.Config(
@@ -147,10 +133,26 @@ def main(argv):
     print("server stopped", file=sys.stderr, flush=True)
 
 
-def _check_workdir(path: str) -> None:
-    import os
+def _capacity_line(name: str, step, engine, tokenizer, trained_len: int | None) -> str:
+    """What `serve` prints at start: where, the cache's size, and how many sequences of the full context it holds."""
+    m = engine.model_cfg
+    full = engine.pool.usable // engine.pool.pages_for(engine.max_len)
+    return (
+        f"serving {name} ({step}, {m.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
+        f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
+        f"({engine.bytes_per_token} bytes a token): {full} sequences of the full {engine.max_len}-token context"
+        + (f", on {engine.shards} devices" if engine.shards > 1 else "")
+        + ("; prefix cache on" if engine.prefix_cache else "; prefix cache off")
+        + (
+            f"; trained at {trained_len} tokens: prompts past that are extrapolation"
+            if trained_len and trained_len < engine.max_len
+            else ""
+        )
+        + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids")
+    )
 
-    from resformer_jax.commands import common as cli
+
+def _check_workdir(path: str) -> None:
 
     if os.path.isfile(path):
         raise cli.ConfigFlagError(f"--workdir={path} is a file, not a directory; give a run directory or an export")
@@ -160,9 +162,6 @@ def _check_workdir(path: str) -> None:
 
 def _bind(host: str, port: int):
     """The listening socket, bound now (uvicorn serves on it): a port in use is one line before anything loads."""
-    import socket
-
-    from resformer_jax.commands import common as cli
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -182,10 +181,6 @@ def _bind(host: str, port: int):
 
 def _chat_template(path: str | None, workdir: str) -> str | None:
     """--chat_template's text, or the export's tokenizer_config.json's chat_template, or None (a base model)."""
-    import json
-    import os
-
-    from resformer_jax.commands import common as cli
 
     if path:
         if not os.path.isfile(path):
@@ -203,11 +198,9 @@ def _chat_template(path: str | None, workdir: str) -> str | None:
 def _load(path: str, step: int | None):
     """(model config, parameters, what was loaded, tokenizer or None, the trained sequence length or None) of a run
     directory or an exported HF folder."""
-    import os
 
     from tokenizers import Tokenizer
 
-    from resformer_jax.commands import common as cli
     from resformer_jax.rundir import RunDir
 
     hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints"))
@@ -229,7 +222,6 @@ def _load(path: str, step: int | None):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

@@ -329,7 +329,6 @@ def main(argv):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

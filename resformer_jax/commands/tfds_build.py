@@ -5,6 +5,8 @@ resformer tfds-build --data=DIR     # DIR written by data_prep.prepare
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
 
 from resformer_jax.commands import common as cli
@@ -23,7 +25,6 @@ def main(argv):
 
 
 def cli_main():
-    import sys
 
     from resformer_jax.commands.common import run_app
 

@@ -28,8 +28,7 @@ from resformer_jax.engine.runner import ModelRunner, bucket, cache_bytes_per_tok
 from resformer_jax.model.config import ModelConfig
 
 # Decode steps one program runs between readbacks: the host's scheduling, dispatch and readback paid once for 8
-# tokens a row (at one row a 468M step's bytes take 0.2-0.7 ms on an H100 or H200, less than Python's work for a
-# step; on 2 CPU cores 8 measured 5-10% faster than 1). While prompts are being read, one step a readback.
+# tokens a row (measured in docs/evaluation.md). While prompts are being read, one step a readback.
 DECODE_STEPS = 8
 TOP_LOGPROBS = 20  # alternatives a scored position gives at most (vLLM's and OpenAI's maximum)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from resformer_jax.errors import UserError
-from resformer_jax.kernels.names import CONTEXT_PARALLEL_IMPLS, IMPLS, balanced_order, target_backend
+from resformer_jax.kernels.names import (
+    CONTEXT_PARALLEL_IMPLS,
+    DOCUMENT_MASK_IMPLS,
+    IMPLS,
+    balanced_order,
+    target_backend,
+    unprobed_auto,
+)
 
 
 class KernelUnavailable(UserError, RuntimeError):
@@ -63,10 +69,6 @@ def _dpa(q, k, v, causal, implementation, segments_BxT=None):
 def same_document(q_segments_BxT, k_segments_BxS):
     """[B, T, S]: whether query t and key s lie in the same document (a packed sequence's block-diagonal mask)."""
     return q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :]
-
-
-# Impls that mask documents (segment ids); cudnn (through jax.nn.dot_product_attention) takes no mask of this kind.
-DOCUMENT_MASK_IMPLS = ("reference", "xla", "chunked", "pallas", "splash")
 
 
 # Kernels lowered as custom calls (Triton, Mosaic) cannot be partitioned by XLA: under a mesh they run
@@ -126,31 +128,37 @@ def attention(
     # A batch that does not divide (model.init traces batch 1) runs whole; train and eval batches
     # always divide (parallel/mesh.check_divisibility).
     if impl in CUSTOM_CALL_IMPLS and shards > 1 and q_BxTxHxD.shape[0] % shards == 0:
-        spec = jax.sharding.PartitionSpec(batch_axes)
+        return _per_batch_shard(
+            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, batch_axes, segments_BxT, value_mix, lambda_grads, rope
+        )
+    return _attention_here(
+        q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, segments_BxT, value_mix, lambda_grads, rope
+    )
 
-        def per_shard(q, k, v, segments, value_mix, rope):
-            return attention(
-                q,
-                k,
-                v,
-                causal=causal,
-                impl=impl,
-                segments_BxT=segments,
-                value_mix=value_mix,
-                lambda_grads=lambda_grads,
-                rope=rope,
-            )
 
-        # V_1 split as V; (l1, l2) whole, or a gate [B, S, K] split as V
-        mix_spec = None if value_mix is None else (spec, P() if value_mix[1].ndim == 1 else spec)
-        rope_spec = None if rope is None else (spec, P())  # positions split as q, inv_freq whole
-        return jax.shard_map(
-            per_shard,
-            mesh=mesh,
-            in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec, rope_spec),
-            out_specs=spec,
-            check_vma=False,
-        )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope)
+def _per_batch_shard(
+    q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, batch_axes, segments_BxT, value_mix, lambda_grads, rope
+):
+    """A custom-call kernel (XLA cannot partition it) run on each device's shard of the batch."""
+    spec = jax.sharding.PartitionSpec(batch_axes)
+
+    def per_shard(q, k, v, segments, value_mix, rope):
+        return _attention_here(q, k, v, causal, impl, None, segments, value_mix, lambda_grads, rope)
+
+    # V_1 split as V; (l1, l2) whole, or a gate [B, S, K] split as V
+    mix_spec = None if value_mix is None else (spec, P() if value_mix[1].ndim == 1 else spec)
+    rope_spec = None if rope is None else (spec, P())  # positions split as q, inv_freq whole
+    return jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec, rope_spec),
+        out_specs=spec,
+        check_vma=False,
+    )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope)
+
+
+def _attention_here(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, segments_BxT, value_mix, lambda_grads, rope):
+    """The impl itself, on what this program holds (a whole batch, or one shard's under shard_map)."""
     if impl == "reference":
         mask = None
         if segments_BxT is not None:
@@ -223,47 +231,6 @@ def rms_norm(h_BxTxE, scale_E, *, eps, out_dtype, passes=False, outputs=1, mesh=
     )(h_BxTxE, scale_E)
 
 
-def probe_norm(rows: int, d_model: int, dtype, log_fn=print, repeats: int = 3, clock=time.perf_counter) -> str:
-    """model.norm_impl=auto on a GPU: 'pallas' or 'xla', whichever runs RMSNorm forward + backward faster at the run's
-    rows (a device's tokens a microbatch) and width, as a layer runs it (the stream passed through, y to two groups of
-    consumers, real cotangents). Kernels that fail fall back to XLA's norm, the reason logged."""
-    h = jnp.full((1, rows, d_model), 0.1, dtype)
-    scale = jnp.ones((d_model,), jnp.float32)
-    cotangents = tuple(jnp.full((1, rows, d_model), 0.01 * (i + 1), dtype) for i in range(3))
-
-    def plain(h, scale):
-        y = plain_rms_norm(h, scale, 1e-5, dtype)
-        return h, y, y
-
-    def in_kernels(h, scale):
-        return rms_norm(h, scale, eps=1e-5, out_dtype=dtype, passes=True, outputs=2)
-
-    seconds: dict[str, float] = {}
-    failed = ""
-    for impl, fn in (("pallas", in_kernels), ("xla", plain)):
-
-        def fwd_bwd(h, scale, cts, fn=fn):
-            outs, vjp = jax.vjp(fn, h, scale)
-            return outs[1], vjp(cts)
-
-        step = jax.jit(fwd_bwd)
-        try:
-            jax.block_until_ready(step(h, scale, cotangents))  # compiles
-        except Exception as e:
-            failed = f"; the kernels failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
-            continue
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = clock()
-            jax.block_until_ready(step(h, scale, cotangents))
-            best = min(best, clock() - t0)
-        seconds[impl] = best
-    choice = min(seconds, key=lambda k: seconds[k])
-    times = "".join(f"; {k} {v * 1e3:.3f} ms" for k, v in seconds.items())
-    log_fn(f"model.norm_impl=auto chose {choice!r} (faster forward+backward at {rows} x {d_model}{times}){failed}")
-    return choice
-
-
 def context_size(mesh) -> int:
     """Devices each sequence is split over (the mesh's `context` axis; 1 without one)."""
     return int(dict(mesh.shape).get("context", 1)) if mesh is not None else 1
@@ -333,97 +300,3 @@ def _context_parallel(q, k, v, causal, impl, mesh, batch_axes, segments_BxT):
     else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
     return on_context(out, mesh, batch_axes)
-
-
-def auto_candidates(backend: str, documents: bool = False) -> tuple[list[str], dict[str, str]]:
-    """(impls `auto` tries in order on this backend, {impl: why it is not tried}); documents: only the impls that
-    mask packed documents."""
-    candidates, rejected = _backend_candidates(backend)
-    if documents:
-        rejected.update({i: "it takes no document mask" for i in candidates if i not in DOCUMENT_MASK_IMPLS})
-        candidates = [i for i in candidates if i in DOCUMENT_MASK_IMPLS]
-    return candidates, rejected
-
-
-def _backend_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
-    if backend == "gpu":
-        return ["pallas", "cudnn", "xla"], {"splash": "backend 'gpu' is not a TPU"}
-    if backend == "tpu":
-        return ["splash", "xla"], {"pallas": "backend 'tpu' is not a GPU", "cudnn": "backend 'tpu' is not a GPU"}
-    why = f"backend {backend!r} is not an accelerator (the kernel runs only interpreted here)"
-    return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
-
-
-def unprobed_auto(backend: str) -> str:
-    """What `auto` is where nothing is timed: the backend's first candidate (chunked on CPU, the Pallas kernel on
-    GPU, splash on TPU). The probe (`probe_auto`) keeps the fastest that runs instead."""
-    return auto_candidates(backend)[0][0]
-
-
-def probe_auto(
-    q_shape,
-    kv_heads,
-    dtype,
-    log_fn=print,
-    backend: str | None = None,
-    repeats: int = 3,
-    clock=time.perf_counter,
-    documents: bool = False,
-    value_mix: bool = False,
-):
-    """The impl `auto` resolves to at the real shapes: every candidate that compiles and runs forward+backward.
-    value_mix (ResFormer's Eq. 7 layers): each candidate is timed on what such a layer runs, pallas forming the
-    mix as it loads V and the others attending over the value mixed first (a pass of its own, timed with them).
-
-    On an accelerator (GPU: pallas, cudnn, xla; TPU: splash, xla) each one that runs is timed (the best of
-    `repeats` runs after its compile) and the fastest is kept, each time logged; on a CPU the first that runs
-    (chunked, causal blocks in plain XLA ops, is faster than xla there). `backend` defaults to JAX's default
-    backend (tests inject one). Returns (choice, {rejected impl: reason}); it records nothing: the caller carries
-    the choice into the model's config (resolve.py).
-    """
-    backend = backend or jax.default_backend()
-    candidates, rejected = auto_candidates(backend, documents)
-    timed = backend in ("gpu", "tpu")
-    B, T, H, D = q_shape
-    seconds: dict[str, float] = {}
-    for impl in candidates:
-        try:
-            q = jnp.ones((B, T, H, D), dtype) * 0.1
-            kv = jnp.ones((B, T, kv_heads, D), dtype) * 0.1
-
-            def loss(q, k, v, v1, impl=impl):
-                lam = jnp.array([0.5, 0.5], jnp.float32)
-                if not value_mix:
-                    out = attention(q, k, v, causal=True, impl=impl)
-                elif impl == "pallas":
-                    out = attention(q, k, v, causal=True, impl=impl, value_mix=(v1, lam), lambda_grads=False)
-                else:  # the model's Eq. 7 before the attention
-                    out = attention(q, k, (lam[0] * v1 + lam[1] * v).astype(v.dtype), causal=True, impl=impl)
-                return out.astype(jnp.float32).sum()
-
-            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-            jax.block_until_ready(step(q, kv, kv, kv))  # compiles
-        except Exception as e:
-            rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            continue
-        if not timed:
-            seconds[impl] = 0.0
-            break
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = clock()
-            jax.block_until_ready(step(q, kv, kv, kv))
-            best = min(best, clock() - t0)
-        seconds[impl] = best
-    if not seconds:
-        raise KernelUnavailable(f"no attention impl runs here: {rejected}")
-    choice = min(seconds, key=lambda k: seconds[k])
-    times = "".join(f"; {k} {v * 1e3:.2f} ms" for k, v in seconds.items()) if timed else ""
-    mixed = " with ResFormer's value mix (pallas forms it in the kernel, the others after a pass)" if value_mix else ""
-    msg = (
-        f"attention_impl=auto chose {choice!r}"
-        + (f" (fastest forward+backward at {q_shape}{mixed}{times})" if timed else "")
-        + "".join(f"; rejected {k}: {v}" for k, v in rejected.items())
-    )
-    log_fn(msg)
-    return choice, rejected

@@ -37,9 +37,8 @@ from resformer_jax.kernels.names import target_backend
 
 MIN_BLOCK = 128
 MAX_BLOCKS = 16
-# CPU: the logits a (batch, kv-head) group of one query block may hold: about one core's L2 on the hosts measured
-# (AMD EPYC: 512 KiB); 2 pairs at the 82M shape's [128, 512] fp32 blocks, which measured fastest (1, 2, 4, 8, 16
-# and all 64 pairs tried).
+# CPU: the logits a (batch, kv-head) group of one query block may hold: about one core's L2 (the sizes tried are in
+# docs/performance.md).
 CACHE_BYTES = 512 * 1024
 
 

@@ -69,3 +69,32 @@ def balanced_order(T: int, context: int):
 
     slices = np.arange(T).reshape(2 * context, T // (2 * context))
     return np.concatenate([np.concatenate([slices[r], slices[2 * context - 1 - r]]) for r in range(context)])
+
+
+# Impls that mask documents (segment ids); cudnn (through jax.nn.dot_product_attention) takes no mask of this kind.
+DOCUMENT_MASK_IMPLS = ("reference", "xla", "chunked", "pallas", "splash")
+
+
+def auto_candidates(backend: str, documents: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(impls `auto` tries in order on this backend, {impl: why it is not tried}); documents: only the impls that
+    mask packed documents."""
+    candidates, rejected = _backend_candidates(backend)
+    if documents:
+        rejected.update({i: "it takes no document mask" for i in candidates if i not in DOCUMENT_MASK_IMPLS})
+        candidates = [i for i in candidates if i in DOCUMENT_MASK_IMPLS]
+    return candidates, rejected
+
+
+def _backend_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
+    if backend == "gpu":
+        return ["pallas", "cudnn", "xla"], {"splash": "backend 'gpu' is not a TPU"}
+    if backend == "tpu":
+        return ["splash", "xla"], {"pallas": "backend 'tpu' is not a GPU", "cudnn": "backend 'tpu' is not a GPU"}
+    why = f"backend {backend!r} is not an accelerator (the kernel runs only interpreted here)"
+    return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
+
+
+def unprobed_auto(backend: str) -> str:
+    """What `auto` is where nothing is timed: the backend's first candidate (chunked on CPU, the Pallas kernel on
+    GPU, splash on TPU). The probe (`probe_auto`) keeps the fastest that runs instead."""
+    return auto_candidates(backend)[0][0]

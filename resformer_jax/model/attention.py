@@ -112,7 +112,7 @@ def _first_layer_plan(m: ModelConfig | None = None) -> LayerPlan:
 
 def kernel_can_mix_values(m: ModelConfig) -> bool:
     """Whether the layers >= 2 attend over a value mix the Pallas kernel can form itself (Eq. 7), so that `auto`
-    times the kernels on it (kernels.probe_auto value_mix)."""
+    times the kernels on it (kernels/probe.py probe_auto, value_mix)."""
     return m.num_layers > 1 and plan_layer(dataclasses.replace(m, attention_impl="pallas"), 2).mix_in_kernel
 
 

@@ -106,6 +106,12 @@ class ModelConfig:
 
     def __post_init__(self):
         """The model's own fields checked where they are declared: ConfigError names the first impossible one."""
+        self._check_shape()
+        self._check_impls()
+        self._check_variant()
+
+    def _check_shape(self) -> None:
+        """The mode, the sizes and what the heads must divide."""
         if self.value_residual not in VALUE_RESIDUAL_MODES:
             _fail(
                 "value_residual",
@@ -139,6 +145,9 @@ class ModelConfig:
                 f"head_dim={self.head_dim} is odd, RoPE needs an even head_dim",
                 "choose num_heads so d_model/num_heads is even",
             )
+
+    def _check_impls(self) -> None:
+        """Remat, norm and attention impls and the lambda mode: known names, and kernels that apply."""
         if self.remat not in REMAT_POLICIES:
             _fail("remat", f"unknown policy {self.remat!r}", f"use one of {', '.join(REMAT_POLICIES)}")
         if self.norm_impl == "pallas" and not self.norm_kernel_applies:
@@ -156,6 +165,9 @@ class ModelConfig:
                 f"unknown {self.resformer_lambdas!r}",
                 f"use one of {', '.join(RESFORMER_LAMBDAS)}",
             )
+
+    def _check_variant(self) -> None:
+        """The value-residual variant's own fields: value embeddings, SkipV1Former's heads, the ablations."""
         kv = self.kv_heads
         if not 0 <= self.value_embeddings <= self.num_layers // 2:
             _fail(

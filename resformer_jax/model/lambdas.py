@@ -39,7 +39,7 @@ def _scalar(module: nn.Module, name: str, value: float):
 
 
 def stack_lambdas(module: nn.Module, m: ModelConfig):
-    """[N-1, 2] (l1, l2) per layer >= 2; `learnable_plus` creates its stack-level parameters on `module`."""
+    """[L-1, 2]: (l1, l2) of each layer >= 2; `learnable_plus` creates its stack-level parameters on `module`."""
     lams_Lx2 = jnp.asarray(fixed_lambdas(m))
     if m.mixes_values and m.resformer_lambdas == "learnable_plus":
         n = m.num_layers - 1

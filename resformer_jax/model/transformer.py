@@ -264,7 +264,7 @@ class Transformer(nn.Module):
             )
         if self.capture:
             self.sow("intermediates", "embedding_output", h_BxTxE)
-        lams_Nx2 = stack_lambdas(self, m)
+        lams_Mx2 = stack_lambdas(self, m)  # M = num_layers - 1: (l1, l2) of each layer after the first
 
         block_cls = DecoderBlock
         if m.remat != "none" and not paged:
@@ -272,7 +272,7 @@ class Transformer(nn.Module):
 
         # Layer 1: a standard layer that produces V_1 (and Q_1, K_1) for every later layer.
         carry, first = block_cls(m, 1, paged, self.capture, self.planner, name="layer_1")(
-            Carry(h=h_BxTxE), ctx, lams_Nx2[0]
+            Carry(h=h_BxTxE), ctx, lams_Mx2[0]
         )
         if context and first.v is not None:  # V_1 gathered over the context axis once, read by every later layer
             first = first._replace(v=kernels.on_context(first.v, self.mesh, split=False))
@@ -291,7 +291,7 @@ class Transformer(nn.Module):
                 length=m.num_layers - 1,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            carry, _ = scan(m, paged, self.capture, self.planner, name="layers")(carry, ctx, lams_Nx2)
+            carry, _ = scan(m, paged, self.capture, self.planner, name="layers")(carry, ctx, lams_Mx2)
         else:
             if m.scan_layers and why_unrolled:
                 log.warning("scan_layers=True but %s; running the layers unrolled.", why_unrolled)
@@ -300,7 +300,7 @@ class Transformer(nn.Module):
                 carry = dataclasses.replace(carry, h=DenseFormerAverage(2, name="dwa_1")(outputs))
             for n in range(2, m.num_layers + 1):
                 carry, _ = block_cls(m, n, paged, self.capture, self.planner, name=f"layer_{n}")(
-                    carry, ctx, lams_Nx2[n - 2]
+                    carry, ctx, lams_Mx2[n - 2]
                 )
                 if m.denseformer:
                     outputs.append(carry.h)

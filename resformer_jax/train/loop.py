@@ -368,7 +368,7 @@ class Trainer:
                 guard.close()
         cfg = s.cfg
         end = self._end_step(s)
-        step, exit_code = s.start_step, 0
+        step = s.start_step
         while step < end:
             self._enter("data", step + 1)
             batch = self._next_batch(s, step + 1)
@@ -418,7 +418,7 @@ class Trainer:
                 )
         self._enter("finish", step)
         self._finish(s, step)
-        return exit_code
+        return 0
 
     @staticmethod
     def _logs_at(s: Session, step: int) -> bool:

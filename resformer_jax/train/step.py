@@ -148,6 +148,35 @@ def loss_fn(params, model, tokens_BxTp1, chunk_len: int = LOSS_CHUNK_LEN, dropou
     return lm_loss(params, model, tokens_BxTp1, chunk_len, dropout_rng, document_starts=document_starts)[0]
 
 
+def apply_if_ok(state: TrainState, grads, loss, tx, spike_sigma: float):
+    """The optimizer's update, applied only when the loss and gradient are finite and (a SpikeWindow in the state)
+    not a spike: (the new state, the gradient's norm, finite, spike)."""
+    with jax.named_scope("optimizer"):  # named for the step profile (step_profile.py)
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        spikes, spike = state.spikes, jnp.zeros((), bool)
+        if spikes is not None:
+            spike = finite & spikes.is_spike(loss, grad_norm, spike_sigma, min(spikes.losses.shape[0], 10))
+            spikes = spikes.record(loss, grad_norm, finite & ~spike, spike)
+        ok = finite & ~spike
+        # A step not applied never touches the parameters or the optimizer state.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        new_state = dataclasses.replace(
+            state,
+            step=state.step + 1,
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt, state.opt_state),
+            nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+            first_nonfinite_step=jnp.where(
+                (state.first_nonfinite_step < 0) & ~finite, state.step, state.first_nonfinite_step
+            ),
+            spikes=spikes,
+        )
+    return new_state, grad_norm, finite, spike
+
+
 def make_train_step(
     model,
     tx,
@@ -195,29 +224,8 @@ def make_train_step(
             zeros = (zero, zero, jax.tree.map(jnp.zeros_like, state.params))
             (loss, z_mean, grads), _ = jax.lax.scan(body, zeros, (micro_AxMxT, jnp.arange(num_microbatches)))
             loss, z_mean, grads = jax.tree.map(lambda x: x / num_microbatches, (loss, z_mean, grads))
-        with jax.named_scope("optimizer"):  # named for the step profile (step_profile.py)
-            grad_norm = optax.tree.norm(grads)
-            updates, new_opt = tx.update(grads, state.opt_state, state.params)
-            new_params = optax.apply_updates(state.params, updates)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            spikes, spike = state.spikes, jnp.zeros((), bool)
-            if spikes is not None:
-                spike = finite & spikes.is_spike(loss, grad_norm, spike_sigma, min(spikes.losses.shape[0], 10))
-                spikes = spikes.record(loss, grad_norm, finite & ~spike, spike)
-            ok = finite & ~spike
-            # A step not applied never touches the parameters or the optimizer state.
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            new_state = dataclasses.replace(
-                state,
-                step=state.step + 1,
-                params=keep(new_params, state.params),
-                opt_state=keep(new_opt, state.opt_state),
-                nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-                first_nonfinite_step=jnp.where(
-                    (state.first_nonfinite_step < 0) & ~finite, state.step, state.first_nonfinite_step
-                ),
-                spikes=spikes,
-            )
+        new_state, grad_norm, finite, spike = apply_if_ok(state, grads, loss, tx, spike_sigma)
+        spikes = new_state.spikes
         metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
         if z_loss:
             metrics["z_loss"] = z_mean
