@@ -59,21 +59,21 @@ for p in prompts:
 json.dump(out, open(sys.argv[2], "w"))
 EOF
 }
+measure() {  # measure NAME PORT: the server started just before, on PORT; stopped after
+  up "http://127.0.0.1:$2"
+  greedy "http://127.0.0.1:$2" "$W/greedy_$1.json"
+  "$W/vllm/bin/vllm" bench serve "${LOAD[@]}" --base-url "http://127.0.0.1:$2" --seed 1 >/dev/null 2>&1
+  echo "== $1"
+  "$W/vllm/bin/vllm" bench serve "${LOAD[@]}" --base-url "http://127.0.0.1:$2" --seed 0 2>&1 | grep -a -A30 "Benchmark Result"
+  kill $pid && wait $pid || true
+}
 VLLM_CPU_KVCACHE_SPACE=1 "$W/vllm/bin/vllm" serve "$W/hf" --served-model-name hf --dtype float32 --max-model-len 2048 \
   --max-num-seqs 64 --port 8100 >"$W/vllm_server.log" 2>&1 &
 pid=$!
-up http://127.0.0.1:8100
-greedy http://127.0.0.1:8100 "$W/greedy_vllm.json"
-"$W/vllm/bin/vllm" bench serve "${LOAD[@]}" --base-url http://127.0.0.1:8100 --seed 1 >/dev/null 2>&1
-"$W/vllm/bin/vllm" bench serve "${LOAD[@]}" --base-url http://127.0.0.1:8100 --seed 0 2>&1 | grep -a -A30 "Benchmark Result"
-kill $pid && wait $pid || true
+measure vllm 8100
 $PY -m resformer_jax serve --workdir="$W/hf" --port=8101 --cache_gib=1 --max_batch=64 >"$W/resformer_server.log" 2>&1 &
 pid=$!
-up http://127.0.0.1:8101
-greedy http://127.0.0.1:8101 "$W/greedy_resformer.json"
-"$W/vllm/bin/vllm" bench serve "${LOAD[@]}" --base-url http://127.0.0.1:8101 --seed 1 >/dev/null 2>&1
-"$W/vllm/bin/vllm" bench serve "${LOAD[@]}" --base-url http://127.0.0.1:8101 --seed 0 2>&1 | grep -a -A30 "Benchmark Result"
-kill $pid && wait $pid || true
+measure resformer 8101
 $PY -c "
 import json, sys
 a, b = (json.load(open(f'$W/greedy_{n}.json')) for n in ('vllm', 'resformer'))

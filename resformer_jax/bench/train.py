@@ -105,7 +105,7 @@ class TrainBench:
             f"bench train {self.cfg.model.value_residual}: a step profiled and read in {time.perf_counter() - t0:.1f} s"
         )
         # Against the fastest unprofiled step so far: a shared host's slow spells only ever lengthen a step, and
-        # pairing with one round's step made the ratio as noisy as that round (0.79 once in CI, the profile faster).
+        # pairing with one round's step made the ratio as noisy as that round.
         self.profiles.append(
             {**p.breakdown, "trace_dir": p.trace_dir, "ratio": p.breakdown["profiled_step_s"] / min(self.times)}
         )

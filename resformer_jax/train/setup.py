@@ -51,7 +51,7 @@ class TrainSetup:
     train_step: Any  # jitted (state, tokens [B, T+1]) -> (state, metrics)
     eval_step: Any  # jitted (params, tokens) -> loss
     # train.telemetry: the same step with the per-layer norms in its metrics, run on logged steps only (a condition
-    # inside one program kept every step's gradients and parameters live for it: 10% of an 82M CPU step)
+    # inside one program kept every step's gradients and parameters live for it: a slower step)
     telemetry_step: Any = None
 
     @property
