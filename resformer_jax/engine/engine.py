@@ -565,8 +565,12 @@ class Engine:
         r.tokens.append(token)
         r.logprobs.append(logprob)
         at = len(r.prompt) + len(r.tokens) - 1
-        if r.scores is not None and at < len(r.scores.top) and r.scores.top[at] is not None:
-            r.scores.logprob[at] = logprob  # the step's top tokens are set already; the chosen one's comes here
+        top = r.scores.top[at] if r.scores is not None and at < len(r.scores.top) else None
+        if r.scores is not None and top is not None:  # the step's top tokens are set already; the chosen one's here
+            among = np.flatnonzero(top[0] == token)
+            # read off the same log-softmax as its alternatives where it is one (the sampler's own differs by
+            # round-off), so a token's log-probability equals its entry in top_logprobs, as vLLM's does
+            r.scores.logprob[at] = float(top[1][among[0]]) if among.size else logprob
         r.token_times_s.append(time.perf_counter())
         self.stats.generated_tokens += 1
         if r.on_token is not None:
