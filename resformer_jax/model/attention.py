@@ -84,6 +84,13 @@ class LayerPlan:
         """Which of W_Q, W_K, W_V the layer has (a layer without one has no parameter for it)."""
         return self.query == "own", self.key == "own", self.value == "own"
 
+    def in_mode(self, whole: bool) -> LayerPlan:
+        """The plan as one call runs it, its fusion decided here once: Eq. 7's mix and RoPE go into the attention
+        kernel only over a whole sequence on one device (training, evaluation; `whole`), never over the paged
+        cache, in the analysis' capture or on a context axis, and RoPE not in Eq. 2's attention over two caches."""
+        rope = self.rope_in_kernel and whole and not (self.mapping == "cross_layer" and not self.first)
+        return dataclasses.replace(self, mix_in_kernel=self.mix_in_kernel and whole, rope_in_kernel=rope)
+
 
 def _rope_in_kernel(m: ModelConfig | None) -> bool:
     """The Pallas kernel takes q and k before RoPE (its backward's halves of the head are Triton blocks: head_dim a
@@ -173,7 +180,7 @@ class LayerTensors(NamedTuple):
     k: jax.Array  # [B, T, K, D], before RoPE
     v: Any  # [B, T, K, D] V_n; None where the layer has no W_V (SVFormer)
     v_att: Any  # the value A_n was applied to; None where the attention kernel formed it (plan.mix_in_kernel)
-    k_all: jax.Array  # [B, S, K, D] rotated keys attended over
+    k_all: jax.Array  # [B, S, K, D] the keys attended over (rotated where RoPE is not in the kernel; read over pages)
     v_all: Any  # [B, S, K, D] values attended over (None as v_att)
 
 
@@ -461,17 +468,15 @@ class Attention(nn.Module):
         if gate_BxTxK is not None:
             self.sow("intermediates", "gate_mean", gate_BxTxK.mean())
         mix_in = ValueMix(v_BxTxKxD, v_src, shared, l1, l2, dtype, carry.v_sum, carry.n_prev, gate_BxTxK)
-        # Eq. 7 (and the queries' RoPE) in the attention kernel where it runs on the whole sequence (training,
-        # evaluation)
-        whole = not (self.paged or self.capture) and kernels.context_size(ctx.mesh) == 1
-        in_kernel = p.mix_in_kernel and whole
-        rope_in_kernel = p.rope_in_kernel and whole and not (p.mapping == "cross_layer" and not p.first)
+        # Eq. 7 (and RoPE) in the attention kernel where the plan says so for this mode (LayerPlan.in_mode)
+        in_kernel, rope_in_kernel = p.mix_in_kernel, p.rope_in_kernel
         v_att_BxTxKxD = None if in_kernel else p.mix(mix_in)
 
-        # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead.
+        # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead. The kernel that rotates
+        # them itself takes them as they are.
         inv_freq = rope_inv_freq(m)
         rotate = (lambda x: rope(x, ctx.positions, m.rope_theta, inv_freq)) if m.uses_rope else (lambda x: x)
-        qr_BxTxHxD, kr_BxTxKxD = rotate(q_BxTxHxD), rotate(k_BxTxKxD)  # (in the kernel's path: unused, dropped)
+        qr_BxTxHxD, kr_BxTxKxD = (q_BxTxHxD, k_BxTxKxD) if rope_in_kernel else (rotate(q_BxTxHxD), rotate(k_BxTxKxD))
         rope_in = (ctx.positions, kernel_rope.inverse_frequencies(m.head_dim, m.rope_theta, inv_freq))
 
         # U_n = A_n V (Eq. 1, 4, 7, 10 alike: only V differs); Eq. 2 attends over layer n's and layer 1's K/V.
@@ -484,8 +489,8 @@ class Attention(nn.Module):
             u_BxTxHxD = self._attend_captured(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
         else:
             u_BxTxHxD = kernels.attention(
-                q_BxTxHxD if rope_in_kernel else qr_BxTxHxD,
-                k_BxTxKxD if rope_in_kernel else kr_BxTxKxD,
+                qr_BxTxHxD,
+                kr_BxTxKxD,
                 v_BxTxKxD if in_kernel else v_att_BxTxKxD,
                 causal=True,
                 impl=m.attention_impl,

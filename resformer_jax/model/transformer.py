@@ -157,7 +157,8 @@ class DecoderBlock(nn.Module):
     def __call__(self, carry: Carry, ctx: Context, lam_2) -> tuple[Carry, LayerTensors]:
         m = self.cfg
         dtype = jnp.dtype(m.dtype)
-        plan = self.planner(m, self.layer)
+        whole = not (self.paged or self.capture) and kernels.context_size(ctx.mesh) == 1  # kernels may fuse (in_mode)
+        plan = self.planner(m, self.layer).in_mode(whole)
         lam_2 = block_lambdas(self, m, self.layer, lam_2)
         kernel = not (self.paged or self.capture)
         # the stream passes through each norm, so a kernel's backward adds its gradient in the norm's own pass
