@@ -8,6 +8,7 @@ stopping on an impossible config with one message that names the field and the f
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import types
@@ -588,6 +589,17 @@ class RunConfig:
 
     def replace(self, **sections) -> RunConfig:
         return dataclasses.replace(self, **sections)
+
+    def with_resolved(self, **sections) -> RunConfig:
+        """This config with sections whose values a start resolved (resolve.py: the dtype, the attention impl, the
+        fork's step, ...), each typed by its own class; the checks across sections are not run again: they ran when
+        this config was typed, once a start."""
+        new = copy.copy(self)
+        for name, value in sections.items():
+            if not isinstance(value, SECTIONS[name]):
+                raise TypeError(f"config.{name} must be a {SECTIONS[name].__name__}, got {type(value).__name__}")
+            object.__setattr__(new, name, value)
+        return new
 
     @property
     def checkpoint_every_steps(self) -> int:

@@ -70,7 +70,7 @@ def too_big_for_here(cfg, devices: int) -> str | None:
     limit, source = device_memory_limit(cfg.mesh)
     cfg = RunConfig.of(cfg)
     if cfg.model.dtype == "auto":  # resolved later (build); bf16, the smaller choice, keeps this a lower bound
-        cfg = cfg.replace(model=cfg.model.replace(dtype="bfloat16"))
+        cfg = cfg.with_resolved(model=cfg.model.replace(dtype="bfloat16"))
     est = perf.estimate_train_memory(cfg, devices)
     if not limit or est["total"] <= limit:
         return None

@@ -51,16 +51,21 @@ class AttentionChoice:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A run as it runs. `asked`: the config as the user gave it (never changed); `cfg`: the same, typed, with the
-    resolved values in place; `model`: cfg.model typed, attention impl and matmul forms resolved for the
-    platform; `compiler_options`: the XLA options its steps compile with (usually none)."""
+    resolved values in place, its model (`model`) the one the modules are built from: attention impl, matmul
+    forms and norm resolved for the platform; `compiler_options`: the XLA options its steps compile with (usually
+    none)."""
 
     asked: ml_collections.FrozenConfigDict
     cfg: RunConfig
-    model: ModelConfig
     attention: AttentionChoice
     compiler_options: tuple[tuple[str, Any], ...]
     platform: str
     why: dict = dataclasses.field(default_factory=dict)  # {resolved field: how `auto` decided it (its numbers)}
+
+    @property
+    def model(self) -> ModelConfig:
+        """The typed model the modules are built from: cfg.model, its `auto` fields resolved."""
+        return self.cfg.model
 
     def record(self) -> dict:
         """What a run saves: the config as asked, the values resolved at start (config.RESOLVED_FIELDS) and how
@@ -194,10 +199,11 @@ def recorded_dtype(run: RunDir | None, log: Callable[[str], Any] = print) -> str
     return chosen
 
 
-def check(asked) -> None:
-    """Every field that could make a run impossible (config.validate): the one place it is called, for a run
-    and for a command that only inspects a config (the summary, a sweep's points)."""
-    validate(asked)
+def check(asked) -> RunConfig:
+    """Every field that could make a run impossible (config.validate), the config typed: the one place it is
+    called, for a run (once a start) and for a command that only inspects a config (the summary, a sweep's
+    points)."""
+    return validate(asked)
 
 
 def resolve(
@@ -210,11 +216,12 @@ def resolve(
     platform: str | None = None,
     devices: int | None = None,
     log: Callable[[str], Any] = print,
+    typed: RunConfig | None = None,
 ) -> Run:
     """The run `asked` describes, resolved once (see the module's docstring). `run`: its directory, whose record a
     resumed run keeps (the fork's step, the dtype); `attention`: a choice made already, or an impl to use instead
     of the config's (bench, analyze); `platform`/`devices`: compiling for other hardware (compile/aot.py)."""
-    check(asked)
+    typed = typed if typed is not None else check(asked)  # `typed`: the start typed it already (its one check)
     cfg = ml_collections.ConfigDict(asked.to_dict())
     cfg.train.init_from = fork_point(cfg, run, log)
     if cfg.train.init_from and cfg.train.schedule == "wsd" and not cfg.train.decay_start_step:
@@ -244,10 +251,16 @@ def resolve(
     options, why = runtime.cpu_step_compiler_options(platform, rows)
     if options:
         log(f"train and eval steps: {why}")
+    resolved = typed.with_resolved(
+        model=model_config(cfg, attention, platform, probe_rows=rows if here else 0, log=log),
+        data=dataclasses.replace(typed.data, tokenizer_hash=cfg.data.tokenizer_hash),
+        train=dataclasses.replace(
+            typed.train, init_from=cfg.train.init_from, decay_start_step=cfg.train.decay_start_step
+        ),
+    )
     return Run(
         asked=ml_collections.FrozenConfigDict(asked),
-        cfg=RunConfig.of(cfg),
-        model=model_config(cfg, attention, platform, probe_rows=rows if here else 0, log=log),
+        cfg=resolved,
         attention=attention,
         compiler_options=tuple(sorted(options.items())),
         platform=platform,

@@ -391,22 +391,32 @@ def test_each_fact_in_one_place():
             assert not walks, f"{rel} walks a dotted config path by hand ({walks}); use config.get_dotted"
 
 
-def test_the_run_is_resolved_in_one_place():
-    """config.validate is called by resolve.py alone (resolve.check for a command that only inspects a config), and
-    the one builder takes the resolved Run, not a ConfigDict."""
+def test_a_training_start_validates_its_config_once(tmp_path, monkeypatch):
+    """#76: a whole tiny run (start, 4 steps, validation, checkpoints) types and checks its config once: the
+    Trainer's check (RunConfig.__post_init__ counted); resolve takes that typed config and sets what it resolves in
+    place. The run holds one model config, the one its modules are built from, `auto` resolved; the one builder
+    takes the resolved Run, not a ConfigDict."""
     import inspect
 
-    from resformer_jax.resolve import Run
+    from resformer_jax.commands.training import run
+    from resformer_jax.config import RunConfig, tiny_config
+    from resformer_jax.resolve import Run, resolve
     from resformer_jax.train import setup
 
-    def calls_validate(tree) -> bool:
-        return any(
-            isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "validate"
-            for n in ast.walk(tree)
-        )
-
-    callers = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if calls_validate(ast.parse(f.read_text())))
-    assert callers == ["resolve.py"], f"config.validate called outside resolve.py: {callers}"
+    c = tiny_config("resformer")
+    c.train.steps, c.train.warmup_steps, c.train.eval_every, c.mesh.num_devices = 4, 1, 4, 1
+    calls = []
+    checked = RunConfig.__post_init__
+    monkeypatch.setattr(RunConfig, "__post_init__", lambda self: (calls.append(1), checked(self))[1])
+    assert run(c, str(tmp_path / "r")) == 0
+    assert len(calls) == 1, f"the config was validated {len(calls)} times in one start"
+    resolved = resolve(c, log=lambda _: None)
+    assert resolved.model is resolved.cfg.model and "auto" not in (
+        resolved.model.attention_impl,
+        resolved.model.matmuls,
+        resolved.model.norm_impl,
+        resolved.model.dtype,
+    )
     assert inspect.signature(setup.build).parameters["run"].annotation in (Run, "Run")
 
 

@@ -96,7 +96,7 @@ def evaluate_tasks(s, step: int, workdir: str, say: Callable[[str], Any]) -> Non
     tok = s.corpus.tokenizer() if s.corpus is not None else None
     mesh = s.setup.mesh if jax.process_count() > 1 else None
     found = zero_shot(
-        s.cfg.replace(model=s.setup.model_cfg),
+        s.cfg,  # its model as the run built it (resolve.Run: one model config)
         s.state.params,
         workdir,
         tasks,

@@ -124,13 +124,14 @@ class Trainer:
         self.progress = metrics.Progress(cfg.train.steps, enabled=self.is_main)
         self.say = self.progress.message
         self.asked = cfg  # what the user asked, never changed (the run's resolved copy is the session's cfg)
+        self.typed = check(cfg)  # the one validation of a start: every field that could make the run impossible
         self.preempt = False
         self.session: Session | None = None  # set by _start
         self._old_handlers: dict = {}
         # Where the time goes (written by process 0 once the run has started) and the watchdog over each phase.
         self.ledger = goodput.Ledger(self.run.goodput_json)
         self.watchdog = Watchdog(
-            Budgets.of(RunConfig.of(cfg).watchdog),
+            Budgets.of(self.typed.watchdog),
             self.run.watchdog_stacks(jax.process_index()),
             jax.process_index(),
             jax.process_count(),
@@ -171,7 +172,7 @@ class Trainer:
         hardware (the paper presets: 8x H100) stops here, saying what it is sized for and what would fit, before
         the attention probe or the compile (the compiled step's own precheck follows). `error`: an earlier check's
         problem (no data path), said in the same line."""
-        why = too_big_for_here(cfg, jax.device_count())
+        why = too_big_for_here(self.typed, jax.device_count())
         if why and error is not None:
             raise type(error)(f"{error}; and {why}") from None
         if why:
@@ -182,7 +183,7 @@ class Trainer:
     def _check_step_time(self, cfg):
         """A step that takes more than an hour here is said in one line before the compile: the run will start,
         but a user on the wrong machine learns it now, not after the first step."""
-        floor, how = perf.step_time_floor(RunConfig.of(cfg))
+        floor, how = perf.step_time_floor(self.typed)
         if floor > 3600:
             self._warn(
                 f"warning: one step of this config takes at least {perf.say_hours(floor)} on this machine ({how}); "
@@ -228,7 +229,6 @@ class Trainer:
         # Cheap checks first, each before anything that takes seconds: the config, the data, the run directory's
         # model, the fork, the memory the config needs; then the resolution (the dtype measured, the attention
         # probed at the microbatch) and the compile.
-        check(cfg)
         done = self.resume.check_run_dir(cfg)  # the newest finished step if the run looks finished
         if cfg.eval.tasks:  # the task names and files, before anything costly
             check_tasks([t for t in cfg.eval.tasks.split(",") if t], cfg.eval.task_data)
@@ -248,6 +248,7 @@ class Trainer:
             tokenizer_hash=corpus.tokenizer_sha256 if corpus is not None else None,
             eot_id=corpus.eot_id if corpus is not None else None,
             log=self.say,
+            typed=self.typed,
         )
         setup = build(run)
         cfg = run.cfg  # the run as it runs, frozen
