@@ -268,3 +268,22 @@ def test_text_file_documents_are_encoded_one_by_one_with_bos_first(tmp_path):
     stream = hf_sequences(str(tmp_path / "m"), str(text), seq_len=16, num_sequences=10, text_unit="stream")
     assert len(stream) >= 2 and not all(s[0] == 7 for s in stream)
     assert json_.load(open(tmp_path / "m" / "config.json"))["bos_token_id"] == 7
+
+
+def test_the_committed_lm_eval_task_files_are_what_the_writer_writes(tmp_path):
+    """configs/lm_eval_tasks/ (README's `--include_path`) is `resformer lm_eval_tasks`' output for
+    ../shared/data/eval_samples, byte for byte: the YAMLs and the helper module they name, a copy of
+    resformer_jax/eval/lm_eval_task_helpers.py (a change to either shows here)."""
+    import pathlib
+
+    from resformer_jax.eval.lm_eval_tasks import write_tasks
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    written = write_tasks("../shared/data/eval_samples", str(tmp_path))
+    names = sorted(pathlib.Path(p).name for p in written) + ["resformer_local_tasks.py"]
+    assert len(names) == 7
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (root / "configs" / "lm_eval_tasks" / name).read_bytes(), (
+            f"configs/lm_eval_tasks/{name} differs from what write_tasks writes: rerun `resformer lm_eval_tasks "
+            "--task_data=../shared/data/eval_samples --out=configs/lm_eval_tasks`"
+        )
