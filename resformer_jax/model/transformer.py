@@ -355,7 +355,8 @@ def param_shapes(m: ModelConfig, boxed: bool = False):
 
 @functools.lru_cache(maxsize=16)
 def _traced_param_shapes(m: ModelConfig, boxed: bool):
-    model = Transformer(m)
+    # the kernels hold no parameters: traced with XLA's, never a GPU kernel interpreted (a compile target's model)
+    model = Transformer(m.replace(attention_impl="xla", norm_impl="xla"))
     T = min(8, m.max_seq_len)
     variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32)))
     return variables["params"] if boxed else nn.unbox(variables["params"])
