@@ -90,8 +90,7 @@ class Serving:
         with self.lock:
             live = list(self.live.items())
         for h, name in live:
-            log.warning("request %s aborted: %s", name, why)
-            self.engine_thread.cancel(h, "abort")
+            self.engine_thread.cancel(h, "abort", say=f"request {name} aborted: {why}")
         return len(live)
 
 

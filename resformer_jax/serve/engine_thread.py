@@ -56,8 +56,10 @@ class EngineThread:
         self._commands.put(("submit", h))
         return h
 
-    def cancel(self, h: Handle, reason: str = "cancelled") -> None:
-        self._commands.put(("cancel", (h, reason)))
+    def cancel(self, h: Handle, reason: str = "cancelled", say: str | None = None) -> None:
+        """Ends the request (at the thread's next turn); `say`: a line logged if this is what ends it (a request
+        that finished meanwhile keeps its own reason, and says nothing)."""
+        self._commands.put(("cancel", (h, reason, say)))
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -86,8 +88,10 @@ class EngineThread:
                 arg.request = self.engine.submit(arg.prompt, arg.params, on_token=self._tokens_to(arg))
                 self.metrics.label(self.metrics.prompt_tokens).inc(len(arg.prompt))
             elif kind == "cancel":
-                h, reason = arg
+                h, reason, say = arg
                 h.cancelled = True
+                if say and (h.request is None or not h.request.done):
+                    log.warning(say)
                 if h.request is not None:
                     self.engine.cancel(h.request, reason)
             try:
