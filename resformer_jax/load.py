@@ -17,7 +17,7 @@ import jax
 from resformer_jax.checkpoint import CheckpointError, failure_reason
 from resformer_jax.config import RunConfig, with_defaults
 from resformer_jax.model import Transformer
-from resformer_jax.resolve import model_config, resolve_attention
+from resformer_jax.resolve import for_backend, model_config, resolve_attention
 from resformer_jax.rundir import RunDir
 from resformer_jax.train.optimizer import make_optimizer
 from resformer_jax.train.setup import spike_window, state_template
@@ -85,7 +85,7 @@ def load_run(
         for candidate in [step] if step is not None else list(reversed(steps)):
             try:
                 cfg = RunConfig.of(with_defaults(ck.read_config(candidate)), strict=False)
-                model = Transformer(cfg.model)
+                model = Transformer(for_backend(cfg.model))  # its shapes: the checkpoint's template
                 dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
                 boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len, spike_window(cfg.train))
                 abstract = jax.tree.map(

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax.chips import chip_of_device
-from resformer_jax.engine.runner import cache_bytes_per_token
-from resformer_jax.model.transformer import param_counts, param_shapes
+from resformer_jax.model.transformer import cache_bytes_per_token, param_counts, param_shapes
 
 if TYPE_CHECKING:
     from resformer_jax.config import RunConfig

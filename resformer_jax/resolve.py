@@ -5,6 +5,12 @@ session, the summary, the compile command and the benchmarks take.
       the WSD decay's start of a fork, the compute dtype (`auto` measured once; a resumed run keeps its start's),
       the corpus's tokenizer hash, the attention impl (`auto` probed once), the typed model with its attention and
       matmul forms, and the XLA options the steps compile with.
+  for_backend(m) -> ModelConfig: a model config's `auto` fields given their unprobed choices (a model built
+      outside a run's start: a loaded run, a test, a benchmark's random parameters, shape-only tracing).
+  serving_model(m) -> ModelConfig: the model as the decode engine runs it.
+
+Every `auto` model field (attention_impl, norm_impl, matmuls, dtype) is decided in this module alone: the model
+refuses one that is not (model/transformer.py).
 
 The ConfigDict is the command line's format: `Run.cfg` is the typed config (config.RunConfig) with the resolved
 values in place, and `Run.record()` what a checkpoint and config.json keep (the config as asked plus the resolved
@@ -32,8 +38,8 @@ from resformer_jax.config import (
     validate,
     with_defaults,
 )
-from resformer_jax.kernels import cpu_matmul, names, probe
-from resformer_jax.kernels.names import backend_of
+from resformer_jax.kernels import names, probe
+from resformer_jax.kernels.names import backend_of, target_backend
 from resformer_jax.model.attention import kernel_can_mix_values
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.rundir import RunDir
@@ -154,17 +160,44 @@ def model_config(
     cfg, attention: AttentionChoice, platform: str | None = None, probe_rows: int = 0, log: Callable[[str], Any] = print
 ) -> ModelConfig:
     """The typed model config the modules are built from: the run's, with the attention impl resolved and, for
-    `matmuls=auto`, the platform's matmul forms (XLA:CPU's fast ones on a CPU, the plain ones elsewhere), and for
-    `norm_impl=auto` the platform's norm: on a GPU where the Pallas kernels apply, the faster of them and XLA's
-    at `probe_rows` tokens (kernels/probe.py probe_norm), or the kernels unprobed (a compile target, a loaded run);
-    elsewhere XLA's. (The run's own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
+    `norm_impl=auto` on a GPU where the Pallas kernels apply, the faster of them and XLA's at `probe_rows` tokens
+    (kernels/probe.py probe_norm); the other `auto` fields as `for_backend` gives them for the platform. (The run's
+    own config, as saved in checkpoints, keeps what the user wrote, e.g. `auto`.)"""
     m = ModelConfig.of(cfg.model).replace(attention_impl=attention.impl)
-    platform = platform or jax.devices()[0].platform
+    backend = backend_of(platform or jax.devices()[0].platform)
+    if m.norm_impl == "auto" and probe_rows and backend == "gpu" and m.norm_kernel_applies:
+        m = m.replace(norm_impl=probe.probe_norm(probe_rows, m.d_model, jnp.dtype(m.dtype), log))
+    return for_backend(m, backend)
+
+
+def for_backend(m: ModelConfig, backend: str | None = None) -> ModelConfig:
+    """`m` with each `auto` field given its unprobed choice for `backend` ('cpu', 'gpu', 'tpu'; default: the one
+    traced for, kernels.names.target_backend); named fields kept. attention: the backend's first candidate
+    (names.unprobed_auto); matmuls: XLA:CPU's fast forms on a CPU ("cpu", kernels/cpu_matmul.py), the plain ones
+    elsewhere; norm: the Pallas kernels on a GPU where they apply (Triton), XLA's elsewhere; dtype: bfloat16 on an
+    accelerator, float32 on a CPU (a run's start times the two instead: resolve_dtype)."""
+    backend = backend or target_backend()
+    fields: dict[str, str] = {}
+    if m.attention_impl == "auto":
+        fields["attention_impl"] = names.unprobed_auto(backend)
     if m.matmuls == "auto":
-        m = m.replace(matmuls=cpu_matmul.forms_for(platform))
-    if m.norm_impl == "auto" and probe_rows and backend_of(platform) == "gpu" and m.norm_kernel_applies:
-        return m.replace(norm_impl=probe.probe_norm(probe_rows, m.d_model, jnp.dtype(m.dtype), log))
-    return m.with_norm_impl(backend_of(platform))
+        fields["matmuls"] = "cpu" if backend == "cpu" else "plain"
+    if m.norm_impl == "auto":
+        fields["norm_impl"] = "pallas" if backend == "gpu" and m.norm_kernel_applies else "xla"
+    if m.dtype == "auto":
+        fields["dtype"] = "float32" if backend == "cpu" else "bfloat16"
+    return m.replace(**fields) if fields else m
+
+
+def serving_model(m: ModelConfig) -> ModelConfig:
+    """The model as the decode engine runs it, for the backend it is traced for: `for_backend`'s, layers unrolled
+    (a paged cache a layer: no stacked copies), no remat, and on a CPU with a bf16 or fp16 model the "rounded"
+    matmuls (cpu_matmul.rounded_matmul: the same rounded operands, fp32 arithmetic; XLA:CPU's bf16 matrix-vector
+    products are slower than fp32's, docs/evaluation.md)."""
+    m = for_backend(m)
+    narrow = m.dtype in ("bfloat16", "float16")
+    matmuls = "rounded" if narrow and target_backend() == "cpu" else m.matmuls
+    return m.replace(scan_layers=False, remat="none", matmuls=matmuls)
 
 
 def fork_point(cfg, run: RunDir | None, log: Callable[[str], Any] = print) -> str:

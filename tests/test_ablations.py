@@ -16,6 +16,7 @@ from resformer_jax.config import apply_ablation, paper_config, tiny_config, vali
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.perf import summary
+from resformer_jax.resolve import for_backend
 from resformer_jax.train.step import init_state, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def test_every_ablation_config_is_valid_at_82m():
 @pytest.mark.parametrize("name", NAMES)
 def test_ablation_matches_its_equation(name):
     c = tiny(name)
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
     # Mixing weights start at values that hide their equation (one-hot DenseFormer weights, equal
@@ -89,7 +90,10 @@ def test_ablation_matches_its_equation(name):
 )
 def test_scanned_ablations_equal_unrolled(name):
     c_un, c_sc = tiny(name, scan=False), tiny(name, scan=True)
-    model_un, model_sc = Transformer(ModelConfig.of(c_un.model)), Transformer(ModelConfig.of(c_sc.model))
+    model_un, model_sc = (
+        Transformer(for_backend(ModelConfig.of(c_un.model))),
+        Transformer(for_backend(ModelConfig.of(c_sc.model))),
+    )
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c_un.model.vocab_size)
     params = nn.unbox(jax.jit(model_un.init)(jax.random.PRNGKey(0), tokens)["params"])
     stacked = ref.stack_unrolled(params, c_un.model.num_layers)
@@ -138,7 +142,7 @@ def test_every_ablation_decodes_through_the_engine_as_its_cache_free_forward(nam
 
     c = tiny(name)
     c = c.replace(model=c.model.replace(dtype="float32"))
-    m = ModelConfig.of(c.model)
+    m = for_backend(ModelConfig.of(c.model))
     model = Transformer(m)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})  # far-apart logits: no ties

@@ -20,6 +20,7 @@ from resformer_jax.model.attention import ValueMix, gated_value, skipv1_value
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.perf import summary
+from resformer_jax.resolve import for_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +35,13 @@ def cfg(mode="resformer", lambdas="fixed", kv=4, heads=4, layers=4, **model):
 
 
 def init(c, tokens):
-    return nn.unbox(jax.jit(Transformer(ModelConfig.of(c.model)).init)(jax.random.PRNGKey(0), tokens)["params"])
+    return nn.unbox(
+        jax.jit(Transformer(for_backend(ModelConfig.of(c.model))).init)(jax.random.PRNGKey(0), tokens)["params"]
+    )
 
 
 def logits(c, params, tokens):
-    return jax.jit(Transformer(ModelConfig.of(c.model)).apply)({"params": params}, tokens)
+    return jax.jit(Transformer(for_backend(ModelConfig.of(c.model))).apply)({"params": params}, tokens)
 
 
 TOKENS = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 256)
@@ -183,7 +186,7 @@ def test_gradients_match_finite_differences(mode, lambdas):
     from resformer_jax.train.step import loss_fn
 
     c = cfg(mode, lambdas, layers=3)
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, 256)
     p = init(c, tokens[:, :-1])
     rng = np.random.default_rng(0)

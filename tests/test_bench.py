@@ -13,6 +13,7 @@ import pytest
 from resformer_jax.config import tiny_config, validate
 from resformer_jax.model import Transformer
 from resformer_jax.perf import flops_per_token
+from resformer_jax.resolve import for_backend
 from resformer_jax.train.step import loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +25,7 @@ def test_flop_count_matches_xla_cost_analysis():
     m.num_layers, m.num_heads, m.d_model, m.ffn_dim, m.vocab_size, m.max_seq_len = 4, 4, 256, 768, 4096, 256
     m.scan_layers = False  # XLA's cost analysis counts a while loop's body once, not per layer
     c.data.seq_len = 256
-    m = validate(c).model
+    m = for_backend(validate(c).model)
     B, T = 2, c.data.seq_len
     model = Transformer(m)
     params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32))["params"]))
@@ -789,3 +790,6 @@ def test_bench_decode_stream_shared_prefixes_computes_each_prefix_once():
         assert r["prefix_hit_rate"] == round((8 - 2) * 32 / r["prompt_tokens"], 4) and r["preemptions"] == 0
     assert off[0]["prefill_tokens_computed"] == off[0]["prompt_tokens"] and off[0]["prefix_hit_rate"] == 0
     assert on[0]["prompt_tokens"] == off[0]["prompt_tokens"]  # the same stream: the seed's prompts
+    # --prompt_min=--context: prompts of one length (the capacity load in docs/evaluation.md)
+    one = bench_decode_stream(models[:1], **{**kw, "shared_prefixes": 0}, prompt_min=24)
+    assert one[0]["prompt_tokens"] == 8 * 24, one

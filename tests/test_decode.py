@@ -12,11 +12,12 @@ import pytest
 
 from resformer_jax.config import paper_config, tiny_config, validate
 from resformer_jax.engine import Engine, SamplingParams
-from resformer_jax.engine.runner import pool_shapes
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.transformer import pool_shapes
 from resformer_jax.perf import summary
+from resformer_jax.resolve import for_backend
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,7 @@ def assert_decode_equals_forward(c):
     program) give the cache-free full forward's log-probabilities at every position, prompt and generated, and each
     generated token is the forward's most likely (within round-off: a random init's logits are nearly flat)."""
     validate(c)
-    m = ModelConfig.of(c.model)
+    m = for_backend(ModelConfig.of(c.model))
     model = Transformer(m)
     toks = jax.random.randint(jax.random.PRNGKey(0), (1, 12), 0, c.model.vocab_size)
     p = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(1), toks)["params"])
@@ -60,7 +61,7 @@ def test_cross_layer_mapping_decode_equals_forward(scan):
 def pool_bytes(c, pages=3, page_size=40):
     """The engine's cache pools for `pages` pages of `page_size` tokens under config c: (bytes, the pools)."""
     pools = pool_shapes(
-        Transformer(ModelConfig.of(c.model).replace(scan_layers=False), pages=PageLayout(pages, page_size))
+        Transformer(for_backend(ModelConfig.of(c.model)).replace(scan_layers=False), pages=PageLayout(pages, page_size))
     )
     return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(pools))), pools
 

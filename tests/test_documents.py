@@ -15,6 +15,7 @@ from resformer_jax.kernels import names
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import attended_fraction, document_segments
+from resformer_jax.resolve import for_backend
 
 EOT = 7
 LENGTHS = (9, 14, 17)  # three documents packed into one sequence of 40 tokens
@@ -102,7 +103,7 @@ def test_a_packed_sequence_is_its_documents_run_alone(variant, fields, impl):
     of a token is its own in every variant."""
     c = tiny_config(variant)
     c.model.update(dtype="float32", attention_impl=impl, document_eot=EOT, scan_layers=False, **fields)
-    m = ModelConfig.of(c.model)
+    m = for_backend(ModelConfig.of(c.model))
     rng = np.random.default_rng(0)
     row, docs = packed(rng, m.vocab_size)
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
@@ -123,7 +124,7 @@ def test_without_the_mask_the_documents_see_each_other_and_runs_are_as_before():
     """Off (the default): one sequence, as the paper trains: the second document's logits depend on the first."""
     c = tiny_config("resformer")
     c.model.dtype = "float32"
-    m = ModelConfig.of(c.model)
+    m = for_backend(ModelConfig.of(c.model))
     assert m.document_eot == -1
     row, docs = packed(np.random.default_rng(0), m.vocab_size)
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
@@ -193,7 +194,7 @@ def test_a_packed_batchs_loss_is_the_documents_loss_run_separately(chunk_len):
 
     c = tiny_config("svformer")
     c.model.update(dtype="float32", attention_impl="chunked", document_eot=EOT)
-    m = ModelConfig.of(c.model)
+    m = for_backend(ModelConfig.of(c.model))
     row, docs = packed(np.random.default_rng(3), m.vocab_size)
     model, alone = Transformer(m), Transformer(m.replace(document_eot=-1))
     params = nn.unbox(model.init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])

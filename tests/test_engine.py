@@ -15,6 +15,7 @@ from resformer_jax.config import tiny_config
 from resformer_jax.engine import Engine, EngineError, SamplingParams
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 
 VARIANTS = {
     "none": {},
@@ -35,7 +36,7 @@ def peaky_model(variant: str, **fields):
     c.model.dtype = "float32"
     for k, v in fields.items():
         c.model[k] = v
-    m = ModelConfig.of(c.model)
+    m = for_backend(ModelConfig.of(c.model))
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})
     return m, params
@@ -353,13 +354,14 @@ def test_a_bf16_engine_on_a_cpu_multiplies_the_rounded_weights_in_fp32(variant):
     """On a CPU a bf16 model's engine holds its weights rounded to bf16 once, stored as fp32, and multiplies them
     in fp32 ("rounded" matmuls: XLA:CPU's bf16 matrix-vector products made one row's step 7x slower): the
     logits equal the bf16 model's own forward (fp32 masters cast per matmul) within bf16 rounding."""
-    from resformer_jax.engine.runner import serving_config, serving_params
+    from resformer_jax.engine.runner import serving_params
+    from resformer_jax.resolve import serving_model
 
     c = tiny_config(variant)
     c.model.dtype = "bfloat16"
-    m = ModelConfig.of(c.model).replace(matmuls="cpu")
+    m = for_backend(ModelConfig.of(c.model)).replace(matmuls="cpu")
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    served = serving_config(m)
+    served = serving_model(m)
     assert served.matmuls == "rounded" and not served.scan_layers
     held = serving_params(served, params)
     for x in jax.tree.leaves(held):
@@ -506,7 +508,7 @@ def test_prefix_cache_outputs_equal_the_cache_off_run_under_eviction(variant):
 
 
 def _bytes(m):
-    from resformer_jax.engine.runner import cache_bytes_per_token
+    from resformer_jax.model.transformer import cache_bytes_per_token
 
     return cache_bytes_per_token(m)
 

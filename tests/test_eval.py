@@ -12,6 +12,7 @@ from resformer_jax.analysis import measures
 from resformer_jax.analysis.runs import relative_curves
 from resformer_jax.eval.zero_shot import TASKS, read_task, score_items, to_items
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,7 +223,7 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     res = analyze_run(wd, None, None, num_sequences=6, batch=4)["layers"]
     cfg, params, _ = load_run(wd, attention_impl="reference")
     seqs = analysis_sequences(cfg, "train", 6, 4)
-    model = Transformer(ModelConfig.of(cfg.model), capture=True)
+    model = Transformer(for_backend(ModelConfig.of(cfg.model)), capture=True)
     fwd = jax.jit(lambda t: model.apply({"params": params}, t, mutable=["intermediates"])[1]["intermediates"])
     values, entropy = [[] for _ in range(3)], [[] for _ in range(3)]
     for b in range(0, 6, 4):

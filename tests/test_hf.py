@@ -14,6 +14,7 @@ import reference as ref
 from resformer_jax.hf.llama_import import HFError, load_hf_llama
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "def main():\n    return 42\n" * 30
@@ -92,7 +93,7 @@ def test_imported_llama_equals_the_hf_forward(tmp_path, tie, kv, shards):
     m, params = load_hf_llama(str(tmp_path / "m"))
     assert (m.num_kv_heads, m.rope_theta, m.norm_eps) == (kv, 500000.0, 1e-6)
     tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], (2, 20))
-    got = jax.jit(Transformer(m).apply)({"params": params}, tokens)
+    got = jax.jit(Transformer(for_backend(m)).apply)({"params": params}, tokens)
     want = ref.hf_llama_forward_numpy(sd, cfg, tokens)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
 
@@ -171,7 +172,7 @@ def _model_and_params(fields, scan=True):
     for k, v in fields.items():
         c.model[k] = v
     validate(c)
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"])
     rng = np.random.default_rng(0)  # move the mixing scalars off their init so the test sees them
     params = jax.tree_util.tree_map_with_path(
@@ -206,7 +207,7 @@ def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
 
     sd = load_file(os.path.join(out, "model.safetensors"))
     np.testing.assert_allclose(ref.hf_llama_forward_numpy(sd, hf_cfg, tokens), ours, atol=1e-4, rtol=1e-4)
-    re_model = Transformer(m2)
+    re_model = Transformer(for_backend(m2))
     np.testing.assert_allclose(
         np.asarray(jax.jit(re_model.apply)({"params": back}, tokens)), ours, atol=1e-5, rtol=1e-5
     )
@@ -299,7 +300,7 @@ def _peaky_export(tmp_path, case):
 def _engine_greedy(c, params, prompts, new):
     from resformer_jax.engine import Engine, SamplingParams
 
-    m = ModelConfig.of(c.model).replace(dtype="float32")
+    m = for_backend(ModelConfig.of(c.model)).replace(dtype="float32")
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16)
     return [r.tokens for r in engine.generate(prompts, SamplingParams(max_tokens=new))]
 
@@ -440,7 +441,7 @@ def test_llama3_scaled_checkpoint_imports_exactly_in_either_config_layout(tmp_pa
     m, params = load_hf_llama(str(tmp_path / "m"))
     assert (m.rope_type, m.rope_theta, m.rope_factor, m.rope_original_max_position) == ("llama3", 500000.0, 8.0, 16)
     tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], (2, 40))
-    got = jax.jit(Transformer(m).apply)({"params": params}, tokens)
+    got = jax.jit(Transformer(for_backend(m)).apply)({"params": params}, tokens)
     want = ref.hf_llama_forward_numpy(sd, cfg, tokens)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
     plain = dict(cfg)
@@ -483,18 +484,18 @@ def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
     write_tiny_llama(str(tmp_path / "m"), extra={"rope_scaling": rs})
     m, params = load_hf_llama(str(tmp_path / "m"))
     tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 24))
-    want = np.asarray(jax.jit(Transformer(m).apply)({"params": params}, tokens))
+    want = np.asarray(jax.jit(Transformer(for_backend(m)).apply)({"params": params}, tokens))
     cfg = export_params(m, params, str(tmp_path / "out"))
     assert (
         cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["original_max_position_embeddings"] == 16
     )
     m2, params2 = load_hf_llama(str(tmp_path / "out"))
     np.testing.assert_allclose(
-        np.asarray(jax.jit(Transformer(m2).apply)({"params": params2}, tokens)), want, rtol=1e-6, atol=1e-6
+        np.asarray(jax.jit(Transformer(for_backend(m2)).apply)({"params": params2}, tokens)), want, rtol=1e-6, atol=1e-6
     )
     c = tiny_config("none")
     c.model.tie_embeddings = True
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     p = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"]
     import flax.linen as nn
 
@@ -504,7 +505,7 @@ def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
     assert cfg["tie_word_embeddings"] is True
     m3, params3 = load_hf_llama(str(tmp_path / "tied"))
     np.testing.assert_allclose(
-        np.asarray(jax.jit(Transformer(m3).apply)({"params": params3}, tokens)),
+        np.asarray(jax.jit(Transformer(for_backend(m3)).apply)({"params": params3}, tokens)),
         np.asarray(jax.jit(model.apply)({"params": p}, tokens)),
         rtol=1e-5,
         atol=1e-5,

@@ -375,13 +375,14 @@ def test_norm_impl_auto_is_the_kernels_on_a_gpu_where_they_apply_and_a_named_one
     d_model, XLA's norm elsewhere); pallas named for a width a Triton block cannot span, or for GPT-2's LayerNorm,
     is one ConfigError naming the fix."""
     from resformer_jax.config import ConfigError
+    from resformer_jax.resolve import for_backend
 
     m = ModelConfig.of(tiny_config("resformer").model)
     assert m.norm_impl == "auto" and not m.norms_in_kernel
-    assert m.with_norm_impl("gpu").norms_in_kernel
-    assert m.with_norm_impl("cpu").norm_impl == "xla" and m.with_norm_impl("tpu").norm_impl == "xla"
-    assert m.replace(d_model=96, num_heads=2).with_norm_impl("gpu").norm_impl == "xla"
-    assert m.replace(norm_impl="xla").with_norm_impl("gpu").norm_impl == "xla"
+    assert for_backend(m, "gpu").norms_in_kernel
+    assert for_backend(m, "cpu").norm_impl == "xla" and for_backend(m, "tpu").norm_impl == "xla"
+    assert for_backend(m.replace(d_model=96, num_heads=2), "gpu").norm_impl == "xla"
+    assert for_backend(m.replace(norm_impl="xla"), "gpu").norm_impl == "xla"
     for bad in (dict(d_model=96, num_heads=2), dict(arch="gpt2")):
         with pytest.raises(ConfigError, match="norm_impl") as e:
             m.replace(norm_impl="pallas", **bad)

@@ -15,6 +15,7 @@ from resformer_jax.config import ConfigError, base_config, paper_config, tiny_co
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.perf import summary
+from resformer_jax.resolve import for_backend
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
 
@@ -31,7 +32,7 @@ def make(mode, kv_heads=0, scan=False, **model_overrides):
 
 
 def init(c, T=16, seed=0):
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (2, T), 0, c.model.vocab_size)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"])
     return model, params, tokens
@@ -62,7 +63,7 @@ def test_resformer_with_l1_0_l2_1_is_vanilla_exactly():
     c_van = make("none")
     model_res, params, tokens = init(c_res)
     out_res = jax.jit(model_res.apply)({"params": params}, tokens)
-    out_van = jax.jit(Transformer(ModelConfig.of(c_van.model)).apply)({"params": params}, tokens)
+    out_van = jax.jit(Transformer(for_backend(ModelConfig.of(c_van.model))).apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(out_res), np.asarray(out_van))
 
 
@@ -71,7 +72,7 @@ def test_scanned_equals_unrolled_outputs_and_grads(mode):
     c_un = make(mode, kv_heads=2, scan=False)
     c_sc = make(mode, kv_heads=2, scan=True)
     model_un, params, tokens = init(c_un)
-    model_sc = Transformer(ModelConfig.of(c_sc.model))
+    model_sc = Transformer(for_backend(ModelConfig.of(c_sc.model)))
     params_sc = ref.stack_unrolled(params, c_un.model.num_layers)
 
     def loss(model, p):

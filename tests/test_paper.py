@@ -8,6 +8,7 @@ import pytest
 
 from resformer_jax.analysis.measures import mean_spectrum, value_spectrum
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,7 +112,7 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     c = tiny_config(mode)
     c.model.arch, c.model.scan_layers, c.model.tie_embeddings = "gpt2", False, tie
     validate(c)
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
     # biases start at zero; move them so the test sees them
@@ -125,7 +126,7 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     want = ref.forward_gpt2(params, tokens, mode, c.model.num_layers)
     np.testing.assert_allclose(jax.jit(model.apply)({"params": params}, tokens), want, atol=2e-5, rtol=2e-5)
     c.model.scan_layers = True
-    scanned = Transformer(ModelConfig.of(c.model)).apply(
+    scanned = Transformer(for_backend(ModelConfig.of(c.model))).apply(
         {"params": ref.stack_unrolled(params, c.model.num_layers)}, tokens
     )
     np.testing.assert_allclose(scanned, want, atol=2e-5, rtol=2e-5)
@@ -171,7 +172,7 @@ def test_gpt2_at_the_82m_shape_is_untied_as_table_4_with_the_tied_form_on_reques
         c = load_config_file(os.path.join(ROOT, "configs", "gpt2_82m.py") + ":none")
         c.model.tie_embeddings = tie
         shapes = jax.eval_shape(
-            Transformer(ModelConfig.of(c.model)).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
+            Transformer(for_backend(ModelConfig.of(c.model))).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
         )
         built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"])))
         assert summary(c)["params_total"] == built == want, (tie, built)
@@ -193,7 +194,7 @@ def test_gpt2_scaled_output_init_and_dropout():
     c = tiny_config("svformer")
     c.model.arch, c.model.scan_layers, c.model.scaled_output_init = "gpt2", False, True
     c.model.d_model, c.model.ffn_dim = 128, 512
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, c.model.vocab_size)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"])
     want = c.model.init_std / np.sqrt(2 * c.model.num_layers)
@@ -204,7 +205,7 @@ def test_gpt2_scaled_output_init_and_dropout():
 
     def losses(dropout):
         c.model.dropout = dropout
-        m = Transformer(ModelConfig.of(c.model))
+        m = Transformer(for_backend(ModelConfig.of(c.model)))
         tx = optax.adam(3e-3)
         state = nn.unbox(jax.jit(lambda r: init_state(m, tx, r, 16))(jax.random.PRNGKey(0)))
         step = jax.jit(make_train_step(m, tx, 2, dropout_seed=7))

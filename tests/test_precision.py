@@ -13,6 +13,7 @@ from resformer_jax.config import tiny_config
 from resformer_jax.kernels.cpu_matmul import mixed_matmul, rounded_matmul, rounded_swiglu, swiglu_mlp, transposed
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
 from resformer_jax.train.step import loss_fn
 
@@ -122,7 +123,7 @@ def test_chunked_loss_bf16_equals_full_logits_within_bf16_tolerance():
 def _loss_and_grads(dtype, chunk):
     c = tiny_config("resformer")
     c.model.dtype = dtype
-    m = Transformer(ModelConfig.of(c.model))
+    m = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, c.data.seq_len + 1), 0, c.model.vocab_size)
     params = jax.jit(m.init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
     import flax.linen as nn

@@ -194,8 +194,8 @@ def test_bad_input_is_an_openai_error_and_the_server_goes_on(server, body, statu
 
 def test_a_cache_for_4_sequences_queues_16_concurrent_requests(run_dir):
     # 16-token pages; a sequence of up to 10 + 40 tokens takes 4 pages: 17 pages hold 4 sequences
-    from resformer_jax.engine.runner import cache_bytes_per_token
     from resformer_jax.load import load_run
+    from resformer_jax.model.transformer import cache_bytes_per_token
 
     cfg, _, _ = load_run(run_dir)
     gib = 18 * 16 * cache_bytes_per_token(cfg.model) / 2**30

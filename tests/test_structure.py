@@ -18,6 +18,7 @@ from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import ValueMix, plan_layer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax"
 
@@ -121,15 +122,15 @@ def test_a_new_variant_is_one_plan_and_one_equation_function():
         c = tiny_config("none")
         c.model.scan_layers = scan
         tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, c.model.vocab_size)
-        toy = Transformer(ModelConfig.of(c.model), planner=toy_plan)
+        toy = Transformer(for_backend(ModelConfig.of(c.model)), planner=toy_plan)
         params = nn.unbox(jax.jit(toy.init)(jax.random.PRNGKey(0), tokens)["params"])
         r = tiny_config("resformer")
         r.model.scan_layers = scan
         r.model.lambda_init = (0.25, 0.75)
-        want = jax.jit(Transformer(ModelConfig.of(r.model)).apply)({"params": params}, tokens)
+        want = jax.jit(Transformer(for_backend(ModelConfig.of(r.model))).apply)({"params": params}, tokens)
         got = jax.jit(toy.apply)({"params": params}, tokens)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-        vanilla = jax.jit(Transformer(ModelConfig.of(c.model)).apply)({"params": params}, tokens)
+        vanilla = jax.jit(Transformer(for_backend(ModelConfig.of(c.model))).apply)({"params": params}, tokens)
         assert np.abs(np.asarray(got) - np.asarray(vanilla)).max() > 1e-3  # the toy equation is in effect
 
 
@@ -418,6 +419,40 @@ def test_a_training_start_validates_its_config_once(tmp_path, monkeypatch):
         resolved.model.dtype,
     )
     assert inspect.signature(setup.build).parameters["run"].annotation in (Run, "Run")
+
+
+AUTO_FIELDS = ("attention_impl", "norm_impl", "matmuls", "dtype")
+
+
+def test_each_auto_field_is_resolved_in_resolve_py_alone():
+    """#76: the model refuses an `auto` field (one TypeError naming the fields and resolve.for_backend), so no model
+    decides one; resolve.for_backend gives each its unprobed choice per backend and keeps named fields; the engine's
+    serving form (the "rounded" matmuls) is resolve.serving_model's. And no other library module reads an `auto`
+    model field to decide by it (config.py's validation and the memory and FLOP bounds read it as a bound, not a
+    choice)."""
+    from resformer_jax.config import tiny_config
+    from resformer_jax.model import Transformer
+    from resformer_jax.model.config import ModelConfig
+    from resformer_jax.resolve import for_backend, serving_model
+
+    m = ModelConfig.of(tiny_config().model).replace(**dict.fromkeys(AUTO_FIELDS, "auto"))
+    for field in AUTO_FIELDS:
+        with pytest.raises(TypeError, match=f"{field}.*resolve.for_backend"):
+            Transformer(m)
+        m = m.replace(**{field: getattr(for_backend(m, "cpu"), field)})
+    Transformer(m)  # every field named: built
+    auto = m.replace(**dict.fromkeys(AUTO_FIELDS, "auto"), d_model=64)
+    assert [getattr(for_backend(auto, "cpu"), f) for f in AUTO_FIELDS] == ["chunked", "xla", "cpu", "float32"]
+    assert [getattr(for_backend(auto, "gpu"), f) for f in AUTO_FIELDS] == ["pallas", "pallas", "plain", "bfloat16"]
+    assert [getattr(for_backend(auto, "tpu"), f) for f in AUTO_FIELDS] == ["splash", "xla", "plain", "bfloat16"]
+    named = auto.replace(attention_impl="xla", norm_impl="xla", matmuls="plain", dtype="float32")
+    assert for_backend(named, "gpu") == named
+    assert serving_model(named.replace(dtype="bfloat16", matmuls="cpu")).matmuls == "rounded"  # this CPU
+    assert not serving_model(named).scan_layers
+    reads = re.compile(r"\.(attention_impl|norm_impl|matmuls|dtype) [!=]= \"auto\"")
+    bounds = {"resolve.py", "config.py", "perf.py", "memory.py"}
+    deciders = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if reads.search(f.read_text()))
+    assert set(deciders) <= bounds, f"an `auto` model field decided outside resolve.py: {set(deciders) - bounds}"
 
 
 def test_importing_a_library_module_changes_nothing():

@@ -14,6 +14,7 @@ from resformer_jax.commands.training import run
 from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 from resformer_jax.train.optimizer import lr_schedule, make_optimizer
 from resformer_jax.train.step import init_state, make_train_step
 
@@ -34,7 +35,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
     c = tiny_config("resformer")
     c.model.resformer_lambdas = "learnable"
     c.model.scan_layers = False
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tx = make_optimizer(c.train)
     state = jax.jit(lambda r: init_state(model, tx, r, 8))(jax.random.PRNGKey(0))
     params = nn.unbox(state.params)
@@ -56,7 +57,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
 @pytest.mark.parametrize("mode", ["resformer", "svformer"])
 def test_accumulation_equals_big_batch(mode):
     c = tiny_config(mode)
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tx = make_optimizer(c.train)
     state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)
@@ -137,7 +138,7 @@ def test_online_logsumexp_is_logsumexp_in_one_reduction():
 @pytest.mark.slow  # over 12 s in the fast tier
 def test_train_step_same_with_fused_and_full_logits_loss():
     c = tiny_config("svformer")
-    model = Transformer(ModelConfig.of(c.model))
+    model = Transformer(for_backend(ModelConfig.of(c.model)))
     tx = make_optimizer(c.train)
     state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)

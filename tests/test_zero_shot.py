@@ -16,6 +16,7 @@ from demo_runs import tokenized_tiny_config
 from resformer_jax.eval.loglik import ContinuationScorer, buckets, prepare, rows_per_batch
 from resformer_jax.eval.zero_shot import TASKS, make_loglik_fn, read_task, score_items, to_items
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.resolve import for_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +26,7 @@ def full_vocab_logliks(cfg, params, pairs_ids, max_len, batch=4):
     log-softmax over the whole vocabulary at every position, the continuation's log-probabilities summed."""
     from resformer_jax.model import Transformer
 
-    model = Transformer(ModelConfig.of(cfg.model))
+    model = Transformer(for_backend(ModelConfig.of(cfg.model)))
     logprobs = jax.jit(lambda t: jax.nn.log_softmax(model.apply({"params": params}, t), axis=-1))
     out = []
     for b in range(0, len(pairs_ids), batch):

@@ -139,10 +139,13 @@ def analyze_run(
     if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf/llama_import.py)
         from resformer_jax.config import DataConfig, RunConfig
         from resformer_jax.hf.llama_import import load_hf_llama
+        from resformer_jax.resolve import for_backend
 
         m, params = load_hf_llama(hf_model)
         source = {"path": data, "source": "array_record"} if data else {}
-        cfg = RunConfig(model=m.replace(attention_impl="reference"), data=DataConfig(seq_len=seq_len, **source))
+        cfg = RunConfig(
+            model=for_backend(m.replace(attention_impl="reference")), data=DataConfig(seq_len=seq_len, **source)
+        )
         step, workdir = None, hf_model
         if data:
             seqs = analysis_sequences(cfg, split, num_sequences, batch)

@@ -17,13 +17,16 @@ import numpy as np
 
 from resformer_jax.engine import Engine, SamplingParams
 from resformer_jax.engine.engine import DECODE_STEPS, EngineStats
-from resformer_jax.engine.runner import cache_bytes_per_token
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.transformer import cache_bytes_per_token
+from resformer_jax.resolve import for_backend
 
 
 def random_params(m: ModelConfig):
-    return nn.unbox(jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    return nn.unbox(
+        jax.jit(Transformer(for_backend(m)).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    )
 
 
 def kv_bytes_read_per_token(m: ModelConfig) -> int:
@@ -307,8 +310,9 @@ def bench_decode_stream(
     shared_prefixes: int = 0,
     prefix_len: int = 0,
     prefix_cache: bool = True,
+    prompt_min: int = 16,
 ) -> list[dict]:
-    """One stream of `requests` (prompts of 16..max_context tokens, up to `new_tokens` new ones each, Poisson
+    """One stream of `requests` (prompts of prompt_min..max_context tokens, up to `new_tokens` new ones each, Poisson
     arrivals at `rate` a second; rate 0: all at once) through each variant's engine with the same cache budget:
     tokens/s, time to first token, inter-token latency and time per output token (p50, p99; tokens come k decode
     steps a readback, so most inter-token gaps are 0), the most sequences held at once, and the prompt tokens
@@ -316,7 +320,7 @@ def bench_decode_stream(
     prefix benchmarks' workload: request i's prompt is prefix i % N (of `prefix_len` tokens) then its own suffix,
     and the prefix cache's hit rate is reported."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(16, max_context + 1, requests)
+    lengths = rng.integers(prompt_min, max_context + 1, requests)
     arrivals = np.cumsum(rng.exponential(1 / rate, requests)) if rate > 0 else np.zeros(requests)
     prefix = (shared_prefixes, prefix_len, prefix_cache)
     out = []

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 from tokenizers import Tokenizer
 
+from resformer_jax.config import RunConfig
 from resformer_jax.eval.loglik import ContinuationScorer
 from resformer_jax.eval.zero_shot import check_tasks, make_loglik_fn, read_task, score_items, to_items
 from resformer_jax.model import Transformer
+from resformer_jax.resolve import for_backend
 
 # Items in each task's full validation split (test split for ARC and OpenBookQA), as lm-evaluation-harness scores it.
 FULL_SPLIT_ITEMS = {
@@ -30,7 +32,7 @@ def bench_zero_shot(cfg, task_data: str, tasks: list[str], items: int, tokenizer
 
     check_tasks(tasks, task_data)
     tok = Tokenizer.from_file(tokenizer_json)
-    m = cfg.model
+    m = for_backend(RunConfig.of(cfg).model)  # random parameters at the config's shapes, auto unprobed
     params = nn.unbox(jax.jit(Transformer(m).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     scorer = ContinuationScorer(m, params, m.max_seq_len, batch)
     fn = make_loglik_fn(scorer, lambda s: tok.encode(s, add_special_tokens=False).ids)

@@ -118,13 +118,15 @@ flags.DEFINE_bool(
 flags.DEFINE_integer("requests", 64, "serve: requests to send.")
 flags.DEFINE_integer("concurrency", 0, "serve: requests in flight at most (0: no limit).")
 flags.DEFINE_string("data", None, "serve: a prepared corpus whose validation text the prompts are cut from.")
-flags.DEFINE_integer("prompt_min", 16, "serve: the shortest prompt (tokens); the longest is --context.")
+flags.DEFINE_integer(
+    "prompt_min", 16, "serve, decode --stream: the shortest prompt (tokens); the longest is --context."
+)
 flags.DEFINE_integer(
     "shared_prefixes",
     0,
     "serve, decode --stream: N > 0: a shared-prefix workload (as vLLM's and SGLang's prefix benchmarks): N "
     "distinct prefixes of --prefix_len tokens, request i the prefix i %% N then a distinct suffix (serve: of "
-    "--prompt_min..--context tokens; decode: 16..--context).",
+    "--prompt_min..--context tokens).",
 )
 flags.DEFINE_integer(
     "prefix_len", 512, "serve, decode --stream: the shared prefixes' length (tokens), with --shared_prefixes."
@@ -212,6 +214,7 @@ def run_decode(modes: list[str]) -> list[dict]:
             shared_prefixes=FLAGS.shared_prefixes,
             prefix_len=FLAGS.prefix_len,
             prefix_cache=FLAGS.prefix_cache,
+            prompt_min=FLAGS.prompt_min,
         ):
             print(json.dumps(r))
         return []

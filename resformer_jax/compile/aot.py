@@ -534,18 +534,17 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
 
     from resformer_jax.engine.runner import (
         bucket,
-        pool_shapes,
-        serving_config,
         serving_params,
         step_form,
         step_program,
         step_shapes,
     )
     from resformer_jax.model.attention import PageLayout
-    from resformer_jax.model.transformer import Transformer
+    from resformer_jax.model.transformer import Transformer, pool_shapes
+    from resformer_jax.resolve import serving_model
 
     with compiling_for(target.platform, target.kind):
-        m, form = serving_config(setup.model_cfg), step_form()
+        m, form = serving_model(setup.model_cfg), step_form()
     rows = batch or DECODE_ROWS
     run_rows = bucket(rows, at_least=form.min_rows)  # the rows the engine runs them as, padding included
     context = min(prompt_len or setup.cfg.data.seq_len, m.max_seq_len - 1)

@@ -24,8 +24,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from resformer_jax.engine.pages import EngineError, ShardedPages, pages_in_budget
-from resformer_jax.engine.runner import ModelRunner, bucket, cache_bytes_per_token, free_memory_bytes, serving_config
+from resformer_jax.engine.runner import ModelRunner, bucket, free_memory_bytes
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.transformer import cache_bytes_per_token
+from resformer_jax.resolve import serving_model
 
 # Decode steps one program runs between readbacks: the host's scheduling, dispatch and readback paid once for 8
 # tokens a row (measured in docs/evaluation.md). While prompts are being read, one step a readback.
@@ -179,7 +181,7 @@ class Engine:
         mesh: Mesh | None = None,
         prefix_cache: bool = True,
     ):
-        self.model_cfg = serving_config(m)
+        self.model_cfg = serving_model(m)
         self.page_size, self.max_batch = int(page_size), int(max_batch)
         self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.decode_steps = int(decode_steps)

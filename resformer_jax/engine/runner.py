@@ -1,8 +1,8 @@
-"""The engine's compiled half, apart from its scheduler (as vLLM's model runner is): the model as it serves
-(`serving_config`, `serving_params`), the backend's step form, the cache pools and the two programs (a step over
-the paged cache; k decode steps read back once), jitted once per shape with the cache donated and, on a mesh, run
-per shard. `engine.py` schedules requests and lays out each step's rows; `compile` and `bench` import this module
-for the programs alone.
+"""The engine's compiled half, apart from its scheduler (as vLLM's model runner is): the parameters as it serves
+them (`serving_params`; the config is resolve.serving_model's), the backend's step form, the cache pools and the
+two programs (a step over the paged cache; k decode steps read back once), jitted once per shape with the cache
+donated and, on a mesh, run per shard. `engine.py` schedules requests and lays out each step's rows; `compile` and
+`bench` import this module for the programs alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels.names import target_backend
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.model.transformer import Transformer, lm_head_logits, unrolled_params
+from resformer_jax.model.transformer import Transformer, lm_head_logits, pool_shapes, unrolled_params
 
 
 def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
@@ -39,7 +39,7 @@ class ModelRunner:
     """One model's parameters and paged cache on this host's default device, or on every device of `mesh` (the
     cache's pages split over all its axes, each device running its rows over its own pages with `shard_map`; the
     parameters replicated, or left as they come: sharded as in training, XLA gathers them into each step). `m` is
-    the serving config (serving_config); `num_pages` a shard's pages."""
+    the serving config (resolve.serving_model); `num_pages` a shard's pages."""
 
     def __init__(self, m: ModelConfig, params, num_pages: int, page_size: int, mesh: Mesh | None = None):
         self.model_cfg, self.mesh = m, mesh
@@ -103,16 +103,6 @@ def engine_mesh(devices: int) -> Mesh | None:
     return None if n == 1 else Mesh(np.asarray(have[:n]), ("data",))
 
 
-def serving_config(m: ModelConfig) -> ModelConfig:
-    """The model as the engine runs it, for the backend it is traced for (kernels.names.target_backend): layers
-    unrolled (a paged cache a layer: no stacked copies), no remat, and on a CPU with a bf16 or fp16 model the
-    "rounded" matmuls (cpu_matmul.rounded_matmul: the same rounded operands, fp32 arithmetic; XLA:CPU's bf16
-    matrix-vector products made one row's step 7x slower than fp32's)."""
-    narrow = m.dtype in ("bfloat16", "float16")
-    matmuls = "rounded" if narrow and target_backend() == "cpu" else m.matmuls
-    return m.replace(scan_layers=False, remat="none", matmuls=matmuls)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepForm:
     """How the engine's programs are shaped for the backend they run on, resolved once (`step_form`)."""
@@ -135,7 +125,7 @@ def step_form() -> StepForm:
 
 
 def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
-    """The parameters as the engine holds them (m from serving_config): unrolled (a layer each), and where the
+    """The parameters as the engine holds them (m from resolve.serving_model): unrolled (a layer each), and where the
     compute dtype is narrower than float32 rounded to it once (training keeps float32 masters; a decode step that
     cast them each time would read 4 bytes a weight and write 2 before its matmuls read them: decode is bound by
     those bytes): stored in it, or for the "rounded" matmuls as its values in float32. An untied LM head's columns
@@ -248,22 +238,9 @@ def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) 
     )
 
 
-def pool_shapes(model: Transformer):
-    """The cache pools of a paged model as shapes: {layer: {"k": pool, "v": ...}} as each layer's equation needs
-    them, each laid out for its kernel (kernels/paged_attention.pool_shape; nothing allocated)."""
-    one = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]
-
-
 def init_pools(model: Transformer):
     """Zeroed cache pools of a paged model."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), pool_shapes(model))
-
-
-def cache_bytes_per_token(m: ModelConfig) -> int:
-    """Bytes a token takes in the paged cache, every layer together (what the pools hold per page slot)."""
-    shapes = pool_shapes(Transformer(m.replace(scan_layers=False), pages=PageLayout(1, 1)))
-    return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
 
 
 def free_memory_bytes() -> float:

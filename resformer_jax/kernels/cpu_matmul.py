@@ -122,10 +122,3 @@ def _swiglu_mlp_bwd(dtype, res, dy_NxE):
 
 
 swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
-
-
-def forms_for(platform: str) -> str:
-    """model.matmuls=auto on a platform: "cpu" (this module's forms, XLA:CPU's fast path) on a CPU, "plain" (what
-    accelerators run) elsewhere. Decided once per model: by the setup for the run's platform or compile target,
-    by the Transformer for a model built by hand."""
-    return "cpu" if platform == "cpu" else "plain"

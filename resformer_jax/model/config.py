@@ -97,12 +97,13 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype (auto: resolved by the setup); parameters are always float32
     scan_layers: bool = True
     remat: str = "none"  # none | dots | attention | full
-    attention_impl: str = "auto"  # resolved by the setup into a concrete kernel before the model is built
-    # auto | pallas | xla: RMSNorm in the Pallas kernels (kernels/pallas_norm.py; auto: on a GPU where they apply,
-    # resolved with the platform like matmuls) or as XLA's fusions
+    # every `auto` below is resolved in resolve.py alone (a run's start, or for_backend), before the model is built
+    attention_impl: str = "auto"
+    # auto | pallas | xla: RMSNorm in the Pallas kernels (kernels/pallas_norm.py; auto: on a GPU where they apply)
+    # or as XLA's fusions
     norm_impl: str = "auto"
-    matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (the setup, per platform);
-    # rounded: the decode engine's on a CPU (kernels/cpu_matmul.rounded_matmul)
+    matmuls: str = "auto"  # auto | cpu | plain: XLA:CPU's fast forms or the accelerators' (auto: per platform);
+    # rounded: the decode engine's on a CPU with a bf16 or fp16 model (resolve.serving_model)
 
     def __post_init__(self):
         """The model's own fields checked where they are declared: ConfigError names the first impossible one."""
@@ -284,16 +285,8 @@ class ModelConfig:
     @property
     def norms_in_kernel(self) -> bool:
         """RMSNorm in the Pallas kernels (kernels/pallas_norm.py): one read of the residual stream forward, one pass
-        backward with the residual's gradient added. `auto` here (a model built without the setup, which resolves
-        it per platform: with_norm_impl) counts as XLA's norm."""
+        backward with the residual's gradient added."""
         return self.norm_impl == "pallas"
-
-    def with_norm_impl(self, backend: str) -> ModelConfig:
-        """norm_impl=auto resolved for a backend ('gpu', 'tpu', 'cpu'): the Pallas kernels on a GPU where they apply
-        (Triton), XLA's norm elsewhere; a named one kept."""
-        if self.norm_impl != "auto":
-            return self
-        return self.replace(norm_impl="pallas" if backend == "gpu" and self.norm_kernel_applies else "xla")
 
     @property
     def mixes_values(self) -> bool:

@@ -59,11 +59,8 @@ def plain_swiglu(x_NxE, wg_ExF, wu_ExF, wd_FxE, dtype):
 
 
 def uses_cpu_matmuls(matmuls: str) -> bool:
-    """Which form the model's matmuls take, as resolved once per model (kernels/cpu_matmul.forms_for): "cpu",
-    XLA:CPU's fast path (kernels/cpu_matmul.py); "plain", the form accelerators run ("auto" only where a layer is
-    used on its own: the default backend's)."""
-    if matmuls == "auto":
-        matmuls = cpu_matmul.forms_for(jax.default_backend())
+    """Whether the model's matmuls (as resolve.py resolved them) take XLA:CPU's fast path (kernels/cpu_matmul.py)
+    rather than the form accelerators run ("plain")."""
     return matmuls == "cpu"
 
 
@@ -119,7 +116,7 @@ class DenseGeneral(nn.Module):
     dtype: Dtype = jnp.float32
     out_dtype: Dtype | None = None  # e.g. fp32 logits from bf16 inputs
     use_bias: bool = False  # GPT-2 has biases; the Llama-like default has none
-    matmuls: str = "auto"  # config.model.matmuls: "cpu" | "plain" | "auto" (uses_cpu_matmuls)
+    matmuls: str = "plain"  # config.model.matmuls as resolved: "cpu" | "plain" | "rounded"
 
     @nn.compact
     def __call__(self, x):
@@ -162,7 +159,7 @@ class SwiGLU(nn.Module):
     std: float = 0.02
     dtype: Dtype = jnp.float32
     out_std: float | None = None  # the down projection's init std (None: std)
-    matmuls: str = "auto"
+    matmuls: str = "plain"
 
     @nn.compact
     def __call__(self, x_BxTxE):
@@ -200,7 +197,7 @@ class GeluMLP(nn.Module):
     std: float = 0.02
     dtype: Dtype = jnp.float32
     out_std: float | None = None  # the down projection's init std (None: std)
-    matmuls: str = "auto"
+    matmuls: str = "plain"
 
     @nn.compact
     def __call__(self, x_BxTxE):

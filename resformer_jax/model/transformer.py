@@ -25,7 +25,7 @@ import numpy as np
 
 from resformer_jax import kernels
 from resformer_jax.kernels import cpu_matmul
-from resformer_jax.kernels.names import ATTENTION_RESIDUALS, target_backend
+from resformer_jax.kernels.names import ATTENTION_RESIDUALS
 from resformer_jax.model.attention import (
     Attention,
     Carry,
@@ -207,10 +207,12 @@ class Transformer(nn.Module):
                 f"Transformer takes a ModelConfig, got {type(m).__name__}: type the run's config once with "
                 "config.RunConfig.of(cfg) and pass its .model"
             )
-        if m.matmuls == "auto":  # a model built without the setup: the default backend's forms, decided here once
-            m = m.replace(matmuls=cpu_matmul.forms_for(jax.default_backend()))
-        m = m.with_norm_impl(target_backend())  # the same for the norm (a compile target's inside compiling_for)
-        object.__setattr__(self, "cfg", m)
+        unresolved = [f for f in ("attention_impl", "norm_impl", "matmuls", "dtype") if getattr(m, f) == "auto"]
+        if unresolved:
+            raise TypeError(
+                f"Transformer takes a resolved ModelConfig; {', '.join(unresolved)} still 'auto': resolve it once, "
+                "with resformer_jax.resolve.for_backend(m) (a model built by hand) or resolve.resolve(cfg) (a run)"
+            )
         super().__post_init__()
 
     def context_parallel(self, batch: int) -> bool:
@@ -356,7 +358,7 @@ def param_shapes(m: ModelConfig, boxed: bool = False):
 @functools.lru_cache(maxsize=16)
 def _traced_param_shapes(m: ModelConfig, boxed: bool):
     # the kernels hold no parameters: traced with XLA's, never a GPU kernel interpreted (a compile target's model)
-    model = Transformer(m.replace(attention_impl="xla", norm_impl="xla"))
+    model = Transformer(m.replace(attention_impl="xla", norm_impl="xla", matmuls="plain", dtype="float32"))
     T = min(8, m.max_seq_len)
     variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32)))
     return variables["params"] if boxed else nn.unbox(variables["params"])
@@ -376,3 +378,18 @@ def param_counts(m: ModelConfig) -> dict:
     if value_tables:
         out["params_value_embeddings"] = value_tables
     return out
+
+
+def pool_shapes(model: Transformer):
+    """The cache pools of a paged model as shapes: {layer: {"k": pool, "v": ...}} as each layer's equation needs
+    them, each laid out for its kernel (kernels/paged_attention.pool_shape; nothing allocated)."""
+    one = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]
+
+
+def cache_bytes_per_token(m: ModelConfig) -> int:
+    """Bytes a token takes in the paged cache, every layer together (what the engine's pools hold per page slot;
+    each kernel's layout holds the same bytes, so they are counted in XLA's)."""
+    xla = m.replace(scan_layers=False, attention_impl="xla", norm_impl="xla", matmuls="plain")
+    shapes = pool_shapes(Transformer(xla, pages=PageLayout(1, 1)))
+    return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
