@@ -120,7 +120,7 @@ def test_every_ablation_trains_a_few_steps_on_its_tiny_override():
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 256)
     for name in NAMES:
         c = tiny(name, scan=True)  # typed: tiny_config's 3 layers
-        model = Transformer(c.model.replace(attention_impl="xla"))
+        model = Transformer(for_backend(c.model.replace(attention_impl="xla")))
         tx = optax.sgd(0.05)  # plain SGD: the point is the ablation's forward and backward, compiled fast
         state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
         step = jax.jit(make_train_step(model, tx, 1))

@@ -793,3 +793,49 @@ def test_bench_decode_stream_shared_prefixes_computes_each_prefix_once():
     # --prompt_min=--context: prompts of one length (the capacity load in docs/evaluation.md)
     one = bench_decode_stream(models[:1], **{**kw, "shared_prefixes": 0}, prompt_min=24)
     assert one[0]["prompt_tokens"] == 8 * 24, one
+
+
+def test_each_benchmark_reads_the_flags_its_table_names_and_refuses_another_s():
+    """commands/bench.py's BENCHMARK_FLAGS is the one table of which flag is whose: every flag the command defines
+    (but --config and --compare) belongs to a benchmark whose runner reads it; a flag given to a benchmark that does
+    not read it is one usage line naming the benchmarks that do (it was silently ignored)."""
+    import ast
+    import pathlib
+
+    tree = ast.parse((pathlib.Path(ROOT) / "resformer_jax" / "commands" / "bench.py").read_text())
+    table = ast.literal_eval(
+        next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "BENCHMARK_FLAGS")
+    )
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    def reads(name, seen):
+        if name in seen or name not in funcs:
+            return set()
+        seen.add(name)
+        out = set()
+        for n in ast.walk(funcs[name]):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "FLAGS":
+                out.add(n.attr)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                out |= reads(n.func.id, seen)
+        return out
+
+    defined = {
+        n.value.args[0].value
+        for n in tree.body
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and "DEFINE" in ast.unparse(n.value.func)
+    }
+    assert defined - {"config", "compare"} == {f for names in table.values() for f in names}
+    for bench, names in table.items():
+        missing = set(names) - reads(f"run_{bench}", set())
+        assert not missing, f"bench {bench} lists flags its runner does not read: {missing}"
+    r = subprocess.run(
+        [sys.executable, "-m", "resformer_jax", "bench", "train", "--config=configs/tiny.py", "--cache_gib=1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+    assert r.returncode != 0 and "--cache_gib is not a flag of bench train" in r.stderr, r.stderr[-800:]
+    assert "read by bench decode" in r.stderr and "Traceback" not in r.stderr

@@ -1,6 +1,7 @@
 """Every command line in README.md and docs/*.md names a command that exists, only flags that command defines,
 config files that exist and config fields those files have. README's two top commands are run by CI itself."""
 
+import ast
 import functools
 import importlib.util
 import json
@@ -132,6 +133,16 @@ def test_docs_exist_and_readme_links_every_one():
             assert (doc.parent / target).is_file(), f"{doc.name} links {target}, which does not exist"
 
 
+def _bench_flags() -> dict[str, tuple[str, ...]]:
+    """commands/bench.py's BENCHMARK_FLAGS, read from the file (importing it would define its flags here)."""
+    tree = ast.parse((ROOT / "resformer_jax" / "commands" / "bench.py").read_text())
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "BENCHMARK_FLAGS")
+    return ast.literal_eval(table)
+
+
+BENCH_FLAGS = _bench_flags()
+
+
 def test_every_documented_command_exists_with_its_flags_and_config_fields():
     problems = []
     checked = 0
@@ -165,6 +176,10 @@ def test_every_documented_command_exists_with_its_flags_and_config_fields():
                     problems.append(f"{where}: {config} has no field {name.removeprefix('--config.')}")
             elif name not in known and not (name.startswith("--no") and "--" + name[4:] in known):
                 problems.append(f"{where}: {what} has no flag {name}")
+        if what == "commands.bench" and args and args[0] in BENCH_FLAGS:
+            allowed = {f"--{n}" for n in BENCH_FLAGS[args[0]]} | {"--config", "--compare", "--help"}
+            stray = [a.split("=", 1)[0] for a in args if a.startswith("--") and not a.startswith("--config.")]
+            problems += [f"{where}: bench {args[0]} does not read {n}" for n in stray if n.split("=")[0] not in allowed]
         if config is not None and config != "...":
             path = config.split(":", 1)[0]
             if not (ROOT / path).is_file():

@@ -148,6 +148,71 @@ flags.DEFINE_float(
 )
 FLAGS = flags.FLAGS
 
+# The flags each benchmark reads, besides --config and --compare for those that take a config: the one table of
+# which flag is whose. A flag given to a benchmark that does not read it is refused, naming those that do.
+BENCHMARK_FLAGS = {
+    "train": (
+        "steps",
+        "compare_dtypes",
+        "compare_telemetry",
+        "documents",
+        "compile_only",
+        "profile_steps",
+        "profile_dir",
+        "interleave",
+    ),
+    "attention": ("shapes", "impls", "dtype"),
+    "decode": (
+        "context",
+        "new_tokens",
+        "batch",
+        "matrix",
+        "prefill",
+        "rounds",
+        "decode_steps",
+        "stream",
+        "rate",
+        "prompt_min",
+        "shared_prefixes",
+        "prefix_len",
+        "prefix_cache",
+        "cache_gib",
+        "temperature",
+        "top_k",
+        "top_p",
+    ),
+    "data": ("steps", "step_tokens_per_s"),
+    "accelerator": ("out",),
+    "zero_shot": ("task_data", "tokenizer", "tasks", "items", "score_batch"),
+    "serve": (
+        "url",
+        "check",
+        "requests",
+        "concurrency",
+        "data",
+        "context",
+        "new_tokens",
+        "rate",
+        "prompt_min",
+        "shared_prefixes",
+        "prefix_len",
+    ),
+}
+
+
+def check_flags_belong(what: str, needs_config: bool) -> None:
+    """A flag on the command line that benchmark `what` does not read: one usage error naming who reads it."""
+    own = {n for names in BENCHMARK_FLAGS.values() for n in names} | {"config", "compare"}
+    allowed = set(BENCHMARK_FLAGS[what]) | ({"config", "compare"} if needs_config else set())
+    for name in sorted(n for n in own if FLAGS[n].present and n not in allowed):
+        readers = [b for b, names in BENCHMARK_FLAGS.items() if name in names] or [
+            b for b, (_, takes_config, _) in BENCHMARKS.items() if takes_config
+        ]
+        raise app.UsageError(
+            f"--{name} is not a flag of bench {what} (it is read by bench {', '.join(readers)}); drop it, or run "
+            f"that benchmark"
+        )
+
 
 def run_train(modes: list[str]) -> list[dict]:
     from resformer_jax.bench.train import bench_train
@@ -389,6 +454,7 @@ def main(argv):
         raise app.UsageError(f"usage: resformer bench {{{','.join(BENCHMARKS)}}} [flags]")
     what = argv[1]
     runner, needs_config, key = BENCHMARKS[what]
+    check_flags_belong(what, needs_config)
     if needs_config and FLAGS.config is None:
         raise app.UsageError("--config is required")
     modes = (FLAGS.compare.split(",") if FLAGS.compare else [FLAGS.config.model.value_residual]) if needs_config else []
