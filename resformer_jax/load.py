@@ -1,4 +1,4 @@
-"""A finished run's checkpoint read back for inference and analysis (generate, evaluate, export, analyze, serve,
+"""A finished run's parameters read back for inference and analysis (generate, evaluate, export, analyze, serve,
 the lm-eval adapter): `load_run`, which reads only, and names a damaged checkpoint without moving it."""
 
 from __future__ import annotations
@@ -11,16 +11,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import flax.linen as nn
-import jax
-
 from resformer_jax.checkpoint import CheckpointError, failure_reason
 from resformer_jax.config import RunConfig, with_defaults
-from resformer_jax.model import Transformer
-from resformer_jax.resolve import for_backend, model_config, resolve_attention
+from resformer_jax.resolve import model_config, resolve_attention
 from resformer_jax.rundir import RunDir
-from resformer_jax.train.optimizer import make_optimizer
-from resformer_jax.train.setup import spike_window, state_template
 
 
 @contextlib.contextmanager
@@ -85,14 +79,8 @@ def load_run(
         for candidate in [step] if step is not None else list(reversed(steps)):
             try:
                 cfg = RunConfig.of(with_defaults(ck.read_config(candidate)), strict=False)
-                model = Transformer(for_backend(cfg.model))  # its shapes: the checkpoint's template
-                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                boxed = state_template(model, make_optimizer(cfg.train), cfg.data.seq_len, spike_window(cfg.train))
-                abstract = jax.tree.map(
-                    lambda x, dev=dev: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), nn.unbox(boxed)
-                )
                 with _library_reports_held():
-                    state, _, _ = ck.restore(candidate, abstract)
+                    params = ck.restore_params(candidate)
             except Exception as e:
                 failures.append((candidate, failure_reason(e)[:300]))
                 continue
@@ -119,4 +107,4 @@ def load_run(
         ck.mngr.close()
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
     # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
-    return LoadedRun(cfg.replace(model=model_config(cfg, choice)), state.params, step)
+    return LoadedRun(cfg.replace(model=model_config(cfg, choice)), params, step)

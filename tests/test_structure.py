@@ -238,6 +238,12 @@ def test_folder_boundaries():
     for f in (PKG / "train").glob("*.py"):
         text = f.read_text()
         assert "metadata.json" not in text and "tokenizer.json" not in text, f"{f.name} handles data files"
+    # a reader of finished runs (load.py: generate, evaluate, serve, export, the lm-eval adapter) and what it serves
+    # need nothing of training: the checkpoint's own metadata is the template its state is restored into
+    readers = [PKG / "load.py", *(PKG / d / f for d in ("eval", "engine", "serve", "hf") for f in os.listdir(PKG / d))]
+    for f in (f for f in readers if f.suffix == ".py"):
+        bad = [m for m in _imports(f) if m.startswith("resformer_jax.train")]
+        assert not bad, f"{f.relative_to(PKG)} imports {bad}: a reader of finished runs needs nothing of training"
     # the pipeline <-> tfds_source cycle is gone: tfds_source does not import the pipeline
     assert "resformer_jax.data.pipeline" not in _imports(PKG / "data" / "tfds_source.py")
 
