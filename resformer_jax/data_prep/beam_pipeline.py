@@ -28,9 +28,12 @@ import json
 import os
 import shlex
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from resformer_jax.data_prep.corpus_io import PrepareJob
 
 SPLIT_BYTES = 64 << 20  # uncompressed .jsonl files larger than this are read in ranges of this size
 
@@ -205,26 +208,14 @@ def merge_stats(parts: list[tuple[str, str, dict]]) -> dict:
 
 
 def run_pipeline(
-    files: list[str],
-    tok,
-    tokenizer_json: str,
-    eot: int,
-    out: str,
-    seq_len: int,
-    budgets: dict,
-    domain: str,
-    split: str,
-    seed: int,
-    shuffle_docs: bool,
-    records_per_shard: int,
-    beam_options: str,
-    packing: str,
-    skip_bad_files: bool,
+    files: list[str], tok, tokenizer_json: str, eot: int, out: str, job: PrepareJob
 ) -> tuple[dict, list[dict]]:
-    """Runs the pipeline, writing shards under `out`; returns (stats per split and domain, skipped files)."""
+    """Runs the pipeline for `job` (corpus_io.PrepareJob), writing shards under `out`; returns (stats per split and
+    domain, skipped files)."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
+    packing, seq_len, budgets = job.beam_packing, job.seq_len, job.budgets
     if packing not in ("domain", "file"):
         from resformer_jax.data_prep.corpus_io import PrepareError
 
@@ -233,12 +224,12 @@ def run_pipeline(
     dtype = "uint16" if vocab <= 65535 else "uint32"
     units = work_units(files)
     results = f"{out}/_beam_stats"
-    opts = PipelineOptions(shlex.split(beam_options or "--runner=DirectRunner"))
+    opts = PipelineOptions(shlex.split(job.beam_options or "--runner=DirectRunner"))
     with beam.Pipeline(options=opts) as p:
         docs = (
             p
             | "units" >> beam.Create(units)
-            | "read" >> beam.FlatMap(read_unit, domain, split, seed, shuffle_docs, skip_bad_files)
+            | "read" >> beam.FlatMap(read_unit, job.domain, job.split, job.seed, job.shuffle_docs, job.skip_bad_files)
             | "tokenize" >> beam.Map(Tokenize(tokenizer_json, eot))
         )
         skipped = docs | "skipped" >> beam.Filter(lambda kv: kv[0][0] == "__skipped__")
@@ -250,7 +241,7 @@ def run_pipeline(
         stats = (
             keyed
             | "group" >> beam.GroupByKey()
-            | "pack" >> beam.FlatMap(pack_and_write, out, seq_len, dtype, budgets, records_per_shard, packing)
+            | "pack" >> beam.FlatMap(pack_and_write, out, seq_len, dtype, budgets, job.records_per_shard, packing)
         )
         (
             stats

@@ -3,6 +3,7 @@ input files and their documents, the tokenizer, the end-of-text token, and the A
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -288,3 +289,24 @@ class ShardWriter:
     def close(self) -> int:
         self._close_shard()
         return len(self.buf)  # tokens left over that fill no whole record
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareJob:
+    """What one preparation writes, as `prepare` was asked (every step below reads it, none changes it)."""
+
+    tokenizer: str
+    seq_len: int
+    budgets: dict
+    domain: str
+    split: str
+    seed: int
+    shuffle_docs: bool
+    records_per_shard: int
+    batch_docs: int
+    command: str
+    quiet: bool
+    skip_bad_files: bool
+    runner: str
+    beam_options: str
+    beam_packing: str

@@ -27,6 +27,7 @@ import numpy as np
 from resformer_jax.data_prep.corpus_io import (
     BadInputFile,
     PrepareError,
+    PrepareJob,
     ShardWriter,
     eot_id_of,
     list_files,
@@ -67,9 +68,25 @@ def prepare(
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # the tokenizers library's thread pool
     if seq_len < 1:
         raise PrepareError(f"--seq_len must be positive, got {seq_len}")
-    budgets = budgets or {}
     if runner not in ("threads", "beam"):
         raise PrepareError(f"--runner={runner!r}: use threads or beam")
+    job = PrepareJob(
+        tokenizer,
+        seq_len,
+        budgets or {},
+        domain,
+        split,
+        seed,
+        shuffle_docs,
+        records_per_shard,
+        batch_docs,
+        command,
+        quiet,
+        skip_bad_files,
+        runner,
+        beam_options,
+        beam_packing,
+    )
     if runner == "beam":
         from resformer_jax.data_prep import beam_pipeline
 
@@ -86,40 +103,8 @@ def prepare(
         except storage.StorageError as e:
             raise PrepareError(str(e)) from None
         if runner != "beam":
-            return _prepare_then_upload(
-                out,
-                files,
-                tokenizer,
-                seq_len,
-                budgets,
-                domain,
-                split,
-                seed,
-                shuffle_docs,
-                records_per_shard,
-                batch_docs,
-                command,
-                quiet,
-                skip_bad_files,
-            )
-        return _prepare_remote(
-            out,
-            files,
-            tokenizer,
-            seq_len,
-            budgets,
-            domain,
-            split,
-            seed,
-            shuffle_docs,
-            records_per_shard,
-            batch_docs,
-            command,
-            quiet,
-            skip_bad_files,
-            beam_options,
-            beam_packing,
-        )
+            return _prepare_then_upload(out, files, job)
+        return _prepare_remote(out, files, job)
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepareError(
             f"--out {out!r} is an existing file; name a folder (new, empty, or a prepared corpus to replace)"
@@ -133,25 +118,7 @@ def prepare(
     shutil.rmtree(work, ignore_errors=True)
     try:
         os.makedirs(work)
-        meta = _prepare_into(
-            work,
-            files,
-            tokenizer,
-            seq_len,
-            budgets,
-            domain,
-            split,
-            seed,
-            shuffle_docs,
-            records_per_shard,
-            batch_docs,
-            command,
-            quiet,
-            skip_bad_files,
-            runner,
-            beam_options,
-            beam_packing,
-        )
+        meta = _prepare_into(work, files, job)
         if os.path.isdir(out):  # swap: the old corpus stays whole until the new one is
             old = f"{out}.old-{os.getpid()}"
             os.rename(out, old)
@@ -166,22 +133,7 @@ def prepare(
     return meta
 
 
-def _prepare_then_upload(
-    out,
-    files,
-    tokenizer,
-    seq_len,
-    budgets,
-    domain,
-    split,
-    seed,
-    shuffle_docs,
-    records_per_shard,
-    batch_docs,
-    command,
-    quiet,
-    skip_bad_files,
-) -> dict:
+def _prepare_then_upload(out, files, job: PrepareJob) -> dict:
     """--out on object storage with the threaded runner: ArrayRecord writes local files only, so the corpus
     is prepared in a local temporary folder and uploaded. No rename there either: the old metadata.json
     is removed first and the new one uploaded last, so a half-uploaded corpus never looks prepared."""
@@ -192,22 +144,7 @@ def _prepare_then_upload(
         (dst / "metadata.json").unlink()
     local = tempfile.mkdtemp(prefix="resformer_prepare_")
     try:
-        meta = _prepare_into(
-            local,
-            files,
-            tokenizer,
-            seq_len,
-            budgets,
-            domain,
-            split,
-            seed,
-            shuffle_docs,
-            records_per_shard,
-            batch_docs,
-            command,
-            quiet,
-            skip_bad_files,
-        )
+        meta = _prepare_into(local, files, job)
         from resformer_jax.storage import files_under
 
         files_up = [p for p in files_under(local) if p.name != "metadata.json"]
@@ -218,29 +155,12 @@ def _prepare_then_upload(
         (epath.Path(local) / "metadata.json").copy(dst / "metadata.json", overwrite=True)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-    if not quiet:
+    if not job.quiet:
         print(f"[prepare] uploaded {len(files_up) + 1} files; wrote {out}/metadata.json", file=sys.stderr, flush=True)
     return meta
 
 
-def _prepare_remote(
-    out,
-    files,
-    tokenizer,
-    seq_len,
-    budgets,
-    domain,
-    split,
-    seed,
-    shuffle_docs,
-    records_per_shard,
-    batch_docs,
-    command,
-    quiet,
-    skip_bad_files,
-    beam_options,
-    beam_packing,
-) -> dict:
+def _prepare_remote(out, files, job: PrepareJob) -> dict:
     """--out on object storage (Beam only): no rename there, so metadata.json is removed first and written last;
     the tokenizer is prepared locally and copied up."""
     from apache_beam.io.filesystems import FileSystems
@@ -250,27 +170,7 @@ def _prepare_remote(
         FileSystems.delete([meta_path])
     local = tempfile.mkdtemp(prefix="resformer_prepare_")
     try:
-        meta = _prepare_into(
-            local,
-            files,
-            tokenizer,
-            seq_len,
-            budgets,
-            domain,
-            split,
-            seed,
-            shuffle_docs,
-            records_per_shard,
-            batch_docs,
-            command,
-            quiet,
-            skip_bad_files,
-            "beam",
-            beam_options,
-            beam_packing,
-            shards_out=out,
-            write_meta=False,
-        )
+        meta = _prepare_into(local, files, job, shards_out=out, write_meta=False)
         with (
             open(os.path.join(local, "tokenizer.json"), "rb") as src,
             FileSystems.create(f"{out}/tokenizer.json") as dst,
@@ -283,31 +183,12 @@ def _prepare_remote(
     return meta
 
 
-def _prepare_into(
-    out,
-    files,
-    tokenizer,
-    seq_len,
-    budgets,
-    domain,
-    split,
-    seed,
-    shuffle_docs,
-    records_per_shard,
-    batch_docs,
-    command,
-    quiet,
-    skip_bad_files,
-    runner="threads",
-    beam_options="",
-    beam_packing="domain",
-    shards_out=None,
-    write_meta=True,
-) -> dict:
+def _prepare_into(out, files, job: PrepareJob, shards_out=None, write_meta=True) -> dict:
     skipped: dict[str, str] = {}
+    seq_len, budgets, seed, shuffle_docs, split = job.seq_len, job.budgets, job.seed, job.shuffle_docs, job.split
 
     def log(msg):
-        if not quiet:
+        if not job.quiet:
             print(msg, file=sys.stderr, flush=True)
 
     def docs_of(path, dom="default"):
@@ -317,7 +198,7 @@ def _prepare_into(
         try:
             return list(read_documents(path, dom))
         except BadInputFile as e:
-            if not skip_bad_files:
+            if not job.skip_bad_files:
                 raise PrepareError(
                     f"{e}. Fix or remove the file, or pass --skip_bad_files to skip such files"
                 ) from None
@@ -325,8 +206,8 @@ def _prepare_into(
             log(f"[prepare] WARNING: skipping a bad input file: {e}")
             return []
 
-    tok, tok_path = load_tokenizer(tokenizer, files, out, docs_of)
-    if runner == "beam":
+    tok, tok_path = load_tokenizer(job.tokenizer, files, out, docs_of)
+    if job.runner == "beam":
         from resformer_jax.data_prep import beam_pipeline
 
         vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -334,44 +215,11 @@ def _prepare_into(
         with open(tok_path) as f:
             tok_json = f.read()
         t0 = time.time()
-        stats, skipped_list = beam_pipeline.run_pipeline(
-            files,
-            tok,
-            tok_json,
-            eot,
-            shards_out or out,
-            seq_len,
-            budgets,
-            domain,
-            split,
-            seed,
-            shuffle_docs,
-            records_per_shard,
-            beam_options,
-            beam_packing,
-            skip_bad_files,
-        )
+        stats, skipped_list = beam_pipeline.run_pipeline(files, tok, tok_json, eot, shards_out or out, job)
         skipped.update({x["file"]: x["reason"] for x in skipped_list})
         total = sum(st["tokens"] for doms in stats.values() for st in doms.values())
-        log(f"[prepare] beam: {total:,} tokens in {time.time() - t0:.1f}s ({beam_packing} packing)")
-        return _finish(
-            out,
-            stats,
-            tok_path,
-            tokenizer,
-            vocab,
-            eot,
-            seq_len,
-            seed,
-            shuffle_docs,
-            budgets,
-            command,
-            skipped,
-            log,
-            write_meta,
-            runner="beam",
-            packing=beam_packing,
-        )
+        log(f"[prepare] beam: {total:,} tokens in {time.time() - t0:.1f}s ({job.beam_packing} packing)")
+        return _finish(out, job, stats, tok_path, vocab, eot, skipped, log, write_meta)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eot = eot_id_of(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32
@@ -381,11 +229,11 @@ def _prepare_into(
 
     for fi, path in enumerate(files):
         sp = split_of(path, split)
-        docs = docs_of(path, domain)
+        docs = docs_of(path, job.domain)
         if shuffle_docs:  # seeded per file, so every runner (and a resumed preparation) gets the same order
             docs = [docs[i] for i in np.random.default_rng([seed, fi]).permutation(len(docs))]
-        for b in range(0, len(docs), batch_docs):
-            chunk = docs[b : b + batch_docs]
+        for b in range(0, len(docs), job.batch_docs):
+            chunk = docs[b : b + job.batch_docs]
             encs = tok.encode_batch([t for _, t in chunk], add_special_tokens=False)
             for (dom, _), enc in zip(chunk, encs):
                 st = stats.setdefault(sp, {}).setdefault(dom, {"documents": 0, "tokens": 0})
@@ -394,7 +242,7 @@ def _prepare_into(
                 ids = enc.ids + [eot]
                 key = (sp, dom)
                 if key not in writers:
-                    writers[key] = ShardWriter(os.path.join(out, sp, dom), seq_len + 1, dtype, records_per_shard)
+                    writers[key] = ShardWriter(os.path.join(out, sp, dom), seq_len + 1, dtype, job.records_per_shard)
                 writers[key].add(ids)
                 st["documents"] += 1
                 st["tokens"] += len(ids)
@@ -411,45 +259,12 @@ def _prepare_into(
         f"[prepare] {total_tokens:,} tokens in {time.time() - t0:.1f}s"
         + (f"; skipped {len(skipped)} bad files (listed in metadata.json)" if skipped else "")
     )
-    return _finish(
-        out,
-        stats,
-        tok_path,
-        tokenizer,
-        vocab,
-        eot,
-        seq_len,
-        seed,
-        shuffle_docs,
-        budgets,
-        command,
-        skipped,
-        log,
-        write_meta,
-        runner="threads",
-        packing="domain",
-    )
+    return _finish(out, job, stats, tok_path, vocab, eot, skipped, log, write_meta)
 
 
-def _finish(
-    out,
-    stats,
-    tok_path,
-    tokenizer,
-    vocab,
-    eot,
-    seq_len,
-    seed,
-    shuffle_docs,
-    budgets,
-    command,
-    skipped,
-    log,
-    write_meta=True,
-    runner="threads",
-    packing="domain",
-) -> dict:
+def _finish(out, job: PrepareJob, stats, tok_path, vocab, eot, skipped, log, write_meta=True) -> dict:
     """Drops (split, domain) streams without a whole record, and writes metadata.json (last)."""
+    seq_len = job.seq_len
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     for sp, doms in stats.items():
         for dom, st in list(doms.items()):
@@ -472,21 +287,21 @@ def _finish(
             "sha256": sha256_file(tok_path),
             "vocab_size": vocab,
             "eot_id": eot,
-            "spec": tokenizer,
+            "spec": job.tokenizer,
         },
         "seq_len": seq_len,
         "record_len": seq_len + 1,
         "dtype": np.dtype(dtype).name,
-        "seed": seed,
-        "shuffle_docs": shuffle_docs,
-        "budgets": budgets,
+        "seed": job.seed,
+        "shuffle_docs": job.shuffle_docs,
+        "budgets": job.budgets,
         "splits": stats,
-        "command": command or " ".join(sys.argv),
+        "command": job.command or " ".join(sys.argv),
         "skipped_files": [{"file": f, "reason": r} for f, r in sorted(skipped.items())],
-        "runner": runner,
+        "runner": job.runner,
         # domain: each (split, domain) packed as one stream in file and document order (threads, and Beam's
         # default); file: Beam packed each input file on its own (records never span files).
-        "packing": packing,
+        "packing": job.beam_packing if job.runner == "beam" else "domain",
     }
     if write_meta:
         with open(os.path.join(out, "metadata.json.tmp"), "w") as f:
