@@ -839,3 +839,34 @@ def test_each_benchmark_reads_the_flags_its_table_names_and_refuses_another_s():
     )
     assert r.returncode != 0 and "--cache_gib is not a flag of bench train" in r.stderr, r.stderr[-800:]
     assert "read by bench decode" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_zero_shot_scores_the_sample_tasks_at_a_configs_shape():
+    """`bench zero_shot` (README's command) types and resolves its config before it builds the model (it handed
+    the model a ConfigDict and ended in a traceback): items/s and the full split's projected time, one JSON row."""
+    shared = os.path.join(os.path.dirname(ROOT), "shared", "data")
+    if not os.path.isdir(shared):
+        pytest.skip("../shared/data (the sample tasks and the NeoX tokenizer) is absent")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resformer_jax",
+            "bench",
+            "zero_shot",
+            "--config=configs/tiny.py",
+            f"--task_data={shared}/eval_samples",
+            f"--tokenizer={shared}/tokenizers/gpt-neox-20b.json",
+            "--items=4",
+            "--tasks=piqa",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["task"] == "piqa" and row["items"] == 4 and row["choices"] == 8 and row["items_per_s"] > 0
+    assert row["full_split_items"] == 1838
