@@ -252,14 +252,14 @@ class Checkpointer:
                 progress=ocp.args.JsonRestore(),
             ),
         )
-        self._check_fingerprints(step, r["state"], whole=True)
+        self._check_fingerprints(step, r["state"])
         return r["state"], dict(r["config"]), dict(r["progress"])
 
-    def restore_params(self, step: int, device=None):
-        """The parameters of one step, for a reader (on `device`, default the first): the whole state restored as
-        it was saved, its tree read from the checkpoint's metadata (a reader builds no optimizer for a template),
-        and checked against its fingerprints as `restore` checks it; the parameters returned."""
-        on = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    def restore_params(self, step: int):
+        """The parameters of one step, for a reader (on the first device): the whole state restored as it was
+        saved, its tree read from the checkpoint's metadata (a reader builds no optimizer for a template), and
+        checked against its fingerprints as `restore` checks it; the parameters returned."""
+        on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         saved = self.mngr.item_metadata(step)["state"]
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
@@ -267,12 +267,12 @@ class Checkpointer:
             is_leaf=lambda a: hasattr(a, "shape") and hasattr(a, "dtype"),
         )
         state = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        self._check_fingerprints(step, state, whole=True)
+        self._check_fingerprints(step, state)
         return state["params"]
 
-    def _check_fingerprints(self, step: int, restored, whole: bool) -> None:
-        """DamagedCheckpoint if a restored array's bits differ from the fingerprint saved with it (`whole`: the
-        restored arrays are every array saved)."""
+    def _check_fingerprints(self, step: int, restored) -> None:
+        """DamagedCheckpoint if a restored array's bits differ from the fingerprint saved with it, or the arrays
+        are not those saved."""
         try:
             saved = dict(
                 self.mngr.restore(step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))["fingerprints"]
@@ -280,12 +280,11 @@ class Checkpointer:
         except Exception:
             return  # checkpoints written before fingerprints existed
         now = fingerprints(restored)
-        bad = [p for p in now if now[p] != saved.get(p)]
-        if whole and set(now) != set(saved):
-            bad = bad or sorted(set(now) ^ set(saved))
-        if bad:
+        bad = [p for p in saved if now.get(p) != saved[p]]
+        if bad or set(now) != set(saved):
             raise DamagedCheckpoint(
-                f"array {bad[0]} does not match the fingerprint saved with it ({len(bad)} arrays differ)"
+                f"array {(bad or sorted(set(now) ^ set(saved)))[0]} does not match the "
+                f"fingerprint saved with it ({len(bad)} arrays differ)"
             )
 
     def restore_data(self, step: int, data_iter, warn=print) -> None:

@@ -71,21 +71,21 @@ def prepare(
     if runner not in ("threads", "beam"):
         raise PrepareError(f"--runner={runner!r}: use threads or beam")
     job = PrepareJob(
-        tokenizer,
-        seq_len,
-        budgets or {},
-        domain,
-        split,
-        seed,
-        shuffle_docs,
-        records_per_shard,
-        batch_docs,
-        command,
-        quiet,
-        skip_bad_files,
-        runner,
-        beam_options,
-        beam_packing,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        budgets=budgets or {},
+        domain=domain,
+        split=split,
+        seed=seed,
+        shuffle_docs=shuffle_docs,
+        records_per_shard=records_per_shard,
+        batch_docs=batch_docs,
+        command=command,
+        quiet=quiet,
+        skip_bad_files=skip_bad_files,
+        runner=runner,
+        beam_options=beam_options,
+        beam_packing=beam_packing,
     )
     if runner == "beam":
         from resformer_jax.data_prep import beam_pipeline

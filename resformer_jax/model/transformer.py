@@ -348,6 +348,12 @@ def unrolled_params(params: dict, num_layers: int) -> dict:
     return out
 
 
+def shapes_only(m: ModelConfig) -> ModelConfig:
+    """`m` for tracing shapes alone: XLA's attention and norm and the plain matmuls (the kernels hold no parameters
+    and lay out the same bytes), never a GPU kernel interpreted on the host (a compile target's model)."""
+    return m.replace(attention_impl="xla", norm_impl="xla", matmuls="plain")
+
+
 def param_shapes(m: ModelConfig, boxed: bool = False):
     """Parameter shapes without allocating them (jax.eval_shape); boxed: keep the logical axis names. Traced once
     per model config (a 24-layer trace takes seconds, and the memory estimate asks for it once per setting it
@@ -357,8 +363,7 @@ def param_shapes(m: ModelConfig, boxed: bool = False):
 
 @functools.lru_cache(maxsize=16)
 def _traced_param_shapes(m: ModelConfig, boxed: bool):
-    # the kernels hold no parameters: traced with XLA's, never a GPU kernel interpreted (a compile target's model)
-    model = Transformer(m.replace(attention_impl="xla", norm_impl="xla", matmuls="plain", dtype="float32"))
+    model = Transformer(shapes_only(m).replace(dtype="float32"))  # parameters are float32 whatever the dtype
     T = min(8, m.max_seq_len)
     variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32)))
     return variables["params"] if boxed else nn.unbox(variables["params"])
@@ -388,8 +393,6 @@ def pool_shapes(model: Transformer):
 
 
 def cache_bytes_per_token(m: ModelConfig) -> int:
-    """Bytes a token takes in the paged cache, every layer together (what the engine's pools hold per page slot;
-    each kernel's layout holds the same bytes, so they are counted in XLA's)."""
-    xla = m.replace(scan_layers=False, attention_impl="xla", norm_impl="xla", matmuls="plain")
-    shapes = pool_shapes(Transformer(xla, pages=PageLayout(1, 1)))
+    """Bytes a token takes in the paged cache, every layer together (what the engine's pools hold per page slot)."""
+    shapes = pool_shapes(Transformer(shapes_only(m).replace(scan_layers=False), pages=PageLayout(1, 1)))
     return int(sum(np.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
