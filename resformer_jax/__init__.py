@@ -1,9 +1,6 @@
 """resformer_jax: pretraining value-residual transformers (ResFormer, SVFormer) in JAX/Flax.
 
-Commands on top (`commands/`), the library below, never importing a command: `model/` (the architecture, a
-per-layer plan per paper equation) knows nothing of training, `data/` nothing of models, `train/` no file
-formats; `rundir.py` owns a run directory, `errors.py` holds the one user-error type. README's Layout section
-lists every folder.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 import time

@@ -1,18 +1,6 @@
 """Orbax CheckpointManager wrapper: train state + data iterator state + config.
 
-Saves are asynchronous and keep the newest `max_to_keep` (plus every
-`keep_period`-th step). Every array of the state is saved with a fingerprint
-(two wrapping sums of its bits, computed on the devices that hold it) that
-restore recomputes: a flipped byte is found, not trained on. On start the
-newest checkpoint that restores is used; a damaged one is reported with its
-step, path and the array that failed, moved aside to `checkpoints_damaged/`
-(never deleted) and the previous one is tried. A checkpoint whose parameter
-tree does not match the config is not damaged: that stops the run and moves
-nothing (`saved_params_layout`).
-
-The run directory may be local or on object storage (gs://, s3://): every path here is an epath.Path
-(`resformer_jax.storage`). Object storage has no atomic rename, so there Orbax marks a finished
-checkpoint with a commit file instead of renaming its temporary folder.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Config schema: the typed sections, defaults, paper sizes, validation with clear errors.
 
-A run's config is typed and frozen (`RunConfig`: ModelConfig and the sections below, each checking its own fields
-beside their declarations); the command line edits it as an ml_collections ConfigDict built from the same
-defaults (`base_config()`). `paper_config(size, variant)` fills paper Table 4; `validate(cfg)` types a ConfigDict,
-stopping on an impossible config with one message that names the field and the fix.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The one error type a user can fix: every command turns a UserError into one line on stderr and its exit code.
 
-Each layer raises its own subclass (ConfigError, DataError, MeshError, CheckpointError, StorageError, ...),
-whose message names the cause and the fix; commands catch UserError alone, so no list of classes exists to
-keep in sync. An error that means the run itself went wrong rather than its input sets another exit code
-(NonFiniteError: 3).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """What the user asked, resolved once into the run as it runs: one frozen `Run` that the builder, the trainer's
-session, the summary, the compile command and the benchmarks take.
+session, the summary, the compile command and the benchmarks take. Every `auto` model field (attention_impl,
+norm_impl, matmuls, dtype) is decided here alone: the model refuses one that is not.
 
-  resolve(asked, ...) -> Run: validation (here alone), the fork's run and step (train.init_from=RUN -> RUN:STEP),
-      the WSD decay's start of a fork, the compute dtype (`auto` measured once; a resumed run keeps its start's),
-      the corpus's tokenizer hash, the attention impl (`auto` probed once), the typed model with its attention and
-      matmul forms, and the XLA options the steps compile with.
-  for_backend(m) -> ModelConfig: a model config's `auto` fields given their unprobed choices (a model built
-      outside a run's start: a loaded run, a test, a benchmark's random parameters, shape-only tracing).
-  serving_model(m) -> ModelConfig: the model as the decode engine runs it.
-
-Every `auto` model field (attention_impl, norm_impl, matmuls, dtype) is decided in this module alone: the model
-refuses one that is not (model/transformer.py).
-
-The ConfigDict is the command line's format: `Run.cfg` is the typed config (config.RunConfig) with the resolved
-values in place, and `Run.record()` what a checkpoint and config.json keep (the config as asked plus the resolved
-fields).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -2,20 +2,7 @@
 folder a run holds, and gives the read-only checkpointer and the finished-steps query. Nothing else spells
 these names.
 
-  RUN/
-    checkpoints/            Orbax CheckpointManager (state, data iterator, config, progress, fingerprints)
-    checkpoints_damaged/    checkpoints that failed to restore, moved aside with the reason
-    checkpoints_written     marker: this run once held checkpoints (a run never restarts from zero silently)
-    config.json             the resolved config, readable without Orbax (compare, sweep, evaluate read it)
-    metrics.jsonl           one JSON object per logged step (and metrics.jsonl.parts/ on object storage)
-    tb/                     TensorBoard event files
-    tokenizer.json          the corpus's tokenizer, copied at the start (absent for synthetic data)
-    goodput.json            where the run's wall time went, one record per invocation (train/goodput.py)
-    watchdog/process_I.txt  a stalled process's phase, step and every thread's stack (train/watchdog.py)
-    eval/  analysis/        evaluate's and analyze's outputs
-    library_errors.log      what libraries logged from their own threads
-
-Local paths, gs:// and s3:// alike (storage/ holds what object storage lacks).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """XLA settings the project sets for you, where they are known to be safe.
 
-Every entry point (train, bench, generate, evaluate) calls `configure_xla()`
-before JAX starts its backend. A flag you already put in XLA_FLAGS is never
-overridden; RESFORMER_NO_XLA_DEFAULTS=1 turns all of this off. What each
-setting gained, and how it was measured, is in docs/performance.md.
-
-GPU (set when a CUDA plugin for JAX is installed and an NVIDIA driver is present: the `aot` extra installs
-the plugin on CPU machines too, to compile for GPUs): the flags MaxText runs H100 training with, minus the
-ones that trade memory for speed blindly, each only where the plugin's XLA knows it. Each is about
-overlapping communication with the scanned layers' compute, or about picking the faster GEMM path; none
-changes numerics beyond the summation order of collectives.
-
-CPU-only hosts (no CUDA plugin with a driver, no libtpu with a chip): row reductions stay with XLA's own
-emitter instead of YNNPACK (`xla_cpu_experimental_ynn_fusion_type=-reduce`, set only where the installed
-jaxlib knows the flag): YNNPACK ran the LM head's logsumexp on one thread and stalled the next matmul.
-Matmuls stay with YNNPACK.
-
-x86 CPUs with AVX2 but no AVX-512, per program (`cpu_step_compiler_options`, applied by train/setup.build to
-the train and eval steps as jit compiler options, not as a process flag): a step whose matmuls have >= 1,024
-rows runs them on XLA's Eigen path, faster there; smaller matmuls (decoding's) stay on YNNPACK.
-
-TPU: nothing; libtpu's defaults already overlap collectives and its flags cannot be checked without a TPU.
-
-Host memory on CPU-only hosts (`restart_with_host_memory_defaults()`): a CPU program's device memory is the
-process's heap, and glibc gives every block over 32 MiB fresh pages from mmap each time, page-faulting them
-in on every step. With glibc's `glibc.malloc.hugetlb=1` tunable those blocks get transparent huge pages
-(where the kernel gives them on request, THP "madvise"). A tunable is read only as a process starts, so a
-command restarts itself once with it (same PID, same argv). Keeping freed blocks in the heap instead
-(mallopt: no mmap, no trimming) also removed the faults but fragmented the heap.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Comparisons that account for seed noise: runs grouped by a config field, seeds pooled.
 
-Plain numpy on metric dictionaries; `compare.py` reads the runs and writes the plots.
-
-A group's curve is the mean over its seeds of each run's smoothed training loss. Relative to the
-baseline group it is paired where both groups have a seed (same seed, same data order: the
-difference is taken per seed, then averaged), unpaired otherwise (difference of group means).
-The band is min-max over seeds with fewer than 3, the standard error with 3 or more. The verdict
-compares the final gap with the pooled seed spread: the pooled standard deviation, across seeds,
-of the two groups' final (smoothed) losses.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

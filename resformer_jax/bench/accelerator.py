@@ -1,21 +1,6 @@
 """The first thing to run on new hardware: `resformer bench accelerator`.
 
-One JSON report (stdout, and --out FILE) and a short table (stderr), in under 10 minutes on one GPU:
-
-  attention  every impl's correctness against the fp32 reference (forward and the three gradients,
-             fp32 and bf16 inputs) and its speed at the 468M attention shape, next to JAX's own GPU
-             Pallas attention (`jax.experimental.pallas.ops.gpu`) on a GPU
-  norm       the Pallas RMSNorm kernels (model.norm_impl: auto's choice on a GPU) against XLA's norm at the 468M
-             row shape: their forward and gradients against fp32, and forward + backward time of each
-  auto       what `attention_impl=auto` chose at the 468M shapes for ResFormer (each candidate timed on its
-             layers' value mix), and why it rejected the others
-  train      one ResFormer 468M train step per impl that passed: step time, tokens/s, MFU against the
-             chip's datasheet peak, XLA's memory estimate against the measured peak
-  decode     the decode engine's matrix: tokens/s and bandwidth of vanilla and SVFormer, batch 1 and 64
-
-Rows that need another kind of accelerator are marked not applicable. On a CPU the same check runs
-at reduced shapes (a tiny model, short sequences), so it is exercised by the tests and cannot rot;
-its speed numbers there say nothing about an accelerator.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
 """Where a train step's time goes, from a real profile: XLA's per-op timings of one step, grouped.
 
-  profiled = profile_step(compiled, state, tokens, hlo_text, profile_dir)   # one step under jax.profiler
-  profiled.breakdown  -> {"matmul_projections_mlp": s, "attention": s, "lm_head_xent": s,
-                          "norms_elementwise": s, "optimizer": s, "host_overhead": s}
-
-The step is traced with `jax.profiler.trace` (the directory opens in TensorBoard's profile plugin). Each
-executed op (an HLO instruction: a dot, a fusion, a copy, ...) is looked up in the compiled module's HLO text
-and put in one group by the name scope it came from and what it computes:
-
-- optimizer: under `jax.named_scope("optimizer")` (train/step.py: norm, AdamW update, apply, keep-if-finite);
-- lm_head_xent: under `named_scope("lm_head_xent")` (the fused LM head + cross entropy, train/loss.py);
-- attention: under `named_scope("attention_kernel")` (kernels.attention and the reference), forward and backward;
-- matmul_projections_mlp: any other dot (Q/K/V/O projections, the MLP), or a fusion around one;
-- norms_elementwise: everything else (norms, RoPE, value mixing, residual adds, copies, transposes);
-- host_overhead: the step's wall time in which no XLA op ran (dispatch, loop control, synchronisation).
-
-An op's work can outlive its own event: XLA:CPU's Eigen matmuls (and other parallel loops) hand shards to the
-thread pool and return, and the shards run as thread-pool tasks (the profiler's "ThreadpoolListener" regions,
-linked to the op that scheduled them by a context id). Each task that runs no op itself is counted as work of
-the op that scheduled it, following the links through tasks that schedule tasks.
-
-`matmul_s` is the part of those groups that matmuls took (every group's: projections, attention's, the LM
-head's; a dot, a fusion around one, a library GEMM), scaled the same way: the step's time if nothing but its
-matmuls ran. `bench train` takes its share of the profiled step to the timed steps: their model FLOPs over that
-share of the median step are the matmuls' own rate inside the step, and that over the peak is the MFU a step of
-nothing but these matmuls would reach (`mfu_model_matmuls_only`): the gap between `mfu_model` and it is time
-outside the matmuls, the gap between it and 1 the matmuls' own efficiency.
-
-Ops nest (a while loop holds its body's ops): each op counts only its own time, not its children's. Ops on
-different threads may overlap; the groups are scaled by (time any op ran) / (sum of op times), so they add up
-to the busy time, and host_overhead is the rest of the wall time: the groups sum to the profiled step's time.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

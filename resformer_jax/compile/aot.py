@@ -1,21 +1,6 @@
 """Every step a run compiles, compiled for hardware this machine does not have (ahead of time).
 
-  report = compile_for_target(cfg, parse_target("v5p-64"))      # or "h100x8", nodes=4; see compile/targets.py
-
-The run is built exactly as on that hardware, by the one builder (train/setup.build): the target's devices as
-the mesh, the platform's attention kernel (splash on TPU, the Pallas/Triton kernel on GPU), bf16 for
-`dtype=auto`, the logical-axis shardings, remat and microbatching of the config. Then the train step, the eval
-step and the decode engine's programs (a prefill chunk and one token, on one device) go through the target's real
-compiler: libtpu's for TPU (Mosaic compiles the kernel, XLA assigns HBM and refuses a program over it), XLA:GPU's
-for CUDA (Triton compiles the kernel to GPU machine code, where its shared-memory limit is enforced). Nothing runs;
-nothing is
-allocated. What a report holds per step: XLA's memory per device against the chip's, the compile time and the
-custom calls (the attention kernel) inside the compiled program.
-
-Compiling for CUDA needs JAX_PLATFORMS=cpu set before JAX starts (the compile command sets it), `jax[tpu]` for
-TPU targets and the CUDA plugin with ptxas for GPU targets: `pip install -e '.[aot]'`. GPU executables compiled
-here are not autotuned (no device to time candidates on): their memory and kernels are the real program's,
-their speed is not.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

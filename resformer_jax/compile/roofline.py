@@ -1,17 +1,7 @@
 """The compiled program's own bound on step time: every op XLA kept, its FLOPs and HBM bytes, and the time it
 cannot beat on the chip (its roofline), summed. A bound from the program, not a timing: no device ran it.
 
-  r = roofline(compiled.as_text(), chip_for("NVIDIA H100 SXM 80GB"))
-  r.per_op_bound_s     # each op's max(FLOPs / peak, bytes / HBM bandwidth), summed over executions
-  r.program_bound_s    # max(all FLOPs / peak, all bytes / bandwidth): what perfect overlap would reach
-
-What is counted, per execution (a while body counts its known trip count times; a conditional its costliest
-branch): GEMMs (cuBLAS custom calls, `dot` and dot-like `convolution` ops, inside fusions too) at 2 FLOPs a
-multiply-add from their shapes; Pallas kernels (Triton on GPU, Mosaic on TPU) by the kernel's own formula
-(kernels/pallas_attention.kernel_flops: causal block skipping included); every other top-level op's bytes as
-its operands read plus its results written (a slice reads only its slice, an in-place update or scatter writes only the
-update), elementwise FLOPs ignored. Collectives are counted apart (bytes, and their time on the chip's links) and
-not added to the bound: XLA overlaps them with compute.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """The hardware a run can be compiled for from this machine (compile/aot.py): TPU slices and NVIDIA GPU nodes.
 
-  parse_target("v5p-64")            -> 32 v5p chips (v4/v5p names count TensorCores, two per chip, as Cloud TPU
-                                       names them); "v5e-256", "v6e-8": chips; "v5e:2x4": libtpu's own form
-  parse_target("h100x8", nodes=4)   -> 4 hosts of 8 H100 SXM 80GB
-  target.devices()                  -> compile-only devices of that hardware (no chip needed): libtpu's topology
-                                       for TPUs, XLA's GPU target config (the specs in gpu_specs/) for GPUs
-
-The TPU names and layouts follow Cloud TPU's (and MaxText's accelerator_to_spec_map.py): chips per host 2x2x1,
-v4/v5p as megacore (one JAX device per chip). HBM per chip: Cloud TPU's system-architecture pages; libtpu's
-compiler enforces its own exact limit as it compiles (a program over it does not compile), the number here is
-what the report compares against.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The demo corpus: the Python standard library's own source, built offline on any machine.
 
-Real code nobody here wrote, present wherever Python is. Files are split by
-a hash of their name (about 5% held out for validation), tokenized with a
-byte-level BPE trained on the training files, and written with the same
-preparation code users run on their own corpora.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Grain input pipelines over prepared ArrayRecord corpora, tfds, or synthetic data.
 
-Data order is a function of the step: the sequence at global step s, batch
-slot i is `mixture[s * global_batch + i]`, a pure function of (seed, s, i).
-A resumed or re-sharded run therefore reads exactly what an uninterrupted run
-would, and each process reads only its own slots [p * local, (p + 1) * local).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Prepared corpora exposed as tensorflow-datasets datasets (array_record format, no TensorFlow).
 
-`resformer tfds-build --data=PREPARED_DIR` builds one tfds
-dataset per domain (config name = domain) under PREPARED_DIR/tfds, with
-splits train and validation. Training then reads them through
-`tfds.data_source` when `config.data.source='tfds'`.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """Corpus preparation as an Apache Beam pipeline: the same output as the threaded path, on any runner.
 
-  python -m data_prep.prepare --input DIR --tokenizer tokenizer.json --out OUT --runner=beam \\
-      [--beam_options="--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing"] \\
-      [--beam_packing=domain|file]
-
-Stages: list the input files (local paths or any filesystem Beam supports, gs:// and s3:// included;
-large uncompressed .jsonl files are read in byte ranges by several workers) -> read and validate
-documents (the threaded path's reader: a truncated or malformed file is an error, or a counted skip
-with --skip_bad_files) -> tokenize (the tokenizer's JSON travels inside the transform, so workers need
-no access to it) and append the end-of-text token -> group per (split, domain) -> order documents by
-(file, position in file) and apply the per-domain budget -> pack into records of seq_len + 1 tokens ->
-write ArrayRecord shards (through Beam's filesystems) -> metadata.json, written last by the driver.
-
-Packing, recorded in metadata.json as `packing`:
-  domain  one worker packs each (split, domain) stream in file and document order: records identical
-          to the threaded path's (tests check it). Right up to a few billion tokens per domain.
-  file    each input file is packed on its own, in parallel: the same documents and tokens, but each
-          file's last partial record is dropped and records never span files. For corpora the size of
-          SlimPajama, where one worker per domain would be the bottleneck.
-
-The tokenizer itself is loaded or trained (train:VOCAB) by the driver before the pipeline starts.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Raw text -> packed, tokenized ArrayRecord shards per split and domain.
 
-  python -m data_prep.prepare --input DIR_OR_FILE [...] --tokenizer tokenizer.json --out DIR \
-      [--seq_len 2048] [--budget RedPajamaCommonCrawl=10B ...] [--workers N]
-
-Reads SlimPajama's layout (`{"text", "meta": {"redpajama_set_name"}}` in
-.jsonl / .jsonl.zst / .parquet, split folders train/ and validation/) and
-plain .txt files (one document each; domain from --domain). Every document
-gets the end-of-text token appended; the stream of each (split, domain) is cut
-into records of seq_len + 1 tokens (inputs and shifted targets of one
-training sequence). Writes DIR/<split>/<domain>/shard-NNNNN.array_record,
-DIR/tokenizer.json and DIR/metadata.json.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

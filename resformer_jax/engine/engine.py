@@ -1,15 +1,6 @@
 """Requests in, tokens out: a continuously batched decode over a paged KV cache.
 
-Each `step()` is one turn of the scheduler: waiting requests are admitted while pages and rows allow; one chunked
-prefill step runs for the requests still reading their prompts, then one decode step for every request that is
-generating, so a long prompt never stalls the others for more than a chunk. A request leaves the batch the token
-it ends (a stop id, its max tokens, the model's context) and its pages go back to the pool at once. When a
-generating request needs a page and none is free, the most recently admitted one is preempted (its pages freed,
-its tokens kept) and recomputed when pages free up: the pool never overflows.
-
-A step is one compiled program (the model over the paged cache, the LM head at each row's last token, sampling;
-the cache donated), compiled once per bucket of rows, tokens and pages (powers of two), never per prompt length.
-The host schedules and reads back each step's tokens.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

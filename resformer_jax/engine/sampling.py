@@ -2,12 +2,8 @@
 temperature, top-k and nucleus (top-p) over the top-k survivors; a row's randomness is its request's seed folded
 with the index of the token it samples, so a request samples the same tokens in any batch.
 
-On a CPU or TPU nothing sorts the vocabulary: the k-th largest logit and the nucleus's smallest logit are found by
-bisection over the logits' bits (32 halvings, each one pass over the rows). XLA:CPU's sort of the rows had cost a
-step more than its model did (docs/evaluation.md). A GPU sorts them in a few kernels (XLA's own sort or CUB's radix
-sort, as XLA's benchmarks chose), where 64 halvings would be 64 trips round a loop, so a GPU keeps the sort. Both
-keep the same tokens. The draw is one uniform number a row against the cumulative sum of the kept probabilities
-(inverse CDF)."""
+Its notes (the reasons, what was measured): docs/modules.md.
+"""
 
 from __future__ import annotations
 

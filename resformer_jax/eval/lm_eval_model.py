@@ -1,17 +1,6 @@
 """lm-evaluation-harness on this project's checkpoints: the model `resformer_jax` (pip install -e '.[lm_eval]').
 
-  resformer harness --model resformer_jax --model_args workdir=RUN[,step=S,batch_size=N] \\
-      --tasks piqa_local,arc_easy_local --include_path configs/lm_eval_tasks
-  import resformer_jax.eval.lm_eval_model; lm_eval.simple_evaluate(model="resformer_jax", model_args="workdir=RUN", ...)
-
-loglikelihood and loglikelihood_rolling go through the project's continuation scorer (eval/loglik.py: batches
-padded to a few bucketed lengths, the LM head only at the scored positions), as `evaluate --tasks` does;
-inputs longer than the context (the model's max_seq_len, as the export's max_position_embeddings; or
-max_length=N) are cut from the left, keeping the continuation; a continuation longer than the context
-stops the evaluation with the count of such requests (the stock model refuses them too). generate_until runs the
-KV-cache decode (greedy; sampling with temperature/top_k/top_p when asked). Context and continuation are
-encoded separately, as the project's own evaluator does (resformer_jax.evaluate), so their per-item
-log-likelihoods agree.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -2,10 +2,7 @@
 downloaded): the harness's own prompts, choices and metrics for hellaswag, piqa, winogrande, arc_easy,
 arc_challenge and openbookqa, with `dataset_path: json` over DIR/{task}.jsonl. Task names end in `_local`.
 
-  resformer lm-eval-tasks --task_data=DIR --out=TASKS_DIR
-  resformer harness ... --include_path TASKS_DIR --tasks piqa_local,...
-
-configs/lm_eval_tasks/ holds them written for ../shared/data/eval_samples (paths relative to the repository root).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Log-likelihoods of continuations given contexts: what zero-shot evaluation (`evaluate --tasks`) and the
 lm-evaluation-harness adapter both score, in one place.
 
-A request is a token sequence (context + continuation, cut from the left to the model's context) whose last
-`n` tokens are scored. Requests are sorted by length and batched; each batch is padded to the smallest of a
-few bucketed lengths (powers of two up to the context) that holds its longest request, so requests of many
-lengths compile a handful of programs. The forward stops before the LM head; the head and the log-normaliser
-are computed only at the continuation's positions ([B, K, vocab], K the batch's longest continuation,
-bucketed), and only [B, K] log-probabilities and greedy flags come back to the host.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

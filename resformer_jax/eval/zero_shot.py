@@ -1,15 +1,6 @@
 """Zero-shot multiple choice as lm-evaluation-harness's default tasks score it.
 
-Each item becomes (context, [continuations], gold). A choice's score is the
-model's summed log-likelihood of its continuation tokens given the context;
-acc takes the argmax, acc_norm the argmax of score / len(choice in characters,
-without the joining space), the harness's length normalisation. Prompts follow the harness:
-
-  hellaswag      preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()) -> " " + preprocess(ending)
-  piqa           "Question: {goal}\nAnswer:" -> " " + sol
-  winogrande     sentence[:blank] + option -> " " + sentence[blank+1:].strip()  (partial scoring)
-  arc_*          "Question: {question}\nAnswer:" -> " " + choice text
-  openbookqa     question_stem -> " " + choice text
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

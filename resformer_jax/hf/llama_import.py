@@ -1,17 +1,7 @@
 """Hugging Face Llama-family checkpoints (Llama, Mistral; local safetensors files, nothing downloaded) as this
 project's model: for analysis (the paper's Fig. 1 right and Fig. 15 right) and as an initialisation.
 
-  cfg, params = load_hf_llama("/models/Meta-Llama-3-8B")     # config.json + model.safetensors[.index.json]
-
-The mapping, per layer (HF stores a Linear's weight as [out, in]):
-  model.embed_tokens.weight [V, E]                -> embed/embedding [V, E]
-  self_attn.{q,k,v}_proj.weight [N*D, E]          -> attn/{query,key,value}/kernel [E, N, D]
-  self_attn.o_proj.weight [E, H*D]                -> attn/out/kernel [H, D, E]
-  mlp.{gate,up}_proj.weight [F, E], down [E, F]   -> mlp/{gate,up}/kernel [E, F], mlp/down/kernel [F, E]
-  input_layernorm / post_attention_layernorm      -> attn_norm / mlp_norm scale
-  model.norm.weight, lm_head.weight [V, E]        -> final_norm scale, lm_head/kernel [E, V] (the embedding when tied)
-HF Llama applies RoPE in the rotate-half convention (its q/k weights are stored permuted for it), which is
-this project's convention too, so q and k need no permutation.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Causal attention in query blocks, each against only its key prefix.
 
-Plain XLA ops, no custom kernel: the queries are cut into static blocks and
-block i attends to keys [0, end_i), so the masked upper triangle of the
-attention matrix is never computed (about half the work at n blocks:
-(n+1)/(2n)). The softmax is normalised after the A·V product, on the
-[.., T, D] output rather than the [.., T, S] probabilities, which saves one
-pass over the largest tensor. The backward is a custom VJP that keeps only
-q, k, v, the output and the log-sum-exp (O(T), as FlashAttention-2 does) and
-recomputes each block's probabilities. With bf16 inputs the matmuls take bf16
-operands (probabilities and their gradients rounded once, as FlashAttention
-does) and accumulate in fp32; the softmax statistics stay fp32.
-
-On a CPU the blocks run a few (batch, kv-head) pairs at a time (`lax.map`), as
-many as keep one block's logits within `CACHE_BYTES`: each logits block then
-stays in cache from its matmul through its exp to the next matmul, instead of
-every op streaming all pairs' logits through memory. The same ops per pair:
-equal to the batched form up to the summation order inside matmuls of another
-shape. On accelerators (and under a multi-device mesh, whose batch axis is
-sharded and must not become a loop) every pair runs at once.
-
-Why it exists: on CPU the step is bound by memory traffic over the [B, H, T, S]
-logits, not by FLOPs (jax.nn.dot_product_attention's xla path materialises and
-masks all of it). The measurements (`bench attention`) are in
-docs/kernels-and-compile.md (Attention kernels) and docs/performance.md.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

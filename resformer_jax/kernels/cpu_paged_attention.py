@@ -2,11 +2,8 @@
 row's pages where they lie, K once then V once, over XLA's intra-op threads, at about the speed the CPU reads memory
 (XLA's own loop over blocks of pages gathers at 7-9 GB/s; docs/evaluation.md has both measured).
 
-Built on first use with the machine's C++ compiler (`$CXX`, else g++ or c++), for this CPU (-march=native) against
-the FFI headers jaxlib ships, and kept in a cache keyed by the source, jaxlib's version, the compiler and the CPU
-($RESFORMER_KERNEL_CACHE, else $XDG_CACHE_HOME/resformer_jax or ~/.cache/resformer_jax), as PyTorch's
-cpp_extension does. Where no compiler builds it the decode falls back to XLA's loop with one logged warning;
-RESFORMER_NATIVE_KERNELS=0 chooses XLA's loop outright."""
+Its notes (the reasons, what was measured): docs/modules.md.
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """Decode attention over a paged KV cache, reading each row's pages where they lie.
 
-One new token a row attends over the `lengths_B` tokens its pages hold: on GPU JAX's Pallas `paged_attention`
-(Triton; interpreted on other backends, for tests), on TPU JAX's Mosaic `paged_attention` (head_dim a multiple of
-128), on a CPU native code (`cpu_paged_attention`: an FFI call built on first use). Elsewhere (a TPU at head_dim
-64, a CPU where no compiler builds the native kernel) a loop over blocks of pages with an online softmax
-(`blocked_decode_attention`): each block's gathered copy is small enough to stay in the processor's cache, so
-memory is read about once, and the loop stops at the longest row's last filled page. A cache that is not one pool
-a layer (SkipV1Former's mixed heads) is gathered whole into a contiguous copy and attended with XLA, which moves
-each cached byte three times.
-
-A pool's layout is the kernel's that reads it (`pool_shape`): JAX's paged kernels and XLA's loop on a CPU want
-[kv_heads, pages, page_size, D]; the native CPU kernel and the blocked loop on a TPU ('lanes') read [pages,
-page_size, kv_heads * D], a page's tokens one contiguous slice. (With the heads-major layout at head_dim 64, XLA:TPU
-relaid whole pools out every decode step: the 468M at 32 rows of 32K tokens needed 48 GiB of temporaries on v5p and
-did not fit; the native kernel reads a page as one stream, where heads-major pieces 4 KiB apart read at half the
-speed; XLA's loop on a CPU is 1.5x slower pages-major, its blocks transposed for the einsums; docs/evaluation.md.)
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,7 @@
-"""Flash attention in Pallas (FlashAttention-2 style) for NVIDIA GPUs, with a custom VJP.
+"""Flash attention in Pallas (FlashAttention-2 style) for NVIDIA GPUs, with a custom VJP. q [B, T, H, D], k/v [B, S, K, D],
+K dividing H; the Triton kernel where lowered for CUDA, the same kernels interpreted elsewhere (the tests).
 
-q [B, T, H, D], k/v [B, S, K, D] with K dividing H (GQA: each query head reads
-kv head h // (H/K) through its BlockSpec index map, K/V are never repeated in
-memory). Forward: one program per (q block, batch, head) streams over key
-blocks with an online softmax and saves the log-sum-exp. Backward recomputes
-the probabilities from the saved log-sum-exp (no S x S matrix in memory): one
-kernel for dK/dV per key block, one for dQ per query block. Causal blocks
-entirely above the diagonal are skipped by the loop bounds. Sequence lengths
-that are not a multiple of the block are padded and masked. Accumulation is
-fp32 for bf16 and fp32 inputs.
-
-Lowering, chosen deliberately: Triton (`plgpu.CompilerParams` on every
-`pallas_call`). The kernels read K/V (and Q, dO in the backward) through
-full-sequence BlockSpecs and slice them in their loops; the Triton lowering
-turns such a BlockSpec into a pointer and stages only the tiles each `dot`
-reads through shared memory, so it runs on any recent NVIDIA GPU (A100, H100,
-H200, Ada). Mosaic GPU (JAX's default for a `pallas_call` without Triton
-parameters) instead copies every BlockSpec block into shared memory: 1.1 MB for
-one 2,048 x 128 K/V block pair, which no GPU has; using it would mean
-rewriting the kernels around Hopper's TMA and wgmma, left for later.
-
-Shared memory is budgeted explicitly (`smem_bytes`, `choose_blocks`): per
-kernel, the resident tiles plus `NUM_STAGES` pipelined copies of the streamed
-ones plus the probability tile converted for the second dot, kept under
-`SMEM_BUDGET_BYTES` (A100's 163 KiB per block; H100/H200 allow 227 KiB).
-These are estimates of Triton's staging, not its allocator's exact numbers:
-block sizes and warps still need tuning on a real GPU
-(`resformer bench accelerator`).
-
-The kernel is chosen per platform at lowering time (`lax.platform_dependent`):
-the Triton kernel where the program is lowered for CUDA, the same kernels in
-Pallas interpret mode elsewhere (a one-time warning says so, except while
-compiling for CUDA from a CPU: kernels/names.compiling_for), which is how they
-are tested on CPU; tests/test_compile.py compiles the Triton path for H100 from
-a CPU machine (compile/aot.py).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

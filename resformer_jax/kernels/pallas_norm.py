@@ -1,15 +1,7 @@
 """RMSNorm as Pallas kernels for NVIDIA GPUs (Triton), with a custom VJP: one read of the residual stream forward,
 one pass backward that also adds the gradient the residual stream carries past the norm.
 
-XLA computes RMSNorm forward as two passes (the row's sum of squares, then the normalised output) and its
-backward as two (the row's sum of g * x_hat, then dx plus the residual's gradient), each reading the stream again.
-These kernels hold a block of whole rows (d_model a power of two) in registers: forward reads h once and writes
-y = h * rstd * scale and rstd; backward reads h, dy and the residual's gradient once and writes their sum's
-gradient, with each program's share of d scale summed afterwards. It is the fused RMSNorm of Apex and Liger.
-
-    (h_out, y) = rms_norm(h, scale)        h_out is h; its cotangent is added to the norm's in the backward
-
-The kernels run interpreted on other platforms (tests), as the attention kernels do (pallas_attention.gpu_pallas_call).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Attention on TPU through the kernel JAX ships and Google maintains: splash attention
 (`jax.experimental.pallas.ops.tpu.splash_attention`), forward and backward, causal block skipping.
 
-q [B, T, H, D], k/v [B, S, K, D] with K dividing H. GQA runs as splash's MQA kernel once per kv
-head (its G = H / K query heads share that head's K/V; nothing is repeated in memory), vmapped over
-kv heads and batch. Splash does not scale the logits, so q is scaled by 1/sqrt(D) first. Lengths are
-padded to a multiple of 128 (the TPU tile); padded keys sit after every real query and are masked
-by the causal mask, padded query rows are dropped.
-
-Like the GPU kernel, it is chosen per platform at lowering time: the Mosaic TPU kernel where the
-program is lowered for TPU, the same kernel in Pallas interpret mode elsewhere (how it is tested on
-CPU; tests/test_compile.py compiles the real one for a TPU topology with libtpu, compile/aot.py).
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The model's typed, frozen config: every field with its default (the one place defaults live, for new runs and
 for runs saved before a field existed), derived values as properties, hashable so jit can take it as static.
 
-Made once at the edge from the `model` section of the run's ConfigDict (`ModelConfig.of`); the ConfigDict stays
-what users write on the command line (`--config.model.d_model=...`), `config.base_config()` builds its `model`
-section from these defaults.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

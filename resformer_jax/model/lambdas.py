@@ -1,16 +1,6 @@
 """ResFormer's mixing weights (l1, l2) of Eq. 7, all in one place: created, resolved, read back.
 
-  fixed           l1, l2 = lambda_init for every layer (Eq. 7: 1/2, 1/2; the paper's "constant": 2, 1)
-  sparse          l1 = sparse_lambda on `sparse_layers`, 0 elsewhere; l2 = 1
-  learnable       one fp32 (lambda1, lambda2) pair per layer >= 2, in that layer's block
-  learnable_plus  l1 = lambda_scale * softmax(lambda_logits) over layers; one lambda2 per layer
-  convex          one fp32 `lambda` per layer >= 2: l1 = lambda, l2 = 1 - lambda (modded-nanogpt's record of
-                  2024-11-06: V = (1 - l) V_n + l V_1, l initialised to lambda_init[0], 0.5)
-  gated           no scalars: the mix is a gate of the layer input (model/attention.py, gated_value)
-
-The stack resolves a [N-1, 2] array (stack_lambdas); each block may replace its
-row with its own parameters (block_lambdas). `read_lambdas` reads the values back
-from a parameter tree for TensorBoard. Parameter names are part of checkpoints.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -2,12 +2,7 @@
 launcher and scheduler handle a stalled process. Read once from the environment when training starts; unset,
 they change nothing.
 
-  RESFORMER_TEST_BLOCK_DATA=STEP[:PROCESS[:SECONDS]]  that process's data read of STEP blocks (forever by default),
-                                                      as a read hung on a network filesystem would: the watchdog
-  RESFORMER_TEST_NOISE_BATCH=STEP[,STEP...]           those steps train on uniformly random tokens instead of their
-                                                      batch: a loss spike, for train.spike_sigma
-  RESFORMER_TEST_SLOW_EVAL=STEP:SECONDS               each validation batch from STEP on takes SECONDS more (said
-                                                      once on stderr): a validation of minutes, for preemption
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Where a run's hours went: the goodput ledger, kept in RUN/goodput.json and added up across restarts.
 
-Every invocation of training is one record. Its clock starts when the process started (imports and the
-distributed initialisation count as start-up) and is in exactly one category at a time, so the categories add
-up to the invocation's wall time: start-up, compile, restore, data_wait, steps, eval, checkpoint (the blocking
-part of saves, and the wait for the last one), stalled (the watchdog's budget, from the last progress to its
-exit). A resume from step C after an invocation had reached step S > C recomputes S - C steps: their time (at
-the earlier invocation's seconds per step) is `recomputed`, taken out of the productive time. An invocation that
-died without a word (SIGKILL, a lost host) ends "unknown": its time after its last record (written at every log
-and every checkpoint) is not known. The others end "finished", "stalled" (the watchdog) or "error".
-
-goodput = (steps - recomputed) / wall, over every invocation.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Next-token cross entropy, with a fused, chunked LM head for training.
 
-The LM head's logits [B, T, V] are the largest tensor of a step (82M at
-8x512: 4,096 x 50,277 fp32 = 824 MB) and on a bandwidth-bound host every
-pass over them costs. `chunked_cross_entropy` computes them a block of
-positions at a time and, when differentiated, forms the gradient of each
-block in the same pass (d logits = softmax - onehot), so the full logits are
-never stored and each block is read while it is still in cache. It is exact:
-same loss and gradients as `cross_entropy` on the full logits (tested to
-1e-5); only the summation order differs.
-
-How the head runs is a `HeadPlan`, resolved once from the model's matmul
-form (`head_plan`). On accelerators (matmuls "plain") W's vocabulary axis is
-padded with zero columns to a multiple of 128 (their logits masked to -inf,
-so the loss and gradients are unchanged): with the GPT-NeoX vocabulary
-(50,277, odd) XLA:GPU otherwise pads every block's logits for cuBLAS and
-slices them back. And the logits GEMM writes the compute dtype (fp32
-accumulation inside the GEMM; the softmax, loss and gradient math stay fp32),
-as the paper's bf16-autocast PyTorch head does, halving every pass over the
-largest tensor of the step; log Z is taken in one read of the logits
-(`online_logsumexp`) instead of a max and then a sum. The CPU keeps fp32
-logits, unpadded, and jax.nn.logsumexp: its losses bitwise as they were.
-Measured in docs/kernels-and-compile.md.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

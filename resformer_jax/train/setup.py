@@ -1,11 +1,7 @@
 """One builder of the train state for every command that trains or compiles a step: the trainer, the benchmarks
 and the compile command all come here.
 
-  build(run)      -> TrainSetup: the mesh, the model (resolve.resolve made the run: validation, dtype,
-                     `attention_impl=auto` probed once), the optimizer, the state's shardings and abstract
-                     shapes, and the jitted train and eval steps (compiled on demand; memory.py prechecks them)
-
-A finished run is read back by load.py (load_run), which shares `state_template` with this builder.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """A run that stalls says so: a thread in every training process that watches the loop's progress.
 
-The loop names the phase it enters (start-up, compile, restore, data, step, evaluation, checkpoint save, finish);
-each phase has a budget (config.watchdog). When a phase outlives its budget, e.g. a data read hung on a network
-filesystem or a collective waiting on a peer that no longer comes, the watchdog writes every thread's Python
-stack (faulthandler) with the phase and the step to RUN/watchdog/process_I.txt and to stderr, prints one line,
-runs the callbacks registered for it (the goodput ledger records the stall) and ends the process with
-EXIT_STALLED, so the launcher or scheduler sees a failure and the rerun resumes from the newest checkpoint.
-
-Budgets: start-up and compile have their own allowances; the loop's steps (a batch read and a step) get
-`step_factor` x the median log window once one is timed, never less than `min_step_s` (before that, the compile
-allowance: a first step autotunes on a GPU); an evaluation and a checkpoint save or restore their own.
+Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from __future__ import annotations
