@@ -1,7 +1,7 @@
 """Every accelerator fact the project uses, in one table: MFU's peak (perf.py), the roofline's FLOP/s and bytes/s
-(compile/roofline.py), the compile targets' memory and XLA spec (compile/targets.py), ptxas' architecture
-(compile/ptxas.py) and the Pallas kernel's shared-memory budget (kernels/pallas_attention.py). A new chip is one
-row here (and, for a GPU compile target, its XLA spec file in compile/gpu_specs/)."""
+(compilation/roofline.py), the compile targets' memory and XLA spec (compilation/targets.py), ptxas' architecture
+(compilation/ptxas.py) and the Pallas kernel's shared-memory budget (kernels/pallas_attention.py). A new chip is one
+row here (and, for a GPU compile target, its XLA spec file in compilation/gpu_specs/)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Chip:
     hbm_bytes: int = 0  # what one device's program may use (a TPU chip's; a GPU's comes from its XLA spec)
     smem_bytes_per_block: int = 0  # GPU: opt-in shared memory a kernel block may use
     arch: str = ""  # GPU: ptxas' target architecture
-    spec_file: str = ""  # GPU compile target: its XLA target config in compile/gpu_specs/
+    spec_file: str = ""  # GPU compile target: its XLA target config in compilation/gpu_specs/
     target: str = ""  # GPU compile target's name prefix (h100 in h100x8)
     source: str = ""  # where the roofline's numbers come from
 
@@ -135,6 +135,3 @@ def chip_of_device(device_kind: str) -> Chip | None:
 def gpu_target(prefix: str) -> Chip | None:
     """The GPU compile target named `prefix` (h100 in h100x8)."""
     return next((c for c in CHIPS if c.target == prefix), None)
-
-
-GPU_TARGETS = tuple(c.target for c in CHIPS if c.target)

@@ -83,7 +83,6 @@ H100X8_SETTINGS = {
 # 32,000 and 64,000, but its batch sizes (64, 32) make exactly 2^21 tokens only with 32,768 and 65,536 (and
 # 8 GPUs cannot split 66 or 33 sequences of 32,000 / 64,000 evenly), so the presets use the powers of two.
 TABLE3 = {512: (4096, 128), 2048: (1024, 32), 8192: (256, 8), 32768: (64, 2), 65536: (32, 1)}
-TOKENS_PER_STEP = 2**21
 
 
 def seq_len_config(size: str, variant: str, seq_len: int) -> ml_collections.ConfigDict:

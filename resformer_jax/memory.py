@@ -23,7 +23,7 @@ class MemoryPrecheckError(UserError, RuntimeError):
 
 def memory_knobs(cfg, devices: int) -> str:
     """What lowers a train step's memory per device on `devices` devices, leaving out knobs already at their
-    limit; the trainer's precheck and the compile command (compile/aot.py) say it."""
+    limit; the trainer's precheck and the compile command (compilation/aot.py) say it."""
     knobs = []
     per_device = sequences_per_device(cfg, devices)
     if per_device > 1:

@@ -84,7 +84,7 @@ def resolve_attention(
     on an accelerator the fastest forward and backward, on a CPU the first that runs. A named impl (or `override`,
     as bench and analyze pass) is kept as it is: if it cannot run, the first call raises, it never falls back.
 
-    `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (compile/aot.py); `auto`
+    `platform` ('tpu', 'cuda'): the program is compiled for that hardware, not run here (compilation/aot.py); `auto`
     is then that platform's own kernel (splash on TPU, this project's Pallas/Triton kernel on GPU), chosen
     without probing. On the hardware itself the probe times every candidate and keeps the fastest, which
     nothing here can know; whether the platform kernel compiles is what aot checks."""
@@ -241,7 +241,7 @@ def resolve(
 ) -> Run:
     """The run `asked` describes, resolved once (see the module's docstring). `run`: its directory, whose record a
     resumed run keeps (the fork's step, the dtype); `attention`: a choice made already, or an impl to use instead
-    of the config's (bench, analyze); `platform`/`devices`: compiling for other hardware (compile/aot.py)."""
+    of the config's (bench, analyze); `platform`/`devices`: compiling for other hardware (compilation/aot.py)."""
     typed = typed if typed is not None else check(asked)  # `typed`: the start typed it already (its one check)
     cfg = ml_collections.ConfigDict(asked.to_dict())
     cfg.train.init_from = fork_point(cfg, run, log)

@@ -97,7 +97,7 @@ def gpu_plugin_knows_flag(name: str) -> bool:
 
 
 def nvidia_driver_present() -> bool:
-    """An NVIDIA driver on this host: the plugin alone (installed for `compile`, compile/aot.py) computes nothing."""
+    """An NVIDIA driver on this host: the plugin alone (installed for `compile`: compilation/aot.py) is no GPU."""
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
 

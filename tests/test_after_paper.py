@@ -260,8 +260,8 @@ def test_the_new_variants_compile_for_8_h100s_with_the_kernel_inside(variant, la
 
     if needs_aot.args[0]:
         pytest.skip(needs_aot.kwargs["reason"])
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     c = accelerator_config(variant, "cuda")
     c.model.resformer_lambdas, c.model.value_embeddings = lambdas, tables

@@ -274,7 +274,7 @@ def test_commands_restart_once_with_huge_pages_for_large_blocks(tmp_path):
 
 _YNN_REDUCTIONS = """
 import jax, jax.numpy as jnp
-from resformer_jax.bench.step_profile import parse_hlo
+from resformer_jax.benchmarks.step_profile import parse_hlo
 from resformer_jax.train.loss import chunked_cross_entropy
 h, w, t = jnp.ones((2, 64, 32)), jnp.ones((32, 300)), jnp.zeros((2, 64), jnp.int32)
 hlo = jax.jit(jax.grad(lambda h, w: chunked_cross_entropy(h, w, t, 16), argnums=(0, 1))).lower(h, w).compile().as_text()
@@ -442,7 +442,7 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
     at once, and the HLO lookup that puts each op in its group."""
     from types import SimpleNamespace as NS
 
-    from resformer_jax.bench.step_profile import breakdown
+    from resformer_jax.benchmarks.step_profile import breakdown
 
     hlo = "\n".join(
         [
@@ -536,7 +536,7 @@ def test_step_breakdown_groups_ops_by_scope_counts_self_time_and_overlap():
 def test_step_breakdown_counts_library_gemms_as_matmuls():
     """cuBLAS GEMMs are custom-calls without a dot inside: they count as matmuls (group and `matmul_s`) by their
     target; other custom-calls do not."""
-    from resformer_jax.bench.step_profile import classify, is_matmul, parse_hlo
+    from resformer_jax.benchmarks.step_profile import classify, is_matmul, parse_hlo
 
     insts, comps = parse_hlo(
         "\n".join(
@@ -568,7 +568,7 @@ def test_step_breakdown_reads_a_gpu_stream_with_and_without_command_buffers():
     as matmuls, cuDNN's sdpa kernels as attention, the rest elementwise. No kernel is lost to the buffer."""
     from types import SimpleNamespace as NS
 
-    from resformer_jax.bench.step_profile import breakdown
+    from resformer_jax.benchmarks.step_profile import breakdown
 
     hlo = "\n".join(
         [
@@ -619,7 +619,7 @@ def test_step_breakdown_innermost_interval_lookup_matches_the_definition():
     listed among equal starts, exactly as a scan over all intervals finds it."""
     import random
 
-    from resformer_jax.bench.step_profile import _Innermost
+    from resformer_jax.benchmarks.step_profile import _Innermost
 
     rng = random.Random(0)
     for _ in range(50):
@@ -637,7 +637,7 @@ def test_step_breakdown_innermost_interval_lookup_matches_the_definition():
 def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
     """XLA builds some ops inside a loop body without metadata (the chunked attention's lax.map on CPU): they count
     in the group of the loop that runs them; an op without a scope anywhere stays where its opcode puts it."""
-    from resformer_jax.bench.step_profile import classify, parse_hlo
+    from resformer_jax.benchmarks.step_profile import classify, parse_hlo
 
     hlo = "\n".join(
         [
@@ -667,7 +667,7 @@ def test_step_breakdown_ops_without_metadata_take_their_loops_scope():
 def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     """One profiled step of a small model (the demo's, at batch 32): every group present, and the groups add up to the
     measured step time within 10%; the trace is written where --profile_dir says."""
-    from resformer_jax.bench.step_profile import GROUPS
+    from resformer_jax.benchmarks.step_profile import GROUPS
 
     # A subprocess: resformer_jax.bench defines absl flags that other tests' imports (resformer_jax.main) also do.
     p = subprocess.run(
@@ -760,7 +760,7 @@ def test_bench_documents_are_packed_with_the_last_id_at_their_mean_length():
     which the uniform ids leave out; N = 0 keeps plain uniform ids."""
     import numpy as np
 
-    from resformer_jax.bench.timing import random_tokens
+    from resformer_jax.benchmarks.timing import random_tokens
 
     plain = np.asarray(random_tokens((8, 4096), 256))
     docs = np.asarray(random_tokens((8, 4096), 256, document_len=64))
@@ -777,7 +777,7 @@ def test_bench_decode_stream_shared_prefixes_computes_each_prefix_once():
     with the prefix cache, each of the N prefixes is computed once and every later request takes its pages, so the
     prompt tokens computed fall by exactly (requests - N) * prefix_len; without it every prompt token is computed;
     SVFormer's K pages and V_1 chain are shared as vanilla's K and V are."""
-    from resformer_jax.bench.decode import bench_decode_stream
+    from resformer_jax.benchmarks.decode import bench_decode_stream
     from resformer_jax.config import tiny_config
     from resformer_jax.model.config import ModelConfig
 

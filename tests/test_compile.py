@@ -3,7 +3,7 @@ target's own compiler, without the hardware.
 
 TPU: libtpu compiles for a topology of chips (`jax.experimental.topologies`): Mosaic compiles the splash kernel,
 XLA assigns HBM and refuses a program over it. GPU: with JAX_PLATFORMS=cpu, the CUDA plugin compiles for
-compile-only H100s described by the shipped target config (resformer_jax/compile/gpu_specs/h100_sxm.txtpb): Triton
+compile-only H100s described by the shipped target config (resformer_jax/compilation/gpu_specs/h100_sxm.txtpb): Triton
 compiles the Pallas kernel to GPU machine code (the executable carries ELF images), enforcing the GPU's shared
 memory. These tests need `pip install -e '.[aot]'` (CI installs it); without it they skip saying so.
 
@@ -64,8 +64,8 @@ def accelerator_config(variant, platform):
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("variant", ["none", "resformer", "svformer"])
 def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, variant):
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     target = parse_target(TARGETS[platform])
     # decode once per platform, for SVFormer, whose cache differs most (no V cache past layer 1)
@@ -100,8 +100,8 @@ def test_the_decode_engines_program_compiles_with_a_tokens_per_s_bound():
     step reports its tokens/s bound (rows over the roofline bound). Its pages are read in place by JAX's Pallas
     paged_attention, compiled by Triton; with the scatter into the donated pools counted as its update alone, the
     bound stays near the bytes the step must read (the weights once, every layer's K and V or V_1)."""
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     decode, weight_bytes = {}, {}
     for variant in ("none", "svformer"):
@@ -135,8 +135,8 @@ def test_the_decode_engines_program_compiles_with_a_tokens_per_s_bound():
 def test_muon_state_is_sharded_over_fsdp_and_smaller_than_adamws_in_the_compile_report():
     """Muon keeps one moment per hidden matrix (AdamW two): its train step's arguments (parameters + optimizer state)
     per device are smaller, and sharded over fsdp like AdamW's."""
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     target = parse_target(TARGETS["cuda"])
     args = {}
@@ -166,7 +166,7 @@ def _one_device(target_name):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.targets import parse_target
 
     target = parse_target(target_name)
     mesh = Mesh(target.devices()[:1], ("x",))
@@ -176,7 +176,7 @@ def _one_device(target_name):
 @needs_aot
 @pytest.mark.parametrize("shape,dtype", SHAPES, ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else str(s))
 def test_pallas_kernel_forward_and_backward_compile_to_gpu_machine_code_at_468m_shapes(shape, dtype):
-    from resformer_jax.compile.aot import compile_step
+    from resformer_jax.compilation.aot import compile_step
     from resformer_jax.kernels.pallas_attention import flash_attention
 
     target, sds = _one_device("h100x1")
@@ -202,7 +202,7 @@ def test_pallas_kernel_forward_and_backward_compile_to_gpu_machine_code_at_468m_
 def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
     """data.document_mask's Pallas kernels (segment ids, the blocks outside a block's documents skipped) lower
     through Triton for an H100 at the 468M's shape, forward and backward, as the plain ones do."""
-    from resformer_jax.compile.aot import compile_step
+    from resformer_jax.compilation.aot import compile_step
     from resformer_jax.kernels.pallas_attention import KERNEL_MATMULS, flash_attention, kernel_flops
     from resformer_jax.perf import packed_documents
 
@@ -236,7 +236,7 @@ def test_the_document_masked_pallas_kernel_compiles_to_gpu_machine_code():
 def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
     """Blocks of 512 x 512 at head_dim 128 in bf16 need 1,179,648 bytes of shared memory per block (H100: 232,448):
     Triton's compilation refuses it; the project says so in one line, naming the kernel and the fix."""
-    from resformer_jax.compile.aot import CompileError, compile_step
+    from resformer_jax.compilation.aot import CompileError, compile_step
     from resformer_jax.kernels.pallas_attention import _flash
 
     target, sds = _one_device("h100x1")
@@ -252,8 +252,8 @@ def test_a_kernel_over_the_gpus_shared_memory_fails_with_one_clear_message():
 def test_a_program_over_the_tpus_hbm_is_refused_by_its_compiler_with_the_precheck_message():
     """A 2.2B-parameter model (131k x 8192 embeddings) for one v5e chip (15.75 GiB): libtpu refuses to compile it;
     the report says it does not fit, with the compiler's numbers and the knobs."""
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     c = tiny_config("resformer")
     m = c.model
@@ -313,7 +313,7 @@ def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
 
 
 def test_target_names_resolve_to_cloud_tpu_and_gpu_node_layouts():
-    from resformer_jax.compile.targets import TargetError, parse_target
+    from resformer_jax.compilation.targets import TargetError, parse_target
 
     t = parse_target("v5p-64")
     assert (t.platform, t.topology_name, t.num_devices, t.chip_config) == ("tpu", "v5:2x4x4", 32, "megacore")
@@ -336,7 +336,7 @@ def test_target_names_resolve_to_cloud_tpu_and_gpu_node_layouts():
 def test_the_interpret_mode_warning_is_not_given_when_compiling_for_the_kernels_platform(monkeypatch):
     """The Pallas kernels warn that they run interpreted on a non-GPU backend; compiling for CUDA from a CPU is
     not that, and must not say so (the warning is for the program that will run interpreted)."""
-    from resformer_jax.compile.aot import compile_step
+    from resformer_jax.compilation.aot import compile_step
     from resformer_jax.kernels import pallas_attention, tpu_attention
 
     calls = []
@@ -361,8 +361,8 @@ def test_cudnn_attention_cannot_be_compiled_without_a_gpu_and_says_why():
     """cuDNN's fused attention asks the local CUDA runtime for the cuDNN version while tracing, before any compiler
     runs; with no GPU that fails. The project's guard says so in one line. Checked instead: the same steps with the
     Pallas (Triton) kernel (above) and, with XLA's own attention, the eval step (below), compiled for H100."""
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     c = accelerator_config("resformer", "cuda")
     c.model.attention_impl = "cudnn"
@@ -415,7 +415,7 @@ def test_pallas_triton_blocks_fit_the_shared_memory_budget():
 
 
 def test_compile_needs_its_packages_and_says_which(monkeypatch):
-    from resformer_jax.compile import aot
+    from resformer_jax.compilation import aot
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(aot.AotUnavailable, match=r"pip install -e '.\[aot\]'"):
@@ -424,8 +424,8 @@ def test_compile_needs_its_packages_and_says_which(monkeypatch):
 
 @needs_aot
 def test_counting_documents_on_a_run_that_does_not_mask_them_is_refused_in_one_line():
-    from resformer_jax.compile.aot import CompileError, compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import CompileError, compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     with pytest.raises(CompileError, match=r"--documents=512 .* add --config.data.document_mask=True") as e:
         compile_for_target(tiny_config(), parse_target("h100x1"), document_len=512, log=lambda s: None)
@@ -440,8 +440,8 @@ def test_the_tpu_decode_step_reads_its_pages_in_place_without_copying_the_pools(
     step: several times the cache in temporaries). The sampler's bisection loops hold a few MB of their own
     (3.3 MB at this model's 32 rows of 256 logits; 0.04 GiB at the 468M's 64 rows of 50,277), under a quarter of
     even this small cache, where one relaid-out pool is the whole of it."""
-    from resformer_jax.compile.aot import compile_for_target
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.aot import compile_for_target
+    from resformer_jax.compilation.targets import parse_target
 
     c = tiny_config("svformer")
     c.data.seq_len, c.model.max_seq_len = 512, 512

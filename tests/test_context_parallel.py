@@ -267,7 +267,7 @@ def test_splash_attends_from_a_devices_slices_of_the_sequence(documents):
 
 
 def test_tune_tries_the_context_axis_for_long_sequences():
-    from resformer_jax.compile.aot import tune_candidates
+    from resformer_jax.compilation.aot import tune_candidates
 
     c = config("svformer", 1)
     c.train.global_batch = 16

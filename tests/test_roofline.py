@@ -1,5 +1,5 @@
 # ruff: noqa: E501 - HLO text fixtures are kept as XLA prints them, one instruction a line
-"""The compile report's roofline (compile/roofline.py) against programs whose FLOPs and bytes are known by hand, for
+"""The compile report's roofline (compilation/roofline.py) against programs whose FLOPs and bytes are known by hand, for
 a GPU and a TPU target, and ptxas' register report naming a spilling kernel. Compiling needs the aot extra
 (CI installs it); the HLO-text tests run everywhere."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from resformer_jax.compile import roofline as rl
+from resformer_jax.compilation import roofline as rl
 
 MISSING = [
     pkg
@@ -94,7 +94,7 @@ def test_an_instruction_over_several_lines_is_one_instruction():
 
 
 def test_ptxas_report_is_parsed():
-    from resformer_jax.compile.ptxas import parse_ptxas
+    from resformer_jax.compilation.ptxas import parse_ptxas
 
     text = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'flash_attention_dkdv' for 'sm_90a'
@@ -120,7 +120,7 @@ def _device(target_name):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from resformer_jax.compile.targets import parse_target
+    from resformer_jax.compilation.targets import parse_target
 
     target = parse_target(target_name)
     mesh = Mesh(target.devices()[:1], ("x",))
@@ -130,7 +130,7 @@ def _device(target_name):
 
 
 def _compile(target, fn, *args):
-    from resformer_jax.compile.aot import compile_step
+    from resformer_jax.compilation.aot import compile_step
     from resformer_jax.config import tiny_config
 
     return compile_step("probe", jax.jit(fn), args, target, tiny_config(), log=lambda s: None)
@@ -204,7 +204,7 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
     step = _compile(target, fwd_bwd(), *args)
     spilled = {k["kernel"]: k for k in step.kernel_resources}
     assert spilled["flash_attention_dkdv"]["spill_store_bytes"] > 0, spilled
-    from resformer_jax.compile.aot import CompileReport
+    from resformer_jax.compilation.aot import CompileReport
 
     lines = "\n".join(CompileReport(target, "pallas", "bfloat16", {}, 1, "none", [step], {}).lines())
     assert "kernel flash_attention_dkdv: 255 registers, SPILLS" in lines
@@ -238,7 +238,7 @@ def test_value_mix_kernels_compile_for_h100_in_their_registers_and_count_as_the_
 
 def test_ptxas_report_keeps_a_kernel_xla_renamed(tmp_path, monkeypatch):
     """Two different kernels of one name reach the PTX as NAME and NAME__1: both are reported."""
-    from resformer_jax.compile import ptxas
+    from resformer_jax.compilation import ptxas
 
     (tmp_path / "a.ptx").write_text(".entry flash_attention_fwd(\n.entry flash_attention_fwd__1(\n.entry other(\n")
     seen = []
@@ -395,7 +395,7 @@ def test_cudnn_fused_attention_counts_its_causal_matmuls():
 
 
 def test_a_benchmarked_steps_bound_is_read_from_its_own_program():
-    from resformer_jax.bench.train import TrainBench
+    from resformer_jax.benchmarks.train import TrainBench
     from resformer_jax.config import tiny_config
 
     b = TrainBench(tiny_config("resformer"), log=lambda m: None)

@@ -186,10 +186,10 @@ def _top_level_imports(path: pathlib.Path) -> set[str]:
     return mods
 
 
-# The building's doors, above every floor: `python -m resformer_jax COMMAND` and `python -m resformer_jax.main`
-# (the console script's module, commands/cli.py, is the third). No other file is exempt: bench/__main__.py and
-# compile/__main__.py run the package's own entry point without importing a command.
-ENTRY_FILES = ("__main__.py", "main.py")
+# The building's doors, above every floor, at the package root: `python -m resformer_jax COMMAND`, `python -m
+# resformer_jax.main` and the `.bench` and `.compile` paths the docs show (the console script's module,
+# commands/cli.py, is the last). No library folder holds a `__main__.py`.
+ENTRY_FILES = ("__main__.py", "main.py", "bench.py", "compile.py")
 
 
 def _library_files():
@@ -301,7 +301,7 @@ def _cli_commands():
 
 def test_entry_points_are_the_console_script_and_main_only():
     """`resformer COMMAND` (pyproject's script) dispatches to commands/; `python -m resformer_jax.main` stays the
-    headline command; no other module at the package root is an entry shim and the library has no __main__ block."""
+    headline command, `.bench` and `.compile` the two paths the docs show; no library folder has an entry point."""
     import re
     import tomllib
 
@@ -314,7 +314,9 @@ def test_entry_points_are_the_console_script_and_main_only():
         for f in PKG.rglob("*.py")
         if f.parent.name != "commands" and re.search(r"^if __name__ == .__main__.:", f.read_text(), re.M)
     )
-    assert with_main == ["main.py"], f"only main.py may have a __main__ block outside commands/: {with_main}"
+    assert with_main == ["bench.py", "compile.py", "main.py"], f"a __main__ block outside commands/: {with_main}"
+    in_folders = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("__main__.py") if f.parent != PKG)
+    assert not in_folders, f"a library folder holds an entry point (the root's entry files are the doors): {in_folders}"
     docs = [PKG.parent / "README.md", *sorted((PKG.parent / "docs").glob("*.md"))]
     shown = {m for d in docs for m in re.findall(r"(?:^|[\s`(])resformer ([a-z][a-z-]*)\b", d.read_text(), re.M)}
     shown -= {"command", "commands"}

@@ -22,10 +22,10 @@ at the compute dtype, the best sample; `mfu_model_vs_median_peak` against the me
 sample; `mfu_model_vs_paired_peak` each step against the sample taken just before it, the
 median over steps), memory: XLA's per-device estimate of the compiled step (arguments + outputs +
 temporaries) and the device's peak in use (GPU/TPU) or process RSS (CPU), and
-`step_breakdown`: the step's time by group from a real XLA profile (bench/step_profile.py), with the
+`step_breakdown`: the step's time by group from a real XLA profile (benchmarks/step_profile.py), with the
 matmuls' share of it, from which `matmul_flops_per_s_in_step` (their rate inside the step) and
 `mfu_model_matmuls_only` (the MFU of a step that ran only its matmuls).
-Each benchmark is a module of resformer_jax/bench/; BENCHMARKS below maps the subcommands to them.
+Each benchmark is a module of resformer_jax/benchmarks/; BENCHMARKS below maps the subcommands to them.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def check_flags_belong(what: str, needs_config: bool) -> None:
 
 
 def run_train(modes: list[str]) -> list[dict]:
-    from resformer_jax.bench.train import bench_train
+    from resformer_jax.benchmarks.train import bench_train
     from resformer_jax.resolve import resolve_attention, resolve_dtype
 
     if not FLAGS.compare_dtypes:
@@ -237,7 +237,7 @@ def run_train(modes: list[str]) -> list[dict]:
 
 
 def run_decode(modes: list[str]) -> list[dict]:
-    from resformer_jax.bench.decode import bench_decode, bench_decode_matrix
+    from resformer_jax.benchmarks.decode import bench_decode, bench_decode_matrix
     from resformer_jax.engine import SamplingParams
 
     sampling = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
@@ -265,7 +265,7 @@ def run_decode(modes: list[str]) -> list[dict]:
             print(json.dumps(r), flush=True)  # each row as it is measured
         return []
     if FLAGS.stream:
-        from resformer_jax.bench.decode import bench_decode_stream
+        from resformer_jax.benchmarks.decode import bench_decode_stream
 
         for r in bench_decode_stream(
             models,
@@ -287,7 +287,7 @@ def run_decode(modes: list[str]) -> list[dict]:
 
 
 def run_data(modes: list[str]) -> list[dict]:
-    from resformer_jax.bench.data import bench_data
+    from resformer_jax.benchmarks.data import bench_data
 
     return [bench_data(FLAGS.config, FLAGS.steps, FLAGS.step_tokens_per_s)]
 
@@ -295,7 +295,7 @@ def run_data(modes: list[str]) -> list[dict]:
 def run_attention(modes: list[str]) -> list[dict]:
     import jax.numpy as jnp
 
-    from resformer_jax.bench.attention import bench_attention
+    from resformer_jax.benchmarks.attention import bench_attention
     from resformer_jax.kernels.names import IMPLS
 
     for spec in FLAGS.shapes:
@@ -317,7 +317,7 @@ def run_attention(modes: list[str]) -> list[dict]:
 
 
 def run_zero_shot(modes: list[str]) -> list[dict]:
-    from resformer_jax.bench.zero_shot import bench_zero_shot
+    from resformer_jax.benchmarks.zero_shot import bench_zero_shot
 
     if not FLAGS.task_data or not FLAGS.tokenizer:
         raise cli.ConfigFlagError("bench zero_shot needs --task_data=DIR and --tokenizer=FILE (tokenizer.json)")
@@ -340,7 +340,7 @@ def run_zero_shot(modes: list[str]) -> list[dict]:
 
 
 def run_accelerator(modes: list[str]) -> list[dict]:
-    from resformer_jax.bench import accelerator
+    from resformer_jax.benchmarks import accelerator
 
     accelerator.main(FLAGS.out)
     return []
@@ -353,7 +353,7 @@ def run_serve(modes: list[str]) -> list[dict]:
         raise cli.ConfigFlagError(f"bench serve needs {', '.join(missing)}; install it: pip install -e '.[serve]'")
     import httpx
 
-    from resformer_jax.bench.serve import bench_serve, corpus_prompts
+    from resformer_jax.benchmarks.serve import bench_serve, corpus_prompts
 
     if not FLAGS.url:
         raise cli.ConfigFlagError("bench serve needs --url=http://HOST:PORT of a running `resformer serve`")
@@ -377,7 +377,7 @@ def check_serve(url: str) -> list[dict]:
     """One line a check (ok or FAIL, what it saw), then the counts as JSON; exit 1 if any failed."""
     import httpx
 
-    from resformer_jax.bench.conformance import check_server
+    from resformer_jax.benchmarks.conformance import check_server
 
     try:
         checks = check_server(url)
@@ -414,7 +414,7 @@ def _variants(modes: list[str], dtypes: list[str]) -> list:
                     cfg.model.value_residual, cfg.model.dtype = mode, dtype
                     if telemetry is not None:
                         cfg.train.telemetry = telemetry
-                    if documents is not None:  # the end-of-text token: the last id (bench/timing.random_tokens)
+                    if documents is not None:  # the end-of-text token: the last id (benchmarks/timing.random_tokens)
                         cfg.data.document_mask, cfg.data.eot_id = documents, cfg.model.vocab_size - 1
                     cfgs.append(cfg)
     return cfgs

@@ -72,8 +72,8 @@ def main(argv):
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # not common.start(): the XLA flags are the target's (cli_main)
     with common.exit_on_user_error():
-        from resformer_jax.compile.aot import compile_for_target
-        from resformer_jax.compile.targets import parse_target
+        from resformer_jax.compilation.aot import compile_for_target
+        from resformer_jax.compilation.targets import parse_target
 
         if FLAGS.config is None:
             raise common.ConfigFlagError(
@@ -101,7 +101,7 @@ def main(argv):
 
 
 def run_tune(target, log):
-    from resformer_jax.compile.aot import tune
+    from resformer_jax.compilation.aot import tune
 
     results = tune(FLAGS.config, target, log=log)
     fitting = [r for r in results if r.fits]
@@ -134,7 +134,7 @@ def run_tune(target, log):
 def _target_platform(argv) -> str:
     """The platform of --target ('cuda', 'tpu'), read before absl parses flags (the XLA flags must be set before JAX
     starts); '' where it is missing or unknown (main reports that)."""
-    from resformer_jax.compile.targets import TargetError, parse_target
+    from resformer_jax.compilation.targets import TargetError, parse_target
 
     name = next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), None)
     if name is None and "--target" in argv[:-1]:

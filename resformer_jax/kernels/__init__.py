@@ -181,7 +181,7 @@ def _attention_here(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, segment
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla", segments_BxT)
     if impl == "cudnn":
         if jax.default_backend() != "gpu":
-            # also when compiling for a GPU from a CPU (compile/aot.py): cuDNN's attention asks the local CUDA
+            # also when compiling for a GPU from a CPU (compilation/aot.py): cuDNN's attention asks the local CUDA
             # runtime for the cuDNN version while tracing, so it cannot even be lowered without a GPU
             raise KernelUnavailable(
                 "attention_impl='cudnn' needs an NVIDIA GPU; this backend is "

@@ -12,7 +12,7 @@ IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
 # the Pallas GPU kernel and TPU splash on each device's slices (queries at their positions); not cudnn, chunked.
 CONTEXT_PARALLEL_IMPLS = ("pallas", "splash", "xla", "reference")
 
-# The platform a program is being compiled for when it is not this machine's backend (compile/aot.py compiles for
+# The platform a program is being compiled for when it is not this machine's backend (compilation/aot.py compiles for
 # TPU slices and GPUs from a CPU). The kernels read it to decide whether their interpreted (test) path is what
 # will run; a context variable, so it holds only inside `compiling_for` and only in that thread.
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_platform", default=None)

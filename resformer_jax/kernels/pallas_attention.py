@@ -1,5 +1,5 @@
-"""Flash attention in Pallas (FlashAttention-2 style) for NVIDIA GPUs, with a custom VJP. q [B, T, H, D], k/v [B, S, K, D],
-K dividing H; the Triton kernel where lowered for CUDA, the same kernels interpreted elsewhere (the tests).
+"""Flash attention in Pallas (FlashAttention-2 style) for NVIDIA GPUs, with a custom VJP. q [B, T, H, D],
+k/v [B, S, K, D], K dividing H; the Triton kernel where lowered for CUDA, interpreted elsewhere (the tests).
 
 Its notes (the reasons, what was measured): docs/modules.md.
 """
@@ -186,7 +186,7 @@ def gpu_pallas_call(kernel, *, num_warps_: int, **kw):
         return pl.pallas_call(kernel, interpret=True, **kw)(*args)
 
     def call(*args):
-        backend = target_backend()  # the compile target inside names.compiling_for (compile/aot.py)
+        backend = target_backend()  # the compile target inside names.compiling_for (compilation/aot.py)
         if backend != "gpu":
             _warn_interpreted(backend)  # once per process
         return lax.platform_dependent(*args, cuda=compiled, default=interpreted)

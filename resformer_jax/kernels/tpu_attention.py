@@ -146,7 +146,7 @@ def splash_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, segments_B
         def run(interpret):
             return lambda q, k, v: jax.vmap(jax.vmap(_kernel(_mask(Tp, Sp, causal), G, interpret)))(q, k, v)
 
-    backend = target_backend()  # the compile target inside names.compiling_for (compile/aot.py)
+    backend = target_backend()  # the compile target inside names.compiling_for (compilation/aot.py)
     if backend != "tpu":
         _warn_interpreted(backend)
     o_BxKxGxTxD = lax.platform_dependent(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, tpu=run(False), default=run(True))

@@ -100,7 +100,7 @@ class TrainSetup:
 def build(run: Run, *, mesh=None, devices=None) -> TrainSetup:
     """Everything a command needs to train, benchmark or run the resolved `run` (resolve.resolve).
 
-    `devices`: build for other hardware than this machine's (compile/aot.py passes a TPU slice's or a GPU node's
+    `devices`: build for other hardware than this machine's (compilation/aot.py passes a TPU slice's or a GPU node's
     compile-only devices, having resolved the run for that platform); everything else is what a run on that
     hardware builds."""
     cfg = run.cfg

@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("attn", "mlp", "norm", "lambda", "embed", "head", "other")
-
 
 def _kind_and_layer(names: list[str]) -> tuple[str, int | None, bool]:
     """(kind, 1-based layer or None, whether the leaf is the scanned stack over layers 2..N)."""

@@ -15,9 +15,9 @@ from typing import Any
 import jax
 
 from resformer_jax import chips, perf
-from resformer_jax.bench.step_profile import profile_step
-from resformer_jax.bench.timing import random_tokens
-from resformer_jax.compile.roofline import roofline
+from resformer_jax.benchmarks.step_profile import profile_step
+from resformer_jax.benchmarks.timing import random_tokens
+from resformer_jax.compilation.roofline import roofline
 from resformer_jax.memory import memory_knobs, memory_precheck
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
@@ -126,7 +126,7 @@ class TrainBench:
         self.state = self.tokens = None
 
     def bound(self, chip=None) -> dict | None:
-        """The compiled bound of this very program (compile/roofline.py: each op at the chip's datasheet peak or
+        """The compiled bound of this very program (compilation/roofline.py: each op at the chip's datasheet peak or
         bandwidth), by part, so a measured step reads as "measured / bound"; None where the chip's numbers are
         not known (a CPU). `chip`: another chip's numbers (tests)."""
         chip = chip or chips.chip_of_device(jax.devices()[0].device_kind)

@@ -1,6 +1,7 @@
 """The one reader of optimized HLO text (a compiled executable's `as_text()`): its computations, their
 instructions (name, result shape, opcode, operands, attributes, the model scope they came from) and the bytes of
-its shapes. The roofline (compile/roofline.py) and the step profile (bench/step_profile.py) read programs with it.
+its shapes. The roofline (compilation/roofline.py) and the step profile (benchmarks/step_profile.py) read
+programs with it.
 """
 
 from __future__ import annotations

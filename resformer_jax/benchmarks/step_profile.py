@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from resformer_jax.compile.hlo import parse_module
+from resformer_jax.compilation.hlo import parse_module
 
 GROUPS = ("matmul_projections_mlp", "attention", "lm_head_xent", "norms_elementwise", "optimizer", "host_overhead")
 _SCOPES = (("optimizer", "optimizer"), ("lm_head_xent", "lm_head_xent"), ("attention_kernel", "attention"))
@@ -32,7 +32,7 @@ class Instruction:
 
 def parse_hlo(hlo_text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
     """{instruction name: Instruction} and {computation name: opcodes it holds} of an HLO module's text (read by
-    compile/hlo.py, the roofline's reader too).
+    compilation/hlo.py, the roofline's reader too).
 
     An instruction without a name scope of its own takes the scope of the instruction that calls its computation
     (ops XLA builds inside a loop body, e.g. under a `lax.map`, may carry no metadata)."""

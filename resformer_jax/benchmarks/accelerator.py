@@ -17,10 +17,10 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 
 from resformer_jax import kernels, perf
-from resformer_jax.bench.attention import time_attention
-from resformer_jax.bench.decode import bench_decode_matrix
-from resformer_jax.bench.timing import median_seconds
-from resformer_jax.bench.train import TrainBench
+from resformer_jax.benchmarks.attention import time_attention
+from resformer_jax.benchmarks.decode import bench_decode_matrix
+from resformer_jax.benchmarks.timing import median_seconds
+from resformer_jax.benchmarks.train import TrainBench
 from resformer_jax.config import RunConfig, paper_config, tiny_config
 from resformer_jax.kernels import probe
 from resformer_jax.train.setup import AttentionChoice
@@ -123,7 +123,7 @@ def _step_row(bench: TrainBench, peak: float) -> dict:
 
 
 def train_step(cfg, impl: str, steps: int, peak: float, log=lambda s: None) -> dict:
-    """One impl's train step, built as training builds it (bench/train.py's TrainBench)."""
+    """One impl's train step, built as training builds it (benchmarks/train.py's TrainBench)."""
     bench = TrainBench(cfg, AttentionChoice(impl, {}, False), log=log)
     bench.warm_up(1)
     for _ in range(steps):
@@ -157,7 +157,7 @@ def variant_steps(cfg, impl: str, steps: int, peak: float, log=lambda s: None) -
 
 def device_target_config() -> str | None:
     """This GPU's own XLA target config (GpuTargetConfigProto text), the format of the specs
-    `resformer compile` ships in resformer_jax/compile/gpu_specs/: the first real run of this check
+    `resformer compile` ships in resformer_jax/compilation/gpu_specs/: the first real run of this check
     records the device's numbers so the shipped spec can be compared with them. None off GPU."""
     if jax.default_backend() != "gpu":
         return None

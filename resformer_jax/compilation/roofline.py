@@ -11,7 +11,7 @@ import math
 import re
 
 from resformer_jax.chips import Chip, chip_named
-from resformer_jax.compile.hlo import Instr, arrays, dtype_bytes, elements, parse_module, shape_bytes
+from resformer_jax.compilation.hlo import Instr, arrays, dtype_bytes, elements, parse_module, shape_bytes
 from resformer_jax.kernels import pallas_attention, tpu_attention
 
 FREE = {

@@ -7,7 +7,7 @@ import time
 
 import jax
 
-from resformer_jax.bench.train import TrainBench
+from resformer_jax.benchmarks.train import TrainBench
 from resformer_jax.data.pipeline import train_iterator
 from resformer_jax.resolve import check
 

@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from resformer_jax import perf
 from resformer_jax.chips import chip_named
-from resformer_jax.compile.ptxas import kernel_resources
-from resformer_jax.compile.roofline import chip_for, roofline
-from resformer_jax.compile.targets import Target
+from resformer_jax.compilation.ptxas import kernel_resources
+from resformer_jax.compilation.roofline import chip_for, roofline
+from resformer_jax.compilation.targets import Target
 from resformer_jax.config import REMAT_POLICIES, RunConfig, set_dotted
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
@@ -66,8 +66,8 @@ class CompiledStep:
     machine_code: str  # what the executable carries (GPU ELF images, TPU program bytes)
     fits: bool
     problem: str = ""  # the one-line message where it does not fit
-    roofline: dict | None = None  # compile/roofline.py's report of the compiled program (None: chip unknown)
-    kernel_resources: list | None = None  # GPU: each Triton kernel's registers and spills (compile/ptxas.py)
+    roofline: dict | None = None  # compilation/roofline.py's report of the compiled program (None: chip unknown)
+    kernel_resources: list | None = None  # GPU: each Triton kernel's registers and spills (compilation/ptxas.py)
     decode: dict | None = None  # decode_token: rows, context, cache bytes, the tokens/s bound on one device
 
     @property

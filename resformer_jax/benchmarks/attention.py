@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from resformer_jax import kernels, perf
-from resformer_jax.bench.timing import median_seconds, random_qkv
+from resformer_jax.benchmarks.timing import median_seconds, random_qkv
 
 
 def time_attention(f, shape, dtype, peak: float, repeats: int = 5, seed: int = 0) -> dict:

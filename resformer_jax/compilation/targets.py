@@ -1,4 +1,4 @@
-"""The hardware a run can be compiled for from this machine (compile/aot.py): TPU slices and NVIDIA GPU nodes.
+"""The hardware a run can be compiled for from this machine (compilation/aot.py): TPU slices and NVIDIA GPU nodes.
 
 Its notes (the reasons, what was measured): docs/modules.md.
 """
@@ -102,7 +102,7 @@ class Target:
 
     def target_config(self) -> str:
         """The GPU target config text (gpu_specs/)."""
-        return importlib.resources.files("resformer_jax.compile").joinpath("gpu_specs", self.spec_file).read_text()
+        return importlib.resources.files("resformer_jax.compilation").joinpath("gpu_specs", self.spec_file).read_text()
 
     def devices(self) -> list:
         """Compile-only devices of this hardware, in the order a real run's jax.devices() lists them."""
@@ -136,7 +136,7 @@ class Target:
 def _gpu_memory(spec_text: str) -> int:
     m = re.search(r"device_memory_size:\s*(\d+)", spec_text)
     if m is None:
-        raise TargetError("the GPU's XLA target config gives no device_memory_size; compile/gpu_specs/ is damaged")
+        raise TargetError("the GPU's XLA target config gives no device_memory_size; compilation/gpu_specs/ is damaged")
     return int(m.group(1))
 
 
