@@ -438,22 +438,10 @@ class Attention(nn.Module):
         m, p = self.cfg, self.plan
         x_kv = x_BxTxE if x_kv_BxTxE is None else x_kv_BxTxE
         dtype = jnp.dtype(m.dtype)
-        H, K = m.num_heads, m.kv_heads
         first: Any = ctx.first  # layer 1's tensors (None in layer 1, whose plan reads nothing of them)
         l1, l2 = lam_2[0], lam_2[1]
 
-        # Q_n, K_n, V_n: a layer computes only the projections it owns (SVFormer n >= 2 has no W_V).
-        q_BxTxHxD = first.q if p.query == "first" else projection(m, H, "query")(x_BxTxE)
-        if p.key == "own":
-            k_BxTxKxD = projection(m, K, "key")(x_kv)
-        else:
-            k_BxTxKxD = (carry.group if p.key == "group" else first).k
-        if p.value == "own":
-            v_BxTxKxD = projection(m, p.own_value_heads or K, "value")(x_kv)  # SkipV1Former: K - r heads
-        else:
-            v_BxTxKxD = carry.group.v if p.value == "group" else None
-        if p.value_table >= 0 and v_BxTxKxD is not None:  # value embeddings: this layer's table added to V_n
-            v_BxTxKxD = self._add_value_embedding(x_kv, v_BxTxKxD, ctx.value_embeds[p.value_table])
+        q_BxTxHxD, k_BxTxKxD, v_BxTxKxD = self._project(x_BxTxE, x_kv, ctx, carry)
 
         # Fig. 6: Eq. 7's mix on queries or keys instead of values.
         if p.residual_on == "q":
@@ -487,19 +475,11 @@ class Attention(nn.Module):
             u_BxTxHxD = eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, rotate(first.k), first.v)
         elif self.capture:
             u_BxTxHxD = self._attend_captured(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
+        elif in_kernel:  # Eq. 7 (or the gate's mix) formed by the kernel as it loads V
+            mix = (v_src, gate_BxTxK if p.gate else self._kernel_lambdas(l1, l2))
+            u_BxTxHxD = self._attend(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, ctx, rope_in, value_mix=mix)
         else:
-            u_BxTxHxD = kernels.attention(
-                qr_BxTxHxD,
-                kr_BxTxKxD,
-                v_BxTxKxD if in_kernel else v_att_BxTxKxD,
-                causal=True,
-                impl=m.attention_impl,
-                mesh=ctx.mesh,
-                segments_BxT=ctx.segments,
-                value_mix=(v_src, gate_BxTxK if p.gate else self._kernel_lambdas(l1, l2)) if in_kernel else None,
-                lambda_grads=m.learns_lambdas,
-                rope=rope_in if rope_in_kernel else None,
-            )
+            u_BxTxHxD = self._attend(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, ctx, rope_in)
 
         # Corrections after the attention: Eq. 6's identity mapping, Eq. 8's NeuTRENO.
         if p.mapping == "identity" and not p.first:
@@ -509,6 +489,40 @@ class Attention(nn.Module):
 
         out_BxTxE = output_projection(m, x_BxTxE.shape[-1])(u_BxTxHxD.astype(dtype))
         return out_BxTxE, LayerTensors(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, v_att_BxTxKxD, k_all, v_all)
+
+    def _project(self, x_BxTxE, x_kv_BxTxE, ctx: Context, carry: Carry):
+        """Q_n, K_n, V_n: a layer computes only the projections it owns (SVFormer n >= 2 has no W_V); the others
+        are layer 1's or its group's (V None where the layer reads no value of its own)."""
+        m, p = self.cfg, self.plan
+        first: Any = ctx.first  # None in layer 1, whose plan reads nothing of it
+        q_BxTxHxD = first.q if p.query == "first" else projection(m, m.num_heads, "query")(x_BxTxE)
+        if p.key == "own":
+            k_BxTxKxD = projection(m, m.kv_heads, "key")(x_kv_BxTxE)
+        else:
+            k_BxTxKxD = (carry.group if p.key == "group" else first).k
+        if p.value == "own":  # SkipV1Former: K - r heads
+            v_BxTxKxD = projection(m, p.own_value_heads or m.kv_heads, "value")(x_kv_BxTxE)
+        else:
+            v_BxTxKxD = carry.group.v if p.value == "group" else None
+        if p.value_table >= 0 and v_BxTxKxD is not None:  # value embeddings: this layer's table added to V_n
+            v_BxTxKxD = self._add_value_embedding(x_kv_BxTxE, v_BxTxKxD, ctx.value_embeds[p.value_table])
+        return q_BxTxHxD, k_BxTxKxD, v_BxTxKxD
+
+    def _attend(self, qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, ctx: Context, rope_in, value_mix=None):
+        """U_n = A_n V through the run's attention kernel (q and k unrotated where the plan rotates in it)."""
+        m = self.cfg
+        return kernels.attention(
+            qr_BxTxHxD,
+            kr_BxTxKxD,
+            v_BxTxKxD,
+            causal=True,
+            impl=m.attention_impl,
+            mesh=ctx.mesh,
+            segments_BxT=ctx.segments,
+            value_mix=value_mix,
+            lambda_grads=m.learns_lambdas,
+            rope=rope_in if self.plan.rope_in_kernel else None,
+        )
 
     def _kernel_lambdas(self, l1, l2):
         """(l1, l2) as the attention kernel takes them: fp32, constants cut from differentiation unless learned."""
