@@ -239,7 +239,7 @@ def resolve(
     log: Callable[[str], Any] = print,
     typed: RunConfig | None = None,
 ) -> Run:
-    """The run `asked` describes, resolved once (see the module's docstring). `run`: its directory, whose record a
+    """The run `asked` describes, resolved once (docs/modules.md). `run`: its directory, whose record a
     resumed run keeps (the fork's step, the dtype); `attention`: a choice made already, or an impl to use instead
     of the config's (bench, analyze); `platform`/`devices`: compiling for other hardware (compilation/aot.py)."""
     typed = typed if typed is not None else check(asked)  # `typed`: the start typed it already (its one check)

@@ -34,7 +34,7 @@ def chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block=Non
     packed documents, each query masked to its own.
 
     Query t sits at position S - T + t (aligned at the end, as in decode). `pairs`: (batch, kv-head) pairs
-    per loop step; None: on a CPU as many as fit CACHE_BYTES (module docstring), elsewhere 0 = all at once.
+    per loop step; None: on a CPU as many as fit CACHE_BYTES (docs/modules.md), elsewhere 0 = all at once.
     """
     B, T, H, D = q_BxTxHxD.shape
     S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]

@@ -15,7 +15,7 @@ from resformer_jax.kernels.cpu_matmul import transposed
 
 
 class HeadPlan(NamedTuple):
-    """How the fused LM head runs (the module docstring says why)."""
+    """How the fused LM head runs (why: docs/modules.md)."""
 
     vocab_multiple: int = 1  # W's vocabulary axis padded to a multiple of this
     logits_dtype: str | None = "float32"  # what the logits GEMM writes; None: the compute dtype
