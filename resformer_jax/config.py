@@ -54,14 +54,9 @@ def paper_config(size: str, variant: str = "none") -> ml_collections.ConfigDict:
     """A paper model (Table 4) with the paper's training setup (Sec. 4.1.1)."""
     c = base_config()
     layers, heads, d_model, ffn = PAPER_SIZES[size]
-    c.model.num_layers = layers
-    c.model.num_heads = heads
-    c.model.d_model = d_model
-    c.model.ffn_dim = ffn
-    c.model.value_residual = variant
+    c.model.update(num_layers=layers, num_heads=heads, d_model=d_model, ffn_dim=ffn, value_residual=variant)
     c.model.dtype = "bfloat16"
-    c.data.seq_len = 2048
-    c.data.source = "array_record"
+    c.data.update(seq_len=2048, source="array_record")
     # Sized for 8x H100 80GB (the paper's hardware) by `resformer compile --tune --target=h100x8`: the best
     # setting by the compiled step's roofline bound that fits with 10% to spare (docs/kernels-and-compile.md).
     # On fewer or smaller devices set train.microbatch (sequences per accumulation step); the precheck says so.
@@ -103,27 +98,11 @@ def seq_len_config(size: str, variant: str, seq_len: int) -> ml_collections.Conf
 def tiny_config(variant: str = "resformer") -> ml_collections.ConfigDict:
     """A model small enough for tests: several steps a second on 2 CPU cores."""
     c = base_config()
-    m = c.model
-    m.vocab_size = 256
-    m.num_layers = 3
-    m.num_heads = 4
-    m.d_model = 64
-    m.ffn_dim = 128
-    m.max_seq_len = 128
-    m.value_residual = variant
-    m.dtype = "float32"
-    m.attention_impl = "xla"
-    c.data.seq_len = 32
-    c.data.source = "synthetic"
-    c.train.global_batch = 8
-    c.train.steps = 20
-    c.train.warmup_steps = 2
-    c.train.peak_lr = 3e-3
-    c.train.log_every = 5
-    c.train.eval_every = 10
-    c.train.eval_batches = 1
-    c.checkpoint.every_steps = 10
-    c.checkpoint.async_save = False
+    c.model.update(vocab_size=256, num_layers=3, num_heads=4, d_model=64, ffn_dim=128, max_seq_len=128)
+    c.model.update(value_residual=variant, dtype="float32", attention_impl="xla")
+    c.data.update(seq_len=32, source="synthetic")
+    c.train.update(global_batch=8, steps=20, warmup_steps=2, peak_lr=3e-3, log_every=5, eval_every=10, eval_batches=1)
+    c.checkpoint.update(every_steps=10, async_save=False)
     return c
 
 

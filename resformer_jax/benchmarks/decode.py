@@ -5,10 +5,12 @@ sequences the budget held at once)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -78,16 +80,10 @@ def steady_decode(
     minutes. Each request decodes as `sampling` says (request_sampling)."""
     asked = tokens_asked(batch, context, new_tokens, decode_steps)
     need = (batch + 1) * (context + asked + page_size) * cache_bytes_per_token(m)
-    engine = Engine(
-        m,
-        params,
-        cache_bytes=need,
-        page_size=page_size,
-        max_batch=batch,
-        prefill_chunk=PREFILL_CHUNK,
-        prefill_rows=PREFILL_ROWS,
-        decode_steps=decode_steps,
+    sizes: dict[str, Any] = dict(
+        page_size=page_size, max_batch=batch, prefill_chunk=PREFILL_CHUNK, prefill_rows=PREFILL_ROWS
     )
+    engine = Engine(m, params, cache_bytes=need, decode_steps=decode_steps, **sizes)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, m.vocab_size, context).tolist() for _ in range(batch)]
     reqs = [engine.submit(p, request_sampling(sampling, i, asked)) for i, p in enumerate(prompts)]
@@ -217,24 +213,14 @@ def bench_decode_matrix(
         m = model.replace(max_seq_len=max(model.max_seq_len, longest))
         runs.append((m, random_params(m)))
         log(f"bench decode {m.value_residual}: parameters built in {time.perf_counter() - t0:.1f} s")
+    decode = functools.partial(steady_decode, prefill=prefill, decode_steps=decode_steps, sampling=sampling)
     for batch in batches:
         for context in contexts:
             measured: list[list[dict]] = [[] for _ in runs]
             for _ in range(rounds):
                 for (m, params), res in zip(runs, measured):
                     t0 = time.perf_counter()
-                    res.append(
-                        steady_decode(
-                            m,
-                            params,
-                            batch,
-                            context,
-                            new_tokens,
-                            prefill=prefill,
-                            decode_steps=decode_steps,
-                            sampling=sampling,
-                        )
-                    )
+                    res.append(decode(m, params, batch, context, new_tokens))
                     log(
                         f"bench decode {m.value_residual} batch {batch} context {context}: "
                         f"{time.perf_counter() - t0:.1f} s ({res[-1]['step_s'] * 1e3:.2f} ms a step)"
@@ -281,12 +267,11 @@ def _stream_row(m, engine, reqs, prompts, wall: float, cache_gib: float, rate: f
         "rate": rate,
         "sampling": describe_sampling(sampling),
         "tokens_per_s": round(sum(len(r.tokens) for r in reqs) / wall, 2),
-        "ttft_p50_s": round(pct(ttft, 50), 3),
-        "ttft_p99_s": round(pct(ttft, 99), 3),
-        "itl_p50_s": round(pct(itl, 50), 4),
-        "itl_p99_s": round(pct(itl, 99), 4),
-        "tpot_p50_s": round(pct(tpot, 50), 4),
-        "tpot_p99_s": round(pct(tpot, 99), 4),
+        **{
+            f"{name}_p{q}_s": round(pct(xs, q), digits)
+            for name, xs, digits in (("ttft", ttft, 3), ("itl", itl, 4), ("tpot", tpot, 4))
+            for q in (50, 99)
+        },
         "most_concurrent": engine.stats.most_concurrent,
         "preemptions": engine.stats.preemptions,
         "compiled_shapes": len(engine.stats.compiled_shapes),
@@ -328,15 +313,8 @@ def bench_decode_stream(
         longest = max_context + new_tokens + (prefix_len if shared_prefixes else 0)
         m = model.replace(max_seq_len=max(model.max_seq_len, longest))
         params = random_params(m)
-        engine = Engine(
-            m,
-            params,
-            cache_bytes=cache_gib * 2**30,
-            max_batch=256,
-            prefill_chunk=256,
-            decode_steps=decode_steps,
-            prefix_cache=prefix_cache,
-        )
+        budget: dict[str, Any] = dict(cache_bytes=cache_gib * 2**30, max_batch=256, prefill_chunk=256)
+        engine = Engine(m, params, decode_steps=decode_steps, prefix_cache=prefix_cache, **budget)
         for _ in range(2):  # the stream twice: the first compiles the shapes it meets, untimed
             # fresh tokens each pass: the second's prompts are not in the prefix cache the first filled
             prompts = [rng.integers(0, m.vocab_size, n).tolist() for n in lengths]

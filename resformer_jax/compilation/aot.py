@@ -76,6 +76,7 @@ class CompiledStep:
 
     def to_json(self) -> dict:
         mem = dataclasses.asdict(self.memory) | {"total": self.memory.total} if self.memory else None
+        optional = {"problem": self.problem, "roofline": self.roofline, "decode": self.decode}
         return {
             "step": self.name,
             "compile_seconds": round(self.seconds, 2),
@@ -84,10 +85,8 @@ class CompiledStep:
             "kernels": self.kernels,
             "custom_calls": self.custom_calls,
             "machine_code": self.machine_code,
-            **({"problem": self.problem} if self.problem else {}),
-            **({"roofline": self.roofline} if self.roofline else {}),
+            **{k: v for k, v in optional.items() if v},
             **({"kernel_resources": self.kernel_resources} if self.kernel_resources is not None else {}),
-            **({"decode": self.decode} if self.decode else {}),
         }
 
 
@@ -347,65 +346,43 @@ def compile_step(
 ) -> CompiledStep:
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
+    knobs = DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices)
     # JAX's persistent compilation cache cannot hold these: a compile-only client cannot load an entry back
     # ("PjRtCompiler must be constructed with a Client"), so writing one only costs time.
     cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     jax.config.update("jax_enable_compilation_cache", False)
+    # GPU: XLA writes the program's PTX here, for ptxas' report of the Triton kernels' registers
     dump = tempfile.mkdtemp(prefix="resformer_ptx_") if target.platform == "cuda" else None
     try:
-        with compiling_for(target.platform, target.kind):
-            # GPU: XLA writes the program's PTX here, for ptxas' report of the Triton kernels' registers
-            compiled = jitted.lower(*args, **(kwargs or {})).compile({"xla_dump_to": dump} if dump else None)
-    except UserError:
-        if dump:
-            shutil.rmtree(dump, ignore_errors=True)
-        raise
-    except Exception as e:
-        if dump:
-            shutil.rmtree(dump, ignore_errors=True)
-        knobs = DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices)
-        err = _refusal(e, f"the {name} step", target, knobs)
-        if isinstance(err, MemoryPrecheckError):
-            log(f"{name}: {err}")
-            return CompiledStep(name, time.perf_counter() - t0, None, {}, "not compiled", False, str(err))
-        raise err from None
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was)
-    seconds = time.perf_counter() - t0
-    mem = perf.step_memory(compiled)
-    hlo = compiled.as_text()
-    calls = dict(collections.Counter(_CUSTOM_CALL.findall(hlo)))
-    step = CompiledStep(
-        name,
-        seconds,
-        mem,
-        calls,
-        _machine_code(compiled, target.platform),
-        True,
-        roofline=step_roofline(compiled, hlo, target, model_flops, documents),
-    )
-    if dump:
-        chip = chip_named(target.kind)
         try:
-            step.kernel_resources = [
-                dataclasses.asdict(k)
-                for k in kernel_resources(
-                    dump,
-                    set(re.findall(r"/([\w$]+)/pallas_call", hlo)),
-                    chip.arch if chip is not None and chip.arch else "sm_90a",
-                )
-            ]
+            with compiling_for(target.platform, target.kind):
+                compiled = jitted.lower(*args, **(kwargs or {})).compile({"xla_dump_to": dump} if dump else None)
+        except UserError:
+            raise
+        except Exception as e:
+            err = _refusal(e, f"the {name} step", target, knobs)
+            if isinstance(err, MemoryPrecheckError):
+                log(f"{name}: {err}")
+                return CompiledStep(name, time.perf_counter() - t0, None, {}, "not compiled", False, str(err))
+            raise err from None
         finally:
+            jax.config.update("jax_enable_compilation_cache", cache_was)
+        seconds, mem, hlo = time.perf_counter() - t0, perf.step_memory(compiled), compiled.as_text()
+        calls = dict(collections.Counter(_CUSTOM_CALL.findall(hlo)))
+        machine_code = _machine_code(compiled, target.platform)
+        step = CompiledStep(name, seconds, mem, calls, machine_code, True)
+        step.roofline = step_roofline(compiled, hlo, target, model_flops, documents)
+        if dump:
+            chip = chip_named(target.kind)
+            arch = chip.arch if chip is not None and chip.arch else "sm_90a"
+            kernels = set(re.findall(r"/([\w$]+)/pallas_call", hlo))
+            step.kernel_resources = [dataclasses.asdict(k) for k in kernel_resources(dump, kernels, arch)]
+    finally:
+        if dump:
             shutil.rmtree(dump, ignore_errors=True)
     try:
-        memory_precheck(
-            mem,
-            cfg.mesh,
-            limit=target.hbm_bytes,
-            what=f"the {name} step",
-            source=f"{target.kind}'s usable memory ({target.hbm_source})",
-            knobs=DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices),
-        )
+        where = f"{target.kind}'s usable memory ({target.hbm_source})"
+        memory_precheck(mem, cfg.mesh, limit=target.hbm_bytes, what=f"the {name} step", source=where, knobs=knobs)
     except MemoryPrecheckError as e:
         step.fits, step.problem = False, str(e)
     log(f"{name}: compiled in {seconds:.1f} s")
@@ -443,36 +420,19 @@ def compile_for_target(
     cfg = run.cfg  # the run as it runs, typed
     documents = perf.packed_documents(cfg.data.seq_len, document_len) if document_len else None
     out = []
-    if "train" in steps:
-        batch = jax.ShapeDtypeStruct(setup.global_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(
-            compile_step(
-                "train",
-                setup.train_step,
-                (setup.abstract_state, batch),
-                target,
-                cfg,
-                log=log,
-                model_flops=step_model_flops(cfg, setup.global_batch_shape[0], target.num_devices, documents=documents),
-                documents=documents,
+    programs = {  # step -> (program, its state, its batch's shape, a forward alone)
+        "train": (setup.train_step, setup.abstract_state, setup.global_batch_shape, False),
+        "eval": (setup.eval_step, setup.abstract_state.params, setup.eval_batch_shape, True),
+    }
+    for name, (program, state, shape, forward_only) in programs.items():
+        if name in steps:
+            batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sh)
+            flops = step_model_flops(cfg, shape[0], target.num_devices, forward_only, documents)
+            out.append(
+                compile_step(
+                    name, program, (state, batch), target, cfg, log=log, model_flops=flops, documents=documents
+                )
             )
-        )
-    if "eval" in steps:
-        batch = jax.ShapeDtypeStruct(setup.eval_batch_shape, jnp.int32, sharding=setup.batch_sh)
-        out.append(
-            compile_step(
-                "eval",
-                setup.eval_step,
-                (setup.abstract_state.params, batch),
-                target,
-                cfg,
-                log=log,
-                model_flops=step_model_flops(
-                    cfg, setup.eval_batch_shape[0], target.num_devices, forward_only=True, documents=documents
-                ),
-                documents=documents,
-            )
-        )
     if "decode" in steps:
         out.extend(_compile_decode(setup, target, decode_batch, prompt_len, log))
     devices = cfg.mesh.num_devices or target.num_devices
@@ -517,13 +477,7 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     engine's: in the compute dtype (engine.serving_params)."""
     from jax.sharding import Mesh
 
-    from resformer_jax.engine.runner import (
-        bucket,
-        serving_params,
-        step_form,
-        step_program,
-        step_shapes,
-    )
+    from resformer_jax.engine.runner import bucket, serving_params, step_form, step_program, step_shapes
     from resformer_jax.model.attention import PageLayout
     from resformer_jax.model.transformer import Transformer, pool_shapes
     from resformer_jax.resolve import serving_model

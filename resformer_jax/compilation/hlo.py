@@ -11,25 +11,13 @@ import json
 import math
 import re
 
-DTYPE_BYTES = {
-    "pred": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
+DTYPE_BYTES = {  # HLO's element types by width
+    **dict.fromkeys(("s4", "u4"), 0.5),
+    **dict.fromkeys(("pred", "s8", "u8"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32", "tf32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
     "c128": 16,
-    "tf32": 4,
 }
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")

@@ -128,13 +128,7 @@ class Roofline:
         return {
             "label": "a bound from the compiled program (each op at the chip's datasheet peak or bandwidth), not a "
             "timing",
-            "chip": {
-                "kind": c.kind,
-                "peak_flops": c.peak_flops,
-                "hbm_bytes_per_s": c.hbm_bytes_per_s,
-                "link_bytes_per_s": c.link_bytes_per_s,
-                "source": c.source,
-            },
+            "chip": {k: getattr(c, k) for k in ("kind", "peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "source")},
             "flops_per_device": self.flops,
             "hbm_bytes_per_device": self.hbm_bytes,
             "collective_bytes_per_device": self.collective_bytes,
@@ -157,19 +151,8 @@ class Roofline:
             if o.kind == "collective":
                 continue
             key = (o.kind, o.scope or re.sub(r"(\.clone)?(\.\d+)*$", "", o.name), o.flops, o.bytes)
-            row = merged.setdefault(
-                key,
-                {
-                    "name": o.name,
-                    "kind": o.kind,
-                    "scope": o.scope,
-                    "executions": 0,
-                    "flops": o.flops,
-                    "bytes": o.bytes,
-                    "bound_s": 0.0,
-                    "copies": 0,
-                },
-            )
+            first = dict(name=o.name, kind=o.kind, scope=o.scope, executions=0, flops=o.flops, bytes=o.bytes)
+            row = merged.setdefault(key, {**first, "bound_s": 0.0, "copies": 0})
             row["executions"] += o.executions
             row["bound_s"] += o.bound_s(self.chip)
             row["copies"] += 1
@@ -230,15 +213,8 @@ def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
     strides, lhs_dil, rhs_dil = per_dim("stride", n, 1), per_dim("lhs_dilate", n, 1), per_dim("rhs_dilate", n, 1)
     taps = 1
     for k, d in enumerate(spatial):
-        taps *= _taps(
-            l_dims[l_lab.index(d)],
-            r_dims[r_lab.index(d)],
-            o_dims[o_lab.index(d)],
-            pads[k][0],
-            strides[k],
-            lhs_dil[k],
-            rhs_dil[k],
-        )
+        sizes = (l_dims[l_lab.index(d)], r_dims[r_lab.index(d)], o_dims[o_lab.index(d)])
+        taps *= _taps(*sizes, pads[k][0], strides[k], lhs_dil[k], rhs_dil[k])
     outer = math.prod(o_dims[i] for i, ch in enumerate(o_lab) if not ch.isdigit())  # batch x output features
     return 2.0 * outer * r_dims[r_lab.index("i")] * taps
 
@@ -262,15 +238,10 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "", docu
         if not q or not k:
             return 0.0
         if module is pallas_attention and len(q[0][1]) == 4 and len(k[0][1]) == 4:
+            tables, rope = name + pallas_attention.TABLES in where, pallas_attention.ROPE in where
+            itemsize = dtype_bytes(q[0][0])
             return module.kernel_flops(
-                name,
-                q[0][1],
-                k[0][1],
-                dtype_bytes(q[0][0]),
-                device_kind=device_kind,
-                documents=documents,
-                tables=name + pallas_attention.TABLES in where,
-                rope=pallas_attention.ROPE in where,
+                name, q[0][1], k[0][1], itemsize, device_kind=device_kind, documents=documents, tables=tables, rope=rope
             )
         if module is tpu_attention and len(q[0][1]) >= 3 and len(k[0][1]) >= 2:
             return module.kernel_flops(name, q[0][1], k[0][1])
@@ -470,19 +441,13 @@ class _Walker:
                 elif "cudnn$fmha" in target:
                     self._add(ins, "kernel", n, cudnn_attention_flops(ins, self.shapes), nbytes)
                 elif target in ("__gpu$xla.gpu.triton", "tpu_custom_call") or "cudnn" in target:
-                    self._add(
-                        ins, "kernel", n, kernel_flops(ins, self.shapes, self.device_kind, self.documents), nbytes
-                    )
+                    flops = kernel_flops(ins, self.shapes, self.device_kind, self.documents)
+                    self._add(ins, "kernel", n, flops, nbytes)
                 else:
                     self._add(ins, "other", n, 0.0, nbytes)
-            elif op == "dot":
-                self._add(
-                    ins, "gemm", n, dot_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape)
-                )
-            elif op == "convolution":
-                self._add(
-                    ins, "gemm", n, conv_flops(ins, self.shapes), self._operand_bytes(ins) + shape_bytes(ins.shape)
-                )
+            elif op in ("dot", "convolution"):
+                flops = (dot_flops if op == "dot" else conv_flops)(ins, self.shapes)
+                self._add(ins, "gemm", n, flops, self._operand_bytes(ins) + shape_bytes(ins.shape))
             elif op == "dynamic-update-slice":
                 upd = shape_bytes(self.shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
                 self._add(ins, "other", n, 0.0, 2 * upd)

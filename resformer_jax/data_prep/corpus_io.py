@@ -293,20 +293,21 @@ class ShardWriter:
 
 @dataclasses.dataclass(frozen=True)
 class PrepareJob:
-    """What one preparation writes, as `prepare` was asked (every step below reads it, none changes it)."""
+    """What one preparation writes, as `prepare` was asked (every step below reads it, none changes it); the
+    defaults are the command's."""
 
-    tokenizer: str
-    seq_len: int
-    budgets: dict
-    domain: str
-    split: str
-    seed: int
-    shuffle_docs: bool
-    records_per_shard: int
-    batch_docs: int
-    command: str
-    quiet: bool
-    skip_bad_files: bool
-    runner: str
-    beam_options: str
-    beam_packing: str
+    tokenizer: str  # tokenizer.json | hub name | train:VOCAB_SIZE
+    seq_len: int = 2048
+    budgets: dict = dataclasses.field(default_factory=dict)  # train split: domain -> tokens
+    domain: str = "default"  # of files without meta (.txt)
+    split: str = "train"  # of files outside train/ or validation/ folders
+    seed: int = 0
+    shuffle_docs: bool = False
+    records_per_shard: int = 65536
+    batch_docs: int = 256
+    command: str = ""
+    quiet: bool = False
+    skip_bad_files: bool = False
+    runner: str = "threads"  # threads | beam
+    beam_options: str = ""
+    beam_packing: str = "domain"  # domain | file

@@ -12,6 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -30,55 +31,21 @@ from resformer_jax.data_prep.corpus_io import (
 )
 
 
-def prepare(
-    inputs: list[str],
-    tokenizer: str,
-    out: str,
-    seq_len: int = 2048,
-    budgets: dict | None = None,
-    workers: int = 0,
-    domain: str = "default",
-    split: str = "train",
-    seed: int = 0,
-    shuffle_docs: bool = False,
-    records_per_shard: int = 65536,
-    batch_docs: int = 256,
-    command: str = "",
-    quiet: bool = False,
-    skip_bad_files: bool = False,
-    runner: str = "threads",
-    beam_options: str = "",
-    beam_packing: str = "domain",
-) -> dict:
-    """Library form of the command; returns the metadata it writes.
+def prepare(inputs: list[str], tokenizer: str, out: str, *, workers: int = 0, **options: Any) -> dict:
+    """Library form of the command; `options` are PrepareJob's fields (seq_len, budgets, domain, ...). Returns the
+    metadata it writes.
 
     Atomic: everything is written to a folder beside `out` and renamed into place at the end, so a
     folder with metadata.json is always complete (an interrupted run leaves the previous corpus as it
     was, and a `.partial-PID` folder that never looks prepared)."""
     if workers > 0:
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # the tokenizers library's thread pool
-    if seq_len < 1:
-        raise PrepareError(f"--seq_len must be positive, got {seq_len}")
-    if runner not in ("threads", "beam"):
-        raise PrepareError(f"--runner={runner!r}: use threads or beam")
-    job = PrepareJob(
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        budgets=budgets or {},
-        domain=domain,
-        split=split,
-        seed=seed,
-        shuffle_docs=shuffle_docs,
-        records_per_shard=records_per_shard,
-        batch_docs=batch_docs,
-        command=command,
-        quiet=quiet,
-        skip_bad_files=skip_bad_files,
-        runner=runner,
-        beam_options=beam_options,
-        beam_packing=beam_packing,
-    )
-    if runner == "beam":
+    job = PrepareJob(tokenizer=tokenizer, **options)
+    if job.seq_len < 1:
+        raise PrepareError(f"--seq_len must be positive, got {job.seq_len}")
+    if job.runner not in ("threads", "beam"):
+        raise PrepareError(f"--runner={job.runner!r}: use threads or beam")
+    if job.runner == "beam":
         from resformer_jax.data_prep import beam_pipeline
 
         beam_pipeline.require_beam()
@@ -93,7 +60,7 @@ def prepare(
             storage.check_supported(out)
         except storage.StorageError as e:
             raise PrepareError(str(e)) from None
-        if runner != "beam":
+        if job.runner != "beam":
             return _prepare_then_upload(out, files, job)
         return _prepare_remote(out, files, job)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -119,7 +86,7 @@ def prepare(
             os.rename(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if not quiet:
+    if not job.quiet:
         print(f"[prepare] wrote {out}/metadata.json", file=sys.stderr, flush=True)
     return meta
 
@@ -350,23 +317,17 @@ def main(argv=None):
                 raise PrepareError(
                     f"--budget {b!r}: {v!r} is not a token count; use e.g. {k}=4B, 500M or 12000"
                 ) from None
+        fields = (
+            "seq_len domain split seed shuffle_docs records_per_shard skip_bad_files runner beam_options beam_packing"
+        )
         prepare(
             a.input,
             a.tokenizer,
             a.out,
-            a.seq_len,
-            budgets,
-            a.workers,
-            a.domain,
-            a.split,
-            a.seed,
-            a.shuffle_docs,
-            a.records_per_shard,
+            workers=a.workers,
+            budgets=budgets,
             command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]),
-            skip_bad_files=a.skip_bad_files,
-            runner=a.runner,
-            beam_options=a.beam_options,
-            beam_packing=a.beam_packing,
+            **{f: getattr(a, f) for f in fields.split()},
         )
     except (PrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

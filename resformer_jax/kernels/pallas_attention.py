@@ -361,18 +361,8 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
     docs, positions = seg is not None, qpos is not None
-    kernel = functools.partial(
-        _fwd_kernel,
-        scale=1.0 / math.sqrt(D),
-        causal=causal,
-        bq=bq,
-        bk=bk,
-        kv_len=S,
-        docs=docs,
-        positions=positions,
-        mixed=mix is not None,
-        gated=_gated(mix),
-    )
+    shape_of = dict(scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions)
+    kernel = functools.partial(_fwd_kernel, **shape_of, mixed=mix is not None, gated=_gated(mix))
     kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     mix_specs, mix_in = _mix_inputs(mix, kv_spec, Sp)
     extra_specs, extra = [], []
@@ -384,21 +374,13 @@ def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
         extra_specs, extra = [row_q], [start]
     if positions:
         extra_specs, extra = [*extra_specs, row_q], [*extra, qpos_p]
+    q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     o, lse = gpu_pallas_call(
         kernel,
         num_warps_=num_warps(bq, bk),
         grid=(Tp // bq, B, H),
-        in_specs=[
-            pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-            kv_spec,
-            kv_spec,
-            *mix_specs,
-            *extra_specs,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-        ],
+        in_specs=[q_block, kv_spec, kv_spec, *mix_specs, *extra_specs],
+        out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         name=_kernel_name("flash_attention_fwd", docs or positions, mix is not None),
     )(qp, kp, vp, *mix_in, *extra)
@@ -628,18 +610,8 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     )
     dq, delta = gpu_pallas_call(
         functools.partial(_dq_kernel, **shared, rope=rope is not None),
-        grid=(Tp // bq, B, H),
-        in_specs=[
-            q_block,
-            kv_full,
-            kv_full,
-            q_block,
-            row_block,
-            q_block,  # O
-            *dq_mix_specs,
-            *rope_specs,
-            *dq_extra_specs,
-        ],
+        grid=(Tp // bq, B, H),  # in: q, k, v, dO, lse, O, then what the mix, RoPE and the tables add
+        in_specs=[q_block, kv_full, kv_full, q_block, row_block, q_block, *dq_mix_specs, *rope_specs, *dq_extra_specs],
         out_specs=[q_block, row_block],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         num_warps_=num_warps(bq, bk),
@@ -665,38 +637,17 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     if rope is not None:  # dK rotated back by the keys' positions (T == S: the queries' positions)
         dkdv_rope_specs = [key_rows, pl.BlockSpec((D // 2,), lambda j, b, h: (0,))]
         dkdv_rope_in = [_pad(rope[0].astype(jnp.int32), 1, Sp), rope[1].astype(jnp.float32)]
+    again_in = mix_in[:1] + [vp] if again else []  # V_1 and V_n again, for the shares
     dk_h, dv_h, *mix_grads = gpu_pallas_call(
         functools.partial(_dkdv_kernel, **shared, q_blocks=Tp // bq, lambda_grads=again, rope=rope is not None),
-        grid=(Sp // bk, B, H),
-        in_specs=[
-            q_spec_full,
-            kv_block,
-            kv_block,
-            q_spec_full,
-            row_full,
-            row_full,
-            *dkdv_mix_specs,
-            *dkdv_rope_specs,
-            *dkdv_first_specs,
-            *dkdv_extra_specs,
-        ],
+        grid=(Sp // bk, B, H),  # in: q, k, v, dO, lse, delta, then what the mix, RoPE and the tables add
+        in_specs=[q_spec_full, kv_block, kv_block, q_spec_full, row_full, row_full, *dkdv_mix_specs, *dkdv_rope_specs]
+        + [*dkdv_first_specs, *dkdv_extra_specs],
         out_specs=[out_block, out_block, *mix_out_specs],
         out_shape=[grad_shape, grad_shape, *mix_out_shape],
         num_warps_=num_warps(bq, bk),
         name=_kernel_name("flash_attention_dkdv", docs or positions, mixed, rope is not None),
-    )(
-        qp,
-        kp,
-        vp,
-        dop,
-        lse,
-        delta,
-        *mix_in,
-        *(mix_in[:1] + [vp] if again else []),
-        *dkdv_rope_in,
-        *dkdv_first,
-        *dkdv_extra,
-    )
+    )(qp, kp, vp, dop, lse, delta, *mix_in, *again_in, *dkdv_rope_in, *dkdv_first, *dkdv_extra)
 
     def per_kv_head(g_h, dtype):  # GQA: a kv head's gradient is the sum over the query heads that read it
         return g_h[:, :S].reshape(B, S, K, G, D).sum(axis=3).astype(dtype)

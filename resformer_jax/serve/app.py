@@ -195,6 +195,19 @@ class Choice:
     handle: Handle | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no end-of-text)
+    text: str = ""  # streamed: their text so far, cut at a stop string
+
+
+def stream_delta(s: Serving, c: Choice, token: int, reason: str | None, stops: list[str]) -> str | None:
+    """A streamed token's new text (None: the end-of-text token that ended the choice, not shown)."""
+    c.tokens.append(token)
+    if token == s.eot and reason == "stop":
+        return None
+    c.shown.append(token)
+    full = cut(s.decode(c.shown), stops)
+    delta, c.text = full[len(c.text) :], full
+    return delta
 
 
 def submit(s: Serving, choice: Choice, params: SamplingParams, stops: list[str], min_tokens: int, rid: str) -> None:
@@ -329,6 +342,11 @@ def logprobs_record(s: Serving, scored: Scores, ids: list[int], start: int, n: i
     }
 
 
+def envelope(s: Serving, rid: str, created: int, kind: str, choices: list, **extra) -> dict:
+    """OpenAI's frame around choices, for a response and for each streamed chunk alike."""
+    return {"id": rid, "object": kind, "created": created, "model": s.model_name, "choices": choices, **extra}
+
+
 def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices it has
     completion = sum(len(c.tokens) for c in choices)
@@ -442,14 +460,7 @@ async def completion_response(s, req: CompletionRequest, rid, created, prompts, 
             offset0 = 0 if req.echo else len(prompt_text)
             entry["logprobs"] = logprobs_record(s, scores_of(c), ids, start_at, req.logprobs, offset0)
         out.append(entry)
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": s.model_name,
-        "choices": out,
-        "usage": usage(prompts, choices),
-    }
+    return envelope(s, rid, created, "text_completion", out, usage=usage(prompts, choices))
 
 
 async def merged_tokens(choices: list[Choice]):
@@ -491,18 +502,9 @@ async def stream_completion(
 ):
     """One event a token a choice (its text delta), each choice's finish reason, the usage chunk where
     `stream_options.include_usage` asks, then [DONE]. A client that goes away cancels its requests."""
-    texts = {c.index: "" for c in choices}
-    shown: dict[int, list[int]] = {c.index: [] for c in choices}
 
     def chunk(choice_list, **extra):
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": s.model_name,
-            "choices": choice_list,
-            **extra,
-        }
+        return envelope(s, rid, created, "text_completion", choice_list, **extra)
 
     echoed: set[int] = set()
 
@@ -523,16 +525,12 @@ async def stream_completion(
                     yield echo(c)
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
                 if token >= 0:
-                    c.tokens.append(token)
-                    if token == s.eot and reason == "stop":
-                        continue  # the end-of-text token: not shown, the finish reason follows
-                    shown[c.index].append(token)
-                    full = cut(s.decode(shown[c.index]), req.stops)
-                    entry["text"], texts[c.index] = full[len(texts[c.index]) :], full
-                    entry["token_ids"] = [token]
+                    if (delta := stream_delta(s, c, token, reason, req.stops)) is None:
+                        continue  # the finish reason follows
+                    entry["text"], entry["token_ids"] = delta, [token]
                     if req.logprobs is not None:  # this token's, over the prompt and what came before it
-                        ids = c.prompt + shown[c.index]
-                        before = s.decode(c.prompt + shown[c.index][:-1]) if req.echo else s.decode(shown[c.index][:-1])
+                        ids = c.prompt + c.shown
+                        before = s.decode(c.prompt + c.shown[:-1]) if req.echo else s.decode(c.shown[:-1])
                         offset = len(before) + (0 if req.echo else len(s.decode(c.prompt)))
                         entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
@@ -603,14 +601,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         if n_top is not None and kept:
             entry["logprobs"] = chat_logprobs(s, scores_of(c), prompt + kept, len(prompt), n_top)
         out.append(entry)
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": s.model_name,
-        "choices": out,
-        "usage": usage([prompt], choices),
-    }
+    return envelope(s, rid, created, "chat.completion", out, usage=usage([prompt], choices))
 
 
 def chat_logprobs(s: Serving, scored: Scores, ids: list[int], start: int, n: int) -> dict:
@@ -634,43 +625,20 @@ def chat_logprobs(s: Serving, scored: Scores, ids: list[int], start: int, n: int
 
 async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prompt, choices, n_top):
     def chunk(choice_list, **extra):
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": s.model_name,
-            "choices": choice_list,
-            **extra,
-        }
+        return envelope(s, rid, created, "chat.completion.chunk", choice_list, **extra)
 
-    texts = {c.index: "" for c in choices}
-    shown: dict[int, list[int]] = {c.index: [] for c in choices}
     try:
         for c in choices:  # the role first, as OpenAI streams it
-            yield sse(
-                chunk(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            )
+            role = {"role": "assistant", "content": ""}
+            yield sse(chunk([{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]))
         async for c, token, reason in merged_tokens(choices):
             entry: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
             if token >= 0:
-                c.tokens.append(token)
-                if token == s.eot and reason == "stop":
+                if (delta := stream_delta(s, c, token, reason, req.stops)) is None:
                     continue
-                shown[c.index].append(token)
-                full = cut(s.decode(shown[c.index]), req.stops)
-                entry["delta"] = {"content": full[len(texts[c.index]) :]}
-                texts[c.index] = full
+                entry["delta"] = {"content": delta}
                 if n_top is not None:
-                    ids = prompt + shown[c.index]
+                    ids = prompt + c.shown
                     entry["logprobs"] = chat_logprobs(s, scores_of(c), ids, len(ids) - 1, n_top)
             else:
                 entry["finish_reason"] = reason_of(reason)
