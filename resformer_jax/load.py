@@ -23,7 +23,6 @@ def _library_reports_held():
     leaves behind (coroutines and futures whose errors nobody retrieved, reported by asyncio and the interpreter when
     they are collected) are held back: a damaged checkpoint's failure is said in one line by load_run; a reader
     writes nothing into the run."""
-
     loggers = [logging.getLogger(name) for name in ("absl", "orbax", "asyncio")]
     levels = [lg.level for lg in loggers]
     hooks = threading.excepthook, sys.unraisablehook

@@ -92,7 +92,6 @@ def read_records(path, warn=None) -> list[dict]:
     """metrics.jsonl's records (local, or its segments on object storage). A half-written last line (a run training
     now, or killed mid-write) is left out, saying so through `warn`; a damaged line before it is an error naming
     the file and the line."""
-
     lines = read_lines(path)
     out = []
     for i, line in enumerate(lines):

@@ -20,8 +20,6 @@ from resformer_jax.model.transformer import cache_bytes_per_token, param_counts,
 if TYPE_CHECKING:
     from resformer_jax.config import RunConfig
 
-# Dense peak FLOP/s per device at bf16 (fp32 on CPU is measured instead).
-
 
 @functools.cache
 def measure_cpu_matmul_peak(sizes=(1024, 1536), repeats: int = 8, dtype: str = "float32") -> float:
@@ -54,12 +52,7 @@ def _matmul_fn():
 def time_cpu_matmul(shape: tuple[int, int, int], dtype: str) -> float:
     """Seconds of one [M, K] x [K, N] matmul at `dtype` (fp32 accumulation), compiled and warmed first."""
     m, k, n = shape
-    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
-    f = _matmul_fn()
-    f(a, b).block_until_ready()
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    return time.perf_counter() - t
+    return 2 * m * k * n / sample_cpu_matmul_peak(repeats=1, dtype=dtype, shape=shape)
 
 
 def faster_cpu_dtype(
@@ -143,7 +136,6 @@ def flops_per_token(m, seq_len: int) -> float:
     counted at half for the causal mask. Eq. 2 (cross_layer) attends over
     twice the keys in layers >= 2.
     """
-
     shapes = param_shapes(m)
     matmul = 0
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
@@ -174,15 +166,10 @@ def packed_documents(T: int, mean_len: float, rows: int = 64, seed: int = 0) -> 
 
 
 def model_flops(m, seq_len: int) -> ModelFlops:
-
     pc = param_counts(m)
-    return ModelFlops(
-        pc["params_total"],
-        pc["params_non_embedding"],
-        flops_per_token(m, seq_len),
-        6.0 * pc["params_non_embedding"],
-        attention_flops_per_token(m, seq_len),
-    )
+    total, non_embedding = pc["params_total"], pc["params_non_embedding"]
+    per_token, attention = flops_per_token(m, seq_len), attention_flops_per_token(m, seq_len)
+    return ModelFlops(total, non_embedding, per_token, 6.0 * non_embedding, attention)
 
 
 def mfu(flops: ModelFlops, tokens_per_s: float, peak: float) -> dict[str, float]:
@@ -232,7 +219,6 @@ def estimate_train_memory(cfg: RunConfig, devices: int, flash_attention: bool = 
     above XLA:GPU's numbers for the paper configs on 8x H100; TPU's compiler needs more memory for the same
     program, and sequences of 8K tokens and more need about 20% more than estimated.
     """
-
     m, t = cfg.model, cfg.train
     fsdp = max(1, fsdp_devices(cfg, devices))
     n_params = model_flops(m, cfg.data.seq_len).params_total
@@ -291,7 +277,6 @@ def summary(cfg) -> dict:
     from resformer_jax.config import RunConfig
 
     cfg = RunConfig.of(cfg)
-
     f = model_flops(cfg.model, cfg.data.seq_len)
     out: dict[str, Any] = {
         "params_total": f.params_total,

@@ -121,7 +121,6 @@ class RunDir:
     def checkpointer(self, ckpt_cfg=None, *, read_only: bool = False):
         """The run's Orbax checkpointer: the training one (from config.checkpoint), or a read-only one that keeps
         every step and creates nothing (for evaluation, export, analysis and compare)."""
-
         if read_only:
             import ml_collections
 
@@ -131,5 +130,4 @@ class RunDir:
     def finished_steps(self) -> list[int]:
         """Steps of the checkpoints that finished writing, oldest first, without opening Orbax's manager (a
         folder still being written is not finished: Orbax renames or commits it last)."""
-
         return finished_checkpoint_steps(self.checkpoints)

@@ -50,7 +50,6 @@ def cohorts(runs, group_by: str, vs: str | None, split_all: bool = False) -> dic
     """The runs split by `vs` (one comparison per value: Fig. 5 left / Fig. 11 left), after checking that they
     differ in nothing else but the grouping field and the seed: runs of different experiments are never merged.
     split_all (--scaling: a sweep over sizes): one comparison per combination of whatever fields differ."""
-
     exclude = (group_by, *group_by.split("+"), "train.seed") + ((vs,) if vs else ())
     differ = grouping.differing_fields(runs, exclude)
     if differ and not split_all:

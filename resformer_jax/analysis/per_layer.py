@@ -38,7 +38,6 @@ class RunningMean:
 
 def layer_tensors(inter: dict, num_layers: int) -> dict:
     """{name: [L, ...]} stacked over layers from the capture model's intermediates."""
-
     out = {}
     for name in ("attn_probs", "values", "values_own", "queries", "keys", "hidden"):
         per = []
@@ -59,7 +58,6 @@ def layer_tensors(inter: dict, num_layers: int) -> dict:
 def analysis_sequences(cfg, split: str, num_sequences: int, batch: int):
     """The first `num_sequences` sequences of the training stream (the run's own mixture, in step order) or of
     the validation split (every domain, in record order)."""
-
     if split == "train":
         read, _ = train_reader(cfg)
         return [read(g) for g in range(num_sequences)]
@@ -74,7 +72,6 @@ def hf_sequences(folder: str, text_file: str, seq_len: int, num_sequences: int, 
     model's BOS first (config.json's bos_token_id), truncated at the sequence length, as the authors' analysis
     scripts encode each sample (attention-sink measures depend on the first token); documents shorter than a
     sequence are left out. "stream": one token stream cut into consecutive windows (only the first has a BOS)."""
-
     tok_path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tok_path):
         raise HFError(f"{folder} has no tokenizer.json to tokenize --text_file with; give --data prepared with it")
@@ -135,7 +132,6 @@ def analyze_run(
     seq_len=512,
     text_unit="line",
 ) -> dict:
-
     if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf/llama_import.py)
         from resformer_jax.config import DataConfig, RunConfig
         from resformer_jax.hf.llama_import import load_hf_llama

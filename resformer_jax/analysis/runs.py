@@ -54,7 +54,6 @@ def read_train_loss(run: str) -> dict[int, float]:
 def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[str, tuple[list, list]]:
     """Each run's training loss minus the baseline's at the steps both logged, each smoothed over a trailing
     window of `smooth` training steps."""
-
     b_s = smoothed(baseline, smooth)
     out = {}
     for name, curve in runs.items():
@@ -67,7 +66,6 @@ def relative_curves(baseline: dict, runs: dict[str, dict], smooth: int) -> dict[
 
 def read_run(run: str):
     """(config dict, train curve, eval curves) of a run directory."""
-
     rd = RunDir(run)
     path = rd.metrics_jsonl
     if not has_lines(path):

@@ -44,7 +44,6 @@ def applicable(impl: str, backend: str) -> tuple[bool, str]:
 
 def _jax_pallas_gpu(q, k, v):
     """JAX's own GPU Pallas flash attention ([B, T, H, D] layout, no GQA: K/V repeated)."""
-
     G = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
     return jax_gpu_attention.mha(q, k, v, segment_ids=None, causal=True, sm_scale=1.0 / np.sqrt(q.shape[-1]))

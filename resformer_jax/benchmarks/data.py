@@ -15,7 +15,6 @@ from resformer_jax.resolve import check
 def bench_data(cfg, steps: int, step_tokens_per_s: float = 0.0) -> dict:
     """The training iterator (mixture, this host's slice, grain threads and prefetch) as training reads it:
     batches per second after a warm-up, against the tokens per second the train step consumes."""
-
     check(cfg)
     it = train_iterator(cfg, jax.process_index(), jax.process_count())
     for _ in range(3):  # threads started, prefetch buffer filled

@@ -151,7 +151,6 @@ def measure_copy_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes/s this device reads and writes in an elementwise pass (x + 1 over n_bytes of fp32, in place), best of
     repeats. In place: a fresh output would be paid in the operating system's first touch of its pages (on a
     2-core CPU that measured 5 GB/s against 32 GB/s in place) and flatter every fraction measured against it."""
-
     f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
     x = f(jnp.ones((n_bytes // 4,), jnp.float32))
     x.block_until_ready()
@@ -169,7 +168,6 @@ def measure_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     (XLA:CPU's speed depends on which emitter takes a reduction's shape: 17 to 27 GB/s on 2 cores for the same
     bytes): what a step that only reads (a decode step's weights and cache) can reach. On a 2-core CPU it measured
     25-30 GB/s beside a copy's 40 GB/s read and written: a read-only step reaches about 0.7 of the copy figure."""
-
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     best = 0.0
     for form in (jnp.sum, lambda a: a.reshape(-1, 8).sum(0), lambda a: a.reshape(-1, 1024).sum(1)):
@@ -199,7 +197,6 @@ def bench_decode_matrix(
     and the cache each variant holds a token. Every request decodes as `sampling` says (greedy by default).
     prefill=False: the prompts' pages taken, not computed (steady_decode). Rows are yielded as each (batch,
     context) finishes, and each phase's seconds logged, so a run cut short keeps what it measured."""
-
     t0 = time.perf_counter()
     bandwidth, reads = measure_copy_bandwidth(), measure_read_bandwidth()
     log(

@@ -305,7 +305,6 @@ class ProfiledStep:
 
 def profile_step(step_fn, state, tokens, hlo_text: str, profile_dir: str) -> ProfiledStep:
     """Runs one step under the profiler, writes the trace to profile_dir and returns the grouped breakdown."""
-
     os.makedirs(profile_dir, exist_ok=True)
     # No Python tracer: it records every Python call of the dispatch, which slows a small step; XLA's
     # own op events come from the host tracer.

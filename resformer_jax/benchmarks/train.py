@@ -32,7 +32,6 @@ class TrainBench:
     and its timings."""
 
     def __init__(self, cfg, attention=None, log=lambda m: print(m, file=sys.stderr), document_len: int = 0):
-
         self.log, t0 = log, time.perf_counter()
         self.setup = build(resolve(cfg, attention=attention, log=log))
         self.cfg = cfg = self.setup.cfg  # the run as it runs, typed
@@ -88,7 +87,6 @@ class TrainBench:
         )
 
     def timed_step(self):
-
         t = time.perf_counter()
         self.state, self.metrics = self.compiled(self.state, self.tokens)
         jax.block_until_ready(self.metrics)
@@ -96,7 +94,6 @@ class TrainBench:
 
     def profiled_step(self, profile_dir: str):
         """One step under the profiler (step_profile.py); its trace stays in profile_dir."""
-
         t0 = time.perf_counter()
         hlo = self.hlo = self.hlo or self.compiled.as_text()
         p = profile_step(self.compiled, self.state, self.tokens, hlo, profile_dir)
@@ -141,7 +138,6 @@ class TrainBench:
         }
 
     def report(self, peak, peak_src, peak_median=None) -> dict:
-
         cfg = self.cfg
         med = statistics.median(self.times)
         tps = cfg.train.global_batch * cfg.data.seq_len / med
@@ -238,7 +234,6 @@ def bench_train(
     document_len > 0: every variant's batches are the same packed documents of that mean length (each ended by
     the last token id); a variant with data.document_mask masks them, one without attends across them.
     """
-
     benches = [TrainBench(c, attention, document_len=document_len) for c in cfgs]
     if compile_only:
         return [b.out for b in benches]

@@ -29,7 +29,6 @@ FULL_SPLIT_ITEMS = {
 
 
 def bench_zero_shot(cfg, task_data: str, tasks: list[str], items: int, tokenizer_json: str, batch: int) -> list[dict]:
-
     check_tasks(tasks, task_data)
     tok = Tokenizer.from_file(tokenizer_json)
     m = for_backend(RunConfig.of(cfg).model)  # random parameters at the config's shapes, auto unprobed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from absl import flags
 from etils import epath
@@ -54,16 +55,20 @@ flags.DEFINE_string("out", None, "Output folder (default: FIRST_RUN/analysis).")
 FLAGS = flags.FLAGS
 
 
-def _save(fig, path):
-    """A finished figure as PNG at `path` (local or object storage), closed; returns the path. Layer and
-    eigenvalue axes are counts: integer ticks."""
+def _save(ax, path, xlabel: str, title: str):
+    """A finished plot as PNG at `path` (local or object storage), closed; returns the path. Layer and eigenvalue
+    axes are counts: integer ticks."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     from resformer_jax.storage import save_figure
 
-    for ax in fig.axes:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend()
+    fig = ax.figure
+    for each in fig.axes:
+        each.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -76,6 +81,7 @@ def plot(results: list[dict], out: epath.Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    axes = lambda: plt.subplots(figsize=(5, 3.5))[1]
     files = []
     titles = {
         "entropy": "entropy of token importance (Eq. 11)",
@@ -85,45 +91,30 @@ def plot(results: list[dict], out: epath.Path) -> list[str]:
         "hidden_norm": "mean hidden-state norm",
     }
     for key, title in titles.items():
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax = axes()
         for r in results:
-            y = r["layers"][key]
-            ax.plot(
-                range(1, len(y) + 1),
-                y,
-                marker="o",
-                label=f"{r['variant']} ({os.path.basename(str(r['workdir']).rstrip('/'))})",
-            )
-        ax.set_xlabel("layer")
-        ax.set_title(title)
-        ax.legend()
-        files.append(_save(fig, out / f"{key}.png"))
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+            y, run = r["layers"][key], os.path.basename(str(r["workdir"]).rstrip("/"))
+            ax.plot(range(1, len(y) + 1), y, marker="o", label=f"{r['variant']} ({run})")
+        files.append(_save(ax, out / f"{key}.png", "layer", title))
+    ax = axes()
     for r in results:
         for key, label in (("fig3_eq3_vs_eq2", "Eq. 3"), ("fig3_eq6_vs_eq2", "Eq. 6")):
             y = r["layers"][key]
             ax.plot(range(2, len(y) + 1), y[1:], marker="o", label=f"{label}, {r['variant']}")
-    ax.set_xlabel("layer")
-    ax.set_title("cosine similarity to Eq. 2's output (Fig. 3)")
-    ax.legend()
-    files.append(_save(fig, out / "fig3_mapping_similarity.png"))
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    title = "cosine similarity to Eq. 2's output (Fig. 3)"
+    files.append(_save(ax, out / "fig3_mapping_similarity.png", "layer", title))
+    ax = axes()
     for r in results:
         for n in (0, len(r["layers"]["spectrum"]) - 1):
             ev = r["layers"]["spectrum"][n]
             ax.semilogy(range(1, len(ev) + 1), [max(e, 1e-12) for e in ev], label=f"{r['variant']} layer {n + 1}")
-    ax.set_xlabel("eigenvalue index")
-    ax.set_title("value eigen-spectrum (Eq. 12)")
-    ax.legend()
-    files.append(_save(fig, out / "spectrum.png"))
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    files.append(_save(ax, out / "spectrum.png", "eigenvalue index", "value eigen-spectrum (Eq. 12)"))
+    ax = axes()
     for r in results:
         y = r["layers"]["largest_eigenvalue"]
         ax.plot(range(1, len(y) + 1), y, marker="o", label=r["variant"])
-    ax.set_xlabel("layer")
-    ax.set_title("largest eigenvalue of the values' second moment (Fig. 9 right)")
-    ax.legend()
-    files.append(_save(fig, out / "largest_eigenvalue.png"))
+    title = "largest eigenvalue of the values' second moment (Fig. 9 right)"
+    files.append(_save(ax, out / "largest_eigenvalue.png", "layer", title))
     return files
 
 
@@ -145,26 +136,10 @@ def main(argv):
             raise HFError("give --workdir=RUN (or --hf_model=DIR) to analyse")
         from resformer_jax.analysis.per_layer import analyze_run
 
-        results = [
-            analyze_run(w, FLAGS.step, FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value)
-            for w in FLAGS.workdir
-        ]
-        results += [
-            analyze_run(
-                None,
-                None,
-                FLAGS.data,
-                FLAGS.num_sequences,
-                FLAGS.batch,
-                FLAGS.split,
-                FLAGS.value,
-                hf_model=h,
-                text_file=FLAGS.text_file,
-                seq_len=FLAGS.seq_len,
-                text_unit=FLAGS.text_unit,
-            )
-            for h in FLAGS.hf_model
-        ]
+        shared = (FLAGS.data, FLAGS.num_sequences, FLAGS.batch, FLAGS.split, FLAGS.value)
+        results = [analyze_run(w, FLAGS.step, *shared) for w in FLAGS.workdir]
+        text: dict[str, Any] = dict(text_file=FLAGS.text_file, seq_len=FLAGS.seq_len, text_unit=FLAGS.text_unit)
+        results += [analyze_run(None, None, *shared, hf_model=h, **text) for h in FLAGS.hf_model]
     with cli.exit_on_user_error():
         # Without --out, every analysed run gets the overlay in its own analysis/ folder (not the first one only).
         outs = (
@@ -191,7 +166,6 @@ def main(argv):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     run_app(main, sys.modules[__name__])

@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Any
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -224,16 +225,8 @@ def run_train(modes: list[str]) -> list[dict]:
     cfgs = _variants(modes, FLAGS.compare_dtypes.split(",") if FLAGS.compare_dtypes else [FLAGS.config.model.dtype])
     # `auto` is probed once, at the first variant's shapes, and used by every variant.
     attention = resolve_attention(cfgs[0], batch=1, log=lambda m: print(m, file=sys.stderr))
-    return bench_train(
-        cfgs,
-        FLAGS.steps,
-        FLAGS.compile_only,
-        FLAGS.interleave,
-        attention,
-        FLAGS.profile_dir,
-        FLAGS.profile_steps,
-        document_len=FLAGS.documents,
-    )
+    timing = (FLAGS.steps, FLAGS.compile_only, FLAGS.interleave, attention, FLAGS.profile_dir, FLAGS.profile_steps)
+    return bench_train(cfgs, *timing, document_len=FLAGS.documents)
 
 
 def run_decode(modes: list[str]) -> list[dict]:
@@ -251,36 +244,19 @@ def run_decode(modes: list[str]) -> list[dict]:
             raise cli.ConfigFlagError(
                 f"--matrix={FLAGS.matrix!r}: expected BATCHES:CONTEXTS, e.g. 1,16:512,2048"
             ) from None
-        rows = bench_decode_matrix(
-            models,
-            batches,
-            contexts,
-            FLAGS.new_tokens,
-            FLAGS.rounds,
-            prefill=FLAGS.prefill,
-            decode_steps=FLAGS.decode_steps,
-            sampling=sampling,
-        )
-        for r in rows:
+        how = dict(prefill=FLAGS.prefill, decode_steps=FLAGS.decode_steps, sampling=sampling)
+        for r in bench_decode_matrix(models, batches, contexts, FLAGS.new_tokens, FLAGS.rounds, **how):
             print(json.dumps(r), flush=True)  # each row as it is measured
         return []
     if FLAGS.stream:
         from resformer_jax.benchmarks.decode import bench_decode_stream
 
-        for r in bench_decode_stream(
-            models,
-            FLAGS.cache_gib,
-            FLAGS.stream,
-            FLAGS.rate,
-            FLAGS.context,
-            FLAGS.new_tokens,
-            decode_steps=FLAGS.decode_steps,
-            sampling=sampling,
-            shared_prefixes=FLAGS.shared_prefixes,
-            prefix_len=FLAGS.prefix_len,
-            prefix_cache=FLAGS.prefix_cache,
-            prompt_min=FLAGS.prompt_min,
-        ):
+        load = (FLAGS.cache_gib, FLAGS.stream, FLAGS.rate, FLAGS.context, FLAGS.new_tokens)
+        stream: dict[str, Any] = dict(decode_steps=FLAGS.decode_steps, sampling=sampling, prompt_min=FLAGS.prompt_min)
+        stream.update(
+            shared_prefixes=FLAGS.shared_prefixes, prefix_len=FLAGS.prefix_len, prefix_cache=FLAGS.prefix_cache
+        )
+        for r in bench_decode_stream(models, *load, **stream):
             print(json.dumps(r))
         return []
     return [bench_decode(m, FLAGS.context, FLAGS.new_tokens, FLAGS.batch, sampling) for m in models]
@@ -329,14 +305,8 @@ def run_zero_shot(modes: list[str]) -> list[dict]:
         )
     if FLAGS.items < 1:
         raise cli.ConfigFlagError(f"--items={FLAGS.items}: must be at least 1")
-    return bench_zero_shot(
-        FLAGS.config,
-        FLAGS.task_data,
-        [t for t in FLAGS.tasks.split(",") if t],
-        FLAGS.items,
-        FLAGS.tokenizer,
-        FLAGS.score_batch,
-    )
+    tasks = [t for t in FLAGS.tasks.split(",") if t]
+    return bench_zero_shot(FLAGS.config, FLAGS.task_data, tasks, FLAGS.items, FLAGS.tokenizer, FLAGS.score_batch)
 
 
 def run_accelerator(modes: list[str]) -> list[dict]:
@@ -347,7 +317,6 @@ def run_accelerator(modes: list[str]) -> list[dict]:
 
 
 def run_serve(modes: list[str]) -> list[dict]:
-
     missing = [m for m in ("httpx", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise cli.ConfigFlagError(f"bench serve needs {', '.join(missing)}; install it: pip install -e '.[serve]'")
@@ -467,7 +436,6 @@ def main(argv):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     cli.check_config_flags(sys.argv)

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from typing import NoReturn
 
 from resformer_jax.errors import EXIT_USER_ERROR, UserError
 
@@ -51,6 +52,12 @@ def report_user_error(e: BaseException) -> int:
     return getattr(e, "exit_code", EXIT_USER_ERROR)
 
 
+def fail(message: str) -> NoReturn:
+    """The one line a command ends with where its input cannot work, and the exit code that says so."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
 @contextlib.contextmanager
 def exit_on_user_error():
     """Runs the block; a user error (or a file the system refuses) prints its one-line message and exits
@@ -68,7 +75,6 @@ class ConfigFlagError(UserError, ValueError):
 def load_config_file(path: str):
     """The ConfigDict a config file's get_config() returns; ConfigFlagError for a missing file, a syntax
     error, an error while it runs, or no get_config()."""
-
     arg = None
     if not os.path.isfile(path) and ":" in path and os.path.isfile(path.rsplit(":", 1)[0]):
         path, arg = path.rsplit(":", 1)  # ml_collections' FILE:ARGUMENT form, passed to get_config(ARGUMENT)
@@ -95,7 +101,6 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
     """Checks --config and every --config.a.b flag before absl parses them (absl's own errors are tracebacks
     from deep inside ml_collections): a missing or broken file, an unknown field (with the closest names),
     a value of the wrong type. Exits 2 with one line on the first problem."""
-
     from resformer_jax.config import MissingField, get_dotted
 
     path, fields = default_config, []
@@ -127,8 +132,7 @@ def check_config_flags(argv: list[str], default_config: str | None = None, name:
                 ) from None
             _check_type(f"--{name}.{field}", value, current)
     except ConfigFlagError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        fail(str(e))
 
 
 def _check_type(flag: str, value: str, current):
@@ -151,7 +155,6 @@ class _LibraryErrorFile:
     storage, which cannot append, a file per process rewritten whole (errors are rare)."""
 
     def __init__(self, workdir: str):
-
         from etils import epath
 
         from resformer_jax import storage
@@ -190,7 +193,6 @@ def divert_library_errors(workdir: str) -> _LibraryErrorFile:
     """Errors that libraries log from their own threads (orbax's asynchronous writers, asyncio) go to a file
     instead of the console, where they would bury the one line that says what happened; that line points to
     the file. Warnings stay on the console."""
-
     sink = _LibraryErrorFile(workdir)
 
     class Divert(logging.Filter):
@@ -225,7 +227,6 @@ HELP_FLAGS = ("--help", "-h", "--helpshort", "-?", "--help=true")
 def command_help(module) -> str:
     """A command's --help: its docstring, then each flag it defines with its help and default (absl's own --help
     lists only the flags of the program's __main__ module, which for `resformer COMMAND` is the dispatcher)."""
-
     from absl import flags
 
     doc = inspect.cleandoc(module.__doc__ or "")

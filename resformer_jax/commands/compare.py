@@ -97,7 +97,6 @@ def main(argv):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     run_app(lambda argv: sys.exit(main(argv)), sys.modules[__name__])

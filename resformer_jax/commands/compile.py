@@ -33,8 +33,6 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from resformer_jax.errors import EXIT_USER_ERROR
-
 config_flags.DEFINE_config_file(
     "config", None, "Config file (ml_collections get_config()), as for training.", lock_config=True
 )
@@ -66,8 +64,7 @@ def main(argv):
     from resformer_jax.commands import common
 
     if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; flags are --name=value", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        common.fail(f"unexpected arguments {argv[1:]}; flags are --name=value")
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # not common.start(): the XLA flags are the target's (cli_main)
@@ -83,24 +80,17 @@ def main(argv):
         log = lambda s: print(s, file=sys.stderr, flush=True)
         if FLAGS.tune:
             return run_tune(target, log)
-        report = compile_for_target(
-            FLAGS.config,
-            target,
-            steps=tuple(FLAGS.steps),
-            decode_batch=FLAGS.decode_batch,
-            prompt_len=FLAGS.prompt_len,
-            document_len=FLAGS.documents,
-            log=log,
-        )
+        sizes = dict(decode_batch=FLAGS.decode_batch, prompt_len=FLAGS.prompt_len, document_len=FLAGS.documents)
+        report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), log=log, **sizes)
         for line in report.lines():
             print(line, file=sys.stderr)
         print(json.dumps(report.to_json()), flush=True)
         if not report.fits:
-            print(f"error: {report.first_problem}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
+            common.fail(report.first_problem)
 
 
 def run_tune(target, log):
+    from resformer_jax.commands import common
     from resformer_jax.compilation.aot import tune
 
     results = tune(FLAGS.config, target, log=log)
@@ -113,12 +103,10 @@ def run_tune(target, log):
         print(f"{r.flags():<90}{mem:>7}{bound:>10}{mfu:>13}", file=sys.stderr)
     print(json.dumps({"target": target.name, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
     if not fitting:
-        print(
-            "error: no setting fits the target with 10% of its memory to spare; shard over more devices "
-            "(--nodes) or lower config.data.seq_len",
-            file=sys.stderr,
+        common.fail(
+            "no setting fits the target with 10% of its memory to spare; shard over more devices (--nodes) or "
+            "lower config.data.seq_len"
         )
-        sys.exit(EXIT_USER_ERROR)
     best = fitting[0]
     print(
         f"best for {target.hardware}: {best.flags()} (bound {best.bound_s * 1e3:.1f} ms, MFU ceiling "
@@ -146,7 +134,6 @@ def _target_platform(argv) -> str:
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     # The targets' devices are compile-only: JAX must not look for local accelerators (a CUDA plugin without a

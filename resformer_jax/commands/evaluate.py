@@ -26,7 +26,6 @@ FLAGS = flags.FLAGS
 
 
 def validation_table(cfg, params, data: str | None, batch: int, say=print) -> dict:
-
     import jax
     import numpy as np
 
@@ -65,7 +64,6 @@ def main(argv):
 
 
 def evaluate():
-
     from resformer_jax.commands.common import ConfigFlagError
     from resformer_jax.eval.zero_shot import check_tasks, zero_shot
     from resformer_jax.load import load_run
@@ -89,17 +87,9 @@ def evaluate():
     out_dir = run.eval_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = Writer(run.tensorboard)
+    say = lambda s: print(s, file=sys.stderr, flush=True)
     if tasks:
-        res = zero_shot(
-            cfg,
-            params,
-            FLAGS.workdir,
-            tasks,
-            FLAGS.task_data,
-            FLAGS.limit,
-            FLAGS.batch,
-            log=lambda s: print(s, file=sys.stderr, flush=True),
-        )
+        res = zero_shot(cfg, params, FLAGS.workdir, tasks, FLAGS.task_data, FLAGS.limit, FLAGS.batch, log=say)
         print(f"zero-shot accuracy at step {step} (Table 1 layout)")
         print(f"{'task':<15}{'acc':>8}{'acc_norm':>10}{'n':>6}")
         for t, r in res.items():
@@ -111,9 +101,7 @@ def evaluate():
         write_json(path, {"step": step, "tasks": res, "average_acc": avg})
         print(f"wrote {path}")
     if FLAGS.data or not tasks:
-        table = validation_table(
-            cfg, params, FLAGS.data, FLAGS.batch or 16, say=lambda m: print(m, file=sys.stderr, flush=True)
-        )
+        table = validation_table(cfg, params, FLAGS.data, FLAGS.batch or 16, say=say)
         print(f"validation loss at step {step} (Table 5 layout)")
         print("  ".join(f"{d.replace('RedPajama', ''):>12}" for d in table))
         print("  ".join(f"{v:>12.4f}" for v in table.values()))
@@ -125,7 +113,6 @@ def evaluate():
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     run_app(main, sys.modules[__name__])

@@ -42,7 +42,6 @@ def main(argv):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     run_app(main, sys.modules[__name__])

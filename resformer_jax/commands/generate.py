@@ -15,7 +15,6 @@ import time
 from absl import flags
 
 from resformer_jax.commands import common as cli
-from resformer_jax.errors import EXIT_USER_ERROR
 
 flags.DEFINE_string("workdir", None, "Run directory with checkpoints/ and tokenizer.json.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
@@ -98,55 +97,38 @@ def main(argv):
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
     if max_len > cfg.model.max_seq_len:
-        print(
-            f"error: prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
-            "lower --max_new_tokens",
-            file=sys.stderr,
+        cli.fail(
+            f"prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
+            "lower --max_new_tokens"
         )
-        sys.exit(EXIT_USER_ERROR)
     # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
     from resformer_jax.engine import Engine, SamplingParams
     from resformer_jax.engine.runner import engine_mesh
 
     with cli.exit_on_user_error():
-        engine = Engine(
-            cfg.model,
-            params,
-            cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
-            decode_steps=FLAGS.decode_steps,
-            mesh=engine_mesh(FLAGS.devices),
+        cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
+        mesh = engine_mesh(FLAGS.devices)
+        engine = Engine(cfg.model, params, cache_bytes=cache_bytes, decode_steps=FLAGS.decode_steps, mesh=mesh)
+        knobs = dict(
+            max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p
         )
         stop = (eot,) if eot is not None else ()
-        sampling = [
-            SamplingParams(
-                max_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature,
-                top_k=FLAGS.top_k,
-                top_p=FLAGS.top_p,
-                seed=FLAGS.seed + i,
-                stop_ids=stop,
-            )
-            for i in range(len(prompts))
-        ]
+        sampling = [SamplingParams(**knobs, seed=FLAGS.seed + i, stop_ids=stop) for i in range(len(prompts))]
         t0 = time.perf_counter()
         requests = engine.generate(prompts, sampling)
     seconds = time.perf_counter() - t0
     results = [r.tokens[:-1] if r.finish_reason == "stop" else r.tokens for r in requests]
-    print(
-        json.dumps(
-            {
-                "step": step,
-                "prompts": len(prompts),
-                "kv_cache_bytes": engine.cache_bytes,
-                "kv_cache_bytes_per_token": engine.bytes_per_token,
-                "most_concurrent": engine.stats.most_concurrent,
-                "generated_tokens": engine.stats.generated_tokens,
-                "decode_tokens_per_s": round(engine.stats.generated_tokens / max(seconds, 1e-9), 1),
-                "compiled_shapes": len(engine.stats.compiled_shapes),
-            }
-        ),
-        file=sys.stderr,
-    )
+    report = {
+        "step": step,
+        "prompts": len(prompts),
+        "kv_cache_bytes": engine.cache_bytes,
+        "kv_cache_bytes_per_token": engine.bytes_per_token,
+        "most_concurrent": engine.stats.most_concurrent,
+        "generated_tokens": engine.stats.generated_tokens,
+        "decode_tokens_per_s": round(engine.stats.generated_tokens / max(seconds, 1e-9), 1),
+        "compiled_shapes": len(engine.stats.compiled_shapes),
+    }
+    print(json.dumps(report), file=sys.stderr)
     for p, new in zip(prompts, results):
         if tok is not None:
             print(tok.decode(p) + tok.decode(new))
@@ -156,7 +138,6 @@ def main(argv):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     run_app(main, sys.modules[__name__])

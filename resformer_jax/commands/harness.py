@@ -14,11 +14,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from resformer_jax.errors import EXIT_USER_ERROR
-
 
 def cli_main():
-
     from resformer_jax.commands import common as cli
 
     if importlib.util.find_spec("lm_eval") is None and any(a in cli.HELP_FLAGS for a in sys.argv[1:]):
@@ -31,12 +28,7 @@ def cli_main():
     cli.start()
 
     if importlib.util.find_spec("lm_eval") is None:
-        print(
-            "error: the harness needs lm-evaluation-harness, which is not installed; install it with "
-            "pip install -e '.[lm_eval]'",
-            file=sys.stderr,
-        )
-        sys.exit(EXIT_USER_ERROR)
+        cli.fail("the harness needs lm-evaluation-harness, which is not installed; pip install -e '.[lm_eval]'")
     from lm_eval.__main__ import cli_evaluate
 
     if sys.argv[1:] in (["--help"], ["-h"]):  # this command's own words first, then lm-eval's flags

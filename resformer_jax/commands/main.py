@@ -54,19 +54,11 @@ def main(argv):
     )
     from resformer_jax.commands.training import run
 
-    sys.exit(
-        run(
-            cfg,
-            workdir,
-            coordinator_address=FLAGS.coordinator_address,
-            num_processes=FLAGS.num_processes,
-            process_id=FLAGS.process_id,
-        )
-    )
+    hosts = {k: FLAGS[k].value for k in ("coordinator_address", "num_processes", "process_id")}
+    sys.exit(run(cfg, workdir, **hosts))
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     common.check_config_flags(sys.argv, default_config=_DEMO)

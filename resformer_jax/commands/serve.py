@@ -26,14 +26,8 @@ import threading
 from absl import flags
 
 from resformer_jax.commands import common as cli
-from resformer_jax.errors import EXIT_USER_ERROR
 
-flags.DEFINE_string(
-    "workdir",
-    None,
-    "Run directory (checkpoints/, tokenizer.json), or a folder `resformer export` wrote.",
-    required=True,
-)
+flags.DEFINE_string("workdir", None, "A run directory, or a folder `resformer export` wrote.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -69,11 +63,7 @@ def main(argv):
     cli.start()
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
-        print(
-            f"error: serving needs {', '.join(missing)}, not installed; install the extra: pip install -e '.[serve]'",
-            file=sys.stderr,
-        )
-        sys.exit(EXIT_USER_ERROR)
+        cli.fail(f"serving needs {', '.join(missing)}, not installed; install the extra: pip install -e '.[serve]'")
     import uvicorn
 
     from resformer_jax.engine import Engine
@@ -87,16 +77,9 @@ def main(argv):
         template = _chat_template(FLAGS.chat_template, FLAGS.workdir)
         sock = _bind(FLAGS.host, FLAGS.port)  # before the model loads: a busy port is said at once
         model_cfg, params, step, tokenizer, trained_len = _load(FLAGS.workdir, FLAGS.step)
-        engine = Engine(
-            model_cfg,
-            params,
-            cache_bytes=FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None,
-            max_batch=FLAGS.max_batch,
-            page_size=FLAGS.page_size,
-            decode_steps=FLAGS.decode_steps,
-            mesh=engine_mesh(FLAGS.devices),
-            prefix_cache=FLAGS.prefix_cache,
-        )
+        cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
+        sizes = {k: FLAGS[k].value for k in ("max_batch", "page_size", "decode_steps", "prefix_cache")}
+        engine = Engine(model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), **sizes)
     name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
     metrics = ServeMetrics(name)
     thread = EngineThread(engine, metrics)
@@ -105,11 +88,8 @@ def main(argv):
     print(_capacity_line(name, step, engine, tokenizer, trained_len), file=sys.stderr, flush=True)
     app = make_app(thread, tokenizer, name, metrics, chat_template=template, trained_len=trained_len)
     budget = FLAGS.shutdown_budget_s
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        timeout_graceful_shutdown=budget + 3.0,  # a backstop: the requests left were ended at `budget`
-    )
+    # timeout_graceful_shutdown: a backstop, the requests left were ended at `budget`
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=budget + 3.0)
 
     class Server(uvicorn.Server):
         """uvicorn's server; its first exit signal also starts the budget, after which the requests still in flight
@@ -153,7 +133,6 @@ def _capacity_line(name: str, step, engine, tokenizer, trained_len: int | None) 
 
 
 def _check_workdir(path: str) -> None:
-
     if os.path.isfile(path):
         raise cli.ConfigFlagError(f"--workdir={path} is a file, not a directory; give a run directory or an export")
     if "://" not in path and not os.path.isdir(path):
@@ -162,7 +141,6 @@ def _check_workdir(path: str) -> None:
 
 def _bind(host: str, port: int):
     """The listening socket, bound now (uvicorn serves on it): a port in use is one line before anything loads."""
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -181,7 +159,6 @@ def _bind(host: str, port: int):
 
 def _chat_template(path: str | None, workdir: str) -> str | None:
     """--chat_template's text, or the export's tokenizer_config.json's chat_template, or None (a base model)."""
-
     if path:
         if not os.path.isfile(path):
             raise cli.ConfigFlagError(f"--chat_template={path}: no such file; give a Jinja template file")
@@ -198,7 +175,6 @@ def _chat_template(path: str | None, workdir: str) -> str | None:
 def _load(path: str, step: int | None):
     """(model config, parameters, what was loaded, tokenizer or None, the trained sequence length or None) of a run
     directory or an exported HF folder."""
-
     from tokenizers import Tokenizer
 
     from resformer_jax.rundir import RunDir
@@ -222,7 +198,6 @@ def _load(path: str, step: int | None):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     run_app(main, sys.modules[__name__])

@@ -36,10 +36,7 @@ from resformer_jax.rundir import SWEEP_MANIFEST, RunDir
 config_flags.DEFINE_config_file("config", None, "Config file of every run (ml_collections get_config()).")
 flags.DEFINE_string("workdir", None, "Sweep directory: one run directory per combination, and sweep.json.")
 flags.DEFINE_multi_string(
-    "set",
-    [],
-    "FIELD=V1,V2,... (repeatable): a config field and the values to sweep; a "
-    "tuple field's value joins its items with '+' (model.svformer_anchors=none,5,3+5+7).",
+    "set", [], "FIELD=V1,V2,... (repeatable): a field's values to sweep; tuples join items with '+' (3+5+7)."
 )
 flags.DEFINE_bool("slurm", False, "Write a SLURM array job instead of running.")
 flags.DEFINE_string("tpu_pod", None, "NAME,ZONE,ACCELERATOR: write a TPU-pod script instead of running.")
@@ -209,15 +206,8 @@ def finished_step(run_dir: str) -> int:
 
 
 def command(config_file: str, fixed: list[str], run: Run) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "resformer_jax.main",
-        f"--config={config_file}",
-        f"--workdir={run.workdir}",
-        *fixed,
-        *run.overrides(),
-    ]
+    main = [sys.executable, "-m", "resformer_jax.main", f"--config={config_file}", f"--workdir={run.workdir}"]
+    return [*main, *fixed, *run.overrides()]
 
 
 def run_locally(config_file: str, fixed: list[str], runs: list[Run], steps_of) -> int:
@@ -329,7 +319,6 @@ def main(argv):
 
 
 def cli_main():
-
     from resformer_jax.commands.common import run_app
 
     cli.check_config_flags(sys.argv)

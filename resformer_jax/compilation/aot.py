@@ -176,29 +176,18 @@ class CompileReport:
             )
             out.append(f"  --mode=summary's estimate: {gib(self.estimate['total'])} per device{ratio}")
         for s in self.steps:  # the verdict last, one line a step
-            r = s.roofline or {}
-            out.append(
-                f"verdict {s.name}: "
-                + (
-                    f"fits ({gib(s.memory.total)} of {gib(t.hbm_bytes)})"
-                    if s.fits and s.memory
-                    else ("fits" if s.fits else "DOES NOT FIT")
-                )
-                + (f"; bound {r['per_op_bound_s'] * 1e3:.1f} ms" if r.get("per_op_bound_s") else "")
-                + (f"; MFU ceiling {r['mfu_ceiling_model']:.3f}" if r.get("mfu_ceiling_model") is not None else "")
-                + (
-                    f"; {s.decode['tokens_per_s_bound']:,.0f} tokens/s bound on one device ({s.decode['rows']} "
-                    f"sequence{'s' if s.decode['rows'] != 1 else ''} at {s.decode['context_tokens']} tokens of context"
-                    + (
-                        f", run as {s.decode['rows_run']} rows"
-                        if s.decode.get("rows_run", s.decode["rows"]) != s.decode["rows"]
-                        else ""
-                    )
-                    + f", a paged cache of {gib(s.decode['kv_cache_bytes'])})"
-                    if s.decode and s.decode.get("tokens_per_s_bound")
-                    else ""
-                )
-            )
+            r, d = s.roofline or {}, s.decode or {}
+            line = f"verdict {s.name}: " + ("DOES NOT FIT" if not s.fits else "fits")
+            line += f" ({gib(s.memory.total)} of {gib(t.hbm_bytes)})" if s.fits and s.memory else ""
+            line += f"; bound {r['per_op_bound_s'] * 1e3:.1f} ms" if r.get("per_op_bound_s") else ""
+            line += f"; MFU ceiling {r['mfu_ceiling_model']:.3f}" if r.get("mfu_ceiling_model") is not None else ""
+            if d.get("tokens_per_s_bound"):
+                rows = f"{d['rows']} sequence{'s' if d['rows'] != 1 else ''}"
+                line += f"; {d['tokens_per_s_bound']:,.0f} tokens/s bound on one device ({rows} at "
+                line += f"{d['context_tokens']} tokens of context"
+                line += f", run as {d['rows_run']} rows" if d.get("rows_run", d["rows"]) != d["rows"] else ""
+                line += f", a paged cache of {gib(d['kv_cache_bytes'])})"
+            out.append(line)
         return out
 
 
@@ -252,7 +241,6 @@ def step_roofline(
     """The compiled step's roofline report on the target's chip, with the model's FLOPs per device (both
     conventions) for the MFU ceilings; where the compiler's cost_analysis() answers (libtpu), how the two agree.
     `documents`: the packing the kernels' document skipping is counted at (roofline.roofline)."""
-
     chip = chip_for(target.kind)
     if chip is None:
         return None
@@ -281,7 +269,6 @@ def step_roofline(
 
 def check_packages(platform: str):
     """AotUnavailable naming the extra where the target's compiler is not installed."""
-
     need = {"tpu": ("libtpu", "jax[tpu]"), "cuda": ("jax_cuda12_plugin", "jax[cuda12-local] and ptxas")}[platform]
     if importlib.util.find_spec(need[0]) is None:
         raise AotUnavailable(
@@ -428,11 +415,10 @@ def compile_for_target(
         if name in steps:
             batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sh)
             flops = step_model_flops(cfg, shape[0], target.num_devices, forward_only, documents)
-            out.append(
-                compile_step(
-                    name, program, (state, batch), target, cfg, log=log, model_flops=flops, documents=documents
-                )
+            step = compile_step(
+                name, program, (state, batch), target, cfg, log=log, model_flops=flops, documents=documents
             )
+            out.append(step)
     if "decode" in steps:
         out.extend(_compile_decode(setup, target, decode_batch, prompt_len, log))
     devices = cfg.mesh.num_devices or target.num_devices
@@ -603,26 +589,16 @@ def tune(
         r = step.roofline or {}
         if r.get("unknown_trip_counts"):  # a loop counted once: its bound is not comparable with the others'
             r = {}
-        res = TuneResult(
-            cand,
-            mem,
-            fits,
-            r.get("per_op_bound_s"),
-            r.get("mfu_ceiling_model"),
-            "" if fits else (step.problem or f"over {1 - TUNE_HEADROOM:.0%} of the chip's memory"),
-        )
+        problem = "" if fits else (step.problem or f"over {1 - TUNE_HEADROOM:.0%} of the chip's memory")
+        res = TuneResult(cand, mem, fits, r.get("per_op_bound_s"), r.get("mfu_ceiling_model"), problem)
         results.append(res)
-        log(
-            f"tune: {res.flags()}: "
-            + (f"{mem / 2**30:.1f} GiB, " if mem else "")
-            + (
-                f"bound {res.bound_s * 1e3:.1f} ms, MFU ceiling {res.mfu_ceiling:.3f}"
-                if res.bound_s and res.fits
-                else "fits; bound unknown (a loop of the program has no known trip count), ranked last"
-                if res.fits
-                else f"does not fit ({res.problem[:120]})"
-            )
-        )
+        if res.bound_s and res.fits:
+            verdict = f"bound {res.bound_s * 1e3:.1f} ms, MFU ceiling {res.mfu_ceiling:.3f}"
+        elif res.fits:
+            verdict = "fits; bound unknown (a loop of the program has no known trip count), ranked last"
+        else:
+            verdict = f"does not fit ({res.problem[:120]})"
+        log(f"tune: {res.flags()}: " + (f"{mem / 2**30:.1f} GiB, " if mem else "") + verdict)
         if fits:
             tried_fit[group] = tried_fit.get(group, 0) + 1
     return sorted(results, key=lambda r: (not r.fits, r.bound_s if r.bound_s is not None else float("inf")))

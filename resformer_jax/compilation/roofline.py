@@ -223,7 +223,6 @@ def kernel_flops(ins: Instr, shapes: dict[str, str], device_kind: str = "", docu
     """A Pallas kernel's FLOPs by its own formula, where the project knows the kernel: the GPU kernels by the
     pallas_call name in op_name (q [B, T, H, D], k [B, S, K, D]), splash on TPU by the custom call's name
     (q [N, G, T, D], k [N, S, D]); 0 for a kernel it does not know."""
-
     known = [(n, pallas_attention, ins.op_name) for n, _ in pallas_attention.KERNEL_MATMULS] + [
         (n, tpu_attention, ins.name) for n, _ in tpu_attention.KERNEL_MATMULS
     ]

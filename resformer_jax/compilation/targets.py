@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import os
 import re
+from typing import Any
 
 from jax.experimental import topologies
 
@@ -106,20 +108,17 @@ class Target:
 
     def devices(self) -> list:
         """Compile-only devices of this hardware, in the order a real run's jax.devices() lists them."""
-
         if self.platform == "tpu":
             # libtpu asks the (absent) GCE metadata server what it runs on unless told it is not a TPU VM.
             os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
             # compile-only: no chip is opened, so two compiles at once (two commands, two test workers) may each
             # load libtpu, which otherwise refuses the second through its multi-process lockfile
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+            hosts: dict[str, Any] = dict(
+                chips_per_host_bounds=self.chips_per_host_bounds, num_slices=self.num_slices, wrap=self.wrap
+            )
             topo = topologies.get_topology_desc(
-                platform="tpu",
-                topology_name=self.topology_name,
-                chip_config_name=self.chip_config,
-                chips_per_host_bounds=self.chips_per_host_bounds,
-                num_slices=self.num_slices,
-                wrap=self.wrap,
+                platform="tpu", topology_name=self.topology_name, chip_config_name=self.chip_config, **hosts
             )
         else:
             topo = topologies.get_topology_desc(
@@ -153,24 +152,13 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
         assert model is not None
         if not 1 <= per_node <= 8:
             raise TargetError(f"{name}: {per_node} GPUs a node; an NVLink node has 1 to 8 (use --nodes for more)")
-        t = Target(
-            name,
-            "cuda",
-            model.kind,
-            per_node * nodes,
-            0,
-            "",
-            spec_file=model.spec_file,
-            nodes=nodes,
-            gpus_per_node=per_node,
-        )
+        layout: dict[str, Any] = dict(spec_file=model.spec_file, nodes=nodes, gpus_per_node=per_node)
+        t = Target(name, "cuda", model.kind, per_node * nodes, 0, "", **layout)
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEM_FRACTION))
         card = _gpu_memory(t.target_config())
+        source = f"{fraction:.0%} of its {card / GIB:.2f} GiB, JAX's GPU allocator default"
         return dataclasses.replace(
-            t,
-            hbm_bytes=int(card * fraction),
-            hbm_source=f"{fraction:.0%} of its {card / GIB:.2f} GiB, JAX's GPU allocator default; "
-            "XLA_PYTHON_CLIENT_MEM_FRACTION changes it",
+            t, hbm_bytes=int(card * fraction), hbm_source=f"{source}; XLA_PYTHON_CLIENT_MEM_FRACTION changes it"
         )
     if nodes != 1:
         raise TargetError(f"--nodes is for GPU targets ({name} is not one); a TPU slice's size is in its name")
@@ -199,23 +187,14 @@ def parse_target(name: str, *, nodes: int = 1, slices: int = 1) -> Target:
             dims = table[chips]
         if len(dims) != chip.dims:
             raise TargetError(f"{name}: {gen} slices are {chip.dims}-D (e.g. {gen}:{'x'.join(['2'] * chip.dims)})")
-        count = 1
-        for d in dims:
-            count *= d
+        count = math.prod(dims)
         bounds = (1, 1, 1) if count == 1 else (2, 2, 1)
         # A 3-D slice whose sides are all multiples of 4 is a torus (wraparound links) in Cloud TPU.
         wrap = tuple(chip.dims == 3 and all(d % 4 == 0 for d in dims) for _ in range(3))
-        return Target(
-            name,
-            "tpu",
-            chip.kind,
-            count * slices,
-            chip.hbm_bytes,
-            f"{chip.kind}'s HBM per chip",
-            topology_name=f"{chip.topology_prefix}:{'x'.join(map(str, dims))}",
-            chip_config=chip.chip_config,
-            chips_per_host_bounds=bounds,
-            wrap=wrap,
-            num_slices=slices,
+        topology = f"{chip.topology_prefix}:{'x'.join(map(str, dims))}"
+        hosts: dict[str, Any] = dict(
+            chip_config=chip.chip_config, chips_per_host_bounds=bounds, wrap=wrap, num_slices=slices
         )
+        memory = (chip.hbm_bytes, f"{chip.kind}'s HBM per chip")
+        return Target(name, "tpu", chip.kind, count * slices, *memory, topology_name=topology, **hosts)
     raise TargetError(f"unknown target {name!r}; known: {KNOWN}")

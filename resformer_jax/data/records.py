@@ -155,7 +155,6 @@ class Corpus:
 
     def copy_tokenizer(self, dest):
         """Copies the corpus's tokenizer to `dest` (the run's tokenizer.json, for generate and evaluate)."""
-
         src = os.path.join(self.path, self.meta["tokenizer"]["file"])
         if os.path.isfile(src):
             dest = epath.Path(dest)

@@ -46,7 +46,6 @@ def _builder_cls():
             }
 
         def _generate_examples(self, split):
-
             src = DomainSource(self.corpus_path, self.meta, split, self.domain)
             for i in range(len(src)):
                 yield i, {"tokens": src[i]}

@@ -157,7 +157,6 @@ def from_json_line(path: str, n: int, raw: bytes, domain: str) -> tuple[str, str
 def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
     """Yields (domain, text) for every document in one file; a malformed file raises BadInputFile naming
     the file (and the line, for JSON lines)."""
-
     if path.endswith(".txt"):
         with open(path, "rb") as f:
             raw = f.read()

@@ -64,7 +64,6 @@ class ContinuationScorer:
     requests, replicated, and reads its own copy of the replicated result."""
 
     def __init__(self, model_cfg, params, max_len: int, batch: int = 0, memory_budget_gb: float = 1.0, mesh=None):
-
         self.m, self.params, self.max_len = model_cfg, params, max_len
         self.batch, self.budget = batch, memory_budget_gb * 2**30
         self.buckets = buckets(max_len)

@@ -172,7 +172,6 @@ def zero_shot(cfg, params, workdir, tasks, task_data, limit, batch=0, log=print,
     """{task: {acc, acc_norm, n}} of a run's parameters; a progress line per task (and every ~15 s of a long one)
     through `log`. `batch`: choices per forward pass (0: sized to memory). `tokenizer`: in place of the run's
     tokenizer.json; `mesh`: the parameters' mesh, when they are sharded across processes (ContinuationScorer)."""
-
     tok = tokenizer if tokenizer is not None else RunDir(workdir).tokenizer()
     if tok is None:
         raise TaskError(

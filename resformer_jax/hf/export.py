@@ -79,7 +79,6 @@ def hf_tensors(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 def hf_config(m: ModelConfig, tokenizer_meta: dict | None = None) -> dict:
     """config.json: a LlamaConfig; a value-residual model adds its fields and the auto_map of modeling_resformer.py."""
-
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -139,7 +138,6 @@ def hf_config(m: ModelConfig, tokenizer_meta: dict | None = None) -> dict:
 # config.json names it for modeling_resformer.py: V_n | V_1 | l1 V_1 + l2 V_n | SkipV1's heads | the gated lerp.
 def _exported_mix(mix) -> str | None:
     """config.json's name of a plan's value mix (its `mix` field, an equation function), or None."""
-
     names = (
         (eq.eq1_own_value, "own"),
         (eq.eq10_svformer_value, "first"),
@@ -155,7 +153,6 @@ def exported_plans(m: ModelConfig) -> dict:
     the value it attends over, and which value-embedding table it adds (-1: none). A plan this format cannot
     express (NeuTRENO, Q/K residuals, other mappings or value sources, shared Q/K, anchors, CLA) is refused by
     name: an export is exact or it stops."""
-
     owns, heads, mixes, tables = [], [], [], []
     for n in range(1, m.num_layers + 1):
         p = plan_layer(m, n)

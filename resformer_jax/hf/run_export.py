@@ -105,7 +105,6 @@ def _apply_umask(folder: str) -> None:
 
 def _write(run: RunDir, cfg, params, local: str, dtype: str) -> dict:
     """The export's files in a local folder."""
-
     tok = run.tokenizer()
     meta = None
     if tok is not None:

@@ -148,13 +148,9 @@ def _per_batch_shard(
     # V_1 split as V; (l1, l2) whole, or a gate [B, S, K] split as V
     mix_spec = None if value_mix is None else (spec, P() if value_mix[1].ndim == 1 else spec)
     rope_spec = None if rope is None else (spec, P())  # positions split as q, inv_freq whole
-    return jax.shard_map(
-        per_shard,
-        mesh=mesh,
-        in_specs=(spec, spec, spec, None if segments_BxT is None else spec, mix_spec, rope_spec),
-        out_specs=spec,
-        check_vma=False,
-    )(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope)
+    specs = (spec, spec, spec, None if segments_BxT is None else spec, mix_spec, rope_spec)
+    per_device = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
+    return per_device(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, value_mix, rope)
 
 
 def _attention_here(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, segments_BxT, value_mix, lambda_grads, rope):
@@ -169,14 +165,8 @@ def _attention_here(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, segment
         from resformer_jax.kernels.chunked_attention import chunked_attention
 
         # a loop over (batch, head) pairs on CPU, unless the batch is sharded over a mesh (chunked_attention.py)
-        return chunked_attention(
-            q_BxTxHxD,
-            k_BxSxKxD,
-            v_BxSxKxD,
-            causal=causal,
-            pairs=0 if mesh is not None and mesh.size > 1 else None,
-            segments_BxT=segments_BxT,
-        )
+        pairs = 0 if mesh is not None and mesh.size > 1 else None
+        return chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, pairs=pairs, segments_BxT=segments_BxT)
     if impl == "xla":
         return _dpa(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, "xla", segments_BxT)
     if impl == "cudnn":
@@ -191,15 +181,9 @@ def _attention_here(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal, impl, mesh, segment
     if impl == "pallas":
         from resformer_jax.kernels import pallas_attention
 
+        fused = dict(value_mix=value_mix, lambda_grads=lambda_grads, rope=rope)  # what the kernel forms as it loads
         return pallas_attention.flash_attention(
-            q_BxTxHxD,
-            k_BxSxKxD,
-            v_BxSxKxD,
-            causal=causal,
-            segments_BxT=segments_BxT,
-            value_mix=value_mix,
-            lambda_grads=lambda_grads,
-            rope=rope,
+            q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=causal, segments_BxT=segments_BxT, **fused
         )
     if impl == "splash":
         from resformer_jax.kernels import tpu_attention
@@ -283,13 +267,8 @@ def _context_parallel(q, k, v, causal, impl, mesh, batch_axes, segments_BxT):
 
         split, whole = P(batch_axes, "context"), P(batch_axes)
         args = (q, k, v) + (() if segments_BxT is None else (segments_BxT,))
-        out = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=(split, whole, whole, whole)[: len(args)],
-            out_specs=split,
-            check_vma=False,
-        )(*args)
+        specs = (split, whole, whole, whole)[: len(args)]
+        out = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)(*args)
         return on_context(out, mesh, batch_axes)
     idx = jnp.asarray(order, jnp.int32)
     mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S]: key s at or before query t in the sequence

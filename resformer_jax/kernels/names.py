@@ -34,7 +34,6 @@ def compiling_for(platform: str, device_kind: str | None = None):
 def target_device_kind() -> str:
     """The device the program being traced will run on, in words: the compile target's inside `compiling_for`,
     else this machine's first device's ('' where unknown)."""
-
     kind = _TARGET_KIND.get()
     if kind is not None or _TARGET_PLATFORM.get() is not None:
         return kind or ""
@@ -47,7 +46,6 @@ def target_device_kind() -> str:
 def target_backend() -> str:
     """The backend the program being traced will run on: the compile target inside `compiling_for`, else JAX's
     default backend ('gpu' for CUDA, as jax.default_backend() names it)."""
-
     target = _TARGET_PLATFORM.get()
     return jax.default_backend() if target is None else backend_of(target)
 

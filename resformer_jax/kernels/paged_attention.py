@@ -152,12 +152,5 @@ def paged_decode_attention(q_BxHxD, k_pool, v_pool, table_BxP, lengths_B, *, ker
     if target_backend() == "gpu":
         return call(q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B)
     # another backend (tests): the same kernel interpreted, unless the program runs on a GPU after all
-    return lax.platform_dependent(
-        q_BxHxD,
-        k_KxNxPxD,
-        v_KxNxPxD,
-        table_BxP,
-        lengths_B,
-        cuda=call,
-        default=functools.partial(call, interpret=True),
-    )
+    args = (q_BxHxD, k_KxNxPxD, v_KxNxPxD, table_BxP, lengths_B)
+    return lax.platform_dependent(*args, cuda=call, default=functools.partial(call, interpret=True))

@@ -72,14 +72,14 @@ def _forward(h_NxE, scale_E, eps, out_dtype, copy: bool = False):
     hp = _padded(h_NxE, ROWS)
     Np = hp.shape[0]
     block = pl.BlockSpec((ROWS, E), lambda i: (i, 0))
+    copied = [jax.ShapeDtypeStruct((Np, E), h_NxE.dtype)] if copy else []
     outs = gpu_pallas_call(
         functools.partial(_fwd_kernel, eps=eps),
         num_warps_=WARPS,
         grid=(Np // ROWS,),
         in_specs=[block, pl.BlockSpec((E,), lambda i: (0,))],
         out_specs=[block, pl.BlockSpec((ROWS,), lambda i: (i,))] + ([block] if copy else []),
-        out_shape=[jax.ShapeDtypeStruct((Np, E), out_dtype), jax.ShapeDtypeStruct((Np,), jnp.float32)]
-        + ([jax.ShapeDtypeStruct((Np, E), h_NxE.dtype)] if copy else []),
+        out_shape=[jax.ShapeDtypeStruct((Np, E), out_dtype), jax.ShapeDtypeStruct((Np,), jnp.float32), *copied],
         name="rms_norm_fwd",
     )(hp, scale_E)
     return tuple(o[:N] for o in outs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,6 @@ def kernel_flops(name: str, q_shape, k_shape, causal: bool = True) -> float:
     """FLOPs of one call of splash kernel `name` on q [..., G, T, D] and k [..., S, D] (as this file calls it:
     leading dims batch and kv heads, G query heads a kv head), with this file's blocks and splash's causal block
     skipping."""
-
     N, (G, T, D) = math.prod(q_shape[:-3]), q_shape[-3:]
     S = k_shape[-2]
     bq, bk = _block(T), _block(S)
@@ -61,22 +61,14 @@ def _kernel(one: splash_mask.Mask, G: int, interpret: bool, q_seq_shards: int = 
     # from one trace into another.
     T, S = one.shape
     bq, bk = _block(T // q_seq_shards), _block(S)
-    sizes = splash.BlockSizes(
-        block_q=bq,
-        block_kv=bk,
-        block_kv_compute=bk,
-        block_q_dkv=bq,
-        block_kv_dkv=bk,
-        block_kv_dkv_compute=bk,
-        block_q_dq=bq,
-        block_kv_dq=bk,
+    queries: dict[str, Any] = dict(block_q=bq, block_q_dkv=bq, block_q_dq=bq)
+    keys: dict[str, Any] = dict(
+        block_kv=bk, block_kv_compute=bk, block_kv_dkv=bk, block_kv_dkv_compute=bk, block_kv_dq=bk
     )
+    sizes = splash.BlockSizes(**queries, **keys)
+    mask = splash_mask.MultiHeadMask([one] * G)
     return splash.make_splash_mqa(
-        splash_mask.MultiHeadMask([one] * G),
-        block_sizes=sizes,
-        head_shards=1,
-        q_seq_shards=q_seq_shards,
-        interpret=interpret,
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=q_seq_shards, interpret=interpret
     )
 
 
@@ -210,10 +202,5 @@ def splash_attention_context(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, order, mesh, batch
 
     split, whole = P(batch_axes, "context"), P(batch_axes)
     args = (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD) + (() if segments_BxT is None else (segments_BxT, segments_BxT))
-    return jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(kernel_spec, split, whole, whole, split, whole)[: len(args) + 1],
-        out_specs=split,
-        check_vma=False,
-    )(compiled, *args)
+    specs = (kernel_spec, split, whole, whole, split, whole)[: len(args) + 1]
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)(compiled, *args)

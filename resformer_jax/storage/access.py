@@ -116,7 +116,6 @@ def _gcp_credentials() -> bool:
 
 def _gce_metadata_server() -> bool:
     """Whether the GCE metadata server (which supplies a VM's credentials) answers, within 1 s."""
-
     req = urllib.request.Request("http://169.254.169.254/computeMetadata/v1/", headers={"Metadata-Flavor": "Google"})
     try:
         with urllib.request.urlopen(req, timeout=1.0) as r:
@@ -141,7 +140,6 @@ def _aws_credentials() -> bool:
 
 def _reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when a TCP connection to the URL's host opens within `timeout`; else why not, in words."""
-
     u = urlparse(url if "://" in url else f"http://{url}")
     host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
     try:

@@ -48,7 +48,6 @@ def check_supported(path) -> None:
 
 
 def _importable(module: str) -> bool:
-
     if module in sys.modules:
         return sys.modules[module] is not None
     try:

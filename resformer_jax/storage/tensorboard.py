@@ -14,7 +14,6 @@ class _ObjectRecordWriter:
     be appended to); nothing is uploaded again after close."""
 
     def __init__(self, path: str):
-
         self.path, self.buffer, self.dirty, self.closed = epath.Path(path), io.BytesIO(), False, False
 
     def write(self, data: bytes):
