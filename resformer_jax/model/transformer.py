@@ -256,15 +256,9 @@ class Transformer(nn.Module):
             h_BxTxE = kernels.on_context(h_BxTxE, self.mesh)
         if m.value_embeddings:  # one lookup a table, [B, T, K, D], read by the layers that add it to their value
             K, D = m.kv_heads, m.head_dim
-            ctx = dataclasses.replace(
-                ctx,
-                value_embeds=tuple(
-                    Embed(m.vocab_size, K * D, m.init_std, dtype, name=f"value_embed_{j}")(tokens_BxT).reshape(
-                        B, T, K, D
-                    )
-                    for j in range(m.value_embeddings)
-                ),
-            )
+            table = lambda j: Embed(m.vocab_size, K * D, m.init_std, dtype, name=f"value_embed_{j}")
+            tables = tuple(table(j)(tokens_BxT).reshape(B, T, K, D) for j in range(m.value_embeddings))
+            ctx = dataclasses.replace(ctx, value_embeds=tables)
         if self.capture:
             self.sow("intermediates", "embedding_output", h_BxTxE)
         lams_Mx2 = stack_lambdas(self, m)  # M = num_layers - 1: (l1, l2) of each layer after the first
