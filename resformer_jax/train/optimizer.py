@@ -48,13 +48,8 @@ def lr_schedule(t):
     schedule = t.schedule
     final = t.peak_lr * t.final_lr_ratio
     if schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(
-            init_value=t.init_lr,
-            peak_value=t.peak_lr,
-            warmup_steps=t.warmup_steps,
-            decay_steps=t.steps,
-            end_value=final,
-        )
+        ramp = dict(init_value=t.init_lr, peak_value=t.peak_lr, warmup_steps=t.warmup_steps)
+        return optax.warmup_cosine_decay_schedule(**ramp, decay_steps=t.steps, end_value=final)
     if schedule == "constant":
         return optax.join_schedules(
             [optax.linear_schedule(t.init_lr, t.peak_lr, t.warmup_steps), optax.constant_schedule(t.peak_lr)],
@@ -75,14 +70,8 @@ def lr_schedule(t):
             frac = 1.0 - jnp.sqrt(progress)
         return final + (t.peak_lr - final) * frac
 
-    return optax.join_schedules(
-        [
-            optax.linear_schedule(t.init_lr, t.peak_lr, warmup),
-            optax.constant_schedule(t.peak_lr),
-            decay,
-        ],
-        [warmup, start],
-    )
+    phases = [optax.linear_schedule(t.init_lr, t.peak_lr, warmup), optax.constant_schedule(t.peak_lr), decay]
+    return optax.join_schedules(phases, [warmup, start])
 
 
 def decay_mask(params):
