@@ -78,12 +78,7 @@ def check_compatible(meta: dict, seq_len: int, vocab_size: int, tokenizer_hash: 
             f"config.model.vocab_size={vocab_size}; set "
             f"--config.model.vocab_size={meta['tokenizer']['vocab_size']} or use a matching tokenizer"
         )
-    if tokenizer_hash and tokenizer_hash != meta["tokenizer"]["sha256"]:
-        raise DataError(
-            f"{path}: tokenizer sha256 {meta['tokenizer']['sha256'][:12]}… differs from "
-            f"{tokenizer_hash[:12]}… that this run started with; use the data prepared with the "
-            "run's tokenizer, or start a new workdir"
-        )
+    Corpus(path, meta).check_tokenizer(tokenizer_hash)
 
 
 class DomainSource(grain.sources.RandomAccessDataSource):
