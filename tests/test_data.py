@@ -198,6 +198,7 @@ def test_txt_jsonl_parquet_and_trained_tokenizer(tmp_path):
     assert code.returncode == 0, code.stderr
     meta = load_metadata(out)
     assert meta["tokenizer"]["spec"] == "train:300" and os.path.isfile(os.path.join(out, "tokenizer.json"))
+    assert meta["command"].startswith("python -m data_prep.prepare --input "), meta["command"]
     assert meta["tokenizer"]["vocab_size"] <= 300
     sp = meta["splits"]
     assert sp["train"]["RedPajamaC4"]["documents"] == 20
@@ -265,11 +266,12 @@ def test_bad_data_stops_with_clear_messages(slimpajama, tmp_path):
         check_compatible(meta, SEQ, 50277, "0" * 64, out)
     with pytest.raises(PrepareError, match="does not exist"):
         prepare([str(tmp_path / "missing")], "train:300", str(tmp_path / "o"), quiet=True)
-    r = subprocess.run(
+    r = subprocess.run(  # `resformer prepare`: the same command by its name
         [
             sys.executable,
             "-m",
-            "data_prep.prepare",
+            "resformer_jax",
+            "prepare",
             "--input",
             str(tmp_path / "missing"),
             "--tokenizer",

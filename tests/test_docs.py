@@ -50,6 +50,8 @@ def entry(tokens: list[str]) -> tuple[str, list[str]] | None:
     if not tokens:
         return None
     head = os.path.basename(tokens[0])
+    if head == "resformer" and tokens[1] == "prepare":  # data_prep.prepare by its command name: argparse's flags
+        return "data_prep.prepare", tokens[2:]
     if head == "resformer":
         return "commands." + modules.get(tokens[1], "UNKNOWN:" + tokens[1]), tokens[2:]
     if head.startswith("python") and tokens[1:2] == ["-m"]:

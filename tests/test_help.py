@@ -15,6 +15,9 @@ COMMANDS_DIR = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax" / "
 def defined_flags(module_name: str) -> list[str]:
     """The flags a command module defines, read from its source (importing every command in one process would
     define --workdir twice)."""
+    if module_name == "prepare":  # argparse's options, in the library's data_prep/prepare.py
+        source = (COMMANDS_DIR.parent / "data_prep" / "prepare.py").read_text()
+        return re.findall(r"add_argument\(\s*\"--(\w+)\"", source)
     source = (COMMANDS_DIR / f"{module_name}.py").read_text()
     return re.findall(r"\bDEFINE_\w+\(\s*\"(\w+)\"", source)
 

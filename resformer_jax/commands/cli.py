@@ -8,6 +8,7 @@ from resformer_jax.errors import EXIT_USER_ERROR
 
 # (command, module under resformer_jax.commands, what it does)
 COMMANDS = (
+    ("prepare", "prepare", "raw text tokenized and packed into ArrayRecord shards (= python -m data_prep.prepare)"),
     ("train", "main", "pretrain, resume, or print a config's summary (python -m resformer_jax.main is the same)"),
     ("evaluate", "evaluate", "validation loss per domain, zero-shot multiple choice"),
     ("generate", "generate", "sample from a run with the KV-cache decode"),

@@ -268,8 +268,8 @@ def _finish(out, job: PrepareJob, stats, tok_path, vocab, eot, skipped, log, wri
     return meta
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m data_prep.prepare", description=__doc__.split("\n")[0])
+def main(argv=None, prog: str = "python -m data_prep.prepare"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="files or folders (.jsonl[.zst], .parquet, .txt)")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json | hub name | train:VOCAB_SIZE")
     p.add_argument("--out", required=True)
@@ -326,7 +326,7 @@ def main(argv=None):
             a.out,
             workers=a.workers,
             budgets=budgets,
-            command=" ".join(["python -m data_prep.prepare"] + sys.argv[1:]),
+            command=" ".join([prog, *(sys.argv[1:] if argv is None else argv)]),
             **{f: getattr(a, f) for f in fields.split()},
         )
     except (PrepareError, ValueError) as e:
