@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resformer_jax import storage
-from resformer_jax.errors import UserError
+from resformer_jax.errors import UserError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class Checkpointer:
                 state, config, progress = self.restore(step, abstract_state)
             except Exception as e:
                 path = self.dir / str(step)
-                reason = failure_reason(e)
+                reason = one_line(e, 10_000)
                 warn(
                     f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
                     "moving it to checkpoints_damaged/ and trying the previous one"
@@ -333,12 +333,6 @@ class Checkpointer:
     def close(self):
         self.mngr.wait_until_finished()
         self.mngr.close()
-
-
-def failure_reason(e: BaseException) -> str:
-    """Why a checkpoint does not restore, in one line: the exception's type and its first line."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> dict:

@@ -11,8 +11,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from resformer_jax.checkpoint import CheckpointError, failure_reason
+from resformer_jax.checkpoint import CheckpointError
 from resformer_jax.config import RunConfig, with_defaults
+from resformer_jax.errors import one_line
 from resformer_jax.resolve import model_config, resolve_attention
 from resformer_jax.rundir import RunDir
 
@@ -81,7 +82,7 @@ def load_run(
                 with _library_reports_held():
                     params = ck.restore_params(candidate)
             except Exception as e:
-                failures.append((candidate, failure_reason(e)[:300]))
+                failures.append((candidate, one_line(e)))
                 continue
             if failures:
                 warn(

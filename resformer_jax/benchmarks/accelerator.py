@@ -22,6 +22,7 @@ from resformer_jax.benchmarks.decode import bench_decode_matrix
 from resformer_jax.benchmarks.timing import median_seconds
 from resformer_jax.benchmarks.train import TrainBench
 from resformer_jax.config import RunConfig, paper_config, tiny_config
+from resformer_jax.errors import one_line
 from resformer_jax.kernels import probe
 from resformer_jax.train.setup import AttentionChoice
 
@@ -175,7 +176,7 @@ def _section(report: dict, name: str, save, fn) -> None:
     try:
         report[name] = fn()
     except Exception as e:
-        report[name] = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        report[name] = {"status": f"failed: {one_line(e)}"}
     report["seconds"][name] = round(time.perf_counter() - t0, 1)
     save(report)
 
@@ -218,7 +219,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
                 else:
                     row["status"] = f"correctness checked interpreted; speed not applicable: {why}"
             except Exception as e:
-                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                row["status"] = f"failed: {one_line(e)}"
             rows.append(row)
             log(f"attention {impl:>15}: {row['status']}")
         return {"check_shape": check_shape, "speed_shape": speed_shape, "rows": rows}
@@ -241,7 +242,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
                 row["fwd_bwd_ms_bf16"] = round(1e3 * median_seconds(run, *bf16), 4)
                 row["status"] = "ok" if backend == "gpu" or impl == "xla" else "interpreted: not a GPU's speed"
             except Exception as e:
-                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                row["status"] = f"failed: {one_line(e)}"
             rows.append(row)
             log(f"norm {impl:>6}: {row['status']}, {row.get('fwd_bwd_ms_bf16')} ms forward + backward")
         return {"rows_x_d_model": [N, E], "rows": rows}
@@ -279,7 +280,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
             try:
                 steps.append(train_step(cfg.copy_and_resolve_references(), impl, train_steps, peak, log))
             except Exception as e:
-                steps.append({"impl": impl, "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+                steps.append({"impl": impl, "status": f"failed: {one_line(e)}"})
             log(f"train step {impl:>8}: {steps[-1]}")
             report["train"] = {"steps": steps, "status": "running"}
             save(report)

@@ -15,7 +15,7 @@ import grain
 import numpy as np
 from etils import epath
 
-from resformer_jax.errors import UserError
+from resformer_jax.errors import UserError, one_line
 
 
 class DataError(UserError):
@@ -97,8 +97,7 @@ class DomainSource(grain.sources.RandomAccessDataSource):
             self.n = len(self._src)
         except Exception as e:
             raise DataError(
-                f"a shard of {split}/{domain} in {path} does not open ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); it is truncated or "
+                f"a shard of {split}/{domain} in {path} does not open ({one_line(e, 10_000)}); it is truncated or "
                 "damaged: prepare the data again"
             ) from None
         self.dtype = np.dtype(meta["dtype"])

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import resformer_jax.kernels as kernels
+from resformer_jax.errors import one_line
 from resformer_jax.kernels.names import auto_candidates
 
 
@@ -40,7 +41,7 @@ def probe_norm(rows: int, d_model: int, dtype, log_fn=print, repeats: int = 3, c
         try:
             jax.block_until_ready(step(h, scale, cotangents))  # compiles
         except Exception as e:
-            failed = f"; the kernels failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+            failed = f"; the kernels failed ({one_line(e, 200)})"
             continue
         best = float("inf")
         for _ in range(repeats):
@@ -98,7 +99,7 @@ def probe_auto(
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
             jax.block_until_ready(step(q, kv, kv, kv))  # compiles
         except Exception as e:
-            rejected[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rejected[impl] = one_line(e, 200)
             continue
         if not timed:
             seconds[impl] = 0.0

@@ -12,12 +12,11 @@ from resformer_jax.checkpoint import (
     CheckpointError,
     checkpoint_history,
     config_diff,
-    failure_reason,
     no_fresh_start,
     params_layout,
 )
 from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, with_defaults
-from resformer_jax.errors import UserError
+from resformer_jax.errors import UserError, one_line
 from resformer_jax.resolve import fork_point
 from resformer_jax.rundir import RunDir
 from resformer_jax.storage import is_remote
@@ -174,7 +173,7 @@ class Resume:
             except Exception as e:  # a damaged source is the user's to choose around: nothing here is moved
                 raise CheckpointError(
                     f"train.init_from: the checkpoint at step {step} in {src.dir} does not restore "
-                    f"({failure_reason(e)}); fork from another step (available: {src.all_steps()})"
+                    f"({one_line(e, 10_000)}); fork from another step (available: {src.all_steps()})"
                 ) from None
             src.restore_data(step, data, self.warn)
         finally:
