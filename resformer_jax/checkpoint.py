@@ -334,6 +334,12 @@ class Checkpointer:
         self.mngr.wait_until_finished()
         self.mngr.close()
 
+    def __enter__(self):  # a reader's: `with run.checkpointer(read_only=True) as ck:` closes its manager after
+        return self
+
+    def __exit__(self, *exc_info):
+        self.mngr.close()
+
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> dict:
     """Flattened {field: (old, new)} for fields that differ."""

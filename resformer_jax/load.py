@@ -66,8 +66,7 @@ def load_run(
             f"run directory {workdir} {what}; check --workdir (train first with "
             f"python -m resformer_jax.main --workdir={workdir})"
         )
-    ck = run.checkpointer(read_only=True)
-    try:
+    with run.checkpointer(read_only=True) as ck:
         steps = ck.all_steps()
         if not steps:
             raise CheckpointError(
@@ -103,8 +102,6 @@ def load_run(
                 f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
                 "restore the run directory from a copy"
             )
-    finally:
-        ck.mngr.close()
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
     # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
     return LoadedRun(cfg.replace(model=model_config(cfg, choice)), params, step)

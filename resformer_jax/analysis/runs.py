@@ -91,11 +91,11 @@ def read_run(run: str):
         if not isinstance(config, dict):
             raise RunsError(f"{rd.config_json} does not hold a config object; restore it or leave the run out")
     else:  # runs from before config.json: the checkpoint's copy
-        ck = rd.checkpointer(read_only=True)
-        steps = ck.all_steps()
-        if not steps:
-            raise RunsError(f"{run}: neither config.json nor a checkpoint to read its config from")
-        config = ck.read_config(steps[-1])
+        with rd.checkpointer(read_only=True) as ck:  # closed after: compare reads many runs in one process
+            steps = ck.all_steps()
+            if not steps:
+                raise RunsError(f"{run}: neither config.json nor a checkpoint to read its config from")
+            config = ck.read_config(steps[-1])
     # as the run ran, with fields added since it was saved at their defaults (a run from before a field existed
     # does not differ from a newer one that leaves it at its default)
     return RunCurves(run_name(run), with_defaults(config), train, evals)

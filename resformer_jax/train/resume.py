@@ -57,25 +57,20 @@ class Resume:
     def restores(self, setup: TrainSetup, step: int) -> bool:
         """Whether the checkpoint at `step` restores with every array's fingerprint intact (a damaged one is left
         to the normal path, which sets it aside and resumes from the one before)."""
-        ck = self.run.checkpointer(read_only=True)
-        try:
-            ck.restore(step, setup.abstract_state)
-            return True
-        except Exception:
-            return False
-        finally:
-            ck.mngr.close()
+        with self.run.checkpointer(read_only=True) as ck:
+            try:
+                ck.restore(step, setup.abstract_state)
+                return True
+            except Exception:
+                return False
 
     def check_workdir_model(self, cfg, corpus):
         """The run directory's model against this config, every differing field in one line, before the probe and
         the compile (a resumed run cannot change the model)."""
         if not self.run.checkpoints.is_dir():
             return
-        ck = self.run.checkpointer(read_only=True)
-        try:
+        with self.run.checkpointer(read_only=True) as ck:
             newest = ck.newest_config()
-        finally:
-            ck.mngr.close()
         if newest is not None:
             self.check_resumed_config(newest[1], cfg, corpus, quiet=True)
 
@@ -152,22 +147,18 @@ class Resume:
         source = RunDir(run)
         if not source.checkpoints.is_dir():
             raise CheckpointError(f"train.init_from: run directory {run} has no checkpoints; check the path")
-        src = source.checkpointer(read_only=True)
-        try:
+        with source.checkpointer(read_only=True) as src:
             steps = src.all_steps()
             if step not in steps:
                 raise CheckpointError(f"train.init_from: no checkpoint at step {step} in {src.dir}; available: {steps}")
             self.check_resumed_config(src.read_config(step), cfg, corpus, quiet=True)
-        finally:
-            src.mngr.close()
 
     def fork(self, cfg, setup: TrainSetup, data, corpus) -> tuple[Any, int, dict]:
         """A new run from another run's checkpoint (train.init_from=RUN:STEP): its parameters, optimizer state and
         data position at STEP; the WSD decay starts there (set before the build, `forked`)."""
         run, step = parse_init_from(cfg.train.init_from)
         assert step is not None  # config.validate requires RUN:STEP
-        src = RunDir(run).checkpointer(read_only=True)
-        try:
+        with RunDir(run).checkpointer(read_only=True) as src:
             try:
                 state, _, progress = src.restore(step, setup.abstract_state)
             except Exception as e:  # a damaged source is the user's to choose around: nothing here is moved
@@ -176,7 +167,5 @@ class Resume:
                     f"({one_line(e, 10_000)}); fork from another step (available: {src.all_steps()})"
                 ) from None
             src.restore_data(step, data, self.warn)
-        finally:
-            src.mngr.close()
         self.say(f"forked from {run} at step {step}: its parameters, optimizer state and data position")
         return state, step, progress
