@@ -298,7 +298,7 @@ class Checkpointer:
                 state, config, progress = self.restore(step, abstract_state)
             except Exception as e:
                 path = self.dir / str(step)
-                reason = one_line(e, 10_000)
+                reason = one_line(e)
                 warn(
                     f"WARNING: checkpoint at step {step} ({path}) does not restore ({reason}); "
                     "moving it to checkpoints_damaged/ and trying the previous one"
@@ -334,11 +334,11 @@ class Checkpointer:
         self.mngr.wait_until_finished()
         self.mngr.close()
 
-    def __enter__(self):  # a reader's: `with run.checkpointer(read_only=True) as ck:` closes its manager after
+    def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info):
-        self.mngr.close()
+    def __exit__(self, *exc_info):  # `with run.checkpointer(read_only=True) as ck:` closes it after the block
+        self.close()
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> dict:

@@ -22,7 +22,7 @@ class ConfigError(UserError, ValueError):
     """An impossible or inconsistent config; the message names field and fix."""
 
 
-def one_line(e: BaseException, limit: int = 300) -> str:
+def one_line(e: BaseException, limit: int | None = None) -> str:
     """An exception in one line, as messages quote it: its type and its message's first line (cut at `limit`)."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"

@@ -81,7 +81,7 @@ def load_run(
                 with _library_reports_held():
                     params = ck.restore_params(candidate)
             except Exception as e:
-                failures.append((candidate, one_line(e)))
+                failures.append((candidate, one_line(e, 300)))
                 continue
             if failures:
                 warn(

@@ -176,7 +176,7 @@ def _section(report: dict, name: str, save, fn) -> None:
     try:
         report[name] = fn()
     except Exception as e:
-        report[name] = {"status": f"failed: {one_line(e)}"}
+        report[name] = {"status": f"failed: {one_line(e, 300)}"}
     report["seconds"][name] = round(time.perf_counter() - t0, 1)
     save(report)
 
@@ -219,7 +219,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
                 else:
                     row["status"] = f"correctness checked interpreted; speed not applicable: {why}"
             except Exception as e:
-                row["status"] = f"failed: {one_line(e)}"
+                row["status"] = f"failed: {one_line(e, 300)}"
             rows.append(row)
             log(f"attention {impl:>15}: {row['status']}")
         return {"check_shape": check_shape, "speed_shape": speed_shape, "rows": rows}
@@ -242,7 +242,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
                 row["fwd_bwd_ms_bf16"] = round(1e3 * median_seconds(run, *bf16), 4)
                 row["status"] = "ok" if backend == "gpu" or impl == "xla" else "interpreted: not a GPU's speed"
             except Exception as e:
-                row["status"] = f"failed: {one_line(e)}"
+                row["status"] = f"failed: {one_line(e, 300)}"
             rows.append(row)
             log(f"norm {impl:>6}: {row['status']}, {row.get('fwd_bwd_ms_bf16')} ms forward + backward")
         return {"rows_x_d_model": [N, E], "rows": rows}
@@ -280,7 +280,7 @@ def check(log=lambda s: print(s, file=sys.stderr), train_steps: int = 3, save=la
             try:
                 steps.append(train_step(cfg.copy_and_resolve_references(), impl, train_steps, peak, log))
             except Exception as e:
-                steps.append({"impl": impl, "status": f"failed: {one_line(e)}"})
+                steps.append({"impl": impl, "status": f"failed: {one_line(e, 300)}"})
             log(f"train step {impl:>8}: {steps[-1]}")
             report["train"] = {"steps": steps, "status": "running"}
             save(report)

@@ -97,7 +97,7 @@ class DomainSource(grain.sources.RandomAccessDataSource):
             self.n = len(self._src)
         except Exception as e:
             raise DataError(
-                f"a shard of {split}/{domain} in {path} does not open ({one_line(e, 10_000)}); it is truncated or "
+                f"a shard of {split}/{domain} in {path} does not open ({one_line(e)}); it is truncated or "
                 "damaged: prepare the data again"
             ) from None
         self.dtype = np.dtype(meta["dtype"])

@@ -164,7 +164,7 @@ class Resume:
             except Exception as e:  # a damaged source is the user's to choose around: nothing here is moved
                 raise CheckpointError(
                     f"train.init_from: the checkpoint at step {step} in {src.dir} does not restore "
-                    f"({one_line(e, 10_000)}); fork from another step (available: {src.all_steps()})"
+                    f"({one_line(e)}); fork from another step (available: {src.all_steps()})"
                 ) from None
             src.restore_data(step, data, self.warn)
         self.say(f"forked from {run} at step {step}: its parameters, optimizer state and data position")
