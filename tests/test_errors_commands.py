@@ -411,6 +411,14 @@ OTHER_COMMANDS = [
         ],
         ["--tokenizer", "no such file"],
     ),
+    # What absl answers by itself (a flag it cannot parse, a usage error): one line naming it, exit 2, not absl's
+    # usage text and exit 1.
+    ("bench: no benchmark named", ["resformer_jax", "bench"], ["name a benchmark", "train,attention", "--help"]),
+    ("compare: no baseline", ["resformer_jax", "compare", "{tmp}/a"], ["--baseline is required", "compare --help"]),
+    ("train: a stray argument", ["resformer_jax.main", "stray"], ["unexpected arguments ['stray']", "train --help"]),
+    ("generate: an unknown flag", ["resformer_jax", "generate", "--workdir={tmp}", "--nope=1"], ["'nope'"]),
+    ("generate: not a number", ["resformer_jax", "generate", "--workdir={tmp}", "--max_new_tokens=x"], ["=x"]),
+    ("export: a required flag missing", ["resformer_jax", "export", "--workdir={tmp}"], ["--out", "export --help"]),
 ]
 
 

@@ -18,6 +18,8 @@ from typing import Any
 from absl import flags
 from etils import epath
 
+from resformer_jax.commands import common as cli
+
 flags.DEFINE_multi_string("workdir", [], "Run directory (give twice to overlay two runs).")
 flags.DEFINE_multi_string(
     "hf_model",
@@ -166,10 +168,4 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(main, sys.modules[__name__])

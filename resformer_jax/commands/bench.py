@@ -420,7 +420,7 @@ def print_ratios(what: str, results: list[dict], key: str):
 def main(argv):
     cli.start()
     if len(argv) < 2 or argv[1] not in BENCHMARKS:
-        raise app.UsageError(f"usage: resformer bench {{{','.join(BENCHMARKS)}}} [flags]")
+        raise app.UsageError(f"name a benchmark: resformer bench {{{','.join(BENCHMARKS)}}} [flags]")
     what = argv[1]
     runner, needs_config, key = BENCHMARKS[what]
     check_flags_belong(what, needs_config)
@@ -436,11 +436,5 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
     cli.check_config_flags(sys.argv)
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(main, sys.modules[__name__])

@@ -237,10 +237,29 @@ def command_help(module) -> str:
 
 
 def run_app(main, module) -> None:
-    """absl's app.run(main), with `--help` (and -h, --helpshort) answered from `module`'s own flags, exit 0."""
-    from absl import app
+    """absl's app.run(main), with `--help` (and -h, --helpshort) answered from `module`'s own flags, exit 0, and a
+    flag absl cannot parse or a usage error in one line with exit 2 (absl adds its usage and exits 1)."""
+    from absl import app, flags
 
     if any(a in HELP_FLAGS for a in sys.argv[1:]):
         sys.stdout.write(command_help(module))
         sys.exit(0)
-    app.run(main)
+    command = module.__name__.rsplit(".", 1)[-1].replace("main", "train")
+
+    def refuse(e: Exception):
+        print(f"error: {e}; resformer {command} --help lists its flags", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+
+    def parse_flags(argv):
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            refuse(e)
+
+    def main_or_usage_error(argv):
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            refuse(e)
+
+    app.run(main_or_usage_error, flags_parser=parse_flags)

@@ -97,10 +97,4 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
-    run_app(lambda argv: sys.exit(main(argv)), sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(lambda argv: sys.exit(main(argv)), sys.modules[__name__])

@@ -134,8 +134,6 @@ def _target_platform(argv) -> str:
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
     # The targets' devices are compile-only: JAX must not look for local accelerators (a CUDA plugin without a
     # GPU refuses to start), and the project's CPU XLA defaults must stay off the target's compiler.
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -144,8 +142,4 @@ def cli_main():
 
     runtime.configure_xla_for_target(_target_platform(sys.argv))
     common.check_config_flags(sys.argv)
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    common.run_app(main, sys.modules[__name__])

@@ -15,6 +15,8 @@ import time
 
 from absl import flags
 
+from resformer_jax.commands import common as cli
+
 flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("data", None, "Prepared corpus folder for validation loss (default: the run's own data).")
@@ -113,10 +115,4 @@ def evaluate():
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(main, sys.modules[__name__])

@@ -16,6 +16,8 @@ import sys
 
 from absl import flags
 
+from resformer_jax.commands import common as cli
+
 flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 flags.DEFINE_string("out", None, "Output folder.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
@@ -42,10 +44,4 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(main, sys.modules[__name__])

@@ -39,7 +39,3 @@ def cli_main():
 
     with cli.exit_on_user_error():  # the adapter's errors (a missing run, no tokenizer) as one line
         cli_evaluate()
-
-
-if __name__ == "__main__":
-    cli_main()

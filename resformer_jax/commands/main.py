@@ -59,11 +59,5 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
     common.check_config_flags(sys.argv, default_config=_DEMO)
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    common.run_app(main, sys.modules[__name__])

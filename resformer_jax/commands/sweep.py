@@ -319,11 +319,5 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
     cli.check_config_flags(sys.argv)
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(main, sys.modules[__name__])

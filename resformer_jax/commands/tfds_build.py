@@ -25,10 +25,4 @@ def main(argv):
 
 
 def cli_main():
-    from resformer_jax.commands.common import run_app
-
-    run_app(main, sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    cli_main()
+    cli.run_app(main, sys.modules[__name__])
