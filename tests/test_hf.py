@@ -144,6 +144,20 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     assert len(ent) == 3 and all(0 < e <= np.log(32) + 1e-9 for e in ent)
     assert len(an["layers"]["similarity"]) == 3 and os.path.getsize(tmp_path / "an" / "entropy.png") > 1000
     assert sorted(os.listdir(model)) == before, "nothing is written into the model folder"
+    # --seq_len's default (512) past this model's 256 positions: the flag named, not two config fields
+    cmd = [
+        sys.executable,
+        "-m",
+        "resformer_jax",
+        "analyze",
+        f"--hf_model={model}",
+        f"--text_file={tmp_path / 'text.txt'}",
+    ]
+    r = subprocess.run([*cmd, f"--out={tmp_path / 'an2'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: --seq_len=512 exceeds the context of {model} (256 tokens); pass --seq_len 256 or less"
+    ), r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "an2")
 
 
 EXPORT_CASES = {

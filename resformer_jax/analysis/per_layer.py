@@ -134,10 +134,15 @@ def analyze_run(
 ) -> dict:
     if hf_model:  # a pretrained Llama-family model, imported from its safetensors (resformer_jax/hf/llama_import.py)
         from resformer_jax.config import DataConfig, RunConfig
-        from resformer_jax.hf.llama_import import load_hf_llama
+        from resformer_jax.hf.llama_import import HFError, load_hf_llama
         from resformer_jax.resolve import for_backend
 
         m, params = load_hf_llama(hf_model)
+        if seq_len > m.max_seq_len:  # the flag's default (512) is longer than a small model's context
+            raise HFError(
+                f"--seq_len={seq_len} exceeds the context of {hf_model} ({m.max_seq_len} tokens); pass --seq_len "
+                f"{m.max_seq_len} or less"
+            )
         source = {"path": data, "source": "array_record"} if data else {}
         cfg = RunConfig(
             model=for_backend(m.replace(attention_impl="reference")), data=DataConfig(seq_len=seq_len, **source)
@@ -148,8 +153,6 @@ def analyze_run(
         elif text_file:
             seqs = hf_sequences(hf_model, text_file, seq_len, num_sequences, text_unit)
         else:
-            from resformer_jax.hf.llama_import import HFError
-
             raise HFError("--hf_model needs --text_file or --data to analyse")
     else:
         # The capture model needs the attention matrix itself: the reference impl, chosen through the same path.
