@@ -1,19 +1,22 @@
 """A finished run's parameters read back for inference and analysis (generate, evaluate, export, analyze, serve,
-the lm-eval adapter): `load_run`, which reads only, and names a damaged checkpoint without moving it."""
+the lm-eval adapter): `load_run`, which reads only, and names a damaged checkpoint without moving it; `load_model`,
+a run or an exported folder for the decode engine."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from resformer_jax.checkpoint import CheckpointError
-from resformer_jax.config import RunConfig, with_defaults
+from resformer_jax.config import DataConfig, RunConfig, with_defaults
 from resformer_jax.errors import one_line
+from resformer_jax.model.config import ModelConfig
 from resformer_jax.resolve import model_config, resolve_attention
 from resformer_jax.rundir import RunDir
 
@@ -102,6 +105,36 @@ def load_run(
                 f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
                 "restore the run directory from a copy"
             )
+    return LoadedRun(_for_this_machine(cfg, attention_impl, log), params, step)
+
+
+def _for_this_machine(cfg: RunConfig, attention_impl: str | None = None, log: Callable[[str], Any] = print):
+    """Readers build the model from cfg.model: the attention impl (`auto` probed) and matmul forms resolved here."""
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
-    # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
-    return LoadedRun(cfg.replace(model=model_config(cfg, choice)), params, step)
+    return cfg.replace(model=model_config(cfg, choice))
+
+
+class LoadedModel(NamedTuple):
+    model: ModelConfig
+    params: Any
+    step: int | None  # None: an export's one set of weights
+    tokenizer: Any  # a tokenizers.Tokenizer, or None (a run trained on token ids)
+    trained_len: int | None  # the sequence length the run trained at (None: an export does not say)
+
+
+def load_model(path: str, step: int | None = None, log: Callable[[str], Any] = lambda s: None) -> LoadedModel:
+    """What the decode engine runs (serve, generate, the lm-eval adapter): a run directory's checkpoint (load_run)
+    or a folder `resformer export` wrote (its weights as written, its tokenizer.json: ours carry the corpus's)."""
+    from resformer_jax.hf.llama_import import is_export, load_hf_llama
+
+    if is_export(path):
+        from tokenizers import Tokenizer
+
+        if step is not None:
+            raise CheckpointError(f"--step={step}: {path} is an exported folder with one set of weights; drop --step")
+        model, params = load_hf_llama(path)
+        model = _for_this_machine(RunConfig(model=model, data=DataConfig(seq_len=model.max_seq_len)), log=log).model
+        tok = os.path.join(path, "tokenizer.json")
+        return LoadedModel(model, params, None, Tokenizer.from_file(tok) if os.path.isfile(tok) else None, None)
+    cfg, params, step = load_run(path, step, log=log)
+    return LoadedModel(cfg.model, params, step, RunDir(path).tokenizer(), cfg.data.seq_len)

@@ -124,3 +124,10 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "the cat sat on the mat and the dog ate the bone. the cat sat" in r.stdout, r.stdout
     assert '"kv_cache_bytes"' in r.stderr and "decode_tokens_per_s" in r.stderr
+    # the run exported: generate takes the folder as serve and the lm-eval adapter do, and gives the same text
+    from resformer_jax.hf.run_export import export_run
+
+    export_run(wd, str(tmp_path / "hf"))
+    cmd = [sys.executable, "-m", "resformer_jax", "generate", f"--workdir={tmp_path / 'hf'}", "--max_new_tokens=24"]
+    e = subprocess.run([*cmd, "--prompt=the cat sat on the mat"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert e.returncode == 0 and e.stdout == r.stdout and '"step": null' in e.stderr, e.stderr[-2000:]

@@ -47,7 +47,7 @@ def test_per_item_loglikelihoods_equal_the_project_evaluator(trained, shared_dat
         "hellaswag", read_task(str(shared_data / "eval_samples"), "hellaswag")[:3]
     )
     pairs = [(c, x) for it in items for c, x in zip(it["contexts"], it["continuations"])]
-    ours = make_loglik_fn(ContinuationScorer(lm.cfg.model, lm.params, lm.max_length, 8), lm.encode)(pairs)
+    ours = make_loglik_fn(ContinuationScorer(lm.model, lm.params, lm.max_length, 8), lm.encode)(pairs)
     got = lm.loglikelihood(_instances("loglikelihood", pairs))
     np.testing.assert_allclose([g for g, _ in got], ours, rtol=1e-5, atol=1e-4)
     assert (
@@ -64,7 +64,9 @@ def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
     wd, lm = trained
     tasks = ["hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa"]
     limit = 8
-    ours = zero_shot(lm.cfg, lm.params, wd, tasks, str(shared_data / "eval_samples"), limit, 8)
+    from resformer_jax.load import load_run
+
+    ours = zero_shot(load_run(wd).cfg, lm.params, wd, tasks, str(shared_data / "eval_samples"), limit, 8)
     cwd = os.getcwd()
     os.chdir(ROOT)  # the shipped task files name ../shared/data/eval_samples relative to the repository
     try:
@@ -105,7 +107,7 @@ def test_rolling_and_generation(trained):
     prompt = "def main():"
     (out,) = lm.generate_until(_instances("generate_until", [(prompt, {"until": ["\n\n"], "max_gen_toks": 12})]))
     p = lm.encode(prompt)
-    new = model_greedy(lm.cfg.model, lm.params, p, 12, eos_id=lm.eot_id)
+    new = model_greedy(lm.model, lm.params, p, 12, eos_id=lm.eot_id)
     new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
     want = lm.tok.decode(new).split("\n\n")[0]
     assert out == want
@@ -147,7 +149,9 @@ def test_context_defaults_to_the_exports_and_a_too_long_continuation_is_refused_
     """The adapter's context is the model's max_seq_len (the export's max_position_embeddings, what the stock
     `lm_eval --model hf` uses), not data.seq_len; a continuation longer than it is not scored in part."""
     _wd, lm = trained
-    assert lm.max_length == lm.cfg.model.max_seq_len != lm.cfg.data.seq_len
+    from resformer_jax.load import load_run
+
+    assert lm.max_length == lm.model.max_seq_len != load_run(_wd).cfg.data.seq_len
     long_cont = " x" * (lm.max_length + 5)
     reqs = _instances("loglikelihood", [("a", " b"), ("a", long_cont), ("c", long_cont)])
     with pytest.raises(ValueError, match=r"2 of 3 requests have a continuation longer than the context"):
@@ -172,6 +176,29 @@ def test_generate_until_batches_200_prompts_through_the_engine(trained):
     assert lm._engine.pool.used == 0
     for i in range(0, 200, 25):
         p = lm.encode(prompts[i])
-        new = model_greedy(lm.cfg.model, lm.params, p, 8, eos_id=lm.eot_id)
+        new = model_greedy(lm.model, lm.params, p, 8, eos_id=lm.eot_id)
         new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
         assert outs[i] == lm.tok.decode(new).split("\n\n")[0], f"prompt {i} ({len(p)} tokens)"
+
+
+def test_an_exported_folder_scores_and_generates_as_its_run(trained, tmp_path):
+    """`workdir=` an export (what serve and generate take too, through load.load_model): the same log-likelihoods
+    and greedy text as the run it was exported from."""
+    from resformer_jax.eval.lm_eval_model import ResformerLM
+    from resformer_jax.hf.run_export import export_run
+
+    wd, lm = trained
+    export_run(wd, str(tmp_path / "hf"))
+    exported = ResformerLM(workdir=str(tmp_path / "hf"), batch_size=8)
+    assert exported.step is None and exported.max_length == lm.max_length
+    pairs = [("The first", " line of the file"), ("import os", "\nimport sys"), ("a", " b")]
+    np.testing.assert_allclose(
+        [x for x, _ in exported.loglikelihood(_instances("loglikelihood", pairs))],
+        [x for x, _ in lm.loglikelihood(_instances("loglikelihood", pairs))],
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    gen = [("def main(", {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False})]
+    assert exported.generate_until(_instances("generate_until", gen)) == lm.generate_until(
+        _instances("generate_until", gen)
+    )

@@ -2,6 +2,7 @@
 
   resformer generate --workdir=RUN --prompt "def fib(n):" --max_new_tokens 64
   resformer generate --workdir=RUN --prompts_file prompts.txt --temperature 0.8 --top_p 0.95
+  resformer generate --workdir=hf/RUN --prompt "def fib(n):"   # a folder `resformer export` wrote
 
 Reports the KV-cache bytes it allocated and decode tokens/s.
 """
@@ -16,7 +17,7 @@ from absl import flags
 
 from resformer_jax.commands import common as cli
 
-flags.DEFINE_string("workdir", None, "Run directory with checkpoints/ and tokenizer.json.", required=True)
+flags.DEFINE_string("workdir", None, "A run directory, or a folder `resformer export` wrote.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: newest).")
 flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompts_file", None, "File with one prompt per line.")
@@ -84,21 +85,17 @@ def read_prompts(tok, vocab_size: int) -> list[list[int]]:
 def main(argv):
     cli.start()
 
-    from resformer_jax.load import load_run
+    from resformer_jax.load import load_model
 
     with cli.exit_on_user_error():
         check_sampling_flags()
-        cfg, params, step = load_run(FLAGS.workdir, FLAGS.step)
-    from resformer_jax.rundir import RunDir
-
-    with cli.exit_on_user_error():
-        tok = RunDir(FLAGS.workdir).tokenizer()
-        prompts = read_prompts(tok, cfg.model.vocab_size)
+        model, params, step, tok, _ = load_model(FLAGS.workdir, FLAGS.step)
+        prompts = read_prompts(tok, model.vocab_size)
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
-    if max_len > cfg.model.max_seq_len:
+    if max_len > model.max_seq_len:
         cli.fail(
-            f"prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}; "
+            f"prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={model.max_seq_len}; "
             "lower --max_new_tokens"
         )
     # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
@@ -108,7 +105,7 @@ def main(argv):
     with cli.exit_on_user_error():
         cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
         mesh = engine_mesh(FLAGS.devices)
-        engine = Engine(cfg.model, params, cache_bytes=cache_bytes, decode_steps=FLAGS.decode_steps, mesh=mesh)
+        engine = Engine(model, params, cache_bytes=cache_bytes, decode_steps=FLAGS.decode_steps, mesh=mesh)
         knobs = dict(
             max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p
         )

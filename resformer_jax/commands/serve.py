@@ -68,6 +68,7 @@ def main(argv):
 
     from resformer_jax.engine import Engine
     from resformer_jax.engine.runner import engine_mesh
+    from resformer_jax.load import load_model
     from resformer_jax.serve.app import make_app
     from resformer_jax.serve.engine_thread import EngineThread
     from resformer_jax.serve.metrics import ServeMetrics
@@ -76,7 +77,7 @@ def main(argv):
         _check_workdir(FLAGS.workdir)
         template = _chat_template(FLAGS.chat_template, FLAGS.workdir)
         sock = _bind(FLAGS.host, FLAGS.port)  # before the model loads: a busy port is said at once
-        model_cfg, params, step, tokenizer, trained_len = _load(FLAGS.workdir, FLAGS.step)
+        model_cfg, params, step, tokenizer, trained_len = load_model(FLAGS.workdir, FLAGS.step)
         cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
         sizes = {k: FLAGS[k].value for k in ("max_batch", "page_size", "decode_steps", "prefix_cache")}
         engine = Engine(model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), **sizes)
@@ -113,12 +114,12 @@ def main(argv):
     print("server stopped", file=sys.stderr, flush=True)
 
 
-def _capacity_line(name: str, step, engine, tokenizer, trained_len: int | None) -> str:
+def _capacity_line(name: str, step: int | None, engine, tokenizer, trained_len: int | None) -> str:
     """What `serve` prints at start: where, the cache's size, and how many sequences of the full context it holds."""
-    m = engine.model_cfg
+    m, loaded = engine.model_cfg, "exported" if step is None else f"step {step}"
     full = engine.pool.usable // engine.pool.pages_for(engine.max_len)
     return (
-        f"serving {name} ({step}, {m.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
+        f"serving {name} ({loaded}, {m.value_residual}) on http://{FLAGS.host}:{FLAGS.port}: cache "
         f"{engine.cache_bytes / 2**30:.2f} GiB, {engine.pool.usable} pages of {engine.page_size} tokens "
         f"({engine.bytes_per_token} bytes a token): {full} sequences of the full {engine.max_len}-token context"
         + (f", on {engine.shards} devices" if engine.shards > 1 else "")
@@ -170,31 +171,6 @@ def _chat_template(path: str | None, workdir: str) -> str | None:
             template = json.load(f).get("chat_template")
         return template if isinstance(template, str) else None
     return None
-
-
-def _load(path: str, step: int | None):
-    """(model config, parameters, what was loaded, tokenizer or None, the trained sequence length or None) of a run
-    directory or an exported HF folder."""
-    from tokenizers import Tokenizer
-
-    from resformer_jax.rundir import RunDir
-
-    hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints"))
-    if hf:  # an export: its weights as written, its tokenizer.json (our exports carry the corpus's)
-        from resformer_jax.hf.llama_import import load_hf_llama
-
-        if step is not None:
-            raise cli.ConfigFlagError(
-                f"--step={step}: {path} is an exported folder with one set of weights; drop --step"
-            )
-        model_cfg, params = load_hf_llama(path)
-        tok = os.path.join(path, "tokenizer.json")
-        return model_cfg, params, "exported", Tokenizer.from_file(tok) if os.path.isfile(tok) else None, None
-    from resformer_jax.load import load_run
-
-    run = RunDir(path)
-    cfg, params, loaded = load_run(run.workdir, step)
-    return cfg.model, params, f"step {loaded}", run.tokenizer(), cfg.data.seq_len
 
 
 def cli_main():

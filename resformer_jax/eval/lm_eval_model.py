@@ -12,8 +12,7 @@ from lm_eval.api.registry import register_model
 
 from resformer_jax.errors import UserError
 from resformer_jax.eval.loglik import ContinuationScorer, prepare
-from resformer_jax.load import load_run
-from resformer_jax.rundir import RunDir
+from resformer_jax.load import load_model
 
 if TYPE_CHECKING:
     from resformer_jax.engine import Engine
@@ -35,9 +34,8 @@ class ResformerLM(LM):
     ):
         super().__init__()
 
-        self.cfg, self.params, self.step = load_run(workdir, int(step) if step not in (None, "") else None)
-
-        self.tok = RunDir(workdir).tokenizer()
+        loaded = load_model(workdir, int(step) if step not in (None, "") else None)  # a run, or an export
+        self.model, self.params, self.step, self.tok = loaded.model, loaded.params, loaded.step, loaded.tokenizer
         if self.tok is None:
             raise HarnessError(
                 f"{workdir}/tokenizer.json not found: lm-eval needs the run's tokenizer (runs on "
@@ -47,13 +45,13 @@ class ResformerLM(LM):
         self.batch = int(batch_size) if str(batch_size).isdigit() else 0  # "auto": sized to memory
         # The context a request may use: the model's max_seq_len by default, what the export's
         # max_position_embeddings tells the stock `lm_eval --model hf`, so both score the same items alike.
-        self.max_length = int(max_length or self.cfg.model.max_seq_len)
-        if not 1 < self.max_length <= self.cfg.model.max_seq_len:
+        self.max_length = int(max_length or self.model.max_seq_len)
+        if not 1 < self.max_length <= self.model.max_seq_len:
             raise HarnessError(
-                f"max_length={self.max_length}: must be in [2, {self.cfg.model.max_seq_len}] (the model's max_seq_len)"
+                f"max_length={self.max_length}: must be in [2, {self.model.max_seq_len}] (the model's max_seq_len)"
             )
 
-        self.scorer = ContinuationScorer(self.cfg.model, self.params, self.max_length, self.batch)
+        self.scorer = ContinuationScorer(self.model, self.params, self.max_length, self.batch)
         self._engine: Engine | None = None  # the decode engine, made at the first generation request
 
     @classmethod
@@ -119,7 +117,7 @@ class ResformerLM(LM):
         from resformer_jax.engine import Engine, SamplingParams
 
         if self._engine is None:
-            self._engine = Engine(self.cfg.model, self.params, max_batch=max(self.batch, 16))
+            self._engine = Engine(self.model, self.params, max_batch=max(self.batch, 16))
         engine = self._engine
         stops, reqs = [], []
         for req in requests:
@@ -129,8 +127,8 @@ class ResformerLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kw.get("max_gen_toks", 256))
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
-            prompt = (self.encode(ctx) or [self.eot_id])[-max(1, self.cfg.model.max_seq_len - max_new) :]
-            max_new = min(max_new, self.cfg.model.max_seq_len - len(prompt))
+            prompt = (self.encode(ctx) or [self.eot_id])[-max(1, self.model.max_seq_len - max_new) :]
+            max_new = min(max_new, self.model.max_seq_len - len(prompt))
             params = SamplingParams(
                 max_tokens=max_new,
                 temperature=temperature,

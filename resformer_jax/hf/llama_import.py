@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections
 import numpy as np
+from etils import epath
 
 from resformer_jax.config import ConfigError, base_config
 from resformer_jax.model.config import ModelConfig
@@ -19,6 +20,20 @@ from resformer_jax.model.config import ModelConfig
 
 class HFError(ConfigError):
     """A Hugging Face checkpoint folder that cannot be read as a Llama-family model; the message says why."""
+
+
+def is_export(path) -> bool:
+    """Whether a folder holds a Hugging Face export (config.json with a model_type, and safetensors weights)."""
+    path = epath.Path(path)
+    cfg = path / "config.json"
+    if not cfg.is_file() or not (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    ):
+        return False
+    try:
+        return "model_type" in json.loads(cfg.read_text())
+    except ValueError:
+        return False
 
 
 def read_safetensors(folder: str) -> dict[str, np.ndarray]:

@@ -8,31 +8,17 @@ import shutil
 import tempfile
 
 import jax
-from etils import epath
 
 from resformer_jax import storage
 from resformer_jax.errors import UserError
 from resformer_jax.hf.export import export_params
+from resformer_jax.hf.llama_import import is_export
 from resformer_jax.load import load_run
 from resformer_jax.rundir import RunDir
 
 
 class ExportError(UserError):
     """An export target that would lose data or look complete when it is not; the message says what to do."""
-
-
-def is_export(path) -> bool:
-    """Whether a folder holds a Hugging Face export (config.json with a model_type, and safetensors weights)."""
-    path = epath.Path(path)
-    cfg = path / "config.json"
-    if not cfg.is_file() or not (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    ):
-        return False
-    try:
-        return "model_type" in json.loads(cfg.read_text())
-    except ValueError:
-        return False
 
 
 def check_target(run: RunDir, out: str, overwrite: bool) -> bool:
