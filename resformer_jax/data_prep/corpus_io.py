@@ -144,9 +144,10 @@ def from_record(rec, where: str, domain: str) -> tuple[str, str]:
     return meta.get("redpajama_set_name", domain), rec["text"]
 
 
-def from_json_line(path: str, n: int, raw: bytes, domain: str) -> tuple[str, str]:
-    """(domain, text) of one JSON line (n: its line number, for messages)."""
-    line = _decode(path, n, raw.rstrip(b"\n"))
+def from_json_line(path: str, n: int, line: bytes | str, domain: str) -> tuple[str, str]:
+    """(domain, text) of one JSON line, as read or decoded (n: its line number, for messages)."""
+    if isinstance(line, bytes):
+        line = _decode(path, n, line.rstrip(b"\n"))
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
@@ -168,13 +169,8 @@ def read_documents(path: str, domain: str) -> Iterator[tuple[str, str]]:
     elif path.endswith((".jsonl.zst", ".json.zst", ".jsonl")):
         chunks = _zst_bytes(path) if path.endswith(".zst") else _file_bytes(path)
         for n, line in _lines(path, chunks):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadInputFile(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from None
-            yield from_record(rec, f"{path}:{n}", domain)
+            if line.strip():
+                yield from_json_line(path, n, line, domain)
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
