@@ -137,6 +137,16 @@ CASES = [
         ["256", "vocabulary"],
     ),
     (
+        "generate past the context",
+        ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=200"],
+        ["= 202 exceeds", "lower --max_new_tokens to 126 or less"],
+    ),
+    (
+        "generate a prompt longer than the context",
+        ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=" + ",".join(["1"] * 130)],
+        ["shorten the prompt (130 tokens)"],
+    ),
+    (
         "generate on more devices than exist",
         ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=2", "--devices=99"],
         ["--devices=99", "devices"],

@@ -92,11 +92,16 @@ def main(argv):
         model, params, step, tok, _ = load_model(FLAGS.workdir, FLAGS.step)
         prompts = read_prompts(tok, model.vocab_size)
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
-    max_len = max(len(p) for p in prompts) + FLAGS.max_new_tokens
-    if max_len > model.max_seq_len:
+    longest = max(len(p) for p in prompts)
+    if longest + FLAGS.max_new_tokens > model.max_seq_len:
+        fix = (
+            f"shorten the {'prompt' if len(prompts) == 1 else 'longest prompt'} ({longest} tokens)"
+            if longest >= model.max_seq_len
+            else f"lower --max_new_tokens to {model.max_seq_len - longest} or less"
+        )
         cli.fail(
-            f"prompt + max_new_tokens = {max_len} exceeds the model's max_seq_len={model.max_seq_len}; "
-            "lower --max_new_tokens"
+            f"prompt + max_new_tokens = {longest + FLAGS.max_new_tokens} exceeds the model's max_seq_len="
+            f"{model.max_seq_len}; {fix}"
         )
     # Every prompt at once through the engine: mixed lengths batched together, each its own seed.
     from resformer_jax.engine import Engine, SamplingParams
