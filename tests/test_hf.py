@@ -119,23 +119,17 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     write_tiny_llama(str(model))
     (tmp_path / "text.txt").write_text(TEXT)
     before = sorted(os.listdir(model))
+    cmd = [
+        sys.executable,
+        "-m",
+        "resformer_jax",
+        "analyze",
+        f"--hf_model={model}",
+        f"--text_file={tmp_path / 'text.txt'}",
+    ]
+    stream = ["--seq_len=32", "--num_sequences=4", "--text_unit=stream"]
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "analyze",
-            f"--hf_model={model}",
-            f"--text_file={tmp_path / 'text.txt'}",
-            "--seq_len=32",
-            "--num_sequences=4",
-            "--text_unit=stream",
-            f"--out={tmp_path / 'an'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*cmd, *stream, f"--out={tmp_path / 'an'}"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr[-3000:]
     an = json.load(open(tmp_path / "an" / "analysis.json"))[0]
@@ -145,14 +139,6 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     assert len(an["layers"]["similarity"]) == 3 and os.path.getsize(tmp_path / "an" / "entropy.png") > 1000
     assert sorted(os.listdir(model)) == before, "nothing is written into the model folder"
     # --seq_len's default (512) past this model's 256 positions: the flag named, not two config fields
-    cmd = [
-        sys.executable,
-        "-m",
-        "resformer_jax",
-        "analyze",
-        f"--hf_model={model}",
-        f"--text_file={tmp_path / 'text.txt'}",
-    ]
     r = subprocess.run([*cmd, f"--out={tmp_path / 'an2'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         f"error: --seq_len=512 exceeds the context of {model} (256 tokens); pass --seq_len 256 or less"
