@@ -213,16 +213,21 @@ def test_a_run_with_document_masking_trains_records_its_token_and_resumes(tmp_pa
     import json
 
     from resformer_jax.commands.training import run
+    from resformer_jax.config import RunConfig
+    from resformer_jax.data.pipeline import validation_sets
 
     c = tiny_config("resformer")
     c.data.update(document_mask=True, eot_id=EOT, document_start_loss=False)
+    # an end-of-text id the validation batch holds (synthetic tokens are uniform): its targets are left out
+    batch = validation_sets(RunConfig.of(c), c.train.global_batch, 1)["synthetic"][0]
+    c.data.eot_id = eot = int(np.bincount(batch[:, :-1].ravel()).argmax())
     c.train.update(steps=8, log_every=2, eval_every=4)
     c.checkpoint.every_steps = 4
     c.mesh.num_devices = 1
     wd = str(tmp_path / "run")
     assert run(c, wd) == 0
     record = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert record["resolved"]["model.document_eot"] == EOT and record["data"]["document_mask"] is True
+    assert record["resolved"]["model.document_eot"] == eot and record["data"]["document_mask"] is True
     c.train.steps = 12
     assert run(c, wd) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -230,3 +235,11 @@ def test_a_run_with_document_masking_trains_records_its_token_and_resumes(tmp_pa
     assert steps[-1] == 12
     kept = [r["perf/attended_fraction"] for r in rows if "train/loss" in r]  # the MFU counts the pairs kept
     assert len(kept) == len(steps) and all(0 < k <= 1 for k in kept) and min(kept) < 1, kept
+    # `resformer evaluate`'s validation is the loop's: document_start_loss=False leaves the same targets out
+    from resformer_jax.commands.evaluate import validation_table
+    from resformer_jax.load import load_run
+
+    cfg, params, _ = load_run(wd)
+    table = validation_table(cfg, params, None, c.train.global_batch, say=lambda s: None)
+    last = [r for r in rows if "eval/loss" in r][-1]
+    assert last["step"] == 12 and table["synthetic"] == pytest.approx(last["eval/synthetic/loss"], abs=1e-6)

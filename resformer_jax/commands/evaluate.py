@@ -32,14 +32,13 @@ def validation_table(cfg, params, data: str | None, batch: int, say=print) -> di
     import numpy as np
 
     from resformer_jax.data.pipeline import validation_sets
-    from resformer_jax.train.step import loss_fn
+    from resformer_jax.model import Transformer
+    from resformer_jax.train.step import make_eval_step
 
     if data:
         cfg = cfg.replace(data=dataclasses.replace(cfg.data, path=data, source="array_record"))
-    from resformer_jax.model import Transformer
-
-    model = Transformer(cfg.model)
-    f = jax.jit(lambda p, t: loss_fn(p, model, t, cfg.train.loss_chunk_len))
+    # the training loop's own validation step: a run's data.document_start_loss counts here as it did there
+    f = jax.jit(make_eval_step(Transformer(cfg.model), cfg.train.loss_chunk_len, cfg.data.document_start_loss))
     sets = validation_sets(cfg, batch, 0, all_records=True)
     total, done, t0, last = sum(len(b) for b in sets.values()), 0, time.perf_counter(), time.perf_counter()
     say(f"validation: {total} batches of {batch} sequences over {len(sets)} domains (the first compiles) ...")
