@@ -132,7 +132,7 @@ def load_model(path: str, step: int | None = None, log: Callable[[str], Any] = l
 
         if step is not None:
             raise CheckpointError(f"--step={step}: {path} is an exported folder with one set of weights; drop --step")
-        model, params = load_hf_llama(path)
+        model, params = load_hf_llama(path, dtype="auto")  # a bfloat16 export decodes (and caches) in bfloat16
         model = _for_this_machine(RunConfig(model=model, data=DataConfig(seq_len=model.max_seq_len)), log=log).model
         tok = os.path.join(path, "tokenizer.json")
         return LoadedModel(model, params, None, Tokenizer.from_file(tok) if os.path.isfile(tok) else None, None)

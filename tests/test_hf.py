@@ -392,6 +392,13 @@ def test_export_command_on_a_run(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["architectures"] == ["ResFormerLlamaForCausalLM"]
     assert json.load(open(tmp_path / "hf" / "config.json"))["torch_dtype"] == "bfloat16"
     assert os.path.isfile(tmp_path / "hf" / "generation_config.json") and "no tokenizer.json" in r.stderr
+    # what serve, generate and lm-eval load: the export's torch_dtype is the compute dtype, as vLLM's --dtype=auto
+    from resformer_jax.load import load_model
+    from resformer_jax.model.transformer import cache_bytes_per_token
+
+    exported, fp32 = load_model(str(tmp_path / "hf")), load_model(str(tmp_path / "run"))
+    assert (exported.model.dtype, fp32.model.dtype, exported.step, fp32.step) == ("bfloat16", "float32", None, 3)
+    assert cache_bytes_per_token(exported.model) == cache_bytes_per_token(fp32.model) // 2
     bad = subprocess.run(
         [sys.executable, "-m", "resformer_jax", "export", f"--workdir={tmp_path / 'nope'}", f"--out={tmp_path / 'x'}"],
         cwd=ROOT,

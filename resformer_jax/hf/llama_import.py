@@ -151,14 +151,16 @@ def refuse_unsupported(hf: dict, m) -> None:
 
 
 def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(typed model config, unrolled parameter tree) of a local HF Llama/Mistral checkpoint folder."""
+    """(typed model config, unrolled parameter tree) of a local HF Llama/Mistral checkpoint folder; the compute
+    dtype `dtype`, or with "auto" the folder's torch_dtype (as vLLM's --dtype=auto; float32 where it names none)."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise HFError(f"{folder} has no config.json: not a Hugging Face model folder")
     with open(cfg_path) as f:
         hf = json.load(f)
     m = llama_model_config(hf)
-    m.dtype = dtype
+    named = hf.get("torch_dtype") if hf.get("torch_dtype") in ("float32", "bfloat16", "float16") else "float32"
+    m.dtype = named if dtype == "auto" else dtype
     t = read_safetensors(folder)
     E, H, K, D = m.d_model, m.num_heads, m.num_kv_heads, ModelConfig.of(m).head_dim
 
