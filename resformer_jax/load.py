@@ -64,6 +64,14 @@ def load_run(
     training does), but nothing is moved, since another process may be training in the run."""
     run = RunDir(workdir)
     if not run.checkpoints.is_dir():
+        from resformer_jax.hf.llama_import import is_export
+
+        if is_export(workdir):
+            raise CheckpointError(
+                f"{workdir} is a folder `resformer export` wrote, not a run directory: this command reads a run's "
+                "checkpoints (generate, serve and `resformer harness` take an export, analyze as --hf_model); give "
+                "the run's --workdir"
+            )
         what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
         raise CheckpointError(
             f"run directory {workdir} {what}; check --workdir (train first with "

@@ -199,6 +199,16 @@ def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, name, a
     assert sorted(p.name for p in (tmp_path / "nonempty").iterdir()) == ["notes.txt"]
 
 
+def test_a_reader_of_runs_given_an_export_names_the_commands_that_take_one(trained, tmp_path):
+    from resformer_jax.hf.run_export import export_run
+
+    export_run(str(trained / "svformer"), str(tmp_path / "hf"))
+    for command in (["evaluate"], ["analyze"], ["export", f"--out={tmp_path / 'again'}"]):
+        line = _one_line(["resformer_jax", *command, f"--workdir={tmp_path / 'hf'}"], cwd=ROOT)
+        assert "`resformer export` wrote, not a run directory" in line and "--hf_model" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
 def test_a_partial_last_metrics_line_is_read_without_it(trained, tmp_path):
     """A run training now (or killed mid-write) ends its metrics.jsonl in half a line: compare reads the rest."""
     runs = tmp_path / "runs"
