@@ -65,16 +65,8 @@ class Instr:
     @property
     def backend_config(self) -> dict:
         start = self.attrs.find("backend_config={")
-        if start < 0:
-            return {}
-        start += len("backend_config=")
-        end, depth = start, 0
-        for end in range(start, len(self.attrs)):
-            depth += {"{": 1, "}": -1}.get(self.attrs[end], 0)
-            if depth == 0:
-                break
-        try:
-            return json.loads(self.attrs[start : end + 1])
+        try:  # the JSON object that starts there, wherever it ends
+            return json.JSONDecoder().raw_decode(self.attrs, start + len("backend_config="))[0] if start >= 0 else {}
         except ValueError:
             return {}
 
