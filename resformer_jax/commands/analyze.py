@@ -121,8 +121,6 @@ def plot(results: list[dict], out: epath.Path) -> list[str]:
 
 
 def main(argv):
-    from resformer_jax.commands import common as cli
-
     cli.start()
     from resformer_jax.metrics import Writer
     from resformer_jax.rundir import RunDir

@@ -57,15 +57,12 @@ def validation_table(cfg, params, data: str | None, batch: int, say=print) -> di
 
 
 def main(argv):
-    from resformer_jax.commands import common as cli
-
     cli.start()
     with cli.exit_on_user_error():
         evaluate()
 
 
 def evaluate():
-    from resformer_jax.commands.common import ConfigFlagError
     from resformer_jax.eval.zero_shot import check_tasks, zero_shot
     from resformer_jax.load import load_run
     from resformer_jax.metrics import Writer
@@ -73,7 +70,7 @@ def evaluate():
     from resformer_jax.storage import write_json
 
     if FLAGS.batch < 0 or FLAGS.limit < 0:
-        raise ConfigFlagError(
+        raise cli.ConfigFlagError(
             f"--batch={FLAGS.batch} --limit={FLAGS.limit}: must be >= 0 (0: sized to memory; all items)"
         )
     tasks = [t.strip() for t in (FLAGS.tasks or "").split(",") if t.strip()]

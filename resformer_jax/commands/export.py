@@ -31,8 +31,6 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from resformer_jax.commands import common as cli
-
     cli.start()
     with cli.exit_on_user_error():
         from resformer_jax.hf.run_export import export_run
