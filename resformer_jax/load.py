@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from etils import epath
 
 from resformer_jax.checkpoint import CheckpointError
 from resformer_jax.config import DataConfig, RunConfig, with_defaults
@@ -142,7 +143,7 @@ def load_model(path: str, step: int | None = None, log: Callable[[str], Any] = l
             raise CheckpointError(f"--step={step}: {path} is an exported folder with one set of weights; drop --step")
         model, params = load_hf_llama(path, dtype="auto")  # a bfloat16 export decodes (and caches) in bfloat16
         model = _for_this_machine(RunConfig(model=model, data=DataConfig(seq_len=model.max_seq_len)), log=log).model
-        tok = os.path.join(path, "tokenizer.json")
-        return LoadedModel(model, params, None, Tokenizer.from_file(tok) if os.path.isfile(tok) else None, None)
+        tok = epath.Path(path) / "tokenizer.json"  # local or on object storage, as the weights
+        return LoadedModel(model, params, None, Tokenizer.from_str(tok.read_text()) if tok.is_file() else None, None)
     cfg, params, step = load_run(path, step, log=log)
     return LoadedModel(cfg.model, params, step, RunDir(path).tokenizer(), cfg.data.seq_len)

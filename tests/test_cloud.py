@@ -283,6 +283,10 @@ def test_cloud_outputs_of_analyze_compare_export_and_prepare(cloud, corpus, tmp_
     assert max(abs(x) for x in rel["short"]["relative"]) == 0.0
     _py("resformer_jax", "export", f"--workdir={wd}", f"--out={wd}/hf", env=env)
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in (epath.Path(wd) / "hf").iterdir()}
+    gen = ["generate", "--prompt=one two three", "--max_new_tokens=6"]  # the export read back from the bucket
+    assert _py("resformer_jax", *gen, f"--workdir={wd}/hf", env=env).stdout == (
+        _py("resformer_jax", *gen, f"--workdir={wd}", env=env).stdout
+    )
 
     # Prepared corpora: written straight to the bucket (metadata last); training from it says how to read it.
     from resformer_jax.data_prep.prepare import prepare

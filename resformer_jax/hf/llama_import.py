@@ -7,7 +7,7 @@ Its notes (the reasons, what was measured): docs/modules.md.
 from __future__ import annotations
 
 import json
-import os
+import tempfile
 from typing import Any
 
 import ml_collections
@@ -37,24 +37,34 @@ def is_export(path) -> bool:
 
 
 def read_safetensors(folder: str) -> dict[str, np.ndarray]:
-    """Every tensor of model.safetensors or of the shards listed in model.safetensors.index.json."""
-    from safetensors.numpy import load_file
-
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+    """Every tensor of model.safetensors or of the shards listed in model.safetensors.index.json (a local folder or
+    one on object storage)."""
+    index = epath.Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (epath.Path(folder) / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise HFError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
     out = {}
     for name in files:
         try:
-            out.update(load_file(os.path.join(folder, name)))
+            out.update(_read_tensors(epath.Path(folder) / name))
         except Exception as e:
             raise HFError(f"{folder}/{name} does not read as safetensors ({type(e).__name__}: {e})") from None
     return out
+
+
+def _read_tensors(path: epath.Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; one on object storage through a local copy (safetensors reads files)."""
+    from safetensors.numpy import load_file
+
+    if "://" not in str(path):
+        return load_file(str(path))
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(path.read_bytes())
+        f.flush()
+        return load_file(f.name)
 
 
 # What a LlamaConfig must state; the rest has transformers' defaults.
@@ -153,11 +163,10 @@ def refuse_unsupported(hf: dict, m) -> None:
 def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """(typed model config, unrolled parameter tree) of a local HF Llama/Mistral checkpoint folder; the compute
     dtype `dtype`, or with "auto" the folder's torch_dtype (as vLLM's --dtype=auto; float32 where it names none)."""
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(cfg_path):
+    cfg_path = epath.Path(folder) / "config.json"
+    if not cfg_path.is_file():
         raise HFError(f"{folder} has no config.json: not a Hugging Face model folder")
-    with open(cfg_path) as f:
-        hf = json.load(f)
+    hf = json.loads(cfg_path.read_text())
     m = llama_model_config(hf)
     named = hf.get("torch_dtype") if hf.get("torch_dtype") in ("float32", "bfloat16", "float16") else "float32"
     m.dtype = named if dtype == "auto" else dtype
