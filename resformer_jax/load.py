@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 from etils import epath
 
 from resformer_jax.checkpoint import CheckpointError
-from resformer_jax.config import DataConfig, RunConfig, with_defaults
+from resformer_jax.config import RunConfig, with_defaults
 from resformer_jax.errors import one_line
 from resformer_jax.model.config import ModelConfig
-from resformer_jax.resolve import model_config, resolve_attention
+from resformer_jax.resolve import for_backend, model_config, resolve_attention
 from resformer_jax.rundir import RunDir
 
 
@@ -114,13 +114,9 @@ def load_run(
                 f"none of the checkpoints in {ck.dir} restores ({failures}); retrain, or "
                 "restore the run directory from a copy"
             )
-    return LoadedRun(_for_this_machine(cfg, attention_impl, log), params, step)
-
-
-def _for_this_machine(cfg: RunConfig, attention_impl: str | None = None, log: Callable[[str], Any] = print):
-    """Readers build the model from cfg.model: the attention impl (`auto` probed) and matmul forms resolved here."""
     choice = resolve_attention(cfg, override=attention_impl, batch=1, log=log)
-    return cfg.replace(model=model_config(cfg, choice))
+    # readers build the model from cfg.model: the attention impl and matmul forms resolved for this machine
+    return LoadedRun(cfg.replace(model=model_config(cfg, choice)), params, step)
 
 
 class LoadedModel(NamedTuple):
@@ -142,7 +138,7 @@ def load_model(path: str, step: int | None = None, log: Callable[[str], Any] = l
         if step is not None:
             raise CheckpointError(f"--step={step}: {path} is an exported folder with one set of weights; drop --step")
         model, params = load_hf_llama(path, dtype="auto")  # a bfloat16 export decodes (and caches) in bfloat16
-        model = _for_this_machine(RunConfig(model=model, data=DataConfig(seq_len=model.max_seq_len)), log=log).model
+        model = for_backend(model)  # no trained length to probe `auto` at: the backend's unprobed choice
         tok = epath.Path(path) / "tokenizer.json"  # local or on object storage, as the weights
         return LoadedModel(model, params, None, Tokenizer.from_str(tok.read_text()) if tok.is_file() else None, None)
     cfg, params, step = load_run(path, step, log=log)
