@@ -284,6 +284,19 @@ def test_an_exported_folder_serves_the_runs_greedy_text(server, run_dir, tmp_pat
             s.client().chat.completions.create(model=None, messages=[{"role": "user", "content": "hi"}])
     finally:
         s.stop()
+    # an instruct folder's own template (tokenizer_config.json's chat_template), as vLLM reads it
+    config = tmp_path / "hf" / "tokenizer_config.json"
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "chat_template": "Q: {{ messages[0].content }}\nA:"})
+    )
+    s = Server(hf, "--cache_gib=0.02")
+    try:
+        chat = s.client().chat.completions.create(
+            model=None, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+        )
+        assert chat.choices[0].message.content == greedy(s.client(), "Q: hi\nA:", 6).text
+    finally:
+        s.stop()
 
 
 def test_the_openai_sdk_unchanged_streams_scores_and_chats(server):

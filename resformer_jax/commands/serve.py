@@ -24,6 +24,7 @@ import sys
 import threading
 
 from absl import flags
+from etils import epath
 
 from resformer_jax.commands import common as cli
 
@@ -165,12 +166,9 @@ def _chat_template(path: str | None, workdir: str) -> str | None:
             raise cli.ConfigFlagError(f"--chat_template={path}: no such file; give a Jinja template file")
         with open(path) as f:
             return f.read()
-    config = os.path.join(workdir, "tokenizer_config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            template = json.load(f).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
+    config = epath.Path(workdir) / "tokenizer_config.json"  # local or on object storage, as the export
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else None
 
 
 def cli_main():
