@@ -127,7 +127,7 @@ class LoadedModel(NamedTuple):
     trained_len: int | None  # the sequence length the run trained at (None: an export does not say)
 
 
-def load_model(path: str, step: int | None = None, log: Callable[[str], Any] = lambda s: None) -> LoadedModel:
+def load_model(path: str, step: int | None = None) -> LoadedModel:
     """What the decode engine runs (serve, generate, the lm-eval adapter): a run directory's checkpoint (load_run)
     or a folder `resformer export` wrote (its weights as written, its tokenizer.json: ours carry the corpus's)."""
     from resformer_jax.hf.llama_import import is_export, load_hf_llama
@@ -141,5 +141,5 @@ def load_model(path: str, step: int | None = None, log: Callable[[str], Any] = l
         model = for_backend(model)  # no trained length to probe `auto` at: the backend's unprobed choice
         tok = epath.Path(path) / "tokenizer.json"  # local or on object storage, as the weights
         return LoadedModel(model, params, None, Tokenizer.from_str(tok.read_text()) if tok.is_file() else None, None)
-    cfg, params, step = load_run(path, step, log=log)
+    cfg, params, step = load_run(path, step)
     return LoadedModel(cfg.model, params, step, RunDir(path).tokenizer(), cfg.data.seq_len)

@@ -16,6 +16,7 @@ from etils import epath
 
 from resformer_jax.config import ConfigError, base_config
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.storage import is_remote
 
 
 class HFError(ConfigError):
@@ -59,7 +60,7 @@ def _read_tensors(path: epath.Path) -> dict[str, np.ndarray]:
     """A safetensors file's tensors; one on object storage through a local copy (safetensors reads files)."""
     from safetensors.numpy import load_file
 
-    if "://" not in str(path):
+    if not is_remote(path):
         return load_file(str(path))
     with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
         f.write(path.read_bytes())
@@ -161,8 +162,9 @@ def refuse_unsupported(hf: dict, m) -> None:
 
 
 def load_hf_llama(folder: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(typed model config, unrolled parameter tree) of a local HF Llama/Mistral checkpoint folder; the compute
-    dtype `dtype`, or with "auto" the folder's torch_dtype (as vLLM's --dtype=auto; float32 where it names none)."""
+    """(typed model config, unrolled parameter tree) of an HF Llama/Mistral checkpoint folder (local or on object
+    storage); the compute dtype `dtype`, or with "auto" the folder's torch_dtype (as vLLM's --dtype=auto; float32
+    where it names none)."""
     cfg_path = epath.Path(folder) / "config.json"
     if not cfg_path.is_file():
         raise HFError(f"{folder} has no config.json: not a Hugging Face model folder")
