@@ -374,26 +374,40 @@ def hf_llama_greedy_numpy(sd, cfg, prompt, new_tokens):
     return out, cache
 
 
-def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None):
+def penalize(logits, prompt, output, presence=0.0, frequency=0.0, repetition=1.0):
+    """vLLM's penalties on one position's logits [V], as its apply_penalties writes them: a token of the prompt or
+    the output has its logit divided by `repetition` where positive and multiplied by it otherwise; then
+    frequency times the token's count in the output, and presence where the count is not 0, subtracted."""
+    x = np.asarray(logits, np.float32).copy()
+    seen = np.zeros(x.shape, bool)
+    seen[list(prompt) + list(output)] = True
+    counts = np.bincount(np.asarray(output, np.int64), minlength=x.size).astype(np.float32)
+    x = np.where(seen & (x > 0), x / np.float32(repetition), np.where(seen, x * np.float32(repetition), x))
+    return x - np.float32(frequency) * counts - np.float32(presence) * (counts > 0)
+
+
+def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None, penalties=None):
     """The engine's oracle: greedy decoding with no cache at all, the full forward over the whole prefix for each
     new token. logits_fn: tokens [1, T] -> logits [1, T, V]. pad_to: the prefix right-padded to this length (a
     causal model's logits at a position do not see the padding after it; one shape, one compile). eos_id: stop
-    after it (kept)."""
+    after it (kept). penalties: `penalize`'s (presence, frequency, repetition), applied before the argmax."""
     seq = [int(t) for t in prompt]
     for _ in range(new_tokens):
         tokens = np.zeros((1, pad_to or len(seq)), np.int32)
         tokens[0, : len(seq)] = seq
-        logits = np.asarray(logits_fn(tokens))
-        seq.append(int(np.argmax(logits[0, len(seq) - 1])))
+        logits = np.asarray(logits_fn(tokens))[0, len(seq) - 1]
+        if penalties is not None:
+            logits = penalize(logits, prompt, seq[len(prompt) :], *penalties)
+        seq.append(int(np.argmax(logits)))
         if seq[-1] == eos_id:
             break
     return seq[len(prompt) :]
 
 
-def model_greedy(m, params, prompt, new_tokens, eos_id=None):
+def model_greedy(m, params, prompt, new_tokens, eos_id=None, penalties=None):
     """greedy_uncached over a project model (ModelConfig m, its parameters), padded to the model's context."""
     from resformer_jax.model import Transformer
 
     apply = jax.jit(Transformer(m).apply)
     pad_to = min(m.max_seq_len, len(prompt) + new_tokens)
-    return greedy_uncached(lambda t: apply({"params": params}, t), prompt, new_tokens, pad_to, eos_id)
+    return greedy_uncached(lambda t: apply({"params": params}, t), prompt, new_tokens, pad_to, eos_id, penalties)

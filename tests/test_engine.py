@@ -61,6 +61,33 @@ def test_greedy_tokens_equal_the_cache_free_forward(variant):
     assert engine.pool.used == 0
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalties(decode_steps):
+    """Presence, frequency and repetition penalties (vLLM's, tests/reference.penalize) on the cache-free forward's
+    logits give the engine's greedy tokens, through the prefill step and k decode steps a readback, each row with
+    its own penalties beside a row with none (whose tokens stay the plain greedy ones); the penalties change the
+    output (a test that could not fail otherwise)."""
+    m, params = peaky_model("svformer")
+    rng = np.random.default_rng(4)
+    prompts = prompts_of(rng, 4, m.vocab_size, lo=2, hi=12)
+    settings = [(0.0, 0.0, 1.0), (0.0, 2.0, 1.0), (1.5, 0.0, 1.0), (0.5, 0.5, 1.8)]
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16,
+                    decode_steps=decode_steps)  # fmt: skip
+    params_of = [SamplingParams(max_tokens=12, presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
+                 for p, f, r in settings]  # fmt: skip
+    got = engine.generate(prompts, params_of)
+    changed = 0
+    for p, pen, r in zip(prompts, settings, got):
+        want = model_greedy(m, params, p, 12, penalties=pen)
+        assert r.tokens == want, f"penalties {pen}: prompt of {len(p)} tokens"
+        changed += want != model_greedy(m, params, p, 12)
+    assert changed >= 2, "the penalties changed no row's tokens: this test would pass without them"
+    with pytest.raises(EngineError, match=r"frequency_penalty=2.5: must be in \[-2, 2\]"):
+        engine.submit([1, 2], SamplingParams(frequency_penalty=2.5))
+    with pytest.raises(EngineError, match="repetition_penalty=0.0: must be a number > 0"):
+        engine.submit([1, 2], SamplingParams(repetition_penalty=0.0))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_fifty_requests_through_a_pool_too_small_for_all_arriving_while_others_decode(decode_steps):
@@ -312,8 +339,11 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
         assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
     rng = np.random.default_rng(3)
     prompts = prompts_of(rng, 32, m.vocab_size, 10, 40)
+    # every other request with penalties: the penalized programs run per shard too
+    sampling = [SamplingParams(max_tokens=6, frequency_penalty=1.5 * (i % 2), repetition_penalty=1 + (i % 4 == 1))
+                for i in range(len(prompts))]  # fmt: skip
     one = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=1)
-    want = [r.tokens for r in one.generate(prompts, SamplingParams(max_tokens=6))]
+    want = [r.tokens for r in one.generate(prompts, sampling)]
     # 7 usable pages of 8 tokens a device: a sequence takes up to 6, two rows a device must preempt
     engine = Engine(
         m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=4, mesh=mesh
@@ -323,7 +353,7 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
     assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"
     reqs = []
     for i in range(0, len(prompts), 8):  # eight arrive each step
-        reqs += [engine.submit(p, SamplingParams(max_tokens=6)) for p in prompts[i : i + 8]]
+        reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + 8], sampling[i : i + 8])]
         engine.step()
     while engine.busy:
         engine.step()

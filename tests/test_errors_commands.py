@@ -147,6 +147,11 @@ CASES = [
         ["shorten the prompt (130 tokens)"],
     ),
     (
+        "generate with a repetition penalty of 0",
+        ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--repetition_penalty=0"],
+        ["--repetition_penalty=0.0: must be a number > 0"],
+    ),
+    (
         "generate on more devices than exist",
         ["resformer_jax", "generate", "--workdir={run}", "--prompt_ids=1,2", "--max_new_tokens=2", "--devices=99"],
         ["--devices=99", "devices"],

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -147,6 +149,26 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert "Table 5" in r.stdout and "Table 1" in r.stdout and "piqa" in r.stdout
     ev = json.load(open(os.path.join(runs["resformer"], "eval", "validation_step20.json")))
     assert "mean" in ev["loss"] and len(ev["loss"]) >= 3 and all(np.isfinite(v) for v in ev["loss"].values())
+    # Table 5's losses count every validation record once, whatever --batch: the full forward's mean over them all
+    r = subprocess.run(py + ["resformer_jax", "evaluate", f"--workdir={runs['resformer']}", f"--data={data}",
+                             "--batch=5"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    by5 = json.load(open(os.path.join(runs["resformer"], "eval", "validation_step20.json")))["loss"]
+    from resformer_jax.data.pipeline import validation_sets
+    from resformer_jax.load import load_run
+    from resformer_jax.model import Transformer
+
+    cfg, params, _ = load_run(runs["resformer"])
+    meta = json.load(open(os.path.join(data, "metadata.json")))["splits"]["validation"]
+    sizes = []
+    for dom, batches in validation_sets(cfg, 10**6, 0, all_records=True).items():
+        (rows,) = batches
+        assert len(rows) == meta[dom]["sequences"], dom
+        sizes.append(len(rows))
+        logp = jax.nn.log_softmax(Transformer(cfg.model).apply({"params": params}, rows[:, :-1]).astype(jnp.float32))
+        want = -float(jnp.mean(jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1)))
+        assert ev["loss"][dom] == pytest.approx(want, abs=2e-5) and by5[dom] == pytest.approx(want, abs=2e-5), dom
+    assert any(n % 5 and n % 16 for n in sizes), f"{sizes}: every domain fills whole batches, so this cannot tell"
     zs = json.load(open(os.path.join(runs["resformer"], "eval", "zero_shot_step20.json")))
     assert zs["tasks"]["piqa"]["n"] == 6
     r = subprocess.run(

@@ -138,6 +138,30 @@ def test_greedy_text_equals_the_models_own_and_streaming_equals_it(server, run_d
     assert [m.id for m in models.data] == [os.path.basename(run_dir)]
 
 
+def test_the_openai_sdks_penalties_are_applied_as_vllm_applies_them(server, run_dir):
+    """presence_penalty and frequency_penalty as the openai SDK sends them, repetition_penalty in extra_body (as
+    vLLM takes it): the text is the cache-free greedy one under vLLM's penalties (tests/reference.penalize), not
+    the plain greedy text."""
+    from reference import model_greedy
+
+    from resformer_jax.load import load_run
+    from resformer_jax.rundir import RunDir
+
+    cfg, params, _ = load_run(run_dir)
+    tok = RunDir(run_dir).tokenizer()
+    eot = tok.token_to_id("<|endoftext|>")
+    client = server.client()
+    changed = 0
+    for prompt, (presence, frequency, repetition) in zip(PROMPTS, [(0.0, 1.5, 1.0), (1.0, 0.5, 1.3), (2.0, 0, 2.0)]):
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        new = model_greedy(cfg.model, params, ids, 12, eos_id=eot, penalties=(presence, frequency, repetition))
+        new = new[: new.index(eot)] if eot in new else new
+        kw = dict(presence_penalty=presence, frequency_penalty=frequency, extra_body={"repetition_penalty": repetition})
+        assert greedy(client, prompt, **kw).text == tok.decode(new), prompt
+        changed += greedy(client, prompt).text != tok.decode(new)
+    assert changed, "no penalty changed the text: this test would pass without them"
+
+
 def test_32_concurrent_clients_get_their_single_request_outputs(server):
     client = server.client()
     rng = np.random.default_rng(0)
@@ -178,6 +202,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
         ({"prompt": "def", "temperature": -1}, 400, "'temperature' Input should be greater than or equal to 0"),
         ({"prompt": "def", "stop": [1, 2]}, 400, "'stop"),
         ({"prompt": "def", "logprobs": 21}, 400, "'logprobs' Input should be less than or equal to 20"),
+        ({"prompt": "def", "frequency_penalty": 2.5}, 400, "'frequency_penalty' Input should be less than or equal"),
+        ({"prompt": "def", "repetition_penalty": 0}, 400, "'repetition_penalty' Input should be greater than 0"),
         ({"prompt": [[1, 2], "x"]}, 400, "'prompt"),
         ({"prompt": "def", "model": "gpt-4"}, 404, "does not exist"),
         ({"max_tokens": 4}, 400, "'prompt' is required"),

@@ -122,11 +122,11 @@ def steady_decode(
 
 def describe_sampling(sampling: SamplingParams) -> str:
     """How a bench's requests decoded, for its rows: "greedy", or the sampling knobs that are on."""
-    if sampling.temperature == 0:
-        return "greedy"
-    on = [f"temperature {sampling.temperature:g}"]
-    on += [f"top_k {sampling.top_k}"] if sampling.top_k else []
-    on += [f"top_p {sampling.top_p:g}"] if sampling.top_p < 1 else []
+    on = [f"temperature {sampling.temperature:g}"] if sampling.temperature else ["greedy"]
+    on += [f"top_k {sampling.top_k}"] if sampling.top_k and sampling.temperature else []
+    on += [f"top_p {sampling.top_p:g}"] if sampling.top_p < 1 and sampling.temperature else []
+    for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        on += [f"{name} {getattr(sampling, name):g}"] if getattr(sampling, name) != off else []
     return ", ".join(on)
 
 

@@ -103,6 +103,8 @@ flags.DEFINE_bool(
 flags.DEFINE_float("temperature", 0.0, "decode: every request's sampling temperature (0: greedy).")
 flags.DEFINE_integer("top_k", 0, "decode: sample among the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "decode: sample from the nucleus of this probability mass (1: off).")
+flags.DEFINE_float("frequency_penalty", 0.0, "decode: every request's frequency penalty (0: off; presence as 0).")
+flags.DEFINE_float("repetition_penalty", 1.0, "decode: every request's repetition penalty (1: off).")
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
 flags.DEFINE_integer("decode_steps", 8, "decode --matrix/--stream: decode steps a program runs between readbacks.")
 flags.DEFINE_integer(
@@ -181,6 +183,8 @@ BENCHMARK_FLAGS = {
         "temperature",
         "top_k",
         "top_p",
+        "frequency_penalty",
+        "repetition_penalty",
     ),
     "data": ("steps", "step_tokens_per_s"),
     "accelerator": ("out",),
@@ -233,7 +237,8 @@ def run_decode(modes: list[str]) -> list[dict]:
     from resformer_jax.benchmarks.decode import bench_decode, bench_decode_matrix
     from resformer_jax.engine import SamplingParams
 
-    sampling = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+    knobs = ("temperature", "top_k", "top_p", "frequency_penalty", "repetition_penalty")
+    sampling = SamplingParams(**{k: getattr(FLAGS, k) for k in knobs})
     sampling.check()  # a knob out of range: one line naming it
     models = [RunConfig.of(c).model for c in _variants(modes, [FLAGS.config.model.dtype])]
     if FLAGS.matrix:

@@ -2,6 +2,7 @@
 
   resformer generate --workdir=RUN --prompt "def fib(n):" --max_new_tokens 64
   resformer generate --workdir=RUN --prompts_file prompts.txt --temperature 0.8 --top_p 0.95
+  resformer generate --workdir=RUN --prompt "def fib(n):" --repetition_penalty 1.2 --frequency_penalty 0.5
   resformer generate --workdir=hf/RUN --prompt "def fib(n):"   # a folder `resformer export` wrote
 
 Reports the KV-cache bytes it allocated and decode tokens/s.
@@ -27,6 +28,9 @@ flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB, a device
 flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
+flags.DEFINE_float("presence_penalty", 0.0, "Subtracted from a token's logit once it is in the output (vLLM's).")
+flags.DEFINE_float("frequency_penalty", 0.0, "Subtracted from a token's logit per time it is in the output.")
+flags.DEFINE_float("repetition_penalty", 1.0, "A prompt or output token's logit divided by it (> 1 repeats less).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token.")
 flags.DEFINE_integer(
@@ -38,15 +42,21 @@ flags.DEFINE_integer(
 FLAGS = flags.FLAGS
 
 
-def check_sampling_flags():
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_knobs() -> dict:
+    """The sampling flags as SamplingParams fields, checked by SamplingParams's own bounds."""
+    from resformer_jax.engine import EngineError, SamplingParams
+
     if FLAGS.max_new_tokens < 1:
         raise cli.ConfigFlagError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be at least 1")
-    if FLAGS.temperature < 0:
-        raise cli.ConfigFlagError(f"--temperature={FLAGS.temperature}: must be >= 0 (0: greedy)")
-    if FLAGS.top_k < 0:
-        raise cli.ConfigFlagError(f"--top_k={FLAGS.top_k}: must be >= 0 (0: off)")
-    if not 0 < FLAGS.top_p <= 1:
-        raise cli.ConfigFlagError(f"--top_p={FLAGS.top_p}: must be in (0, 1] (1: off)")
+    knobs = {name: getattr(FLAGS, name) for name in SAMPLING_FLAGS}
+    try:
+        SamplingParams(max_tokens=FLAGS.max_new_tokens, **knobs).check()
+    except EngineError as e:
+        raise cli.ConfigFlagError(f"--{e}") from None
+    return {"max_tokens": FLAGS.max_new_tokens, **knobs}
 
 
 def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
@@ -88,7 +98,7 @@ def main(argv):
     from resformer_jax.load import load_model
 
     with cli.exit_on_user_error():
-        check_sampling_flags()
+        knobs = sampling_knobs()
         model, params, step, tok, _ = load_model(FLAGS.workdir, FLAGS.step)
         prompts = read_prompts(tok, model.vocab_size)
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
@@ -111,9 +121,6 @@ def main(argv):
         cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
         mesh = engine_mesh(FLAGS.devices)
         engine = Engine(model, params, cache_bytes=cache_bytes, decode_steps=FLAGS.decode_steps, mesh=mesh)
-        knobs = dict(
-            max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p
-        )
         stop = (eot,) if eot is not None else ()
         sampling = [SamplingParams(**knobs, seed=FLAGS.seed + i, stop_ids=stop) for i in range(len(prompts))]
         t0 = time.perf_counter()

@@ -155,8 +155,8 @@ def validation_sets(
 ) -> dict[str, list[np.ndarray]]:
     """Per-domain validation batches (this process's slice), read in record order.
 
-    With all_records=True every whole batch of the split is returned (the
-    paper's Table 5 evaluation); otherwise the first num_batches.
+    With all_records=True (one process) every record of the split once, the last batch of a domain holding what
+    is left (the paper's Table 5 evaluation); otherwise the first num_batches whole batches.
     """
     d = cfg.data
     if d.source == "synthetic":
@@ -173,7 +173,12 @@ def validation_sets(
         if not st.get("sequences"):
             continue
         src = open_domain(cfg, path, meta, "validation", dom)
-        n_batches = len(src) // batch if all_records else min(num_batches, len(src) // batch)
+        if all_records:
+            out[dom] = [
+                np.stack([src[g] for g in range(i, min(i + batch, len(src)))]) for i in range(0, len(src), batch)
+            ]
+            continue
+        n_batches = min(num_batches, len(src) // batch)
         if n_batches == 0:  # fewer records than a batch: wrap around so the domain is still measured
             n_batches = 1
         reader = BatchReader(lambda g, src=src: src[g % len(src)], batch, process_index, process_count)

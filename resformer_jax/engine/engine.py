@@ -40,6 +40,16 @@ class SamplingParams:
     min_tokens: int = 0  # a stop id ends the request only from this many new tokens on (the benchmarks' fixed lengths)
     logprobs: int | None = None  # the most likely N tokens at each generated position, beside the chosen one's
     prompt_logprobs: int | None = None  # each prompt token's log-probability and the N most likely there
+    # vLLM's (and OpenAI's presence and frequency): subtracted from a token's logit once if it is in the output
+    # so far, and per time it is there; a logit of a token in the prompt or the output divided by the repetition
+    # penalty where positive, multiplied by it where negative (> 1 discourages repeating)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def check(self) -> None:
         least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt scored only
@@ -55,6 +65,11 @@ class SamplingParams:
             raise EngineError(f"top_p={self.top_p!r}: must be in (0, 1] (1: off)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise EngineError(f"top_k={self.top_k!r}: must be an integer >= 0 (0: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise EngineError(f"{name}={getattr(self, name)!r}: must be in [-2, 2] (0: off)")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise EngineError(f"repetition_penalty={self.repetition_penalty!r}: must be a number > 0 (1: off)")
 
 
 @dataclasses.dataclass(eq=False)
@@ -528,6 +543,7 @@ class Engine:
             temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed % 2**32
             counters[i] = len(r.tokens)
         sampling = (temperature, top_k, top_p, seeds, counters)
+        penalties = self._penalty_rows(rows, slot, B)
         if steps is None:
             self.stats.compiled_shapes.add((B, T, Pn, 1))
             targets: tuple[np.ndarray, ...] = ()
@@ -540,17 +556,41 @@ class Engine:
                     if r.carry is not None:
                         carry_BxE[i] = r.carry
                 targets = (targets_BxT, carry_BxE)
-            out = self.runner.step(top, tokens, positions, table, last, *sampling, *targets)
+            out = self.runner.step(
+                top, bool(penalties), tokens, positions, table, last, *sampling, *penalties, *targets
+            )
             tok, lp = out[0], out[1]
             scores = tuple(np.asarray(x)[slot] for x in out[2]) if top else None
             return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None], scores
         steps_B = np.zeros((B,), np.int32)
         steps_B[slot] = steps
         self.stats.compiled_shapes.add((B, T, Pn, k))
-        out = self.runner.decode(k, top, tokens[:, 0], positions[:, 0], table, steps_B, *sampling)
+        out = self.runner.decode(
+            k, top, bool(penalties), tokens[:, 0], positions[:, 0], table, steps_B, *sampling, *penalties
+        )
         tok, lp = out[0], out[1]
         tops = tuple(np.asarray(x)[slot] for x in out[2][1:]) if top else None  # (ids, log-probabilities)
         return np.asarray(tok)[slot], np.asarray(lp)[slot], tops
+
+    @staticmethod
+    def _penalty_rows(rows: list[Request], slot: list[int], B: int) -> tuple[np.ndarray, ...]:
+        """The penalized programs' five rows (history, output_from, presence, frequency, repetition) where some row
+        asks for a penalty, else (): the plain programs, which pay nothing for them."""
+        if not any(r.params.penalized for r in rows):
+            return ()
+        L = bucket(max(len(r.prompt) + len(r.tokens) for r in rows), at_least=16)
+        history, output_from = np.full((B, L), -1, np.int32), np.zeros((B,), np.int32)
+        presence, frequency, repetition = (
+            np.zeros((B,), np.float32),
+            np.zeros((B,), np.float32),
+            np.ones((B,), np.float32),
+        )
+        for i, r in zip(slot, rows):
+            seq = r.prompt + r.tokens
+            history[i, : len(seq)], output_from[i] = seq, len(r.prompt)
+            s = r.params
+            presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
+        return history, output_from, presence, frequency, repetition
 
     # ------------------------------------------------------------------ ends
     def _emit(self, r: Request, token: int, logprob: float) -> bool:

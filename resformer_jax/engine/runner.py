@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resformer_jax.engine.pages import EngineError
-from resformer_jax.engine.sampling import sample_rows
+from resformer_jax.engine.sampling import sample_rows, token_counts
 from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels.names import target_backend
 from resformer_jax.model.attention import PageLayout
@@ -70,23 +70,26 @@ class ModelRunner:
                 return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
 
             self._jit = per_shard
-        self._step_fns: dict[int, Callable] = {}  # step_program(top), made when first run
-        self._decode_fns: dict[tuple[int, int], Callable] = {}  # (k steps a readback, top): decode_program
+        self._step_fns: dict[tuple[int, bool], Callable] = {}  # (top, penalized): step_program, made when first run
+        self._decode_fns: dict[tuple[int, int, bool], Callable] = {}  # (k steps a readback, top, penalized)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
 
-    def step(self, top: int, *args):
-        """step_program(top) over (tokens, positions, table, last, the 5 sampling rows[, targets, carry]); the
-        cache replaced by the updated one. Returns the program's outputs before the cache."""
-        if top not in self._step_fns:
-            self._step_fns[top] = self._jit(step_program(self.model, top), 11 if top else 9, 4 if top else 0)
-        *out, self.cache = self._step_fns[top](self.params, self.cache, *args)
+    def step(self, top: int, penalized: bool, *args):
+        """step_program(top, penalized) over (tokens, positions, table, last, the 5 sampling rows[, the 5 penalty
+        rows][, targets, carry]); the cache replaced by the updated one. Returns the outputs before the cache."""
+        if (top, penalized) not in self._step_fns:
+            program = step_program(self.model, top, penalized)
+            self._step_fns[top, penalized] = self._jit(program, 9 + 2 * bool(top) + 5 * penalized, 4 if top else 0)
+        *out, self.cache = self._step_fns[top, penalized](self.params, self.cache, *args)
         return out
 
-    def decode(self, k: int, top: int, *args):
-        """decode_program(k, top) over (token, positions, table, steps, the 5 sampling rows); as `step`."""
-        if (k, top) not in self._decode_fns:
-            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 9, 3 if top else 0)
-        *out, self.cache = self._decode_fns[k, top](self.params, self.cache, *args)
+    def decode(self, k: int, top: int, penalized: bool, *args):
+        """decode_program(k, top, penalized) over (token, positions, table, steps, the 5 sampling rows[, the 5
+        penalty rows]); as `step`."""
+        if (k, top, penalized) not in self._decode_fns:
+            program = decode_program(self.model, k, top, penalized)
+            self._decode_fns[k, top, penalized] = self._jit(program, 9 + 5 * penalized, 3 if top else 0)
+        *out, self.cache = self._decode_fns[k, top, penalized](self.params, self.cache, *args)
         return out
 
 
@@ -143,7 +146,7 @@ def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
     return params
 
 
-def step_program(model: Transformer, top: int = 0):
+def step_program(model: Transformer, top: int = 0, penalized: bool = False):
     """The engine's one program as a pure function: the paged model over `tokens_BxT` at `positions_BxT` (-1: a
     padding slot, nothing written), each row's pages in `table_BxP`; the LM head at each row's `last_B` token;
     per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with the cache donated;
@@ -153,10 +156,30 @@ def step_program(model: Transformer, top: int = 0):
     the hidden state before the first one, a cached prefix's last): the LM head at the carried state and at every
     position, and after the sampled tokens, per row: log p of tokens_BxT[:, 0] then of targets_BxT [B, T + 1], the
     `top` most likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E]
-    (a page's last is kept with its block): a prompt's log-probabilities read in its prefill."""
+    (a page's last is kept with its block): a prompt's log-probabilities read in its prefill.
+
+    `penalized` (five more arguments before the scored form's: history_BxL, each row's prompt and generated tokens
+    so far with -1 padding, output_from_B, where its generated ones start, and the presence, frequency and
+    repetition penalties a row): the token sampled from penalized logits (sampling.penalized_logits)."""
+    forward = _forward(model, top)
+
+    def program(params, cache, *args):
+        rows, rest = args[:9], args[9:]
+        if not penalized:
+            return forward(params, cache, *rows, (), *rest)
+        (history_BxL, output_from_B, *weights), tgt = rest[:5], rest[5:]
+        counts = token_counts(history_BxL, output_from_B, model.cfg.vocab_size)
+        return forward(params, cache, *rows, (*counts, *weights), *tgt)
+
+    return program
+
+
+def _forward(model: Transformer, top: int):
+    """step_program with the penalties as sampling.penalized_logits takes them (() without)."""
     m = model.cfg
 
-    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B, *tgt):
+    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B,
+                penalties, *tgt):  # fmt: skip
         h_BxTxE, mutated = model.apply(
             {"params": params, "cache": cache},
             tokens_BxT,
@@ -169,7 +192,7 @@ def step_program(model: Transformer, top: int = 0):
         # the LM head as held (serving_params may pad its columns), the padding's logits cut
         width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
         head = lambda h: lm_head_logits(m.replace(vocab_size=width), params, h)[..., : m.vocab_size]
-        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, seed_B, n_B)
+        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, seed_B, n_B, penalties)
         if not top:
             return token_B, logprob_B, mutated["cache"]
         targets_BxT, carry_BxE = tgt
@@ -183,35 +206,42 @@ def step_program(model: Transformer, top: int = 0):
     return forward
 
 
-def decode_program(model: Transformer, k: int, top: int = 0):
+def decode_program(model: Transformer, k: int, top: int = 0, penalized: bool = False):
     """`k` decode steps as one program, read back once (the host's work and the readback paid once for k tokens,
     not per token): each step feeds the token it sampled to the next, a row's K/V written at positions_B,
     positions_B + 1, ... Row b runs its first steps_B[b] steps (its pages reserved for them); after those, and on
     a padding row (position -1), nothing is written. A row's i-th token samples with counter n_B + i, as k single
     steps would. Returns (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the
-    `top` most likely ids [B, K, top], their log-probabilities) at each step."""
-    forward = step_program(model, top)
+    `top` most likely ids [B, K, top], their log-probabilities) at each step. `penalized`: as step_program's, the
+    history holding the token fed; each token sampled counted before the next step samples."""
+    forward = _forward(model, top)
 
-    def decode(params, cache, token_B, positions_B, table_BxP, steps_B, temp_B, topk_B, topp_B, seed_B, n_B):
+    def decode(params, cache, token_B, positions_B, table_BxP, steps_B, temp_B, topk_B, topp_B, seed_B, n_B, *pen):
         B = token_B.shape[0]
         last_B = jnp.zeros((B,), jnp.int32)
+        counts = token_counts(pen[0], pen[1], model.cfg.vocab_size) if penalized else ()
 
         def one(i, carry):
-            cache, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
-            pos_B = jnp.where((positions_B >= 0) & (i < steps_B), positions_B + i, -1)
+            cache, counts, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
+            live_B = (positions_B >= 0) & (i < steps_B)
+            pos_B = jnp.where(live_B, positions_B + i, -1)
             args = (token_B[:, None], pos_B[:, None], table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B + i)
             carried = (token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else ()
-            out = forward(params, cache, *args, *carried)
+            out = forward(params, cache, *args, (*counts, *pen[2:]) if penalized else (), *carried)
             token_B, logprob_B, cache = out[0], out[1], out[-1]
+            if penalized:  # the token sampled joins the row's output for the next step
+                rows_B = jnp.arange(B)
+                counts = (counts[0].at[rows_B, token_B].add(live_B.astype(jnp.int32)),
+                          counts[1].at[rows_B, token_B].set(counts[1][rows_B, token_B] | live_B))  # fmt: skip
             if top:  # score 1: after the token fed (0 is the carried state's, unused here)
                 ids_KxBxN, lps_KxBxN = ids_KxBxN.at[i].set(out[2][1][:, 1]), lps_KxBxN.at[i].set(out[2][2][:, 1])
             tokens_KxB, logprobs_KxB = tokens_KxB.at[i].set(token_B), logprobs_KxB.at[i].set(logprob_B)
-            return cache, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
+            return cache, counts, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
 
         n = max(top, 1)
-        init = (cache, token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
+        init = (cache, counts, token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
                 jnp.zeros((k, B, n), jnp.int32), jnp.zeros((k, B, n), jnp.float32))  # fmt: skip
-        cache, _, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = jax.lax.fori_loop(0, k, one, init)
+        cache, _, _, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = jax.lax.fori_loop(0, k, one, init)
         if not top:
             return tokens_KxB.T, logprobs_KxB.T, cache
         scores = (logprobs_KxB.T, ids_KxBxN.transpose(1, 0, 2), lps_KxBxN.transpose(1, 0, 2))

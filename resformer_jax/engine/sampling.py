@@ -1,5 +1,6 @@
-"""Sampling inside the compiled step, each row with its own settings: greedy at temperature 0, otherwise
-temperature, top-k and nucleus (top-p) over the top-k survivors; a row's randomness is its request's seed folded
+"""Sampling inside the compiled step, each row with its own settings: vLLM's repetition, frequency and presence
+penalties first, then greedy at temperature 0, otherwise temperature, top-k and nucleus (top-p) over the top-k
+survivors; a row's randomness is its request's seed folded
 with the index of the token it samples, so a request samples the same tokens in any batch.
 
 Its notes (the reasons, what was measured): docs/modules.md.
@@ -119,14 +120,39 @@ def first_argmax(x_BxV, max_Bx1):
     return jnp.min(jnp.where((x_BxV == max_Bx1) | jnp.isnan(x_BxV), iota_BxV, x_BxV.shape[-1]), axis=-1)
 
 
-def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B):
-    """(token [B], its log-probability under the model [B]): greedy rows by argmax; the filtering and the draw
-    run only when some row samples."""
+def token_counts(history_BxL, output_from_B, V: int):
+    """(each token's count among a row's generated tokens [B, V] int32, whether it is in the row's prompt or
+    generated tokens [B, V] bool) from the row's tokens so far (-1: padding), generated from output_from_B on."""
+    B, L = history_BxL.shape
+    real_BxL = history_BxL >= 0
+    rows_BxL = jnp.broadcast_to(jnp.arange(B)[:, None], (B, L))
+    ids_BxL = jnp.where(real_BxL, history_BxL, 0)
+    generated_BxL = real_BxL & (jnp.arange(L)[None] >= output_from_B[:, None])
+    counts_BxV = jnp.zeros((B, V), jnp.int32).at[rows_BxL, ids_BxL].add(generated_BxL.astype(jnp.int32))
+    seen_BxV = jnp.zeros((B, V), jnp.int32).at[rows_BxL, ids_BxL].add(real_BxL.astype(jnp.int32)) > 0
+    return counts_BxV, seen_BxV
+
+
+def penalized_logits(logits_BxV, counts_BxV, seen_BxV, presence_B, frequency_B, repetition_B):
+    """vLLM's penalties (its apply_penalties): a token in the prompt or the output has a positive logit divided by
+    the row's repetition penalty and a negative one multiplied by it; then frequency x its count in the output and
+    presence (once, if it is there) are subtracted. Repetition 1 and the others 0 leave the logits as they are."""
+    rep_BxV = jnp.where(seen_BxV, repetition_B[:, None], 1.0).astype(logits_BxV.dtype)
+    x_BxV = jnp.where(logits_BxV > 0, logits_BxV / rep_BxV, logits_BxV * rep_BxV)
+    counts_BxV = counts_BxV.astype(logits_BxV.dtype)
+    return x_BxV - frequency_B[:, None] * counts_BxV - presence_B[:, None] * (counts_BxV > 0)
+
+
+def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B, penalties=()):
+    """(token [B], its log-probability under the model [B], before any penalty, as vLLM's raw logprobs): greedy
+    rows by argmax; the filtering and the draw run only when some row samples. `penalties`: () or
+    penalized_logits's (counts, seen, presence, frequency, repetition)."""
     max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
-    greedy_B = first_argmax(logits_BxV, max_Bx1)
+    chosen_BxV = penalized_logits(logits_BxV, *penalties) if penalties else logits_BxV
+    greedy_B = first_argmax(chosen_BxV, jnp.max(chosen_BxV, axis=-1, keepdims=True) if penalties else max_Bx1)
 
     def sample(_):
-        masked = filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B)
+        masked = filtered_logits(chosen_BxV, temperature_B, top_k_B, top_p_B)
         return jnp.where(temperature_B > 0, draw(row_keys(seeds_B, counters_B), masked), greedy_B)
 
     token_B = jax.lax.cond(jnp.any(temperature_B > 0), sample, lambda _: greedy_B, None)

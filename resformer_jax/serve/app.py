@@ -159,6 +159,9 @@ def sampling_params(
         min_tokens=req.min_tokens,
         logprobs=logprobs.generated,
         prompt_logprobs=logprobs.prompt,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
     )
 
 

@@ -93,6 +93,7 @@ def lm_loss(
     dropout_rng=None,
     z_loss: float = 0.0,
     document_starts: bool = True,
+    rows_B=None,
 ):
     """(the loss to minimise, mean log Z^2 for logging): next-token cross entropy, plus z_loss times the mean
     squared log-normaliser of the logits (PaLM's z-loss) where z_loss > 0. Sequences hold seq_len + 1 tokens:
@@ -102,15 +103,19 @@ def lm_loss(
     at a time (train/loss.py); 0: full logits, then cross entropy. dropout_rng: training with
     model.dropout > 0 (evaluation passes none: no dropout). document_starts=False (packed documents,
     model.document_eot): the target after an end-of-text token, a document's first token predicted from the
-    previous document's end, is left out, and the mean is over the targets kept.
+    previous document's end, is left out, and the mean is over the targets kept. rows_B (bool, evaluation's
+    last batch): only these rows' targets count.
     """
     inputs_BxT, targets_BxT = tokens_BxTp1[:, :-1], tokens_BxTp1[:, 1:]
     eot = model.cfg.document_eot
-    if document_starts or eot < 0:
+    left_out_BxT = None if document_starts or eot < 0 else inputs_BxT == eot
+    if rows_B is not None:
+        outside_BxT = jnp.broadcast_to(~rows_B[:, None], targets_BxT.shape)
+        left_out_BxT = outside_BxT if left_out_BxT is None else left_out_BxT | outside_BxT
+    if left_out_BxT is None:
         return _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss)
-    crossing_BxT = inputs_BxT == eot
-    targets_BxT = jnp.where(crossing_BxT, -1, targets_BxT)  # -1: ignored by both losses
-    scale = targets_BxT.size / jnp.maximum(targets_BxT.size - crossing_BxT.sum(), 1)
+    targets_BxT = jnp.where(left_out_BxT, -1, targets_BxT)  # -1: ignored by both losses
+    scale = targets_BxT.size / jnp.maximum(targets_BxT.size - left_out_BxT.sum(), 1)
     loss, z_mean = _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss)
     return loss * scale, z_mean * scale
 
@@ -242,7 +247,7 @@ def make_train_step(
 
 
 def make_eval_step(model, loss_chunk_len: int = LOSS_CHUNK_LEN, document_starts: bool = True):
-    def eval_step(params, tokens_BxTp1):
-        return loss_fn(params, model, tokens_BxTp1, loss_chunk_len, document_starts=document_starts)
+    def eval_step(params, tokens_BxTp1, rows_B=None):
+        return lm_loss(params, model, tokens_BxTp1, loss_chunk_len, None, 0.0, document_starts, rows_B)[0]
 
     return eval_step
