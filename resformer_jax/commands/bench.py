@@ -237,8 +237,13 @@ def run_decode(modes: list[str]) -> list[dict]:
     from resformer_jax.benchmarks.decode import bench_decode, bench_decode_matrix
     from resformer_jax.engine import SamplingParams
 
-    knobs = ("temperature", "top_k", "top_p", "frequency_penalty", "repetition_penalty")
-    sampling = SamplingParams(**{k: getattr(FLAGS, k) for k in knobs})
+    sampling = SamplingParams(
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
+        top_p=FLAGS.top_p,
+        frequency_penalty=FLAGS.frequency_penalty,
+        repetition_penalty=FLAGS.repetition_penalty,
+    )
     sampling.check()  # a knob out of range: one line naming it
     models = [RunConfig.of(c).model for c in _variants(modes, [FLAGS.config.model.dtype])]
     if FLAGS.matrix:
