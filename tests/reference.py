@@ -374,11 +374,14 @@ def hf_llama_greedy_numpy(sd, cfg, prompt, new_tokens):
     return out, cache
 
 
-def penalize(logits, prompt, output, presence=0.0, frequency=0.0, repetition=1.0):
-    """vLLM's penalties on one position's logits [V], as its apply_penalties writes them: a token of the prompt or
-    the output has its logit divided by `repetition` where positive and multiplied by it otherwise; then
-    frequency times the token's count in the output, and presence where the count is not 0, subtracted."""
+def penalize(logits, prompt, output, presence=0.0, frequency=0.0, repetition=1.0, logit_bias=()):
+    """OpenAI's logit bias ((token, bias) pairs added), then vLLM's penalties on one position's logits [V], as its
+    apply_penalties writes them: a token of the prompt or the output has its logit divided by `repetition` where
+    positive and multiplied by it otherwise; then frequency times the token's count in the output, and presence
+    where the count is not 0, subtracted."""
     x = np.asarray(logits, np.float32).copy()
+    for t, bias in logit_bias:
+        x[t] += np.float32(bias)
     seen = np.zeros(x.shape, bool)
     seen[list(prompt) + list(output)] = True
     counts = np.bincount(np.asarray(output, np.int64), minlength=x.size).astype(np.float32)
@@ -390,7 +393,8 @@ def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None, pen
     """The engine's oracle: greedy decoding with no cache at all, the full forward over the whole prefix for each
     new token. logits_fn: tokens [1, T] -> logits [1, T, V]. pad_to: the prefix right-padded to this length (a
     causal model's logits at a position do not see the padding after it; one shape, one compile). eos_id: stop
-    after it (kept). penalties: `penalize`'s (presence, frequency, repetition), applied before the argmax."""
+    after it (kept). penalties: `penalize`'s (presence, frequency, repetition[, logit_bias]), applied before the
+    argmax."""
     seq = [int(t) for t in prompt]
     for _ in range(new_tokens):
         tokens = np.zeros((1, pad_to or len(seq)), np.int32)

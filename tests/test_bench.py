@@ -197,7 +197,7 @@ def test_eigen_cpu_step_gives_the_general_steps_loss_and_gradients(monkeypatch):
         compiled, _, _ = setup.compile()
         hlo = compiled.as_text()
         state, metrics = compiled(setup.init_state(), tokens)
-        val = setup.eval_step(state.params, tokens)
+        val = setup.eval_step(state.params, tokens)[0]
         runs[name] = (setup.compiler_options, hlo.count('"__ynn_fusion"'), metrics, state.params, val)
     (opt_e, ynn_e, m_e, p_e, v_e), (opt_g, ynn_g, m_g, p_g, v_g) = runs["eigen"], runs["general"]
     assert opt_e == {"xla_cpu_experimental_ynn_fusion_type": ""} and opt_g == {}

@@ -206,6 +206,29 @@ def test_a_packed_batchs_loss_is_the_documents_loss_run_separately(chunk_len):
     assert float(counted) != pytest.approx(want, rel=1e-4)
 
 
+def test_the_eval_step_counts_the_targets_its_mean_is_over():
+    """make_eval_step gives (mean, targets counted): end-of-text crossings and rows outside rows_B left out, so a
+    split's loss weighted by the counts is the mean over every target kept, whatever the batches."""
+    from resformer_jax.train.step import make_eval_step
+
+    c = tiny_config("resformer")
+    c.model.update(dtype="float32", attention_impl="chunked", document_eot=EOT)
+    m = for_backend(ModelConfig.of(c.model))
+    rows = np.concatenate([packed(np.random.default_rng(s), m.vocab_size)[0] for s in range(3)])
+    rows[1, 3] = EOT  # another crossing: the rows count differently
+    model = Transformer(m)
+    params = nn.unbox(model.init(jax.random.PRNGKey(1), jnp.asarray(rows))["params"])
+    step = jax.jit(make_eval_step(model, 8, document_starts=False))
+    logits = model.apply({"params": params}, jnp.asarray(rows[:, :-1]))
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(rows[:, 1:, None]), -1)[..., 0]
+    kept = rows[:, :-1] != EOT
+    for rows_B in (np.array([True, True, True]), np.array([True, False, True])):
+        loss, counted = step(params, jnp.asarray(rows), jnp.asarray(rows_B))
+        mask = kept & rows_B[:, None]
+        assert int(counted) == int(mask.sum()) and int(counted) < rows[:, 1:].size
+        assert float(loss) == pytest.approx(float(jnp.sum(nll * mask) / mask.sum()), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_a_run_with_document_masking_trains_records_its_token_and_resumes(tmp_path):
     """data.document_mask on a run: the end-of-text token is resolved into the run's record (model.document_eot),

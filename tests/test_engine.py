@@ -63,25 +63,31 @@ def test_greedy_tokens_equal_the_cache_free_forward(variant):
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalties(decode_steps):
-    """Presence, frequency and repetition penalties (vLLM's, tests/reference.penalize) on the cache-free forward's
-    logits give the engine's greedy tokens, through the prefill step and k decode steps a readback, each row with
-    its own penalties beside a row with none (whose tokens stay the plain greedy ones); the penalties change the
-    output (a test that could not fail otherwise)."""
+    """A logit bias (OpenAI's), then presence, frequency and repetition penalties (vLLM's), as
+    tests/reference.penalize applies them to the cache-free forward's logits, give the engine's greedy tokens,
+    through the prefill step and k decode steps a readback, each row with its own beside a row with none (whose
+    tokens stay the plain greedy ones); they change the output (a test that could not fail otherwise)."""
     m, params = peaky_model("svformer")
     rng = np.random.default_rng(4)
-    prompts = prompts_of(rng, 4, m.vocab_size, lo=2, hi=12)
-    settings = [(0.0, 0.0, 1.0), (0.0, 2.0, 1.0), (1.5, 0.0, 1.0), (0.5, 0.5, 1.8)]
+    prompts = prompts_of(rng, 5, m.vocab_size, lo=2, hi=12)
+    plain = [model_greedy(m, params, p, 12) for p in prompts]
+    ban = ((plain[4][0], -100.0), (plain[4][1], -100.0), (3, 2.5))  # the plain first tokens ruled out
+    settings = [(0.0, 0.0, 1.0, ()), (0.0, 2.0, 1.0, ()), (1.5, 0.0, 1.0, ()), (0.5, 0.5, 1.8, ()), (0, 0, 1, ban)]
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16,
                     decode_steps=decode_steps)  # fmt: skip
-    params_of = [SamplingParams(max_tokens=12, presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
-                 for p, f, r in settings]  # fmt: skip
+    params_of = [SamplingParams(max_tokens=12, presence_penalty=p, frequency_penalty=f, repetition_penalty=r,
+                                logit_bias=bias) for p, f, r, bias in settings]  # fmt: skip
     got = engine.generate(prompts, params_of)
     changed = 0
-    for p, pen, r in zip(prompts, settings, got):
+    for p, pen, r, base in zip(prompts, settings, got, plain):
         want = model_greedy(m, params, p, 12, penalties=pen)
         assert r.tokens == want, f"penalties {pen}: prompt of {len(p)} tokens"
-        changed += want != model_greedy(m, params, p, 12)
-    assert changed >= 2, "the penalties changed no row's tokens: this test would pass without them"
+        changed += want != base
+    assert changed >= 3 and got[4].tokens != plain[4], "the penalties changed too little: this test could pass without"
+    with pytest.raises(EngineError, match=r"logit_bias names token ids outside the vocabulary"):
+        engine.submit([1, 2], SamplingParams(logit_bias=((m.vocab_size, 1.0),)))
+    with pytest.raises(EngineError, match=r"min_p=1.5: must be in \[0, 1\]"):
+        engine.submit([1, 2], SamplingParams(min_p=1.5))
     with pytest.raises(EngineError, match=r"frequency_penalty=2.5: must be in \[-2, 2\]"):
         engine.submit([1, 2], SamplingParams(frequency_penalty=2.5))
     with pytest.raises(EngineError, match="repetition_penalty=0.0: must be a number > 0"):

@@ -1,5 +1,5 @@
-"""The engine's sampler (engine/sampling.py) against plain sort-based references: the top-k and top-p sets, the
-draw's frequencies, greedy's argmax and the log-probabilities."""
+"""The engine's sampler (engine/sampling.py) against plain sort-based references: the min-p, top-k and top-p sets,
+the draw's frequencies, greedy's argmax and the log-probabilities, the logit bias and penalties."""
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +9,16 @@ import pytest
 from resformer_jax.engine import sampling
 
 
-def reference_kept(x_V, temperature, top_k, top_p):
-    """The tokens a row keeps, by sorting (what vLLM's and HF's samplers do): the logits at least the k-th
-    largest; then, over a softmax of exactly those k largest, the smallest prefix reaching top_p and the ties of
-    its last logit."""
+def reference_kept(x_V, temperature, top_k, top_p, min_p=0.0):
+    """The tokens a row keeps, as vLLM's sampler orders it: min-p (probabilities at least min_p times the largest,
+    its apply_min_p); then by sorting (what vLLM's and HF's samplers do) the logits at least the k-th largest;
+    then, over a softmax of exactly those k largest, the smallest prefix reaching top_p and the ties of its last
+    logit."""
     V = x_V.shape[0]
     s = x_V / (temperature if temperature > 0 else 1.0)
+    if min_p > 0:
+        p = np.exp(s.astype(np.float64) - s.max())
+        s = np.where(p < min_p * p.max(), -np.inf, s)
     order = np.sort(s)[::-1]
     k = min(top_k, V) if top_k > 0 else V
     keep = (s >= order[k - 1]) & np.isfinite(s)  # a -inf logit stays ruled out
@@ -29,7 +33,8 @@ def reference_kept(x_V, temperature, top_k, top_p):
 @pytest.mark.parametrize("by_sort", [False, True], ids=["bisection", "sort"])
 @pytest.mark.parametrize("ties", [False, True])
 def test_top_k_and_top_p_keep_what_sorting_keeps(ties, by_sort):
-    """Both ways the engine filters (bisection on a CPU or TPU, a sort on a GPU) keep the reference's tokens."""
+    """Both ways the engine filters (bisection on a CPU or TPU, a sort on a GPU) keep the reference's tokens, min-p
+    rows among them."""
     rng = np.random.default_rng(1 + ties)
     filtered = jax.jit(lambda *a: sampling.filtered_logits(*a, by_sort=by_sort))
     for _ in range(12):
@@ -42,9 +47,11 @@ def test_top_k_and_top_p_keep_what_sorting_keeps(ties, by_sort):
         top_k = rng.choice([0, 1, 2, 5, 50, V, V + 3], B).astype(np.int32)
         # top_p away from where float rounding of the mass could move the edge by a token
         top_p = rng.choice([1.0, 0.9, 0.5, 0.01], B).astype(np.float32)
-        got = np.asarray(filtered(x, temperature, top_k, top_p))
+        # min_p away from a probability ratio float rounding could put on either side
+        min_p = rng.choice([0.0, 0.0, 0.05, 0.3], B).astype(np.float32)
+        got = np.asarray(filtered(x, temperature, top_k, top_p, min_p))
         for b in range(B):
-            want = reference_kept(x[b], temperature[b], top_k[b], top_p[b])
+            want = reference_kept(x[b], temperature[b], top_k[b], top_p[b], min_p[b])
             np.testing.assert_array_equal(np.isfinite(got[b]), want, err_msg=f"row {b}: k={top_k[b]} p={top_p[b]}")
             np.testing.assert_array_equal(got[b][want], x[b][want] / temperature[b])
 
@@ -78,6 +85,7 @@ def test_greedy_and_log_probabilities_equal_argmax_and_log_softmax():
         temperature,
         jnp.full((B,), 40, jnp.int32),
         jnp.full((B,), 0.9),
+        jnp.zeros((B,)),
         jnp.arange(B, dtype=jnp.uint32),
         jnp.zeros((B,), jnp.int32),
     )
@@ -86,3 +94,31 @@ def test_greedy_and_log_probabilities_equal_argmax_and_log_softmax():
     np.testing.assert_array_equal(logprob, want)  # the model's log-probability, bit for bit
     top40 = np.argsort(-y, axis=-1)[:, :40]
     assert all(int(token[b]) in top40[b] for b in range(1, B, 2))
+
+
+def test_logit_bias_then_penalties_as_vllm_orders_them():
+    """penalized_logits adds each row's logit bias before vLLM's penalties (its Sampler: logits processors, then
+    apply_penalties), a padding entry (bias 0) changing nothing; sample_rows's log-probability stays the model's."""
+    from reference import penalize
+
+    rng = np.random.default_rng(5)
+    B, V = 3, 50
+    x = rng.standard_normal((B, V)).astype(np.float32) * 3
+    prompt, output = [1, 2, 3], [4, 4, 9]
+    counts, seen = sampling.token_counts(jnp.asarray([prompt + output] * B), jnp.full((B,), 3), V)
+    bias_ids = jnp.asarray([[9, 30, 0, 0], [0, 0, 0, 0], [4, 0, 0, 0]], jnp.int32)
+    biases = jnp.asarray([[-100.0, 100.0, 0, 0], [0, 0, 0, 0], [5.0, 0, 0, 0]])
+    weights = (jnp.full((B,), 0.5), jnp.full((B,), 0.25), jnp.full((B,), 1.3))
+    got = np.asarray(sampling.penalized_logits(jnp.asarray(x), counts, seen, *weights, bias_ids, biases))
+    for b in range(B):
+        biased = x[b].copy()
+        for t, v in zip(np.asarray(bias_ids[b]), np.asarray(biases[b])):
+            biased[t] += v
+        np.testing.assert_allclose(got[b], penalize(biased, prompt, output, 0.5, 0.25, 1.3), rtol=1e-6)
+    penalties = (counts, seen, *weights, bias_ids, biases)
+    zeros = jnp.zeros((B,))
+    args = (zeros, zeros.astype(jnp.int32), zeros + 1, zeros, zeros.astype(jnp.uint32), zeros.astype(jnp.int32))
+    token, logprob = sampling.sample_rows(jnp.asarray(x), *args, penalties)
+    assert int(token[0]) == 30 and int(token[1]) == int(np.argmax(got[1]))
+    want = np.take_along_axis(np.asarray(jax.nn.log_softmax(x, axis=-1)), np.asarray(token)[:, None], axis=-1)[:, 0]
+    np.testing.assert_array_equal(logprob, want)

@@ -162,6 +162,33 @@ def test_the_openai_sdks_penalties_are_applied_as_vllm_applies_them(server, run_
     assert changed, "no penalty changed the text: this test would pass without them"
 
 
+def test_the_openai_sdks_logit_bias_and_vllms_min_p_are_applied(server, run_dir):
+    """logit_bias as the openai SDK sends it (token ids as strings, clipped to [-100, 100]) gives the cache-free
+    greedy text under that bias (tests/reference.penalize), not the plain one; min_p=1 in extra_body (vLLM's) keeps
+    only the most likely token, so sampling at temperature 1.5 gives the greedy text."""
+    from reference import model_greedy
+
+    from resformer_jax.load import load_run
+    from resformer_jax.rundir import RunDir
+
+    cfg, params, _ = load_run(run_dir)
+    tok = RunDir(run_dir).tokenizer()
+    eot = tok.token_to_id("<|endoftext|>")
+    client = server.client()
+    prompt = PROMPTS[0]
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    plain = model_greedy(cfg.model, params, ids, 12, eos_id=eot)
+    bias = {str(plain[0]): -500, str(plain[1]): -100}  # -500 is clipped to -100
+    ruled_out = [(plain[0], -100), (plain[1], -100)]
+    new = model_greedy(cfg.model, params, ids, 12, eos_id=eot, penalties=(0, 0, 1, ruled_out))
+    new = new[: new.index(eot)] if eot in new else new
+    got = greedy(client, prompt, logit_bias=bias).text
+    assert got == tok.decode(new) and got != greedy(client, prompt).text, (got, tok.decode(new))
+    r = client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=1.5, seed=3,
+                                  extra_body={"min_p": 1.0})  # fmt: skip
+    assert r.choices[0].text == greedy(client, prompt).text
+
+
 def test_32_concurrent_clients_get_their_single_request_outputs(server):
     client = server.client()
     rng = np.random.default_rng(0)
@@ -204,6 +231,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
         ({"prompt": "def", "logprobs": 21}, 400, "'logprobs' Input should be less than or equal to 20"),
         ({"prompt": "def", "frequency_penalty": 2.5}, 400, "'frequency_penalty' Input should be less than or equal"),
         ({"prompt": "def", "repetition_penalty": 0}, 400, "'repetition_penalty' Input should be greater than 0"),
+        ({"prompt": "def", "min_p": 1.5}, 400, "'min_p' Input should be less than or equal to 1"),
+        ({"prompt": "def", "logit_bias": {"the": 5}}, 400, "logit_bias key 'the': must be a token id"),
+        ({"prompt": "def", "logit_bias": {"99999999": 5}}, 400, "logit_bias names token ids outside the vocabulary"),
         ({"prompt": [[1, 2], "x"]}, 400, "'prompt"),
         ({"prompt": "def", "model": "gpt-4"}, 404, "does not exist"),
         ({"max_tokens": 4}, 400, "'prompt' is required"),

@@ -42,7 +42,6 @@ def validation_table(cfg, params, data: str | None, batch: int, say=print) -> di
     sets = validation_sets(cfg, batch, 0, all_records=True)
     total, done, t0, last = sum(len(b) for b in sets.values()), 0, time.perf_counter(), time.perf_counter()
     say(f"validation: {total} batches of {batch} sequences over {len(sets)} domains (the first compiles) ...")
-    eot = cfg.model.document_eot if not cfg.data.document_start_loss else -1
     table = {}
     for dom, batches in sets.items():
         summed, counted = 0.0, 0  # a domain's loss over every target of its split: each batch's mean x its targets
@@ -50,9 +49,9 @@ def validation_table(cfg, params, data: str | None, batch: int, say=print) -> di
             # the last batch, short of `batch` sequences: filled with rows whose targets are left out (one shape)
             rows = np.arange(batch) < len(b)
             full = np.concatenate([b, np.zeros((batch - len(b), b.shape[1]), b.dtype)]) if len(b) < batch else b
-            targets = b[:, 1:].size - (int(np.sum(b[:, :-1] == eot)) if eot >= 0 else 0)
-            summed += float(f(params, full, rows)) * targets
-            counted += targets
+            loss, targets = f(params, full, rows)
+            summed += float(loss) * int(targets)
+            counted += int(targets)
             done += 1
             if time.perf_counter() - last > 10 or done == total:  # a word at least every 10 s
                 last = time.perf_counter()

@@ -28,6 +28,7 @@ flags.DEFINE_float("cache_gib", 0.0, "The paged KV cache's size in GiB, a device
 flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
+flags.DEFINE_float("min_p", 0.0, "Sample only tokens at least this times as likely as the most likely (0: off).")
 flags.DEFINE_float("presence_penalty", 0.0, "Subtracted from a token's logit once it is in the output (vLLM's).")
 flags.DEFINE_float("frequency_penalty", 0.0, "Subtracted from a token's logit per time it is in the output.")
 flags.DEFINE_float("repetition_penalty", 1.0, "A prompt or output token's logit divided by it (> 1 repeats less).")
@@ -42,7 +43,15 @@ flags.DEFINE_integer(
 FLAGS = flags.FLAGS
 
 
-SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def sampling_knobs() -> dict:

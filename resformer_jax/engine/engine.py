@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,10 +47,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0  # vLLM's: a sampled token at least min_p times as likely as the most likely (0: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's (token id, added to its logit) pairs, before penalties
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        """Whether the row needs the penalized programs: a penalty or a logit bias."""
+        penalty = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return penalty or bool(self.logit_bias)
 
     def check(self) -> None:
         least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt scored only
@@ -70,6 +75,10 @@ class SamplingParams:
                 raise EngineError(f"{name}={getattr(self, name)!r}: must be in [-2, 2] (0: off)")
         if not 0 < self.repetition_penalty < float("inf"):
             raise EngineError(f"repetition_penalty={self.repetition_penalty!r}: must be a number > 0 (1: off)")
+        if not 0 <= self.min_p <= 1:
+            raise EngineError(f"min_p={self.min_p!r}: must be in [0, 1] (0: off)")
+        if not all(math.isfinite(b) for _, b in self.logit_bias):
+            raise EngineError("logit_bias: every bias must be a finite number")
 
 
 @dataclasses.dataclass(eq=False)
@@ -240,6 +249,8 @@ class Engine:
             raise EngineError("the prompt is empty; give at least one token")
         if any(t < 0 or t >= m.vocab_size for t in prompt):
             raise EngineError(f"the prompt holds token ids outside the vocabulary [0, {m.vocab_size})")
+        if outside := sorted(t for t, _ in params.logit_bias if not 0 <= t < m.vocab_size):
+            raise EngineError(f"logit_bias names token ids outside the vocabulary [0, {m.vocab_size}): {outside[:5]}")
         if len(prompt) + params.max_tokens > self.max_len:
             raise EngineError(
                 f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_tokens}) exceed the model's context "
@@ -533,16 +544,17 @@ class Engine:
         tokens, positions = np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32)
         last, table = np.zeros((B,), np.int32), np.zeros((B, Pn), np.int32)
         temperature, top_k = np.zeros((B,), np.float32), np.zeros((B,), np.int32)
-        top_p, seeds, counters = np.ones((B,), np.float32), np.zeros((B,), np.uint32), np.zeros((B,), np.int32)
+        top_p, min_p = np.ones((B,), np.float32), np.zeros((B,), np.float32)
+        seeds, counters = np.zeros((B,), np.uint32), np.zeros((B,), np.int32)
         for i, r, new in zip(slot, rows, new_tokens):
             tokens[i, : len(new)] = new
             positions[i, : len(new)] = np.arange(r.cached, r.cached + len(new))
             last[i] = len(new) - 1
             table[i, : len(r.pages)] = r.pages
             s = r.params
-            temperature[i], top_k[i], top_p[i], seeds[i] = s.temperature, s.top_k, s.top_p, s.seed % 2**32
-            counters[i] = len(r.tokens)
-        sampling = (temperature, top_k, top_p, seeds, counters)
+            temperature[i], top_k[i], top_p[i], min_p[i] = s.temperature, s.top_k, s.top_p, s.min_p
+            seeds[i], counters[i] = s.seed % 2**32, len(r.tokens)
+        sampling = (temperature, top_k, top_p, min_p, seeds, counters)
         penalties = self._penalty_rows(rows, slot, B)
         if steps is None:
             self.stats.compiled_shapes.add((B, T, Pn, 1))
@@ -574,8 +586,9 @@ class Engine:
 
     @staticmethod
     def _penalty_rows(rows: list[Request], slot: list[int], B: int) -> tuple[np.ndarray, ...]:
-        """The penalized programs' five rows (history, output_from, presence, frequency, repetition) where some row
-        asks for a penalty, else (): the plain programs, which pay nothing for them."""
+        """The penalized programs' seven rows (history, output_from, presence, frequency, repetition, bias ids,
+        biases) where some row asks for a penalty or a logit bias, else (): the plain programs, which pay nothing
+        for them."""
         if not any(r.params.penalized for r in rows):
             return ()
         L = bucket(max(len(r.prompt) + len(r.tokens) for r in rows), at_least=16)
@@ -585,12 +598,16 @@ class Engine:
             np.zeros((B,), np.float32),
             np.ones((B,), np.float32),
         )
+        K = bucket(max(len(r.params.logit_bias) for r in rows), at_least=4)
+        bias_ids, biases = np.zeros((B, K), np.int32), np.zeros((B, K), np.float32)  # padding: 0 added to token 0
         for i, r in zip(slot, rows):
             seq = r.prompt + r.tokens
             history[i, : len(seq)], output_from[i] = seq, len(r.prompt)
             s = r.params
             presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
-        return history, output_from, presence, frequency, repetition
+            for j, (t, b) in enumerate(s.logit_bias):
+                bias_ids[i, j], biases[i, j] = t, b
+        return history, output_from, presence, frequency, repetition, bias_ids, biases
 
     # ------------------------------------------------------------------ ends
     def _emit(self, r: Request, token: int, logprob: float) -> bool:

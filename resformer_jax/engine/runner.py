@@ -26,6 +26,9 @@ from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import Transformer, lm_head_logits, pool_shapes, unrolled_params
 
+ROW_ARGS = 10  # a step's rows: tokens, positions, table, last; temperature, top_k, top_p, min_p, seed, counter
+PENALTY_ARGS = 7  # the penalized programs' more: history, output_from, presence, frequency, repetition, bias ids, bias
+
 
 def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
     """The power of `base` >= n (and >= at_least): the shapes a step is compiled for."""
@@ -62,7 +65,7 @@ class ModelRunner:
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
 
-            def per_shard(program, row_args: int = 9, scored: int = 0):  # after (params, cache); scores out
+            def per_shard(program, row_args: int = ROW_ARGS, scored: int = 0):  # after (params, cache); scores out
                 in_specs = (P(), cache_spec) + (row_spec,) * row_args
                 scores = ((row_spec,) * scored,) if scored else ()
                 out_specs = (row_spec, row_spec, *scores, cache_spec)
@@ -75,20 +78,22 @@ class ModelRunner:
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
 
     def step(self, top: int, penalized: bool, *args):
-        """step_program(top, penalized) over (tokens, positions, table, last, the 5 sampling rows[, the 5 penalty
+        """step_program(top, penalized) over (tokens, positions, table, last, the 6 sampling rows[, the 7 penalty
         rows][, targets, carry]); the cache replaced by the updated one. Returns the outputs before the cache."""
         if (top, penalized) not in self._step_fns:
             program = step_program(self.model, top, penalized)
-            self._step_fns[top, penalized] = self._jit(program, 9 + 2 * bool(top) + 5 * penalized, 4 if top else 0)
+            rows = ROW_ARGS + 2 * bool(top) + PENALTY_ARGS * penalized
+            self._step_fns[top, penalized] = self._jit(program, rows, 4 if top else 0)
         *out, self.cache = self._step_fns[top, penalized](self.params, self.cache, *args)
         return out
 
     def decode(self, k: int, top: int, penalized: bool, *args):
-        """decode_program(k, top, penalized) over (token, positions, table, steps, the 5 sampling rows[, the 5
+        """decode_program(k, top, penalized) over (token, positions, table, steps, the 6 sampling rows[, the 7
         penalty rows]); as `step`."""
         if (k, top, penalized) not in self._decode_fns:
             program = decode_program(self.model, k, top, penalized)
-            self._decode_fns[k, top, penalized] = self._jit(program, 9 + 5 * penalized, 3 if top else 0)
+            rows = ROW_ARGS + PENALTY_ARGS * penalized
+            self._decode_fns[k, top, penalized] = self._jit(program, rows, 3 if top else 0)
         *out, self.cache = self._decode_fns[k, top, penalized](self.params, self.cache, *args)
         return out
 
@@ -158,16 +163,17 @@ def step_program(model: Transformer, top: int = 0, penalized: bool = False):
     `top` most likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E]
     (a page's last is kept with its block): a prompt's log-probabilities read in its prefill.
 
-    `penalized` (five more arguments before the scored form's: history_BxL, each row's prompt and generated tokens
-    so far with -1 padding, output_from_B, where its generated ones start, and the presence, frequency and
-    repetition penalties a row): the token sampled from penalized logits (sampling.penalized_logits)."""
+    `penalized` (seven more arguments before the scored form's: history_BxL, each row's prompt and generated tokens
+    so far with -1 padding, output_from_B, where its generated ones start, the presence, frequency and repetition
+    penalties a row, and its logit bias as ids and values [B, K]): the token sampled from the logits
+    sampling.penalized_logits makes."""
     forward = _forward(model, top)
 
     def program(params, cache, *args):
-        rows, rest = args[:9], args[9:]
+        rows, rest = args[:ROW_ARGS], args[ROW_ARGS:]
         if not penalized:
             return forward(params, cache, *rows, (), *rest)
-        (history_BxL, output_from_B, *weights), tgt = rest[:5], rest[5:]
+        (history_BxL, output_from_B, *weights), tgt = rest[:PENALTY_ARGS], rest[PENALTY_ARGS:]
         counts = token_counts(history_BxL, output_from_B, model.cfg.vocab_size)
         return forward(params, cache, *rows, (*counts, *weights), *tgt)
 
@@ -178,8 +184,8 @@ def _forward(model: Transformer, top: int):
     """step_program with the penalties as sampling.penalized_logits takes them (() without)."""
     m = model.cfg
 
-    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B,
-                penalties, *tgt):  # fmt: skip
+    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, minp_B, seed_B,
+                n_B, penalties, *tgt):  # fmt: skip
         h_BxTxE, mutated = model.apply(
             {"params": params, "cache": cache},
             tokens_BxT,
@@ -192,7 +198,7 @@ def _forward(model: Transformer, top: int):
         # the LM head as held (serving_params may pad its columns), the padding's logits cut
         width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
         head = lambda h: lm_head_logits(m.replace(vocab_size=width), params, h)[..., : m.vocab_size]
-        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, seed_B, n_B, penalties)
+        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, minp_B, seed_B, n_B, penalties)
         if not top:
             return token_B, logprob_B, mutated["cache"]
         targets_BxT, carry_BxE = tgt
@@ -216,7 +222,8 @@ def decode_program(model: Transformer, k: int, top: int = 0, penalized: bool = F
     history holding the token fed; each token sampled counted before the next step samples."""
     forward = _forward(model, top)
 
-    def decode(params, cache, token_B, positions_B, table_BxP, steps_B, temp_B, topk_B, topp_B, seed_B, n_B, *pen):
+    def decode(params, cache, token_B, positions_B, table_BxP, steps_B, *sampling_and_penalties):
+        (temp_B, topk_B, topp_B, minp_B, seed_B, n_B), pen = sampling_and_penalties[:6], sampling_and_penalties[6:]
         B = token_B.shape[0]
         last_B = jnp.zeros((B,), jnp.int32)
         counts = token_counts(pen[0], pen[1], model.cfg.vocab_size) if penalized else ()
@@ -225,7 +232,8 @@ def decode_program(model: Transformer, k: int, top: int = 0, penalized: bool = F
             cache, counts, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
             live_B = (positions_B >= 0) & (i < steps_B)
             pos_B = jnp.where(live_B, positions_B + i, -1)
-            args = (token_B[:, None], pos_B[:, None], table_BxP, last_B, temp_B, topk_B, topp_B, seed_B, n_B + i)
+            sampling = (temp_B, topk_B, topp_B, minp_B, seed_B, n_B + i)
+            args = (token_B[:, None], pos_B[:, None], table_BxP, last_B, *sampling)
             carried = (token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else ()
             out = forward(params, cache, *args, (*counts, *pen[2:]) if penalized else (), *carried)
             token_B, logprob_B, cache = out[0], out[1], out[-1]
@@ -263,6 +271,7 @@ def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) 
         S((rows,), f32),  # temperature
         S((rows,), i32),  # top_k
         S((rows,), f32),  # top_p
+        S((rows,), f32),  # min_p
         S((rows,), jnp.uint32),  # seed
         S((rows,), i32),  # tokens generated so far
     )

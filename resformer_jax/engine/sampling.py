@@ -1,6 +1,6 @@
-"""Sampling inside the compiled step, each row with its own settings: vLLM's repetition, frequency and presence
-penalties first, then greedy at temperature 0, otherwise temperature, top-k and nucleus (top-p) over the top-k
-survivors; a row's randomness is its request's seed folded
+"""Sampling inside the compiled step, each row with its own settings, in vLLM's order: OpenAI's logit bias and
+vLLM's repetition, frequency and presence penalties first, then greedy at temperature 0, otherwise temperature,
+min-p, top-k and nucleus (top-p) over the top-k survivors; a row's randomness is its request's seed folded
 with the index of the token it samples, so a request samples the same tokens in any batch.
 
 Its notes (the reasons, what was measured): docs/modules.md.
@@ -39,13 +39,17 @@ def largest_key_where(lo_B, hi_B, holds):
     return jax.lax.fori_loop(0, BISECTIONS, halve, (lo_B, hi_B))[0]
 
 
-def filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B, by_sort: bool | None = None):
-    """Logits / temperature with the tokens outside each row's top-k and top-p set to -inf. The top-k are the
-    logits at least the k-th largest (its ties kept); the nucleus is the smallest run of the top-k, largest first,
-    whose probability (a softmax over exactly k of them) reaches top_p, and its last logit's ties. by_sort (default:
-    on a GPU) finds both by sorting each row, else by bisection (`_bisected`)."""
+def filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B, by_sort: bool | None = None):
+    """Logits / temperature with the tokens outside each row's min-p, top-k and top-p set to -inf. Min-p (vLLM's)
+    rules out a token less likely than min_p times the most likely one; the top-k are the logits at least the k-th
+    largest (its ties kept); the nucleus is the smallest run of the top-k, largest first, whose probability (a
+    softmax over exactly k of them) reaches top_p, and its last logit's ties. by_sort (default: on a GPU) finds
+    both by sorting each row, else by bisection (`_bisected`)."""
     V = logits_BxV.shape[-1]
     scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    # p < min_p * p_max, as log-probabilities: the softmax's normaliser cancels
+    floor_Bx1 = jnp.max(scaled_BxV, axis=-1, keepdims=True) + jnp.log(jnp.where(min_p_B > 0, min_p_B, 1.0))[:, None]
+    scaled_BxV = jnp.where((min_p_B[:, None] > 0) & (scaled_BxV < floor_Bx1), -jnp.inf, scaled_BxV)
     k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
     if target_backend() == "gpu" if by_sort is None else by_sort:
         return _sorted(scaled_BxV, k_B, top_p_B)
@@ -133,26 +137,29 @@ def token_counts(history_BxL, output_from_B, V: int):
     return counts_BxV, seen_BxV
 
 
-def penalized_logits(logits_BxV, counts_BxV, seen_BxV, presence_B, frequency_B, repetition_B):
-    """vLLM's penalties (its apply_penalties): a token in the prompt or the output has a positive logit divided by
-    the row's repetition penalty and a negative one multiplied by it; then frequency x its count in the output and
-    presence (once, if it is there) are subtracted. Repetition 1 and the others 0 leave the logits as they are."""
+def penalized_logits(logits_BxV, counts_BxV, seen_BxV, presence_B, frequency_B, repetition_B, bias_ids_BxK, bias_BxK):
+    """OpenAI's logit bias (bias_BxK added to the logits of bias_ids_BxK; padding: bias 0), then vLLM's penalties
+    (its apply_penalties): a token in the prompt or the output has a positive logit divided by the row's
+    repetition penalty and a negative one multiplied by it; then frequency x its count in the output and presence
+    (once, if it is there) are subtracted. Repetition 1, the others 0 and no bias leave the logits as they are."""
+    rows_BxK = jnp.broadcast_to(jnp.arange(logits_BxV.shape[0])[:, None], bias_ids_BxK.shape)
+    logits_BxV = logits_BxV.at[rows_BxK, bias_ids_BxK].add(bias_BxK.astype(logits_BxV.dtype))
     rep_BxV = jnp.where(seen_BxV, repetition_B[:, None], 1.0).astype(logits_BxV.dtype)
     x_BxV = jnp.where(logits_BxV > 0, logits_BxV / rep_BxV, logits_BxV * rep_BxV)
     counts_BxV = counts_BxV.astype(logits_BxV.dtype)
     return x_BxV - frequency_B[:, None] * counts_BxV - presence_B[:, None] * (counts_BxV > 0)
 
 
-def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B, penalties=()):
-    """(token [B], its log-probability under the model [B], before any penalty, as vLLM's raw logprobs): greedy
-    rows by argmax; the filtering and the draw run only when some row samples. `penalties`: () or
-    penalized_logits's (counts, seen, presence, frequency, repetition)."""
+def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B, seeds_B, counters_B, penalties=()):
+    """(token [B], its log-probability under the model [B], before any bias or penalty, as vLLM's raw logprobs):
+    greedy rows by argmax; the filtering and the draw run only when some row samples. `penalties`: () or
+    penalized_logits's (counts, seen, presence, frequency, repetition, bias ids, biases)."""
     max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
     chosen_BxV = penalized_logits(logits_BxV, *penalties) if penalties else logits_BxV
     greedy_B = first_argmax(chosen_BxV, jnp.max(chosen_BxV, axis=-1, keepdims=True) if penalties else max_Bx1)
 
     def sample(_):
-        masked = filtered_logits(chosen_BxV, temperature_B, top_k_B, top_p_B)
+        masked = filtered_logits(chosen_BxV, temperature_B, top_k_B, top_p_B, min_p_B)
         return jnp.where(temperature_B > 0, draw(row_keys(seeds_B, counters_B), masked), greedy_B)
 
     token_B = jax.lax.cond(jnp.any(temperature_B > 0), sample, lambda _: greedy_B, None)

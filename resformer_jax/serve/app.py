@@ -149,6 +149,10 @@ def sampling_params(
 ) -> SamplingParams:
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
     stop_ids = (s.eot,) if s.eot is not None and not req.ignore_eos else ()
+    try:
+        logit_bias = req.logit_bias_pairs()
+    except ValueError as e:
+        raise BadRequest(str(e), "logit_bias") from None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(1.0 if req.temperature is None else req.temperature),
@@ -162,6 +166,8 @@ def sampling_params(
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+        min_p=float(req.min_p or 0.0),
+        logit_bias=logit_bias,
     )
 
 

@@ -4,6 +4,7 @@ as vLLM does; a value of the wrong type or out of bounds is a 400 in OpenAI's er
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,21 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)  # OpenAI's: once a token is in the output
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)  # OpenAI's: per time a token is in the output
     repetition_penalty: float | None = Field(1.0, gt=0, allow_inf_nan=False)  # vLLM's: prompt and output, > 1 less
+    min_p: float | None = Field(0.0, ge=0, le=1)  # vLLM's: a token at least min_p times the most likely's probability
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> added to its logit, [-100, 100]
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """The bias as (token id, bias) pairs, each bias clipped to [-100, 100] (OpenAI's range; vLLM clips too)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias key {key!r}: must be a token id (an integer as a string)") from None
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{key!r}]={bias!r}: must be a finite number")
+            pairs.append((token, min(100.0, max(-100.0, float(bias)))))
+        return tuple(pairs)
 
     @property
     def stops(self) -> list[str]:

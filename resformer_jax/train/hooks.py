@@ -50,14 +50,15 @@ def evaluate(s, stop: Callable[[], bool] = lambda: False) -> dict:
     batches (one batch in flight at most): true raises Interrupted."""
     out, nats, nbytes = {}, 0.0, 0
     for dom, batches in s.eval_sets.items():
-        losses: list = []
+        losses: list = []  # (mean, targets counted) a batch: the domain's loss is over every target counted
         for b in batches:
             if losses:
                 jax.block_until_ready(losses[-1])  # one batch in flight: a stop waits for one batch, not a domain
             if stop():
                 raise Interrupted(dom)
             losses.append(s.setup.eval_step(s.state.params, global_batch(s, b)))
-        out[f"eval/{dom}/loss"] = float(np.mean(jax.device_get(losses)))
+        means, counts = np.asarray(jax.device_get(losses), np.float64).T
+        out[f"eval/{dom}/loss"] = float(np.sum(means * counts) / max(np.sum(counts), 1))
     out["eval/loss"] = float(np.mean([v for k, v in out.items()]))
     if s.setup.model_cfg.gates_values and s.eval_sets:  # the learned gates per layer, on a validation batch
         batch = global_batch(s, next(iter(s.eval_sets.values()))[0])

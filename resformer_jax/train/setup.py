@@ -45,7 +45,7 @@ class TrainSetup:
     abstract_state: Any  # ShapeDtypeStructs with those shardings
     batch_sh: NamedSharding
     train_step: Any  # jitted (state, tokens [B, T+1]) -> (state, metrics)
-    eval_step: Any  # jitted (params, tokens) -> loss
+    eval_step: Any  # jitted (params, tokens) -> (mean loss, targets counted)
     # train.telemetry: the same step with the per-layer norms in its metrics, run on logged steps only (a condition
     # inside one program kept every step's gradients and parameters live for it: a slower step)
     telemetry_step: Any = None

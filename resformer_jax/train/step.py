@@ -107,17 +107,24 @@ def lm_loss(
     last batch): only these rows' targets count.
     """
     inputs_BxT, targets_BxT = tokens_BxTp1[:, :-1], tokens_BxTp1[:, 1:]
-    eot = model.cfg.document_eot
-    left_out_BxT = None if document_starts or eot < 0 else inputs_BxT == eot
-    if rows_B is not None:
-        outside_BxT = jnp.broadcast_to(~rows_B[:, None], targets_BxT.shape)
-        left_out_BxT = outside_BxT if left_out_BxT is None else left_out_BxT | outside_BxT
+    left_out_BxT = targets_left_out(model, inputs_BxT, document_starts, rows_B)
     if left_out_BxT is None:
         return _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss)
     targets_BxT = jnp.where(left_out_BxT, -1, targets_BxT)  # -1: ignored by both losses
     scale = targets_BxT.size / jnp.maximum(targets_BxT.size - left_out_BxT.sum(), 1)
     loss, z_mean = _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss)
     return loss * scale, z_mean * scale
+
+
+def targets_left_out(model, inputs_BxT, document_starts: bool, rows_B=None):
+    """Which targets lm_loss leaves out [B, T] (None: none): those after an end-of-text token where
+    document_starts is False, and every target of a row outside rows_B."""
+    eot = model.cfg.document_eot
+    left_out_BxT = None if document_starts or eot < 0 else inputs_BxT == eot
+    if rows_B is not None:
+        outside_BxT = jnp.broadcast_to(~rows_B[:, None], inputs_BxT.shape)
+        left_out_BxT = outside_BxT if left_out_BxT is None else left_out_BxT | outside_BxT
+    return left_out_BxT
 
 
 def _lm_loss(params, model, inputs_BxT, targets_BxT, chunk_len, dropout_rng, z_loss):
@@ -248,6 +255,11 @@ def make_train_step(
 
 def make_eval_step(model, loss_chunk_len: int = LOSS_CHUNK_LEN, document_starts: bool = True):
     def eval_step(params, tokens_BxTp1, rows_B=None):
-        return lm_loss(params, model, tokens_BxTp1, loss_chunk_len, None, 0.0, document_starts, rows_B)[0]
+        """(the mean loss over the targets counted, how many were counted): a split's loss weights each batch
+        by its count."""
+        loss = lm_loss(params, model, tokens_BxTp1, loss_chunk_len, None, 0.0, document_starts, rows_B)[0]
+        left_out_BxT = targets_left_out(model, tokens_BxTp1[:, :-1], document_starts, rows_B)
+        counted = tokens_BxTp1[:, 1:].size - (0 if left_out_BxT is None else left_out_BxT.sum())
+        return loss, jnp.asarray(counted, jnp.int32)
 
     return eval_step
