@@ -125,6 +125,7 @@ def describe_sampling(sampling: SamplingParams) -> str:
     on = [f"temperature {sampling.temperature:g}"] if sampling.temperature else ["greedy"]
     on += [f"top_k {sampling.top_k}"] if sampling.top_k and sampling.temperature else []
     on += [f"top_p {sampling.top_p:g}"] if sampling.top_p < 1 and sampling.temperature else []
+    on += [f"min_p {sampling.min_p:g}"] if sampling.min_p and sampling.temperature else []
     for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
         on += [f"{name} {getattr(sampling, name):g}"] if getattr(sampling, name) != off else []
     return ", ".join(on)

@@ -103,6 +103,7 @@ flags.DEFINE_bool(
 flags.DEFINE_float("temperature", 0.0, "decode: every request's sampling temperature (0: greedy).")
 flags.DEFINE_integer("top_k", 0, "decode: sample among the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "decode: sample from the nucleus of this probability mass (1: off).")
+flags.DEFINE_float("min_p", 0.0, "decode: sample tokens at least this times as likely as the most likely (0: off).")
 flags.DEFINE_float("frequency_penalty", 0.0, "decode: every request's frequency penalty (0: off; presence as 0).")
 flags.DEFINE_float("repetition_penalty", 1.0, "decode: every request's repetition penalty (1: off).")
 flags.DEFINE_integer("rounds", 3, "decode --matrix: interleaved rounds per combination (median reported).")
@@ -183,6 +184,7 @@ BENCHMARK_FLAGS = {
         "temperature",
         "top_k",
         "top_p",
+        "min_p",
         "frequency_penalty",
         "repetition_penalty",
     ),
@@ -241,6 +243,7 @@ def run_decode(modes: list[str]) -> list[dict]:
         temperature=FLAGS.temperature,
         top_k=FLAGS.top_k,
         top_p=FLAGS.top_p,
+        min_p=FLAGS.min_p,
         frequency_penalty=FLAGS.frequency_penalty,
         repetition_penalty=FLAGS.repetition_penalty,
     )
