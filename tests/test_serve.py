@@ -189,6 +189,27 @@ def test_the_openai_sdks_logit_bias_and_vllms_min_p_are_applied(server, run_dir)
     assert r.choices[0].text == greedy(client, prompt).text
 
 
+def test_vllms_stop_token_ids_end_a_choice_without_showing_the_stop_token(server, run_dir):
+    """stop_token_ids in extra_body (vLLM's): the choice ends at the first of them, finish_reason 'stop', its text
+    the tokens before it (the stop token not shown, as vLLM's detokenizer leaves it out), streamed the same. The
+    tokens are a seeded sample (the tiny run's greedy text repeats one token), read off the stream's token_ids."""
+    from resformer_jax.rundir import RunDir
+
+    tok = RunDir(run_dir).tokenizer()
+    client = server.client()
+    kw = dict(model=None, prompt=PROMPTS[0], max_tokens=12, temperature=1.5, seed=11, extra_body={"ignore_eos": True})
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    ids = [t for c in chunks for t in getattr(c, "token_ids", None) or []]
+    firsts = [i for i in range(1, len(ids)) if ids[i] not in ids[:i]]
+    assert firsts, f"the sample repeats one token: {ids}"
+    j = firsts[-1]
+    kw["extra_body"] = {"stop_token_ids": [ids[j]], "ignore_eos": True}  # the same seeded tokens, up to the stop
+    r = client.completions.create(**kw).choices[0]
+    assert r.finish_reason == "stop" and r.text == tok.decode(ids[:j]), (r.text, ids, j)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == r.text
+
+
 def test_32_concurrent_clients_get_their_single_request_outputs(server):
     client = server.client()
     rng = np.random.default_rng(0)
@@ -607,10 +628,10 @@ def test_bench_serve_check_reports_each_part_of_the_api_the_server_answers(serve
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith(("ok", "FAIL"))]
-    assert len(lines) == 13 and all(x.startswith("ok") for x in lines), r.stdout
-    assert "a message, and a stream that starts with the role" in r.stdout
+    assert len(lines) == 14 and all(x.startswith("ok") for x in lines), r.stdout
+    assert "a message, and a stream that starts with the role" in r.stdout and "greedy repeats it" in r.stdout
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["failed"] == [] and summary["passed"] == 13
+    assert summary["failed"] == [] and summary["passed"] == 14
 
 
 def test_bench_serve_check_names_what_a_server_lacks_and_exits_1():

@@ -107,6 +107,13 @@ class Conformance:
         assert out["usage"]["completion_tokens"] == 8, out["usage"]
         return "min_tokens = max_tokens with ignore_eos: exactly 8 tokens"
 
+    def logit_bias(self) -> str:
+        token = self.tokenize("Hello")[0]
+        out = self.complete(prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100})
+        want = self.post("/detokenize", {"tokens": [token] * 4}).json()["prompt"]
+        assert out["choices"][0]["text"] == want, (out["choices"][0]["text"], want)
+        return f"a bias of 100 on token {token}: greedy repeats it"
+
     def tokenize(self, text: str = "Hello world") -> list[int]:
         r = self.post("/tokenize", {"prompt": text})
         assert r.status_code == 200, f"/tokenize: HTTP {r.status_code}"
@@ -151,6 +158,7 @@ class Conformance:
             ("completions: logprobs N with text_offset", self.top_logprobs),
             ("completions: n", self.n_choices),
             ("completions: min_tokens and ignore_eos", self.fixed_lengths),
+            ("completions: logit_bias", self.logit_bias),
             ("POST /tokenize and /detokenize", self.tokenizer_round_trip),
             ("chat completions", self.chat),
             ("an unknown field", self.unknown_field),

@@ -148,7 +148,7 @@ def sampling_params(
     s: Serving, req: SamplingFields, max_tokens: int, seed: int, j: int, logprobs: Logprobs
 ) -> SamplingParams:
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
-    stop_ids = (s.eot,) if s.eot is not None and not req.ignore_eos else ()
+    stop_ids = ((s.eot,) if s.eot is not None and not req.ignore_eos else ()) + tuple(req.stop_token_ids or ())
     try:
         logit_bias = req.logit_bias_pairs()
     except ValueError as e:
@@ -204,14 +204,16 @@ class Choice:
     handle: Handle | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
-    shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no end-of-text)
+    stop_ids: tuple[int, ...] = ()  # the ids that end it (end-of-text, stop_token_ids): not shown where they do
+    min_tokens: int = 0  # ... from this many tokens on (the engine's rule)
+    shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no stop id)
     text: str = ""  # streamed: their text so far, cut at a stop string
 
 
-def stream_delta(s: Serving, c: Choice, token: int, reason: str | None, stops: list[str]) -> str | None:
-    """A streamed token's new text (None: the end-of-text token that ended the choice, not shown)."""
+def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | None:
+    """A streamed token's new text (None: the stop id that ends the choice, not shown; its reason follows)."""
     c.tokens.append(token)
-    if token == s.eot and reason == "stop":
+    if token in c.stop_ids and len(c.tokens) >= c.min_tokens:
         return None
     c.shown.append(token)
     full = cut(s.decode(c.shown), stops)
@@ -275,15 +277,16 @@ def start(
             except EngineError as e:
                 raise BadRequest(str(e)) from None
             plans.append((ids, params))
-    choices = [Choice(i, ids, asyncio.Queue()) for i, (ids, _) in enumerate(plans)]
+    choices = [Choice(i, ids, asyncio.Queue(), stop_ids=p.stop_ids, min_tokens=p.min_tokens)
+               for i, (ids, p) in enumerate(plans)]  # fmt: skip
     for c, (_, params) in zip(choices, plans):
         submit(s, c, params, req.stops, req.min_tokens, rid)
     return choices
 
 
-def kept_tokens(s: Serving, c: Choice) -> list[int]:
-    """The tokens a client sees: the end-of-text token that ended a choice is not shown."""
-    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] == s.eot:
+def kept_tokens(c: Choice) -> list[int]:
+    """The tokens a client sees: the stop id (end-of-text, stop_token_ids) that ended a choice is not shown."""
+    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] in c.stop_ids:
         return c.tokens[:-1]
     return c.tokens
 
@@ -453,7 +456,7 @@ async def completions(req: CompletionRequest, request: Request):
 async def completion_response(s, req: CompletionRequest, rid, created, prompts, choices: list[Choice]) -> dict:
     out = []
     for c in choices:
-        kept = kept_tokens(s, c)
+        kept = kept_tokens(c)
         text = cut(s.decode(kept), req.stops)
         prompt_text = s.decode(c.prompt)
         entry: dict[str, Any] = {
@@ -534,7 +537,7 @@ async def stream_completion(
                     yield echo(c)
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
                 if token >= 0:
-                    if (delta := stream_delta(s, c, token, reason, req.stops)) is None:
+                    if (delta := stream_delta(s, c, token, req.stops)) is None:
                         continue  # the finish reason follows
                     entry["text"], entry["token_ids"] = delta, [token]
                     if req.logprobs is not None:  # this token's, over the prompt and what came before it
@@ -600,7 +603,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     await until_done_or_gone(request, s, choices)
     out = []
     for c in choices:
-        kept = kept_tokens(s, c)
+        kept = kept_tokens(c)
         entry: dict[str, Any] = {
             "index": c.index,
             "message": {"role": "assistant", "content": cut(s.decode(kept), req.stops)},
@@ -643,7 +646,7 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
         async for c, token, reason in merged_tokens(choices):
             entry: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
             if token >= 0:
-                if (delta := stream_delta(s, c, token, reason, req.stops)) is None:
+                if (delta := stream_delta(s, c, token, req.stops)) is None:
                     continue
                 entry["delta"] = {"content": delta}
                 if n_top is not None:
