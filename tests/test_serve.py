@@ -189,7 +189,7 @@ def test_the_openai_sdks_logit_bias_and_vllms_min_p_are_applied(server, run_dir)
     assert r.choices[0].text == greedy(client, prompt).text
 
 
-def test_vllms_stop_token_ids_end_a_choice_without_showing_the_stop_token(server, run_dir):
+def test_vllms_stop_token_ids_and_include_stop_str_in_output(server, run_dir):
     """stop_token_ids in extra_body (vLLM's): the choice ends at the first of them, finish_reason 'stop', its text
     the tokens before it (the stop token not shown, as vLLM's detokenizer leaves it out), streamed the same. The
     tokens are a seeded sample (the tiny run's greedy text repeats one token), read off the stream's token_ids."""
@@ -208,6 +208,21 @@ def test_vllms_stop_token_ids_end_a_choice_without_showing_the_stop_token(server
     assert r.finish_reason == "stop" and r.text == tok.decode(ids[:j]), (r.text, ids, j)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
     assert streamed == r.text
+    # include_stop_str_in_output (vLLM's): the stop id shown; and a stop string kept through it, streamed the same
+    kw["extra_body"] = {"stop_token_ids": [ids[j]], "ignore_eos": True, "include_stop_str_in_output": True}
+    assert client.completions.create(**kw).choices[0].text == tok.decode(ids[: j + 1])
+    text = tok.decode(ids)
+    at = next(i for i in range(1, len(text) - 1) if text.index(text[i : i + 2]) == i)  # a stop string's first time
+    kw["extra_body"] = {"ignore_eos": True}
+    for keep, want in ((False, text[:at]), (True, text[: at + 2])):
+        kw["extra_body"]["include_stop_str_in_output"] = keep
+        got = client.completions.create(stop=[text[at : at + 2]], **kw).choices[0]
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(stream=True, stop=[text[at : at + 2]], **kw)
+            if c.choices
+        )
+        assert got.finish_reason == "stop" and got.text == want == streamed, (keep, got.text, want, streamed, text, ids)
 
 
 def test_32_concurrent_clients_get_their_single_request_outputs(server):

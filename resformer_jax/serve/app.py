@@ -184,11 +184,13 @@ def prompts_of(s: Serving, prompt) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def cut(text: str, stops: list[str]) -> str:
-    for stop in stops:
-        if stop in text:
-            text = text[: text.index(stop)]
-    return text
+def cut(text: str, stops: list[str], keep: bool = False) -> str:
+    """The text before its first stop string (keep: through it, vLLM's include_stop_str_in_output)."""
+    found = [(text.index(stop), stop) for stop in stops if stop in text]
+    if not found:
+        return text
+    at, stop = min(found)
+    return text[: at + len(stop) * keep]
 
 
 # ---------------------------------------------------------------------------------------------- running a request
@@ -206,29 +208,43 @@ class Choice:
     finish_reason: str | None = None
     stop_ids: tuple[int, ...] = ()  # the ids that end it (end-of-text, stop_token_ids): not shown where they do
     min_tokens: int = 0  # ... from this many tokens on (the engine's rule)
+    keep_stop: bool = False  # include_stop_str_in_output: the stop string or id that ended it shown
     shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no stop id)
     text: str = ""  # streamed: their text so far, cut at a stop string
 
 
 def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | None:
-    """A streamed token's new text (None: the stop id that ends the choice, not shown; its reason follows)."""
+    """A streamed token's new text (None: the stop id that ends the choice, not shown; its reason follows). Until
+    a stop string comes, the last len(longest stop) - 1 characters are held back (a stop string may begin there,
+    as vLLM's detokenizer holds them); `stream_rest` sends them at the end."""
     c.tokens.append(token)
-    if token in c.stop_ids and len(c.tokens) >= c.min_tokens:
+    if token in c.stop_ids and len(c.tokens) >= c.min_tokens and not c.keep_stop:
         return None
     c.shown.append(token)
-    full = cut(s.decode(c.shown), stops)
+    decoded = s.decode(c.shown)
+    full = cut(decoded, stops, c.keep_stop)
+    if stops and full == decoded:  # no stop string yet
+        full = full[: max(len(c.text), len(full) - max(len(x) for x in stops) + 1)]
     delta, c.text = full[len(c.text) :], full
     return delta
+
+
+def stream_rest(s: Serving, c: Choice, stops: list[str]) -> str:
+    """The text stream_delta held back, sent with the finish reason."""
+    full = cut(s.decode(c.shown), stops, c.keep_stop)
+    rest, c.text = full[len(c.text) :], full
+    return rest
 
 
 def submit(s: Serving, choice: Choice, params: SamplingParams, stops: list[str], min_tokens: int, rid: str) -> None:
     loop = asyncio.get_running_loop()
 
     def on_token(r, token, logprob):
-        if token >= 0 and stops and len(r.tokens) >= min_tokens and any(x in s.decode(r.tokens) for x in stops):
-            s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
         with contextlib.suppress(RuntimeError):  # the event loop has closed (the server is gone): nobody waits
             loop.call_soon_threadsafe(choice.queue.put_nowait, (token, logprob, r.finish_reason))
+        # after the token is queued: the one that completes a stop string is read before the end that follows it
+        if token >= 0 and stops and len(r.tokens) >= min_tokens and any(x in s.decode(r.tokens) for x in stops):
+            s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
 
     choice.handle = s.engine_thread.submit(choice.prompt, params, on_token)
     with s.lock:
@@ -277,7 +293,8 @@ def start(
             except EngineError as e:
                 raise BadRequest(str(e)) from None
             plans.append((ids, params))
-    choices = [Choice(i, ids, asyncio.Queue(), stop_ids=p.stop_ids, min_tokens=p.min_tokens)
+    keep = req.include_stop_str_in_output
+    choices = [Choice(i, ids, asyncio.Queue(), stop_ids=p.stop_ids, min_tokens=p.min_tokens, keep_stop=keep)
                for i, (ids, p) in enumerate(plans)]  # fmt: skip
     for c, (_, params) in zip(choices, plans):
         submit(s, c, params, req.stops, req.min_tokens, rid)
@@ -286,7 +303,7 @@ def start(
 
 def kept_tokens(c: Choice) -> list[int]:
     """The tokens a client sees: the stop id (end-of-text, stop_token_ids) that ended a choice is not shown."""
-    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] in c.stop_ids:
+    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] in c.stop_ids and not c.keep_stop:
         return c.tokens[:-1]
     return c.tokens
 
@@ -457,7 +474,7 @@ async def completion_response(s, req: CompletionRequest, rid, created, prompts, 
     out = []
     for c in choices:
         kept = kept_tokens(c)
-        text = cut(s.decode(kept), req.stops)
+        text = cut(s.decode(kept), req.stops, c.keep_stop)
         prompt_text = s.decode(c.prompt)
         entry: dict[str, Any] = {
             "index": c.index,
@@ -546,7 +563,7 @@ async def stream_completion(
                         offset = len(before) + (0 if req.echo else len(s.decode(c.prompt)))
                         entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
-                    entry["finish_reason"] = reason_of(reason)
+                    entry["text"], entry["finish_reason"] = stream_rest(s, c, req.stops), reason_of(reason)
                 yield sse(chunk([entry]))
         else:
             for c in choices:
@@ -606,7 +623,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         kept = kept_tokens(c)
         entry: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": cut(s.decode(kept), req.stops)},
+            "message": {"role": "assistant", "content": cut(s.decode(kept), req.stops, c.keep_stop)},
             "logprobs": None,
             "finish_reason": reason_of(c.finish_reason),
         }
@@ -653,6 +670,7 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
                     ids = prompt + c.shown
                     entry["logprobs"] = chat_logprobs(s, scores_of(c), ids, len(ids) - 1, n_top)
             else:
+                entry["delta"] = {"content": rest} if (rest := stream_rest(s, c, req.stops)) else {}
                 entry["finish_reason"] = reason_of(reason)
             yield sse(chunk([entry]))
         if req.include_usage:

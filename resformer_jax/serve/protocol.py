@@ -38,6 +38,7 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = Field(0, ge=0)  # stops (the end-of-text token, stop strings) do not end a request before it
     ignore_eos: bool = False  # the end-of-text token does not end the request
     stop_token_ids: list[int] | None = None  # vLLM's: these ids end the request too (not shown, as end-of-text)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop id) that ended it kept in the text
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)  # OpenAI's: once a token is in the output
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)  # OpenAI's: per time a token is in the output
     repetition_penalty: float | None = Field(1.0, gt=0, allow_inf_nan=False)  # vLLM's: prompt and output, > 1 less
