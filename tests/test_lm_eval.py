@@ -111,6 +111,12 @@ def test_rolling_and_generation(trained):
     new = new[: new.index(lm.eot_id)] if lm.eot_id in new else new
     want = lm.tok.decode(new).split("\n\n")[0]
     assert out == want
+    # a stop string across two tokens: the text ends right before it (the token that completes it is read)
+    text = lm.tok.decode(new)
+    cuts = [len(lm.tok.decode(new[:k])) for k in range(1, len(new))]
+    b = next(b for b in cuts if 0 < b < len(text) and text.index(text[b - 1 : b + 1]) == b - 1)
+    gen = [(prompt, {"until": [text[b - 1 : b + 1]], "max_gen_toks": 12})]
+    assert lm.generate_until(_instances("generate_until", gen)) == [text[: b - 1]], (text, b)
 
 
 def test_harness_command_line(trained, shared_data):
