@@ -206,11 +206,14 @@ class Choice:
     handle: Handle | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
-    stop_ids: tuple[int, ...] = ()  # the ids that end it (end-of-text, stop_token_ids): not shown where they do
-    min_tokens: int = 0  # ... from this many tokens on (the engine's rule)
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)  # as submitted (stop ids, min_tokens)
     keep_stop: bool = False  # include_stop_str_in_output: the stop string or id that ended it shown
     shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no stop id)
     text: str = ""  # streamed: their text so far, cut at a stop string
+
+    def ended_by(self, token: int) -> bool:
+        """Whether `token`, its latest, is a stop id that ends it (the engine's rule: from min_tokens on)."""
+        return token in self.params.stop_ids and len(self.tokens) >= self.params.min_tokens
 
 
 def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | None:
@@ -218,7 +221,7 @@ def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | N
     a stop string comes, the last len(longest stop) - 1 characters are held back (a stop string may begin there,
     as vLLM's detokenizer holds them); `stream_rest` sends them at the end."""
     c.tokens.append(token)
-    if token in c.stop_ids and len(c.tokens) >= c.min_tokens and not c.keep_stop:
+    if c.ended_by(token) and not c.keep_stop:
         return None
     c.shown.append(token)
     decoded = s.decode(c.shown)
@@ -236,8 +239,9 @@ def stream_rest(s: Serving, c: Choice, stops: list[str]) -> str:
     return rest
 
 
-def submit(s: Serving, choice: Choice, params: SamplingParams, stops: list[str], min_tokens: int, rid: str) -> None:
+def submit(s: Serving, choice: Choice, stops: list[str], rid: str) -> None:
     loop = asyncio.get_running_loop()
+    min_tokens = choice.params.min_tokens
 
     def on_token(r, token, logprob):
         with contextlib.suppress(RuntimeError):  # the event loop has closed (the server is gone): nobody waits
@@ -246,7 +250,7 @@ def submit(s: Serving, choice: Choice, params: SamplingParams, stops: list[str],
         if token >= 0 and stops and len(r.tokens) >= min_tokens and any(x in s.decode(r.tokens) for x in stops):
             s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
 
-    choice.handle = s.engine_thread.submit(choice.prompt, params, on_token)
+    choice.handle = s.engine_thread.submit(choice.prompt, choice.params, on_token)
     with s.lock:
         s.live[choice.handle] = f"{rid}#{choice.index}"
 
@@ -294,16 +298,15 @@ def start(
                 raise BadRequest(str(e)) from None
             plans.append((ids, params))
     keep = req.include_stop_str_in_output
-    choices = [Choice(i, ids, asyncio.Queue(), stop_ids=p.stop_ids, min_tokens=p.min_tokens, keep_stop=keep)
-               for i, (ids, p) in enumerate(plans)]  # fmt: skip
-    for c, (_, params) in zip(choices, plans):
-        submit(s, c, params, req.stops, req.min_tokens, rid)
+    choices = [Choice(i, ids, asyncio.Queue(), params=p, keep_stop=keep) for i, (ids, p) in enumerate(plans)]
+    for c in choices:
+        submit(s, c, req.stops, rid)
     return choices
 
 
 def kept_tokens(c: Choice) -> list[int]:
     """The tokens a client sees: the stop id (end-of-text, stop_token_ids) that ended a choice is not shown."""
-    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] in c.stop_ids and not c.keep_stop:
+    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] in c.params.stop_ids and not c.keep_stop:
         return c.tokens[:-1]
     return c.tokens
 
