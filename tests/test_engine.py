@@ -619,3 +619,32 @@ def test_prompt_and_token_scores_equal_the_whole_forward_with_the_prefix_cache_o
     for off, on in zip(runs[False][1], runs[True][1]):  # the issue's bar: the cache changes nothing past 1e-5
         assert on.tokens == off.tokens
         np.testing.assert_allclose(on.scores.logprob[1:], off.scores.logprob[1:], atol=1e-5)
+
+
+def test_incremental_text_equals_the_whole_decode_and_finds_each_stop_once(shared_data):
+    """vLLM's incremental detokenization over the NeoX tokenizer: the texts added token by token are the whole
+    output's decode (multi-byte characters split across byte tokens included), and a stop string that spans tokens
+    is found at the token that completes it, once; the first search (a caller starting at min_tokens) reads it all."""
+    from tokenizers import Tokenizer
+
+    from resformer_jax.engine.detokenizer import IncrementalText
+
+    tok = Tokenizer.from_file(str(shared_data / "tokenizers" / "gpt-neox-20b.json"))
+    text = "def f(x):\n    return x  # é, 値, 🙂 and a stop: END.\n\nnext"
+    ids = tok.encode(text).ids
+    assert len(ids) > len(text) // 4 and any(tok.decode([t]).endswith("\ufffd") for t in ids)  # split characters
+    seen = IncrementalText(tok.decode, ["END", "\n\n"])
+    found_at = []
+    for i, t in enumerate(ids):
+        seen.add(t)
+        assert tok.decode(ids[: i + 1]).startswith(seen.text)
+        if seen.stop_found():
+            found_at.append(i)
+    assert seen.text == tok.decode(ids) == text
+    end = next(i for i in range(len(ids)) if "END" in tok.decode(ids[: i + 1]))
+    blank = next(i for i in range(len(ids)) if "\n\n" in tok.decode(ids[: i + 1]))
+    assert found_at == [end, blank]
+    late = IncrementalText(tok.decode, ["END"])
+    for t in ids[: end + 3]:
+        late.add(t)
+    assert late.stop_found() and not late.stop_found()  # what was searched is not searched again

@@ -32,8 +32,9 @@ def corpus_prompts(path: str | None, n: int, lo: int, hi: int, vocab: int, seed:
     return out
 
 
-async def _one(client, url: str, prompt: list[int], max_tokens: int, seed: int) -> dict:
+async def _one(client, url: str, prompt: list[int], max_tokens: int, seed: int, stop) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True}
+    body.update({"stop": list(stop)} if stop else {})
     t0 = time.perf_counter()
     times, tokens = [], 0
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
@@ -52,7 +53,7 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, seed: int) 
     return {"ttft": times[0] - t0 if times else None, "itl": list(np.diff(times)), "tpot": tpot, "tokens": tokens}
 
 
-async def _load(url: str, prompts, max_tokens: int, rate: float, concurrency: int, seed: int) -> list[dict]:
+async def _load(url: str, prompts, max_tokens: int, rate: float, concurrency: int, seed: int, stop) -> list[dict]:
     import httpx
 
     rng = np.random.default_rng(seed)
@@ -61,7 +62,7 @@ async def _load(url: str, prompts, max_tokens: int, rate: float, concurrency: in
 
         async def run(i, p):
             async with gate:
-                return await _one(client, url, p, max_tokens, seed + i)
+                return await _one(client, url, p, max_tokens, seed + i, stop)
 
         tasks = []
         for i, p in enumerate(prompts):
@@ -91,12 +92,14 @@ def _server_gauges(url: str) -> dict:
     return {want[s.name]: int(s.value) for s in samples if s.name in want}
 
 
-def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurrency: int = 0, seed: int = 0) -> dict:
+def bench_serve(
+    url: str, prompts, max_tokens: int, rate: float = 0.0, concurrency: int = 0, seed: int = 0, stop=()
+) -> dict:
     """Drives the server at `url` with `prompts` (Poisson arrivals at `rate` a second, 0: all at once; at most
-    `concurrency` in flight, 0: no limit) and reports what a client saw."""
+    `concurrency` in flight, 0: no limit; each request with the `stop` strings) and reports what a client saw."""
     before = _server_gauges(url)
     t0 = time.perf_counter()
-    results = asyncio.run(_load(url.rstrip("/"), prompts, max_tokens, rate, concurrency, seed))
+    results = asyncio.run(_load(url.rstrip("/"), prompts, max_tokens, rate, concurrency, seed, stop))
     wall = time.perf_counter() - t0
     after = _server_gauges(url)
     # this load's share of the server's counters (they count since it started)
@@ -121,6 +124,7 @@ def bench_serve(url: str, prompts, max_tokens: int, rate: float = 0.0, concurren
         **({"first_error": next(r["error"] for r in results if "error" in r)} if len(ok) < len(results) else {}),
         "rate": rate,
         "concurrency": concurrency,
+        "stop": list(stop),
         "seconds": round(wall, 2),
         "requests_per_s": round(len(ok) / wall, 3),
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),

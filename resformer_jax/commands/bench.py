@@ -121,6 +121,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_integer("requests", 64, "serve: requests to send.")
 flags.DEFINE_integer("concurrency", 0, "serve: requests in flight at most (0: no limit).")
+flags.DEFINE_multi_string("stop", [], "serve: a stop string every request sends (repeatable): their checks' cost.")
 flags.DEFINE_string("data", None, "serve: a prepared corpus whose validation text the prompts are cut from.")
 flags.DEFINE_integer(
     "prompt_min", 16, "serve, decode --stream: the shortest prompt (tokens); the longest is --context."
@@ -196,6 +197,7 @@ BENCHMARK_FLAGS = {
         "check",
         "requests",
         "concurrency",
+        "stop",
         "data",
         "context",
         "new_tokens",
@@ -350,7 +352,7 @@ def run_serve(modes: list[str]) -> list[dict]:
     if FLAGS.shared_prefixes > 0:
         prefixes = corpus_prompts(FLAGS.data, FLAGS.shared_prefixes, FLAGS.prefix_len, FLAGS.prefix_len, vocab, seed=1)
         prompts = [prefixes[i % len(prefixes)] + p for i, p in enumerate(prompts)]
-    out = bench_serve(FLAGS.url, prompts, FLAGS.new_tokens, FLAGS.rate, FLAGS.concurrency)
+    out = bench_serve(FLAGS.url, prompts, FLAGS.new_tokens, FLAGS.rate, FLAGS.concurrency, stop=tuple(FLAGS.stop))
     print(json.dumps({"model": name, **out}))
     return []
 

@@ -151,9 +151,14 @@ class ResformerLM(LM):
 
     def _stop_at(self, until: list[str]):
         """A request's token callback that ends it once its text holds one of `until` (the text is cut there)."""
+        from resformer_jax.engine.detokenizer import IncrementalText
+
+        seen = IncrementalText(self.tok.decode, until)
 
         def on_token(r, token, _):
-            if token >= 0 and until and any(u in self.tok.decode(r.tokens) for u in until):
-                self._engine.cancel(r)
+            if token >= 0 and seen.stops:
+                seen.add(token)
+                if seen.stop_found():
+                    self._engine.cancel(r)
 
         return on_token

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from resformer_jax.engine import EngineError, SamplingParams
+from resformer_jax.engine.detokenizer import IncrementalText
 from resformer_jax.engine.engine import Scores
 from resformer_jax.serve.engine_thread import EngineThread, Handle
 from resformer_jax.serve.metrics import ServeMetrics
@@ -209,7 +210,9 @@ class Choice:
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)  # as submitted (stop ids, min_tokens)
     keep_stop: bool = False  # include_stop_str_in_output: the stop string or id that ended it shown
     shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no stop id)
-    text: str = ""  # streamed: their text so far, cut at a stop string
+    shown_text: IncrementalText | None = None  # streamed: their text, decoded as they come
+    text: str = ""  # streamed: the text sent so far, cut at a stop string
+    offset: int = 0  # streamed: where the latest shown token's text begins in shown_text
 
     def ended_by(self, token: int) -> bool:
         """Whether `token`, its latest, is a stop id that ends it (the engine's rule: from min_tokens on)."""
@@ -224,7 +227,10 @@ def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | N
     if c.ended_by(token) and not c.keep_stop:
         return None
     c.shown.append(token)
-    decoded = s.decode(c.shown)
+    c.shown_text = c.shown_text or IncrementalText(s.decode)
+    c.offset = len(c.shown_text.text)
+    c.shown_text.add(token)
+    decoded = c.shown_text.text
     full = cut(decoded, stops, c.keep_stop)
     if stops and full == decoded:  # no stop string yet
         full = full[: max(len(c.text), len(full) - max(len(x) for x in stops) + 1)]
@@ -242,13 +248,16 @@ def stream_rest(s: Serving, c: Choice, stops: list[str]) -> str:
 def submit(s: Serving, choice: Choice, stops: list[str], rid: str) -> None:
     loop = asyncio.get_running_loop()
     min_tokens = choice.params.min_tokens
+    seen = IncrementalText(s.decode, stops)  # read on the engine thread only
 
     def on_token(r, token, logprob):
         with contextlib.suppress(RuntimeError):  # the event loop has closed (the server is gone): nobody waits
             loop.call_soon_threadsafe(choice.queue.put_nowait, (token, logprob, r.finish_reason))
         # after the token is queued: the one that completes a stop string is read before the end that follows it
-        if token >= 0 and stops and len(r.tokens) >= min_tokens and any(x in s.decode(r.tokens) for x in stops):
-            s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
+        if token >= 0 and seen.stops:
+            seen.add(token)
+            if len(r.tokens) >= min_tokens and seen.stop_found():
+                s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
 
     choice.handle = s.engine_thread.submit(choice.prompt, choice.params, on_token)
     with s.lock:
@@ -539,6 +548,7 @@ async def stream_completion(
         return envelope(s, rid, created, "text_completion", choice_list, **extra)
 
     echoed: set[int] = set()
+    prompt_chars = {c.index: len(s.decode(c.prompt)) for c in choices} if req.logprobs is not None else {}
 
     def echo(c: Choice) -> str:  # a choice's prompt first; with logprobs, once its prefill has scored it
         echoed.add(c.index)
@@ -561,9 +571,7 @@ async def stream_completion(
                         continue  # the finish reason follows
                     entry["text"], entry["token_ids"] = delta, [token]
                     if req.logprobs is not None:  # this token's, over the prompt and what came before it
-                        ids = c.prompt + c.shown
-                        before = s.decode(c.prompt + c.shown[:-1]) if req.echo else s.decode(c.shown[:-1])
-                        offset = len(before) + (0 if req.echo else len(s.decode(c.prompt)))
+                        ids, offset = c.prompt + c.shown, prompt_chars[c.index] + c.offset
                         entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
                     entry["text"], entry["finish_reason"] = stream_rest(s, c, req.stops), reason_of(reason)
