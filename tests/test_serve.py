@@ -684,3 +684,24 @@ def test_bench_serve_check_names_what_a_server_lacks_and_exits_1():
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     assert "ok    GET /v1/models" in r.stdout and "FAIL  completions: echo with logprobs" in r.stdout, r.stdout
     assert json.loads(r.stdout.strip().splitlines()[-1])["passed"] == 1
+
+
+def test_a_streams_logprobs_and_text_offsets_are_the_whole_responses(server):
+    """Streamed, each token's logprobs record (its text, value, alternatives and text offset, the prompt's first
+    where echoed) is the one the non-streamed response gives at that position, with echo and without."""
+    client = server.client()
+    for echo in (False, True):
+        kw = dict(model=None, prompt="def main():", max_tokens=6, temperature=0, logprobs=2, echo=echo)
+        whole = client.completions.create(**kw).choices[0].logprobs
+        tokens, values, offsets, tops = [], [], [], []
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                if c.logprobs is not None:
+                    tokens += c.logprobs.tokens
+                    values += c.logprobs.token_logprobs
+                    offsets += c.logprobs.text_offset
+                    tops += c.logprobs.top_logprobs
+        assert (tokens, offsets) == (whole.tokens, whole.text_offset) and len(tokens) >= 6 + echo
+        rounded = lambda vs: [None if v is None else round(v, 4) for v in vs]
+        assert rounded(values) == rounded(whole.token_logprobs)
+        assert [sorted(t or {}) for t in tops] == [sorted(t or {}) for t in whole.top_logprobs]
