@@ -10,7 +10,7 @@ As the authors' GPT-2 run and paper Table 4: untied embeddings (77.75M parameter
 branches, not attention probabilities).
 """
 
-from resformer_jax.config import paper_config
+from resformer_jax.presets import paper_config
 
 
 def get_config(variant: str = "svformer"):

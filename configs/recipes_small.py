@@ -3,7 +3,7 @@ BPE vocabulary (so the hidden matrices Muon updates are most of the model, as at
 8 a step, 200 steps of warmup-stable-decay (410K tokens). Data: a corpus prepared with --tokenizer train:4096
 --seq_len 256."""
 
-from resformer_jax.config import paper_config
+from resformer_jax.presets import paper_config
 
 
 def get_config():

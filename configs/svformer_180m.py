@@ -5,7 +5,7 @@ fits with 10% to spare): layers unrolled, remat=none, 64 sequences a GPU a micro
 On other hardware run --tune for it, or set train.microbatch (the precheck says what fits).
 """
 
-from resformer_jax.config import paper_config
+from resformer_jax.presets import paper_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """Paper Table 4, 2m: svformer."""
 
-from resformer_jax.config import paper_config
+from resformer_jax.presets import paper_config
 
 
 def get_config():

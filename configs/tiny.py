@@ -1,6 +1,6 @@
 """A tiny model for tests and quick experiments (synthetic data by default)."""
 
-from resformer_jax.config import tiny_config
+from resformer_jax.presets import tiny_config
 
 
 def get_config():

@@ -20,7 +20,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-B="python3 -m resformer_jax.bench"
+B="python3 -m resformer_jax bench"
 SHIPPED="--config=configs/resformer_468m.py --config.mesh.data=-1 --config.mesh.fsdp=1 --config.train.global_batch=16
  --config.train.microbatch=0"
 {

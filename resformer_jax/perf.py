@@ -16,6 +16,7 @@ import numpy as np
 
 from resformer_jax.chips import chip_of_device
 from resformer_jax.model.transformer import cache_bytes_per_token, param_counts, param_shapes
+from resformer_jax.optimizer import make_optimizer
 
 if TYPE_CHECKING:
     from resformer_jax.config import RunConfig
@@ -211,7 +212,8 @@ def estimate_train_memory(cfg: RunConfig, devices: int, flash_attention: bool = 
     """An analytic estimate of one device's memory for a train step (bytes), for presets sized for hardware
     this machine does not have; the trainer's precheck measures the compiled step itself.
 
-    Parameters, gradients and AdamW moments in fp32 (16 bytes a parameter, sharded over fsdp); with
+    Parameters and gradients in fp32 and the optimizer's state as its own init shapes it (`optimizer_state_bytes`:
+    AdamW two fp32 moments a parameter, Muon one on its matrices), all sharded over fsdp; with
     remat=full each layer keeps only its input [micro-batch, T, E]; one layer's recomputation holds the
     q/k/v/out activations and the MLP's three [*, T, F] ones (x2 for their gradients); attention with a
     flash kernel keeps O(T) per head, without one the [H, T, T] fp32 matrix; the fused LM head keeps one
@@ -227,7 +229,7 @@ def estimate_train_memory(cfg: RunConfig, devices: int, flash_attention: bool = 
     mb = max(1, (t.microbatch or t.global_batch) // max(1, devices // context))
     S, E, F, H, L = cfg.data.seq_len, m.d_model, m.ffn_dim, m.num_heads, m.num_layers
     T = S // context  # the tokens a device holds
-    state = 16 * n_params / fsdp
+    state = (8 * n_params + optimizer_state_bytes(m, t)) / fsdp
     kept = L * mb * T * E * act if m.remat == "full" else L * mb * T * (6 * E + 3 * F) * act
     layer = 2 * mb * T * (4 * E + 3 * F) * act
     if context > 1:  # the gathered keys and values: one layer's (and their gradients), every layer's kept
@@ -247,6 +249,14 @@ def estimate_train_memory(cfg: RunConfig, devices: int, flash_attention: bool = 
         "total": int(total),
         "per_device_micro_batch": mb,
     }
+
+
+@functools.cache
+def optimizer_state_bytes(m, t) -> int:
+    """The bytes of the optimizer's state for this model (ModelConfig `m`, TrainConfig `t`): its own `init` over the
+    parameters' shapes (jax.eval_shape, nothing allocated), so any optimizer counts as it keeps its state."""
+    state = jax.eval_shape(make_optimizer(t).init, param_shapes(m))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from resformer_jax import kernels, perf, runtime
+from resformer_jax import perf, runtime
 from resformer_jax.checkpoint import CheckpointError
 from resformer_jax.config import (
     ConfigError,
@@ -96,7 +96,7 @@ def resolve_attention(
         backend = backend_of(platform) if platform is not None else jax.default_backend()
         choice = {"gpu": "pallas", "tpu": "splash"}.get(backend, "xla")
         rejected = {
-            i: "it does not run context-parallel yet" for i in kernels.IMPLS if i not in kernels.CONTEXT_PARALLEL_IMPLS
+            i: "it does not run context-parallel yet" for i in names.IMPLS if i not in names.CONTEXT_PARALLEL_IMPLS
         }
         log(f"attention_impl=auto is {choice!r} with mesh.context={context} (keys and values gathered over the axis)")
         return AttentionChoice(choice, rejected, False)

@@ -1,7 +1,7 @@
 """The tiny run the evaluation tests train: a ResFormer on the demo corpus, which carries a tokenizer, so the
 run can be scored on text (zero-shot tasks, lm-eval, generation from a prompt)."""
 
-from resformer_jax.config import tiny_config
+from resformer_jax.presets import tiny_config
 
 
 def tokenized_tiny_config(steps: int = 10):

@@ -45,7 +45,7 @@ def cpu_description() -> str:
 def tiny_run_losses(root: str) -> dict[str, list[float]]:
     """`tiny_config(variant)`, train.steps=12, log_every=1: each variant's per-step training losses."""
     from resformer_jax.commands.training import run
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     out = {}
     for variant in VARIANTS:

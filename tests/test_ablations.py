@@ -12,10 +12,11 @@ import optax
 import pytest
 import reference as ref
 
-from resformer_jax.config import apply_ablation, paper_config, tiny_config, validate
+from resformer_jax.config import validate
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.perf import summary
+from resformer_jax.presets import apply_ablation, paper_config, tiny_config
 from resformer_jax.resolve import for_backend
 from resformer_jax.train.step import init_state, make_train_step
 

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from test_decode import assert_decode_equals_forward, pool_bytes
 
-from resformer_jax.config import tiny_config, validate
+from resformer_jax.config import validate
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import ValueMix, gated_value, skipv1_value
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.perf import summary
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

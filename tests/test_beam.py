@@ -97,7 +97,7 @@ def test_beam_file_packing_keeps_documents_and_tokens(both):
 
 def test_training_reads_the_beam_corpus(both, tmp_path):
     from resformer_jax.commands.training import run
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config("resformer")
     c.data.source, c.data.path, c.data.seq_len = "array_record", str(both / "beam"), SEQ

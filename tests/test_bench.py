@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from resformer_jax.config import tiny_config, validate
+from resformer_jax.config import validate
 from resformer_jax.model import Transformer
 from resformer_jax.perf import flops_per_token
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 from resformer_jax.train.step import loss_fn
 
@@ -54,7 +55,8 @@ def test_bench_train_prints_json_and_compare_ratios():
         [
             sys.executable,
             "-m",
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "train",
             "--config=configs/tiny.py",
             "--steps=2",
@@ -317,7 +319,7 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     checked interpreted, one train step per runnable impl, decode for vanilla and SVFormer."""
     out = tmp_path / "report.json"
     r = subprocess.run(
-        [sys.executable, "-m", "resformer_jax.bench", "accelerator", f"--out={out}"],
+        [sys.executable, "-m", "resformer_jax", "bench", "accelerator", f"--out={out}"],
         cwd=ROOT,
         env=dict(os.environ),
         capture_output=True,
@@ -362,7 +364,8 @@ def test_bench_data_reports_loader_throughput_against_the_step():
         [
             sys.executable,
             "-m",
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "data",
             "--config=configs/demo.py",
             "--steps=20",
@@ -386,7 +389,8 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
         [
             sys.executable,
             "-m",
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "decode",
             "--config=configs/tiny.py",
             "--compare=none,svformer",
@@ -412,7 +416,7 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
     assert sv["weight_bytes_per_step"] < none["weight_bytes_per_step"]  # no W_V in layers >= 2
     assert all(x["fraction_of_bandwidth"] > 0 and x["decode_tokens_per_s"] > 0 for x in rows)
     bad = subprocess.run(
-        [sys.executable, "-m", "resformer_jax.bench", "decode", "--config=configs/tiny.py", "--matrix=1:x"],
+        [sys.executable, "-m", "resformer_jax", "bench", "decode", "--config=configs/tiny.py", "--matrix=1:x"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -423,7 +427,8 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
         [
             sys.executable,
             "-m",
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "decode",
             "--config=configs/tiny.py",
             "--matrix=1:16",
@@ -669,12 +674,13 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     measured step time within 10%; the trace is written where --profile_dir says."""
     from resformer_jax.benchmarks.step_profile import GROUPS
 
-    # A subprocess: resformer_jax.bench defines absl flags that other tests' imports (resformer_jax.main) also do.
+    # A subprocess: resformer_jax bench defines absl flags that other tests' imports (resformer_jax.main) also do.
     p = subprocess.run(
         [
             sys.executable,
             "-m",
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "train",
             "--config=configs/demo.py",
             "--steps=5",
@@ -728,7 +734,8 @@ def test_bench_train_compares_dtypes_interleaved():
         [
             sys.executable,
             "-m",
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "train",
             "--config=configs/demo.py",
             "--steps=2",
@@ -778,8 +785,8 @@ def test_bench_decode_stream_shared_prefixes_computes_each_prefix_once():
     prompt tokens computed fall by exactly (requests - N) * prefix_len; without it every prompt token is computed;
     SVFormer's K pages and V_1 chain are shared as vanilla's K and V are."""
     from resformer_jax.benchmarks.decode import bench_decode_stream
-    from resformer_jax.config import tiny_config
     from resformer_jax.model.config import ModelConfig
+    from resformer_jax.presets import tiny_config
 
     models = [ModelConfig.of(tiny_config(v).model).replace(dtype="float32") for v in ("none", "svformer")]
     kw = dict(cache_gib=0.01, requests=8, rate=0.0, max_context=24, new_tokens=2, shared_prefixes=2, prefix_len=32)

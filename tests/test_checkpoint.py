@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from resformer_jax.commands.training import run
-from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
+from resformer_jax.presets import tiny_config
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
@@ -185,7 +185,7 @@ def test_a_resume_restores_every_item_without_orbax_warning_about_the_data(tmp_p
     resuming user that the data state "could not be restored" while it was (resumes are bitwise elsewhere)."""
     import logging
 
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config("resformer")
     c.train.steps, c.train.stop_at, c.train.warmup_steps, c.checkpoint.every_steps = 4, 2, 1, 2

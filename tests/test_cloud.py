@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from resformer_jax.config import tiny_config
+from resformer_jax.presets import tiny_config
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 

@@ -9,7 +9,7 @@ memory. These tests need `pip install -e '.[aot]'` (CI installs it); without it 
 
 What cannot be compiled here: cuDNN's attention (jax asks the local CUDA runtime for the cuDNN version while
 tracing, before any compiler runs; see the last tests) and autotuning (no device to time on), so nothing here
-says how fast a step is: `python -m resformer_jax.bench accelerator` does on a real device.
+says how fast a step is: `resformer bench accelerator` does on a real device.
 """
 
 import importlib.util
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import pytest
 
 from resformer_jax import kernels
-from resformer_jax.config import tiny_config
 from resformer_jax.kernels import names, probe
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
 
@@ -271,7 +271,7 @@ def test_a_program_over_the_tpus_hbm_is_refused_by_its_compiler_with_the_prechec
 def _compile_command(*args, env=None):
     e = dict(os.environ, **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "resformer_jax.compile", *args],
+        [sys.executable, "-m", "resformer_jax", "compile", *args],
         cwd=ROOT,
         env=e,
         capture_output=True,

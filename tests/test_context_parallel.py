@@ -12,8 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resformer_jax.config import ConfigError, RunConfig, tiny_config, validate
+from resformer_jax.config import ConfigError, RunConfig, validate
 from resformer_jax.parallel.mesh import MeshError, make_mesh
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
 
@@ -233,7 +234,7 @@ def test_splash_attends_from_a_devices_slices_of_the_sequence(documents):
     outputs and gradients, GQA, slices shorter than splash's 128-row tile (the padding) included."""
     from jax.sharding import Mesh
 
-    from resformer_jax import kernels
+    from resformer_jax.kernels import attention as dispatch
     from resformer_jax.kernels.names import balanced_order
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 1, 4), ("data", "fsdp", "context"))
@@ -246,7 +247,7 @@ def test_splash_attends_from_a_devices_slices_of_the_sequence(documents):
 
     def attend(impl):
         def f(q, k, v):  # the sequence laid out as the model lays it out, the output put back in order
-            o = kernels.attention(
+            o = dispatch.attention(
                 q[:, order],
                 k[:, order],
                 v[:, order],

@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-from resformer_jax.config import tiny_config
 from resformer_jax.data.pipeline import (
     BatchReader,
     DataError,
@@ -20,6 +19,7 @@ from resformer_jax.data.pipeline import (
     train_reader,
 )
 from resformer_jax.data_prep.prepare import PrepareError, prepare
+from resformer_jax.presets import tiny_config
 
 SEQ = 128
 

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from resformer_jax.config import paper_config, tiny_config, validate
+from resformer_jax.config import validate
 from resformer_jax.engine import Engine, SamplingParams
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import pool_shapes
 from resformer_jax.perf import summary
+from resformer_jax.presets import paper_config, tiny_config
 from resformer_jax.resolve import for_backend
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]
@@ -126,8 +127,10 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     assert '"kv_cache_bytes"' in r.stderr and "decode_tokens_per_s" in r.stderr
     # the run exported: generate takes the folder as serve and the lm-eval adapter do, and gives the same text
     from resformer_jax.hf.run_export import export_run
+    from resformer_jax.load import load_run
+    from resformer_jax.rundir import RunDir
 
-    export_run(wd, str(tmp_path / "hf"))
+    export_run(RunDir(wd), load_run(wd), str(tmp_path / "hf"))
     cmd = [sys.executable, "-m", "resformer_jax", "generate", f"--workdir={tmp_path / 'hf'}", "--max_new_tokens=24"]
     e = subprocess.run([*cmd, "--prompt=the cat sat on the mat"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert e.returncode == 0 and e.stdout == r.stdout and '"step": null' in e.stderr, e.stderr[-2000:]

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from resformer_jax import kernels
-from resformer_jax.config import ConfigError, tiny_config, validate
+from resformer_jax.config import ConfigError, validate
+from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels import names
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import attended_fraction, document_segments
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 
 EOT = 7
@@ -141,7 +143,7 @@ def test_splash_masks_documents_interpreted():
     seg = jnp.asarray(np.repeat([0, 1, 2], [100, 100, 56])[None], jnp.int32)
 
     def f(impl):
-        return lambda q, k, v: kernels.attention(q, k, v, impl=impl, segments_BxT=seg)
+        return lambda q, k, v: dispatch.attention(q, k, v, impl=impl, segments_BxT=seg)
 
     np.testing.assert_allclose(f("splash")(q, k, v), f("reference")(q, k, v), atol=1e-5)
     loss = lambda impl: lambda *a: (f(impl)(*a) ** 2).sum()
@@ -160,7 +162,7 @@ def test_pallas_skips_blocks_outside_a_blocks_documents_and_stays_exact(block):
     q = jnp.asarray(rng.normal(size=(2, 40, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, 40, 2, 8)), jnp.float32) for _ in range(2))
     seg = jnp.asarray(np.stack([np.repeat([0, 1, 2], [10, 17, 13]), np.repeat([0, 1], [33, 7])]), jnp.int32)
-    ref = lambda *a: kernels.attention(*a, impl="reference", segments_BxT=seg)
+    ref = lambda *a: dispatch.attention(*a, impl="reference", segments_BxT=seg)
     got = lambda *a: flash_attention(*a, segments_BxT=seg, block_q=block, block_k=block)
     np.testing.assert_allclose(got(q, k, v), ref(q, k, v), atol=1e-5)
     sq = lambda f: lambda *a: (f(*a) ** 2).sum()
@@ -180,7 +182,7 @@ def test_bad_settings_are_named():
         validate(c)
     with pytest.raises(kernels.KernelUnavailable, match="cannot mask documents"):
         q = jnp.zeros((1, 8, 2, 8))
-        kernels.attention(q, q, q, impl="cudnn", segments_BxT=jnp.zeros((1, 8), jnp.int32))
+        dispatch.attention(q, q, q, impl="cudnn", segments_BxT=jnp.zeros((1, 8), jnp.int32))
     candidates, rejected = names.auto_candidates("gpu", documents=True)
     assert "cudnn" not in candidates and "document mask" in rejected["cudnn"]
 

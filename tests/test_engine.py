@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from reference import model_greedy
 
-from resformer_jax.config import tiny_config
 from resformer_jax.engine import Engine, EngineError, SamplingParams
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 
 VARIANTS = {

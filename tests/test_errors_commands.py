@@ -14,7 +14,7 @@ import time
 import pytest
 
 from resformer_jax.commands.training import run
-from resformer_jax.config import tiny_config
+from resformer_jax.presets import tiny_config
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 
@@ -163,7 +163,7 @@ CASES = [
         ["resformer_jax", "export", "--workdir={run}", "--out={nonempty}"],
         ["not empty"],
     ),
-    ("bench attention bad shape", ["resformer_jax.bench", "attention", "--shapes=1,2,3"], ["--shapes"]),
+    ("bench attention bad shape", ["resformer_jax", "bench", "attention", "--shapes=1,2,3"], ["--shapes"]),
 ]
 
 
@@ -206,8 +206,10 @@ def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, name, a
 
 def test_a_reader_of_runs_given_an_export_names_the_commands_that_take_one(trained, tmp_path):
     from resformer_jax.hf.run_export import export_run
+    from resformer_jax.load import load_run
+    from resformer_jax.rundir import RunDir
 
-    export_run(str(trained / "svformer"), str(tmp_path / "hf"))
+    export_run(RunDir(str(trained / "svformer")), load_run(str(trained / "svformer")), str(tmp_path / "hf"))
     for command in (["evaluate"], ["analyze"], ["export", f"--out={tmp_path / 'again'}"]):
         line = _one_line(["resformer_jax", *command, f"--workdir={tmp_path / 'hf'}"], cwd=ROOT)
         assert "`resformer export` wrote, not a run directory" in line and "--hf_model" in line, line
@@ -421,14 +423,15 @@ OTHER_COMMANDS = [
     ),
     (
         "compile: missing config",
-        ["resformer_jax.compile", "--config=configs/nope.py", "--target=h100x8"],
+        ["resformer_jax", "compile", "--config=configs/nope.py", "--target=h100x8"],
         ["does not exist"],
     ),
-    ("bench: missing config", ["resformer_jax.bench", "train", "--config=configs/nope.py"], ["does not exist"]),
+    ("bench: missing config", ["resformer_jax", "bench", "train", "--config=configs/nope.py"], ["does not exist"]),
     (
         "bench zero_shot: missing tokenizer",
         [
-            "resformer_jax.bench",
+            "resformer_jax",
+            "bench",
             "zero_shot",
             "--config=configs/tiny.py",
             "--task_data={tmp}",

@@ -261,7 +261,7 @@ def test_killed_re_preparation_leaves_a_consistent_folder(corpus, tmp_path):
 
 
 def test_bench_attention_malformed_shapes():
-    assert_one_line(cmd("resformer_jax.bench", "attention", "--shapes=4,2048,16"), "--shapes", "B,T,H,K,D")
+    assert_one_line(cmd("resformer_jax", "bench", "attention", "--shapes=4,2048,16"), "--shapes", "B,T,H,K,D")
 
 
 @pytest.mark.slow
@@ -270,7 +270,7 @@ def test_a_step_that_cannot_fit_in_host_memory_stops_before_running(tmp_path):
     start and die inside the runtime ("Out of memory allocating ..."). Training and the benchmark both stop
     first, naming the size and the fix; nothing is created in the workdir."""
     huge = ["--config.train.global_batch=1048576", "--config.mesh.num_devices=1"]
-    r = cmd("resformer_jax.bench", "train", "--config=configs/demo.py", "--steps=1", *huge)
+    r = cmd("resformer_jax", "bench", "train", "--config=configs/demo.py", "--steps=1", *huge)
     assert_one_line(r, "the train step needs", "this host's memory", "config.train.global_batch")
     r = cmd(
         "resformer_jax.main", "--config=configs/tiny.py", "--config.train.steps=4", *huge, f"--workdir={tmp_path / 'w'}"
@@ -298,8 +298,8 @@ def test_disk_full_while_saving(tmp_path):
 
 
 def test_memory_advice_leaves_out_knobs_already_at_their_limit():
-    from resformer_jax.config import tiny_config
     from resformer_jax.memory import memory_knobs
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config("resformer")
     c.train.global_batch, c.train.microbatch, c.model.remat, c.mesh.fsdp = 8, 0, "none", 1

@@ -116,8 +116,8 @@ def test_relative_curve_of_run_against_itself_is_zero():
 @pytest.mark.slow
 def test_three_commands_end_to_end(tmp_path, shared_data):
     from resformer_jax.commands.training import run
-    from resformer_jax.config import tiny_config
     from resformer_jax.data_prep.prepare import prepare
+    from resformer_jax.presets import tiny_config
 
     prepare([str(shared_data / "slimpajama_sample")], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
     data = str(tmp_path / "data")
@@ -234,9 +234,10 @@ def test_streamed_analysis_equals_measures_over_every_kept_tensor(tmp_path):
     from resformer_jax.analysis import measures
     from resformer_jax.analysis.per_layer import analysis_sequences, analyze_run, layer_tensors
     from resformer_jax.commands.training import run
-    from resformer_jax.config import ConfigError, tiny_config
+    from resformer_jax.config import ConfigError
     from resformer_jax.load import load_run
     from resformer_jax.model import Transformer
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config("resformer")
     c.train.steps, c.train.warmup_steps, c.mesh.num_devices = 3, 1, 1

@@ -165,7 +165,8 @@ EXPORT_CASES = {
 def _model_and_params(fields, scan=True):
     import flax.linen as nn
 
-    from resformer_jax.config import tiny_config, validate
+    from resformer_jax.config import validate
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config()
     c.model.scan_layers = scan
@@ -368,7 +369,7 @@ def test_transformers_generate_with_the_twins_cache_equals_the_engine(tmp_path):
 @pytest.mark.slow
 def test_export_command_on_a_run(tmp_path):
     from resformer_jax.commands.training import run
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config("svformer")
     c.train.steps, c.mesh.num_devices = 3, 1
@@ -484,8 +485,8 @@ def test_tied_and_llama3_scaled_models_export_and_import_back_exactly(tmp_path):
     """An imported Llama 3.1-style checkpoint (llama3 RoPE) exported again carries its rope_scaling, and a model
     with tied embeddings exports the table as the head with tie_word_embeddings=true: both import back to the
     same logits."""
-    from resformer_jax.config import tiny_config
     from resformer_jax.hf.export import export_params
+    from resformer_jax.presets import tiny_config
 
     rs = dict(LLAMA31, original_max_position_embeddings=16)
     write_tiny_llama(str(tmp_path / "m"), extra={"rope_scaling": rs})

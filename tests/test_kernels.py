@@ -7,10 +7,11 @@ import pytest
 
 from resformer_jax import kernels
 from resformer_jax.commands.training import run
-from resformer_jax.config import tiny_config
+from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels import probe
 from resformer_jax.metrics import read_jsonl
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.presets import tiny_config
 
 SHAPES = [(T, H, K, 64) for T in (1, 7, 128, 300) for H, K in ((4, 4), (8, 2), (8, 1))]
 SHAPES += [(7, 8, 2, 128), (300, 8, 1, 128), (128, 4, 4, 128)]
@@ -19,7 +20,7 @@ BF16_SHAPES = [(128, 8, 2, 64), (300, 8, 1, 128), (7, 4, 4, 64)]
 
 def fwd_bwd(impl, q, k, v, do):
     def f(q, k, v):
-        return kernels.attention(q, k, v, causal=True, impl=impl)
+        return dispatch.attention(q, k, v, causal=True, impl=impl)
 
     @jax.jit
     def go(q, k, v, do):
@@ -91,11 +92,11 @@ def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, docu
     segments = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(T), 0.04, (2, T)), axis=1) if documents else None
 
     def mixed_first(q, k, v, v1, lam):
-        return kernels.attention(q, k, lam[0] * v1 + lam[1] * v, impl="reference", segments_BxT=segments)
+        return dispatch.attention(q, k, lam[0] * v1 + lam[1] * v, impl="reference", segments_BxT=segments)
 
     def in_kernel(q, k, v, v1, lam):
         mix = (v1, lam if lambda_grads else jax.lax.stop_gradient(lam))
-        return kernels.attention(
+        return dispatch.attention(
             q, k, v, impl="pallas", segments_BxT=segments, value_mix=mix, lambda_grads=lambda_grads
         )
 
@@ -125,10 +126,10 @@ def test_pallas_gated_value_mix_equals_attention_over_the_gated_value(T, H, K, D
 
     def mixed_first(q, k, v, v1, gate):
         mixed = gated_value(ValueMix(v, v1, None, None, None, v.dtype, None, None, gate))
-        return kernels.attention(q, k, mixed, impl="reference", segments_BxT=segments)
+        return dispatch.attention(q, k, mixed, impl="reference", segments_BxT=segments)
 
     def in_kernel(q, k, v, v1, gate):
-        return kernels.attention(q, k, v, impl="pallas", segments_BxT=segments, value_mix=(v1, gate))
+        return dispatch.attention(q, k, v, impl="pallas", segments_BxT=segments, value_mix=(v1, gate))
 
     want, got = (
         _out_and_grads(mixed_first, (q, k, v, v1, gate), do),
@@ -142,12 +143,12 @@ def test_pallas_gated_value_mix_equals_attention_over_the_gated_value(T, H, K, D
 def test_value_mix_is_refused_where_no_kernel_forms_it():
     x = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(ValueError, match="value mix"):
-        kernels.attention(x, x, x, impl="xla", value_mix=(x, jnp.array([0.5, 0.5])))
+        dispatch.attention(x, x, x, impl="xla", value_mix=(x, jnp.array([0.5, 0.5])))
 
 
 def test_reference_returns_causal_probabilities():
     q, k, v, _ = inputs(9, 4, 2, 64, jnp.float32)
-    _, p = kernels.reference_attention(q, k, v, return_probs=True)
+    _, p = dispatch.reference_attention(q, k, v, return_probs=True)
     assert p.shape == (2, 4, 9, 9)
     np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
     assert float(jnp.abs(jnp.triu(p, 1)).max()) == 0.0
@@ -156,7 +157,7 @@ def test_reference_returns_causal_probabilities():
 def test_named_impl_that_cannot_run_raises():
     q, k, v, _ = inputs(8, 4, 4, 64, jnp.float32)
     with pytest.raises(kernels.KernelUnavailable, match="cudnn"):
-        kernels.attention(q, k, v, impl="cudnn")
+        dispatch.attention(q, k, v, impl="cudnn")
 
 
 def test_auto_probe_on_a_gpu_times_every_candidate_and_keeps_the_fastest():
@@ -175,13 +176,13 @@ def test_auto_probe_times_resformer_layers_on_their_value_mix(monkeypatch):
     """For ResFormer (value_mix), each candidate is timed on what its layers run: pallas with the mix inside
     (value_mix passed to the kernel), the others on the value mixed first; the log says so."""
     seen = []
-    real = kernels.attention
+    real = dispatch.attention
 
     def spy(q, k, v, **kw):
         seen.append((kw["impl"], kw.get("value_mix") is not None))
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(kernels, "attention", spy)
+    monkeypatch.setattr(dispatch, "attention", spy)
     msgs, ticks = [], iter([0.0, 0.002] * 3 + [0.0, 0.003] * 3)
     choice, _ = probe.probe_auto(
         (1, 64, 2, 32), 2, jnp.float32, msgs.append, backend="gpu", clock=lambda: next(ticks), value_mix=True
@@ -222,7 +223,7 @@ def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
 
-    want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v, causal=causal))
+    want = run_impl(lambda q, k, v: dispatch.reference_attention(q, k, v, causal=causal))
     got = jax.jit(lambda: run_impl(lambda q, k, v: chunked_attention(q, k, v, causal=causal, block=block)))()
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel(g, w) < 1e-5, f"chunked {name} T={T} S={S} block={block}: {rel(g, w):.2e}"
@@ -260,7 +261,7 @@ def test_chunked_loops_over_pairs_only_on_cpu():
     with compiling_for("cuda"):
         assert not loops(lambda q: chunked_attention(q, kv, kv))
     mesh = jax.make_mesh((2, 1), ("data", "fsdp"), devices=jax.devices()[:2])
-    assert not loops(lambda q: kernels.attention(q, kv, kv, impl="chunked", mesh=mesh))
+    assert not loops(lambda q: dispatch.attention(q, kv, kv, impl="chunked", mesh=mesh))
 
 
 @pytest.mark.slow
@@ -296,8 +297,8 @@ def test_splash_tpu_kernel_matches_reference_interpreted(T, H, K):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
 
-    want = run_impl(lambda q, k, v: kernels.reference_attention(q, k, v))
-    got = jax.jit(lambda: run_impl(lambda q, k, v: kernels.attention(q, k, v, impl="splash")))()
+    want = run_impl(lambda q, k, v: dispatch.reference_attention(q, k, v))
+    got = jax.jit(lambda: run_impl(lambda q, k, v: dispatch.attention(q, k, v, impl="splash")))()
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel(g, w) < 1e-5, f"splash {name} T={T}: {rel(g, w):.2e}"
 
@@ -404,18 +405,18 @@ def test_pallas_rope_inside_the_kernel_equals_rotating_q_and_k_first(T, H, K, D,
     inv_freq = inverse_frequencies(D, 10000.0)
 
     def kernel(q, k, v):
-        return kernels.attention(q, k, v, impl="pallas", segments_BxT=seg, rope=(positions, inv_freq))
+        return dispatch.attention(q, k, v, impl="pallas", segments_BxT=seg, rope=(positions, inv_freq))
 
     def reference(q, k, v):
         qr, kr = rotate_half(q, positions, inv_freq), rotate_half(k, positions, inv_freq)
-        return kernels.attention(qr, kr, v, impl="reference", segments_BxT=seg)
+        return dispatch.attention(qr, kr, v, impl="reference", segments_BxT=seg)
 
     got_o, got_vjp = jax.vjp(kernel, q, k, v)
     want_o, want_vjp = jax.vjp(reference, q, k, v)
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got_o, *got_vjp(do)), (want_o, *want_vjp(do))):
         assert rel(g, w) < 1e-5, f"{name} T={T} H/K={H}/{K} D={D}: {rel(g, w):.2e}"
     with pytest.raises(ValueError, match="RoPE"):
-        kernels.attention(q, k, v, impl="xla", rope=(positions, inv_freq))
+        dispatch.attention(q, k, v, impl="xla", rope=(positions, inv_freq))
 
 
 def test_norm_auto_on_a_gpu_times_the_kernels_against_xla_and_falls_back_when_they_fail(monkeypatch):

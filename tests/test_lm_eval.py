@@ -192,9 +192,11 @@ def test_an_exported_folder_scores_and_generates_as_its_run(trained, tmp_path):
     and greedy text as the run it was exported from."""
     from resformer_jax.eval.lm_eval_model import ResformerLM
     from resformer_jax.hf.run_export import export_run
+    from resformer_jax.load import load_run
+    from resformer_jax.rundir import RunDir
 
     wd, lm = trained
-    export_run(wd, str(tmp_path / "hf"))
+    export_run(RunDir(wd), load_run(wd), str(tmp_path / "hf"))
     exported = ResformerLM(workdir=str(tmp_path / "hf"), batch_size=8)
     assert exported.step is None and exported.max_length == lm.max_length
     pairs = [("The first", " line of the file"), ("import os", "\nimport sys"), ("a", " b")]

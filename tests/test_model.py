@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import reference as ref
 
-from resformer_jax.config import ConfigError, base_config, paper_config, tiny_config, validate
+from resformer_jax.config import ConfigError, base_config, validate
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.perf import summary
+from resformer_jax.presets import paper_config, tiny_config
 from resformer_jax.resolve import for_backend
 
 MODES = ["none", "resformer", "svformer", "neutreno", "resformer+neutreno"]

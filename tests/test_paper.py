@@ -59,8 +59,9 @@ def test_fig3_measure_equals_one_where_eq3_is_exact_and_not_for_identity():
 
 @pytest.mark.slow
 def test_sequence_length_presets_make_2m_tokens_a_step_and_fit_their_hardware():
-    from resformer_jax.config import TABLE3, seq_len_config, validate
+    from resformer_jax.config import validate
     from resformer_jax.perf import summary
+    from resformer_jax.presets import TABLE3, seq_len_config
 
     for T in TABLE3:
         s = summary(validate(seq_len_config("82m", "svformer", T)))
@@ -106,8 +107,9 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     import jax
     import reference as ref
 
-    from resformer_jax.config import tiny_config, validate
+    from resformer_jax.config import validate
     from resformer_jax.model import Transformer
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config(mode)
     c.model.arch, c.model.scan_layers, c.model.tie_embeddings = "gpt2", False, tie
@@ -140,7 +142,7 @@ def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
     import optax
     from test_decode import assert_decode_equals_forward
 
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
     from resformer_jax.train.step import init_state, make_train_step
 
     c = tiny_config(mode)
@@ -187,8 +189,8 @@ def test_gpt2_scaled_output_init_and_dropout():
     import jax
     import optax
 
-    from resformer_jax.config import tiny_config
     from resformer_jax.model import Transformer
+    from resformer_jax.presets import tiny_config
     from resformer_jax.train.step import init_state, loss_fn, make_train_step
 
     c = tiny_config("svformer")
@@ -228,8 +230,9 @@ def test_paper_configs_are_sized_for_8_h100s():
     """The headline configs run as written on the hardware the paper used: the step's 1,024 sequences of 2,048
     tokens over 8 GPUs in the setting `compile --tune` finds best there (docs/kernels-and-compile.md); the estimate
     is for 8 devices and stays under tune's 90% of JAX's 75% of an 80 GB card."""
-    from resformer_jax.config import paper_config, validate
+    from resformer_jax.config import validate
     from resformer_jax.perf import summary
+    from resformer_jax.presets import paper_config
 
     for size in ("82m", "180m", "468m"):
         for variant in ("none", "resformer", "svformer"):
@@ -237,3 +240,32 @@ def test_paper_configs_are_sized_for_8_h100s():
             mem = s["memory_estimate_per_device"]
             assert s["tokens_per_step"] == 1024 * 2048 and mem["devices"] == 8 and mem["target"] == "8x H100 80GB"
             assert mem["total"] < 0.9 * 0.75 * 79.65 * 2**30, (size, variant, mem["total"] / 2**30)
+
+
+def test_the_memory_estimate_counts_the_optimizer_the_run_uses():
+    """`--mode=summary` on the 82M ResFormer: the state is the parameters and gradients (fp32) plus the bytes of the
+    optimizer's own init over the parameters' shapes; Muon (one moment on its matrices) keeps less than AdamW."""
+    import jax
+    import numpy as np
+
+    from resformer_jax.config import validate
+    from resformer_jax.model.transformer import param_shapes
+    from resformer_jax.optimizer import make_optimizer
+    from resformer_jax.perf import summary
+    from resformer_jax.presets import paper_config
+
+    state = {}
+    for opt in ("adamw", "muon"):
+        c = paper_config("82m", "resformer")
+        c.train.optimizer = opt
+        cfg = validate(c)
+        shapes = param_shapes(cfg.model)
+        nbytes = lambda tree: sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        want = 2 * nbytes(shapes) + nbytes(jax.eval_shape(make_optimizer(cfg.train).init, shapes))
+        mem = summary(cfg)["memory_estimate_per_device"]
+        fsdp = max(1, cfg.mesh.fsdp)
+        assert abs(mem["state"] - want / fsdp) <= 1, (opt, mem["state"], want / fsdp)
+        state[opt] = mem["state"]
+    assert state["muon"] < state["adamw"], state
+    # AdamW: 16 bytes a parameter (weights, gradients, two moments), as the estimate counted before it asked optax
+    assert abs(state["adamw"] - 16 * summary(validate(paper_config("82m", "resformer")))["params_total"]) <= 16

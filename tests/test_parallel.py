@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from resformer_jax.commands.training import run
-from resformer_jax.config import tiny_config
 from resformer_jax.parallel.mesh import MeshError, make_mesh
+from resformer_jax.presets import tiny_config
 from resformer_jax.train.loop import Trainer
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from resformer_jax.config import tiny_config
 from resformer_jax.kernels.cpu_matmul import mixed_matmul, rounded_matmul, rounded_swiglu, swiglu_mlp, transposed
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 from resformer_jax.train.loss import chunked_cross_entropy, cross_entropy
 from resformer_jax.train.step import loss_fn

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from resformer_jax.commands.training import run
-from resformer_jax.config import base_config, tiny_config
+from resformer_jax.config import base_config
 from resformer_jax.metrics import read_jsonl
+from resformer_jax.optimizer import lr_schedule, make_optimizer, muon_dimensions
+from resformer_jax.presets import tiny_config
 from resformer_jax.train.loss import chunked_lm_loss, cross_entropy_and_z
-from resformer_jax.train.optimizer import lr_schedule, make_optimizer, muon_dimensions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS = (3.4445, -4.7750, 2.0315)  # optax's default Newton-Schulz coefficients

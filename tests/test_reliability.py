@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from resformer_jax.commands.training import run
-from resformer_jax.config import tiny_config
 from resformer_jax.metrics import read_jsonl
+from resformer_jax.presets import tiny_config
 
 pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
 

@@ -131,7 +131,7 @@ def _device(target_name):
 
 def _compile(target, fn, *args):
     from resformer_jax.compilation.aot import compile_step
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     return compile_step("probe", jax.jit(fn), args, target, tiny_config(), log=lambda s: None)
 
@@ -273,7 +273,8 @@ def test_tune_lists_the_settings_that_fit_best_bound_first_and_writes_the_best(t
         [
             sys.executable,
             "-m",
-            "resformer_jax.compile",
+            "resformer_jax",
+            "compile",
             "--config=configs/tiny.py",
             "--target=h100x8",
             "--tune",
@@ -396,7 +397,7 @@ def test_cudnn_fused_attention_counts_its_causal_matmuls():
 
 def test_a_benchmarked_steps_bound_is_read_from_its_own_program():
     from resformer_jax.benchmarks.train import TrainBench
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     b = TrainBench(tiny_config("resformer"), log=lambda m: None)
     assert b.bound() is None  # a CPU: no datasheet numbers to bound it with

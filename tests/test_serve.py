@@ -506,9 +506,9 @@ def neox_run(tmp_path_factory):
     from conftest import SHARED_DATA as shared_data
 
     from resformer_jax.commands.training import run
-    from resformer_jax.config import paper_config
     from resformer_jax.data.records import load_metadata
     from resformer_jax.data_prep.prepare import prepare
+    from resformer_jax.presets import paper_config
 
     if not shared_data.is_dir():
         pytest.skip(f"{shared_data} is absent: these tests need ../shared/data beside the checkout")

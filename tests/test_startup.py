@@ -121,8 +121,9 @@ def test_the_468m_memory_hint_and_the_start_say_how_long_a_step_would_take_here(
     """#73: the hint that makes the 468M preset fit this CPU also says one of its steps takes hours here, and the
     same estimate (FLOPs a step at the measured peak) is what the start-up warns with."""
     from resformer_jax import perf
-    from resformer_jax.config import RunConfig, paper_config
+    from resformer_jax.config import RunConfig
     from resformer_jax.memory import too_big_for_here
+    from resformer_jax.presets import paper_config
 
     cfg = paper_config("468m")
     cfg.mesh.device_memory_limit_gb = 23.5  # one CPU device with this machine's memory (the suite splits it in 8)

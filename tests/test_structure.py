@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from record_losses import cpu_description, tiny_run_losses
 
-from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
 from resformer_jax.model.attention import ValueMix, plan_layer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "resformer_jax"
@@ -301,8 +301,8 @@ def _cli_commands():
 
 def test_entry_points_are_the_console_script_and_main_only():
     """`resformer COMMAND` (pyproject's script) dispatches to commands/ (each command's cli_main, through cli.run
-    alone); `python -m resformer_jax.main` stays the headline command, `.bench` and `.compile` the two paths the docs
-    show; no other module has an entry point."""
+    alone); `python -m resformer_jax.main` stays the headline command, `python -m resformer_jax COMMAND` the rest; no
+    other module has an entry point."""
     import re
     import tomllib
 
@@ -315,14 +315,15 @@ def test_entry_points_are_the_console_script_and_main_only():
         for f in PKG.rglob("*.py")
         if re.search(r"^if __name__ == .__main__.:", f.read_text(), re.M)
     )
-    assert with_main == ["bench.py", "compile.py", "main.py"], f"a __main__ block besides the root's doors: {with_main}"
+    assert with_main == ["main.py"], f"a __main__ block besides the headline door: {with_main}"
+    assert not (PKG / "bench.py").exists() and not (PKG / "compile.py").exists(), "the command table covers them"
     in_folders = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("__main__.py") if f.parent != PKG)
     assert not in_folders, f"a library folder holds an entry point (the root's entry files are the doors): {in_folders}"
     docs = [PKG.parent / "README.md", *sorted((PKG.parent / "docs").glob("*.md"))]
     shown = {m for d in docs for m in re.findall(r"(?:^|[\s`(])resformer ([a-z][a-z-]*)\b", d.read_text(), re.M)}
     shown -= {"command", "commands"}
     modules = {m.rstrip(".") for d in docs for m in re.findall(r"python -m (resformer_jax[\w.]*)", d.read_text())}
-    kept = {"resformer_jax", "resformer_jax.main", "resformer_jax.bench", "resformer_jax.compile"}
+    kept = {"resformer_jax", "resformer_jax.main"}
     assert modules <= kept, f"README or docs/ show `python -m` paths that do not exist: {modules - kept}"
     names = {name for name, _ in _cli_commands()}
     assert shown <= names, f"README or docs/ show commands the CLI does not have: {shown - names}"
@@ -331,7 +332,7 @@ def test_entry_points_are_the_console_script_and_main_only():
 @pytest.mark.slow
 def test_every_command_answers_help():
     """Each command starts: --help prints the command's own usage (absl exits 1 after it), through the console
-    script's dispatcher and through the `python -m` paths kept for main, bench and compile."""
+    script's dispatcher and through `python -m resformer_jax.main`."""
     import subprocess
     import sys
 
@@ -339,8 +340,6 @@ def test_every_command_answers_help():
     runs = [(["resformer_jax", name], module) for name, module in _cli_commands() if name != "harness"]
     runs += [
         (["resformer_jax.main"], "main"),
-        (["resformer_jax.bench"], "bench"),
-        (["resformer_jax.compile"], "compile"),
     ]
     for args, module in runs:  # harness is lm-eval's own CLI; without lm-eval one line says what to install
         r = subprocess.run(
@@ -409,7 +408,8 @@ def test_a_training_start_validates_its_config_once(tmp_path, monkeypatch):
     import inspect
 
     from resformer_jax.commands.training import run
-    from resformer_jax.config import RunConfig, tiny_config
+    from resformer_jax.config import RunConfig
+    from resformer_jax.presets import tiny_config
     from resformer_jax.resolve import Run, resolve
     from resformer_jax.train import setup
 
@@ -439,9 +439,9 @@ def test_each_auto_field_is_resolved_in_resolve_py_alone():
     serving form (the "rounded" matmuls) is resolve.serving_model's. And no other library module reads an `auto`
     model field to decide by it (config.py's validation and the memory and FLOP bounds read it as a bound, not a
     choice)."""
-    from resformer_jax.config import tiny_config
     from resformer_jax.model import Transformer
     from resformer_jax.model.config import ModelConfig
+    from resformer_jax.presets import tiny_config
     from resformer_jax.resolve import for_backend, serving_model
 
     m = ModelConfig.of(tiny_config().model).replace(**dict.fromkeys(AUTO_FIELDS, "auto"))
@@ -495,8 +495,8 @@ def test_the_model_config_is_typed_at_the_edge():
         f"ModelConfig.of past the edge, in {sorted(set(callers) - edges)}: take the typed value"
     )
     with pytest.raises(TypeError, match="RunConfig.of"):
-        from resformer_jax.config import tiny_config
         from resformer_jax.model import Transformer
+        from resformer_jax.presets import tiny_config
 
         Transformer(tiny_config().model)
 
@@ -528,3 +528,31 @@ def test_every_config_section_is_typed_and_checks_its_own_fields():
             SECTIONS[name](**fields)
     with pytest.raises(ConfigError, match=r"config\.train\.stepz: not a field"):
         RunConfig.of({"train": {"stepz": 3}})
+
+
+def _room(module: str) -> str:
+    """The room a library module lives in: its folder under resformer_jax/, or the root module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_arrow_runs_back_up_between_rooms():
+    """Rooms (a folder, or a module at the package root) import one way: no two rooms reach each other, however
+    indirectly (hf/ imported load.py while load.py read exports through hf/: the export now takes the loaded run)."""
+    rooms: dict[str, set[str]] = {}
+    for module, deps in _import_graph().items():
+        rooms.setdefault(_room(module), set()).update(_room(d) for d in deps if _room(d) != _room(module))
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in rooms.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    loops = sorted({tuple(sorted({a, b})) for a in rooms for b in reach(a) if a != b and a in reach(b)})
+    assert not loops, f"rooms that import each other (an arrow back up): {loops}"
+    hf = [m for f in (PKG / "hf").glob("*.py") for m in _imports(f) if m == "resformer_jax.load"]
+    assert not hf, "hf/ imports load.py: the export command loads the run and hands it to hf/"

@@ -233,8 +233,8 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
     the variant is worth k_n = 1.25 times the parameters and k_d = 1.1 times the tokens, so at equal tokens
     it matches a baseline with k_n k_d^(0.05/0.07) times its parameters, and at equal size one trained on
     k_d k_n^(0.07/0.05) times its tokens."""
-    from resformer_jax.config import tiny_config
     from resformer_jax.perf import model_flops
+    from resformer_jax.presets import tiny_config
 
     for variant, k_n, k_d in (("none", 1.0, 1.0), ("resformer", 1.25, 1.1)):
         for d in (32, 64, 128):
@@ -285,7 +285,7 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
 
 def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path):
     """Fig. 11 right from runs: SVFormer ahead early, overtaken at a step that grows with the sequence length."""
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     cross = {32: 30, 64: 60}  # relative loss crosses zero at these steps; 64's run ends before: predicted
     for seq_len, at in cross.items():
@@ -333,7 +333,7 @@ def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path)
 
 
 def _synthetic_run(folder, variant, seq_len, losses_by_step, evals=None):
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     c = tiny_config(variant)
     c.data.seq_len = seq_len
@@ -415,8 +415,8 @@ def test_mixed_lengths_are_refused_as_one_comparison_and_grouped_with_vs(tmp_pat
 def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_steps(tmp_path):
     """Fig. 5 middle: loss against model size is the mean training loss of the last 50 training steps (logged
     every 10 here: the last 5 points), not the final validation loss."""
-    from resformer_jax.config import tiny_config
     from resformer_jax.perf import model_flops
+    from resformer_jax.presets import tiny_config
 
     want = {}
     for v in ("none", "resformer"):
@@ -540,7 +540,7 @@ def test_tpu_pod_launcher_picks_the_runtime_of_the_accelerator_type(tmp_path, ac
 
 def test_compare_against_a_categorical_field_gives_each_value_its_comparison(tmp_path):
     """--vs train.optimizer (not a number like data.seq_len): one comparison per optimizer, no exponential fit."""
-    from resformer_jax.config import tiny_config
+    from resformer_jax.presets import tiny_config
 
     for variant, gap in (("none", 0.0), ("resformer", 0.05)):
         for optimizer, base in (("adamw", 5.0), ("muon", 4.5)):

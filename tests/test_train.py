@@ -11,11 +11,11 @@ import optax
 import pytest
 
 from resformer_jax.commands.training import run
-from resformer_jax.config import tiny_config
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.optimizer import lr_schedule, make_optimizer
+from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
-from resformer_jax.train.optimizer import lr_schedule, make_optimizer
 from resformer_jax.train.step import init_state, make_train_step
 
 

@@ -1,7 +1,7 @@
 """ResFormer + NeuTRENO (lambda 0.2 on the mixed V). 82M, as in the paper's ablations; ABLATION holds the fields a tiny
 test applies."""
 
-from resformer_jax.config import apply_ablation, paper_config
+from resformer_jax.presets import apply_ablation, paper_config
 
 ABLATION = {"value_residual": "resformer+neutreno"}
 

@@ -2,7 +2,7 @@
 per value head and token, W_g zero-initialised (g = 1/2). 82M (paper Table 4's shape); ABLATION holds the fields a
 tiny test applies."""
 
-from resformer_jax.config import apply_ablation, paper_config
+from resformer_jax.presets import apply_ablation, paper_config
 
 ABLATION = {"value_residual": "resformer", "resformer_lambdas": "gated"}
 

@@ -2,7 +2,7 @@
 1's; about half the value projections and 25% less KV cache. 82M (paper Table 4's shape); ABLATION holds the fields
 a tiny test applies."""
 
-from resformer_jax.config import apply_ablation, paper_config
+from resformer_jax.presets import apply_ablation, paper_config
 
 ABLATION = {"value_residual": "skipv1"}
 

@@ -8,7 +8,8 @@ SEQ_LEN is one of 32768, 65536, 131072; SIZE defaults to 468m. Sized for 8x H100
 (docs/scaling-out.md has its memory and bound): remat none at 32K, full above.
 """
 
-from resformer_jax.config import ConfigError, paper_config
+from resformer_jax.config import ConfigError
+from resformer_jax.presets import paper_config
 
 LENGTHS = (32768, 65536, 131072)
 

@@ -7,7 +7,7 @@
                   1/4 of the KV heads): the same budget (Fig. 10 right)
 """
 
-from resformer_jax.config import apply_ablation, seq_len_config
+from resformer_jax.presets import apply_ablation, seq_len_config
 
 PRESETS = {
     "none": ("none", {}),

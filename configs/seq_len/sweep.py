@@ -8,7 +8,7 @@ SEQ_LEN is one of 512, 2048, 8192, 32768, 65536; SIZE defaults to 82m. Sized for
 (--mode=summary reports the tokens per step and the memory estimate against it).
 """
 
-from resformer_jax.config import seq_len_config
+from resformer_jax.presets import seq_len_config
 
 
 def get_config(arg: str = "svformer,2048"):

@@ -21,9 +21,11 @@ from resformer_jax.benchmarks.attention import time_attention
 from resformer_jax.benchmarks.decode import bench_decode_matrix
 from resformer_jax.benchmarks.timing import median_seconds
 from resformer_jax.benchmarks.train import TrainBench
-from resformer_jax.config import RunConfig, paper_config, tiny_config
+from resformer_jax.config import RunConfig
 from resformer_jax.errors import one_line
+from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels import probe
+from resformer_jax.presets import paper_config, tiny_config
 from resformer_jax.train.setup import AttentionChoice
 
 GPU_ONLY, TPU_ONLY = ("pallas", "cudnn", "jax_pallas_gpu"), ("splash",)
@@ -53,7 +55,7 @@ def _jax_pallas_gpu(q, k, v):
 def attention_fn(impl: str):
     if impl == "jax_pallas_gpu":
         return _jax_pallas_gpu
-    return lambda q, k, v: kernels.attention(q, k, v, causal=True, impl=impl)
+    return lambda q, k, v: dispatch.attention(q, k, v, causal=True, impl=impl)
 
 
 def _rel(a, b) -> float:
@@ -89,7 +91,7 @@ def correctness(impl: str, shape, dtype) -> dict:
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do.astype(o.dtype))
 
-    want = jax.jit(lambda *a: fwd_bwd(kernels.reference_attention, *a))(q32, k32, v32, do32)
+    want = jax.jit(lambda *a: fwd_bwd(dispatch.reference_attention, *a))(q32, k32, v32, do32)
     cast = [x.astype(dtype) for x in (q32, k32, v32, do32)]
     got = jax.jit(lambda *a: fwd_bwd(attention_fn(impl), *a))(*cast)
     return {name: _rel(g.astype(jnp.float32), w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from resformer_jax import kernels, perf
+from resformer_jax import perf
 from resformer_jax.benchmarks.timing import median_seconds, random_qkv
+from resformer_jax.kernels import attention as dispatch
 
 
 def time_attention(f, shape, dtype, peak: float, repeats: int = 5, seed: int = 0) -> dict:
@@ -31,7 +32,7 @@ def bench_attention(shapes, impls, dtype) -> list[dict]:
         for impl in impls:
             try:
                 times = time_attention(
-                    lambda q, k, v, impl=impl: kernels.attention(q, k, v, impl=impl), shape, dtype, peak
+                    lambda q, k, v, impl=impl: dispatch.attention(q, k, v, impl=impl), shape, dtype, peak
                 )
                 res.append(
                     {

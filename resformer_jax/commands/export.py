@@ -33,9 +33,13 @@ FLAGS = flags.FLAGS
 def main(argv):
     cli.start()
     with cli.exit_on_user_error():
-        from resformer_jax.hf.run_export import export_run
+        from resformer_jax.hf.run_export import check_target, export_run
+        from resformer_jax.load import load_run
+        from resformer_jax.rundir import RunDir
 
-        r = export_run(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.dtype, FLAGS.overwrite)
+        run = RunDir(FLAGS.workdir)
+        replacing = check_target(run, FLAGS.out, FLAGS.overwrite)  # before the load: a bad --out costs no restore
+        r = export_run(run, load_run(run.workdir, FLAGS.step), FLAGS.out, FLAGS.dtype, replacing)
     print(json.dumps(r))
     if not r["tokenizer"]:
         print(f"note: {FLAGS.workdir} has no tokenizer.json (synthetic data); the export has none", file=sys.stderr)

@@ -278,8 +278,8 @@ def check_packages(platform: str):
     platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
     if platform == "cuda" and (platforms or "").strip().lower() != "cpu":
         raise AotUnavailable(
-            "compiling for cuda needs JAX_PLATFORMS=cpu set before JAX starts (python -m "
-            "resformer_jax.compile sets it); otherwise the CUDA plugin looks for a local GPU"
+            "compiling for cuda needs JAX_PLATFORMS=cpu set before JAX starts ("
+            "`resformer compile` sets it); otherwise the CUDA plugin looks for a local GPU"
         )
 
 

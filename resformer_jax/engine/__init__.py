@@ -4,6 +4,6 @@ Its notes (the reasons, what was measured): docs/modules.md.
 """
 
 from resformer_jax.engine.engine import Engine, Request, SamplingParams
-from resformer_jax.engine.pages import EngineError
+from resformer_jax.engine.errors import EngineError
 
 __all__ = ["Engine", "EngineError", "Request", "SamplingParams"]

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from resformer_jax.engine.pages import EngineError, ShardedPages, pages_in_budget
+from resformer_jax.engine.errors import EngineError
+from resformer_jax.engine.pages import ShardedPages, pages_in_budget
 from resformer_jax.engine.runner import ModelRunner, bucket, free_memory_bytes
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import cache_bytes_per_token

@@ -5,11 +5,7 @@ from __future__ import annotations
 import collections
 import math
 
-from resformer_jax.errors import UserError
-
-
-class EngineError(UserError):
-    """A request or an engine setting that cannot work; the message says what to change."""
+from resformer_jax.engine.errors import EngineError
 
 
 class PagePool:

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resformer_jax.engine.pages import EngineError
+from resformer_jax.engine.errors import EngineError
 from resformer_jax.engine.sampling import sample_rows, token_counts
 from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels.names import target_backend

@@ -1,4 +1,5 @@
-"""A run's checkpoint written as a Hugging Face model folder (what `resformer export` does)."""
+"""A run's checkpoint written as a Hugging Face model folder (what `resformer export` does: it checks the target,
+loads the run through load.py and hands the loaded run here, so hf/ imports nothing above it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from resformer_jax import storage
 from resformer_jax.errors import UserError
 from resformer_jax.hf.export import export_params
 from resformer_jax.hf.llama_import import is_export
-from resformer_jax.load import load_run
 from resformer_jax.rundir import RunDir
 
 
@@ -44,13 +44,12 @@ def check_target(run: RunDir, out: str, overwrite: bool) -> bool:
     return True
 
 
-def export_run(workdir, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False) -> dict:
-    """Writes OUT/config.json, model.safetensors (+ index), generation_config.json and the run's tokenizer. Nothing
-    half-written looks complete: locally the export is written beside OUT and moved into place whole; on object
-    storage config.json is uploaded last."""
-    run = RunDir(workdir)
-    replacing = check_target(run, out, overwrite)
-    cfg, params, step = load_run(run.workdir, step)
+def export_run(run: RunDir, loaded, out: str, dtype: str = "float32", replacing: bool = False) -> dict:
+    """Writes the loaded run (load.load_run's (cfg, params, step) of `run`) as OUT/config.json, model.safetensors
+    (+ index), generation_config.json and the run's tokenizer; `replacing`: check_target found an earlier export
+    there. Nothing half-written looks complete: locally the export is written beside OUT and moved into place
+    whole; on object storage config.json is uploaded last."""
+    cfg, params, step = loaded
     if storage.is_remote(out):
         if replacing:
             for f in storage.files_under(out):

@@ -30,7 +30,7 @@ def pairs_per_step(G, C, S, itemsize=4) -> int:
 
 
 def chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block=None, pairs=None, segments_BxT=None):
-    """Same contract as kernels.attention: q [B, T, H, D], k/v [B, S, K, D], K | H; `segments_BxT` (T == S):
+    """Same contract as kernels/attention.attention: q [B, T, H, D], k/v [B, S, K, D], K | H; `segments_BxT` (T == S):
     packed documents, each query masked to its own.
 
     Query t sits at position S - T + t (aligned at the end, as in decode). `pairs`: (batch, kv-head) pairs
@@ -49,7 +49,7 @@ def chunked_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal=True, block=Non
     v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3).astype(dtype)
     C = block or (block_size(T) if causal else T)
     spans = _spans(T, S, C, causal)
-    if pairs is None:  # accelerators keep the batched form (kernels.attention passes 0 under a mesh)
+    if pairs is None:  # accelerators keep the batched form (kernels/attention.attention passes 0 under a mesh)
         pairs = pairs_per_step(G, min(C, T), S) if target_backend() == "cpu" else 0
     seg_BxKxS = None  # one sequence: no document mask, not even a zero one
     if segments_BxT is not None:

@@ -8,7 +8,7 @@ import jax
 # auto: resolved once per run by probing at the run's shapes (resolve.py).
 # pallas: this project's flash attention (GPU, Triton); splash: JAX's TPU splash-attention kernel.
 IMPLS = ("auto", "pallas", "cudnn", "splash", "chunked", "xla", "reference")
-# Impls that run context-parallel (mesh.context > 1, kernels.attention): xla and reference partitioned by XLA,
+# Impls that run context-parallel (mesh.context > 1, kernels/attention.attention): xla and reference partitioned by XLA,
 # the Pallas GPU kernel and TPU splash on each device's slices (queries at their positions); not cudnn, chunked.
 CONTEXT_PARALLEL_IMPLS = ("pallas", "splash", "xla", "reference")
 

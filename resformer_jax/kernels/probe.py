@@ -1,4 +1,4 @@
-"""Probing, apart from dispatch (kernels/__init__.py): what each `auto` kernel choice resolves to on a backend, and
+"""Probing, apart from dispatch (kernels/attention.py): what each `auto` kernel choice resolves to on a backend, and
 the timings that decide it at a run's shapes (resolve.py calls these once a start): the attention impl
 (`probe_auto`; `unprobed_auto` where nothing is timed) and, on a GPU, the norm (`probe_norm`)."""
 
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 import resformer_jax.kernels as kernels
 from resformer_jax.errors import one_line
+from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels.names import auto_candidates
 
 
@@ -89,11 +90,11 @@ def probe_auto(
             def loss(q, k, v, v1, impl=impl):
                 lam = jnp.array([0.5, 0.5], jnp.float32)
                 if not value_mix:
-                    out = kernels.attention(q, k, v, causal=True, impl=impl)
+                    out = dispatch.attention(q, k, v, causal=True, impl=impl)
                 elif impl == "pallas":
-                    out = kernels.attention(q, k, v, causal=True, impl=impl, value_mix=(v1, lam), lambda_grads=False)
+                    out = dispatch.attention(q, k, v, causal=True, impl=impl, value_mix=(v1, lam), lambda_grads=False)
                 else:  # the model's Eq. 7 before the attention
-                    out = kernels.attention(q, k, (lam[0] * v1 + lam[1] * v).astype(v.dtype), causal=True, impl=impl)
+                    out = dispatch.attention(q, k, (lam[0] * v1 + lam[1] * v).astype(v.dtype), causal=True, impl=impl)
                 return out.astype(jnp.float32).sum()
 
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

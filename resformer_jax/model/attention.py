@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from resformer_jax import kernels
+from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels import rope as kernel_rope
 from resformer_jax.model.config import ModelConfig
@@ -381,7 +381,7 @@ def eq2_cross_layer(qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, k1r_BxTxKxD, v1_BxTxKxD):
     T = qr_BxTxHxD.shape[1]
     causal_TxT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
     mask_1xTx2T = jnp.concatenate([causal_TxT, causal_TxT], axis=1)[None]
-    return kernels.reference_attention(
+    return dispatch.reference_attention(
         qr_BxTxHxD,
         jnp.concatenate([kr_BxTxKxD, k1r_BxTxKxD], axis=1),
         jnp.concatenate([v_BxTxKxD, v1_BxTxKxD], axis=1),
@@ -511,7 +511,7 @@ class Attention(nn.Module):
     def _attend(self, qr_BxTxHxD, kr_BxTxKxD, v_BxTxKxD, ctx: Context, rope_in, value_mix=None):
         """U_n = A_n V through the run's attention kernel (q and k unrotated where the plan rotates in it)."""
         m = self.cfg
-        return kernels.attention(
+        return dispatch.attention(
             qr_BxTxHxD,
             kr_BxTxKxD,
             v_BxTxKxD,
@@ -560,11 +560,11 @@ class Attention(nn.Module):
             k_all_ = jnp.concatenate([k_all, dense_kv(first.k_all)], axis=1)
             v_all_ = jnp.concatenate([v_all, dense_kv(first.v_all)], axis=1)
             mask_BxTxS_ = jnp.concatenate([mask_BxTxS, mask_BxTxS], axis=-1)
-            u_BxTxHxD, probs = kernels.reference_attention(
+            u_BxTxHxD, probs = dispatch.reference_attention(
                 qr_BxTxHxD, k_all_, v_all_, mask_BxTxS=mask_BxTxS_, return_probs=True
             )
         else:
-            u_BxTxHxD, probs = kernels.reference_attention(
+            u_BxTxHxD, probs = dispatch.reference_attention(
                 qr_BxTxHxD, k_all, v_all, mask_BxTxS=mask_BxTxS, return_probs=True
             )
         if self.capture:
@@ -573,7 +573,7 @@ class Attention(nn.Module):
 
     def _attend_captured(self, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD):
         """The analysis: the reference attention, which also returns A_n, recorded with the layer's tensors."""
-        u_BxTxHxD, probs = kernels.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, return_probs=True)
+        u_BxTxHxD, probs = dispatch.reference_attention(qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, return_probs=True)
         self._sow_capture(probs, qr_BxTxHxD, kr_BxTxKxD, v_att_BxTxKxD, v_BxTxKxD)
         return u_BxTxHxD
 

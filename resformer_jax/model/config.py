@@ -7,8 +7,14 @@ Its notes (the reasons, what was measured): docs/modules.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from resformer_jax.errors import ConfigError
 from resformer_jax.kernels.names import IMPLS as ATTENTION_IMPLS
@@ -29,6 +35,16 @@ CHOICES = (
     ("norm_impl", ("auto", "pallas", "xla")),
     ("dtype", ("float32", "bfloat16", "float16", "auto")),
 )
+
+# The names a layer list (sparse_layers, svformer_anchors) takes besides 1-based layer numbers, as the ablation
+# configs write them, resolved by the model's depth L so one ablation fits any size.
+LAYER_NAMES = types.MappingProxyType(
+    {
+        "LAST3": lambda L: tuple(range(max(2, L - 2), L + 1)),  # the last three layers (never layer 1)
+        "MIDDLE": lambda L: (L // 2 + 1,),  # the middle layer
+    }
+)
+LAYER_LIST_FIELDS = ("sparse_layers", "svformer_anchors")
 
 # NeuTRENO's lambda when model.neutreno_lambda < 0 (the paper's defaults, Sec. 4.4): alone, and with ResFormer.
 NEUTRENO_DEFAULT = 0.4
@@ -105,6 +121,9 @@ class ModelConfig:
 
     def __post_init__(self):
         """The model's own fields checked where they are declared: ConfigError names the first impossible one."""
+        check_kinds(type(self), "model", dataclasses.asdict(self))
+        for name in LAYER_LIST_FIELDS:  # MIDDLE, LAST3 and numbers given as text, as layer numbers
+            object.__setattr__(self, name, layer_list(name, getattr(self, name), self.num_layers))
         self._check_shape()
         self._check_impls()
         self._check_variant()
@@ -343,3 +362,83 @@ class ModelConfig:
 
 def _fail(field: str, problem: str, fix: str):
     raise ConfigError(f"config.model.{field}: {problem}. Fix: {fix}.")
+
+
+def layer_list(field: str, value, num_layers: int) -> tuple[int, ...]:
+    """A layer-list field's 1-based layer numbers: numbers (or their text) and LAYER_NAMES, in any mix, from a tuple,
+    a list or comma-separated text (the command line's `MIDDLE` arrives as ("MIDDLE",), `3,x` as ("3,x",))."""
+    items = [value] if isinstance(value, str) else list(value)
+    out: list[int] = []
+    for item in items:
+        for part in item.split(",") if isinstance(item, str) else [item]:
+            part = part.strip() if isinstance(part, str) else part
+            if isinstance(part, str) and part in LAYER_NAMES:
+                out += LAYER_NAMES[part](num_layers)
+            elif (isinstance(part, numbers.Integral) and not isinstance(part, bool)) or (
+                isinstance(part, str) and part.isdigit()
+            ):
+                out.append(int(part))
+            elif part != "":
+                _fail(
+                    field,
+                    f"{part!r} (in {value!r}) is neither a layer number nor one of {', '.join(LAYER_NAMES)}",
+                    f"write 1-based layer numbers or a name, e.g. --config.model.{field}=2,4 or "
+                    f"--config.model.{field}={next(iter(LAYER_NAMES))}",
+                )
+    return tuple(out)
+
+
+def _kind_problem(kind, value) -> str | None:
+    """The kind `value` should be as a field of type `kind` (None: it is)."""
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        return None if isinstance(value, (bool, np.bool_)) else "true or false"
+    if kind is int:
+        return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "an integer"
+    if kind is float:
+        return None if isinstance(value, numbers.Real) and not isinstance(value, bool) else "a number"
+    if kind is str:
+        return None if isinstance(value, str) else "text"
+    if kind is tuple or origin is tuple:
+        args = typing.get_args(kind)
+        item_kind = args[0] if args else None
+        what = {int: "integers", float: "numbers"}.get(item_kind, "items") if item_kind else "items"
+        if not isinstance(value, (tuple, list)):
+            return f"a list of {what}"
+        for item in value:
+            if item_kind in (int, float) and _kind_problem(item_kind, item):
+                return f"a list of {what}"
+            if item_kind is None and not (
+                isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+            ):
+                return "a list of (name, value) pairs"
+    return None
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_kinds(cls, section: str, values: Mapping[str, Any]) -> None:
+    """Each of a config section's values is of its field's declared kind (an integer, a number, true or false,
+    text, a list of these): ConfigError naming the field, the value and the kind otherwise, before any check
+    compares or converts it. The one check of kinds for every section (config.py's sections call it too)."""
+    hints = _hints(cls)
+    for name, value in values.items():
+        if name not in hints or (cls is ModelConfig and name in LAYER_LIST_FIELDS):  # layer_list checks these
+            continue
+        want = _kind_problem(hints[name], value)
+        if want:
+            raise ConfigError(
+                f"config.{section}.{name}: {value!r} is not {want}. Fix: give {want}, e.g. "
+                f"--config.{section}.{name}={_example(hints[name], cls, name)}."
+            )
+
+
+def _example(kind, cls, name) -> str:
+    """The field's default, written as the command line takes it."""
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+    if isinstance(default, tuple) and default and isinstance(default[0], tuple):
+        return repr(default)
+    return ",".join(str(x) for x in default) if isinstance(default, tuple) else str(default)

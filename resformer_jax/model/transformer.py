@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resformer_jax import kernels
-from resformer_jax.kernels import cpu_matmul
+from resformer_jax.kernels import cpu_matmul, names
 from resformer_jax.kernels.names import ATTENTION_RESIDUALS
 from resformer_jax.model.attention import (
     Attention,
@@ -238,7 +238,7 @@ class Transformer(nn.Module):
             positions_BxT = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
         context = not paged and self.context_parallel(B)
         if context:  # the sequence in the balanced order of a context axis (kernels.balanced_order); undone below
-            order = kernels.balanced_order(T, kernels.context_size(self.mesh))
+            order = names.balanced_order(T, kernels.context_size(self.mesh))
             tokens_BxT, positions_BxT = tokens_BxT[:, order], positions_BxT[:, order]
             segments_BxT = None if segments_BxT is None else segments_BxT[:, order]
         ctx = Context(

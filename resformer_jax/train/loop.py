@@ -27,6 +27,7 @@ from resformer_jax.data.records import DataError, check_compatible, open_corpus
 from resformer_jax.errors import EXIT_DIVERGED, UserError
 from resformer_jax.eval.zero_shot import check_tasks
 from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_precheck, too_big_for_here
+from resformer_jax.optimizer import group_sizes, lr_schedule
 from resformer_jax.parallel.mesh import maybe_initialize_distributed
 from resformer_jax.resolve import check, resolve
 from resformer_jax.rundir import RunDir
@@ -43,7 +44,6 @@ from resformer_jax.train.hooks import (
     window_scalars,
 )
 from resformer_jax.train.interrupt import StartupInterrupt
-from resformer_jax.train.optimizer import group_sizes, lr_schedule
 from resformer_jax.train.resume import Resume
 from resformer_jax.train.setup import TrainSetup, build
 from resformer_jax.train.watchdog import PHASES, Budgets, Watchdog

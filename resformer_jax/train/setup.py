@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 from resformer_jax import perf
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.optimizer import make_optimizer
 from resformer_jax.parallel.mesh import batch_sharding, check_divisibility, logical_shardings, make_mesh, replicated
 from resformer_jax.resolve import AttentionChoice, Run
-from resformer_jax.train.optimizer import make_optimizer
 from resformer_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
 
 
