@@ -1,7 +1,7 @@
 """Prints README's two top commands (install + demo; the tests), one per line, exactly as written.
 
 They are the non-comment lines of README's first ```bash block. `.ci/run` runs what this prints, so CI runs
-what a new user copies, and tests/test_readme.py fails when the block stops holding exactly those two.
+what a new user copies, and tests/project/test_readme.py fails when the block stops holding exactly those two.
 """
 
 import pathlib

@@ -15,18 +15,28 @@ from resformer_jax.runtime import configure_xla
 
 configure_xla()
 # XLA's CPU compiles dominate this suite; many tests (and their subprocesses) compile the same
-# tiny programs, so share a persistent compilation cache. One per xdist worker: JAX writes an entry in place
-# (no lock unless the cache has a size limit), and a worker reading another's half-written entry would print
-# a warning into the stderr of a command whose one-line error a test checks.
+# tiny programs, so both workers and every subprocess share one persistent compilation cache. A size limit makes
+# JAX take a file lock around each read and write of it (without one it writes entries in place, and a worker
+# could read another's half-written entry).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-_CACHE = "/tmp/resformer_jax_test_jit_cache"
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", f"{_CACHE}/{_WORKER}" if _WORKER else _CACHE)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/resformer_jax_test_jit_cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    """Tiny runs trained once a session whatever asks for them (tests/support/shared_runs.py), in a folder both
+    pytest-xdist workers see: the session's base temp."""
+    from shared_runs import SharedRuns
+
+    base = tmp_path_factory.getbasetemp()
+    return SharedRuns((base.parent if _WORKER else base) / "shared_runs")
 
 
 @pytest.fixture
@@ -60,3 +70,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("exclusive") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+# A fast-tier test (not marked slow) that takes longer than this, setup and call together, is named at the end of the
+# run, and fails a fast-tier run (-m "not slow"): mark it slow with the reason, or make it cheaper.
+FAST_TIER_LIMIT_S = 5.0
+
+
+class FastTierClock:
+    """Adds up each fast-tier test's setup and call time (under xdist the reports reach the controller too)."""
+
+    def __init__(self, config):
+        self.config, self.spent = config, {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when in ("setup", "call") and "slow" not in report.keywords:
+            self.spent[report.nodeid] = self.spent.get(report.nodeid, 0.0) + report.duration
+
+    def over(self):
+        return sorted(((t, n) for n, t in self.spent.items() if t > FAST_TIER_LIMIT_S), reverse=True)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        fast_tier = (self.config.option.markexpr or "").replace(" ", "") == "notslow"
+        if fast_tier and self.over() and exitstatus == 0:
+            session.exitstatus = 1
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.over():
+            terminalreporter.section(
+                f"fast-tier tests over {FAST_TIER_LIMIT_S:g} s (mark them slow, or make them cheaper)"
+            )
+            for t, name in self.over():
+                terminalreporter.write_line(f"{t:6.1f} s  {name}")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) gathers the reports
+        config.pluginmanager.register(FastTierClock(config), "fast_tier_clock")

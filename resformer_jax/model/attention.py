@@ -14,7 +14,7 @@ attends with its own A_n over a mix of values:
 What a layer does is decided once, by `plan_layer`, into a `LayerPlan`; the
 module then reads like the equations, one short function per equation. To
 add a variant: its equation function here and its case in `plan_layer` (a new
-value mix is a function of `ValueMix`; tests/test_structure.py adds one).
+value mix is a function of `ValueMix`; tests/project/test_structure.py adds one).
 
 Values stay in key/value-head layout [B, T, K, D] (before GQA repetition) and
 are never rotated. Over a paged cache each layer keeps only what its equation
@@ -421,7 +421,7 @@ def output_projection(m: ModelConfig, d_model: int) -> DenseGeneral:
 
 
 class Attention(nn.Module):
-    """One layer's attention: the paths for vanilla, ResFormer and SVFormer read as tests/reference.py does;
+    """One layer's attention: the paths for vanilla, ResFormer and SVFormer read as tests/support/reference.py does;
     the ablations are fields of the layer's plan. The paged cache and the analysis' capture have their own
     methods."""
 
