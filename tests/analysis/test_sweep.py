@@ -15,7 +15,8 @@ from resformer_jax.analysis import grouping
 from resformer_jax.analysis.measures import moving_average
 from resformer_jax.model.config import ModelConfig
 
-pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
+# end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sweep")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEP = [

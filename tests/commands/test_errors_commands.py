@@ -16,7 +16,8 @@ import pytest
 from resformer_jax.commands.training import run
 from resformer_jax.presets import tiny_config
 
-pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
+# end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("errors_commands")]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

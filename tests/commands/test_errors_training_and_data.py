@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+# one worker runs this file, so its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("errors_training_and_data")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -21,6 +21,9 @@ from resformer_jax.data.pipeline import (
 from resformer_jax.data_prep.prepare import PrepareError, prepare
 from resformer_jax.presets import tiny_config
 
+# one worker runs this file, so its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("data")
+
 SEQ = 128
 
 

@@ -9,7 +9,8 @@ import pytest
 from resformer_jax.data.records import DomainSource, load_metadata
 from resformer_jax.data_prep.prepare import PrepareError, prepare
 
-pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
+# end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("beam")]
 
 SEQ = 128
 MULTIPROCESS = "--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing"

@@ -16,7 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # trained runs, exports and two environments of torch and transformers
+# trained runs, exports and two environments of torch and transformers; one worker runs this file (its module
+# fixtures are built once)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hf_versions")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERSIONS = {"4": "4.57.6", "5": "5.24.0"}  # the newest 4.x and 5.x when this was written

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
+# end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lm_eval")]
 
 lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[lm_eval]'; CI installs it)"

@@ -18,6 +18,9 @@ from resformer_jax.eval.zero_shot import TASKS, make_loglik_fn, read_task, score
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.resolve import for_backend
 
+# one worker runs this file, so its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("zero_shot")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

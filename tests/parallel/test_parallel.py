@@ -15,7 +15,8 @@ from resformer_jax.parallel.mesh import MeshError, make_mesh
 from resformer_jax.presets import tiny_config
 from resformer_jax.train.loop import Trainer
 
-pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
+# end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

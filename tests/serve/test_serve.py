@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # a trained run and server processes
+# a trained run and server processes; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 
 for module in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
     pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[serve,test]'; CI installs it)")

@@ -17,7 +17,8 @@ import pytest
 
 from resformer_jax.presets import tiny_config
 
-pytestmark = pytest.mark.slow  # end-to-end: runs, commands, processes or compilers
+# end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cloud")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 12
