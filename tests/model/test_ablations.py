@@ -117,19 +117,19 @@ def test_kv_cache_bytes_of_kv_sharing_configs():
 
 
 @pytest.mark.slow
-def test_every_ablation_trains_a_few_steps_on_its_tiny_override():
+@pytest.mark.parametrize("name", NAMES)  # one test a config: the two workers share them
+def test_every_ablation_trains_a_few_steps_on_its_tiny_override(name):
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 256)
-    for name in NAMES:
-        c = tiny(name, scan=True)  # typed: tiny_config's 3 layers
-        model = Transformer(for_backend(c.model.replace(attention_impl="xla")))
-        tx = optax.sgd(0.05)  # plain SGD: the point is the ablation's forward and backward, compiled fast
-        state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
-        step = jax.jit(make_train_step(model, tx, 1))
-        losses = []
-        for _ in range(3):
-            state, m = step(state, tokens)
-            losses.append(float(m["loss"]))
-        assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
+    c = tiny(name, scan=True)  # typed: tiny_config's 3 layers
+    model = Transformer(for_backend(c.model.replace(attention_impl="xla")))
+    tx = optax.sgd(0.05)  # plain SGD: the point is the ablation's forward and backward, compiled fast
+    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
+    step = jax.jit(make_train_step(model, tx, 1))
+    losses = []
+    for _ in range(3):
+        state, m = step(state, tokens)
+        losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
 
 
 FAST_DECODE = ("mapping_cross_layer", "svformer_share_k", "cla2", "resformer_gated")  # the fast tier's few

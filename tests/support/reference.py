@@ -4,6 +4,8 @@ Written from the paper, not from the Flax code: it repeats K/V heads
 explicitly for GQA and builds the causal softmax by hand.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -409,9 +411,16 @@ def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None, pen
 
 
 def model_greedy(m, params, prompt, new_tokens, eos_id=None, penalties=None):
-    """greedy_uncached over a project model (ModelConfig m, its parameters), padded to the model's context."""
+    """greedy_uncached over a project model (ModelConfig m, its parameters), padded to a multiple of 32 tokens within
+    the model's context: one compile serves every prompt of a length bucket."""
+    apply = jitted_apply(m)
+    pad_to = min(m.max_seq_len, -(-(len(prompt) + new_tokens) // 32) * 32)
+    return greedy_uncached(lambda t: apply({"params": params}, t), prompt, new_tokens, pad_to, eos_id, penalties)
+
+
+@functools.cache
+def jitted_apply(m):
+    """The jitted forward of a project model (ModelConfig m), one per config for the whole test session."""
     from resformer_jax.model import Transformer
 
-    apply = jax.jit(Transformer(m).apply)
-    pad_to = min(m.max_seq_len, len(prompt) + new_tokens)
-    return greedy_uncached(lambda t: apply({"params": params}, t), prompt, new_tokens, pad_to, eos_id, penalties)
+    return jax.jit(Transformer(m).apply)
