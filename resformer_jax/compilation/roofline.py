@@ -296,30 +296,60 @@ class _Walker:
                 total += sum(self._fused_flops(c) for c in i.attr_computations("calls"))
         return total
 
+    def _sliced_reads(self, comp: str, param: str, depth: int = 0) -> float | None:
+        """The bytes a fused computation reads of its parameter `param` where every use takes a slice of it
+        (dynamic-slice, slice, gather), directly or through a nested fusion's parameter; None where a use reads it
+        whole."""
+        body = self.comps.get(comp, [])
+        uses = [i for i in body if param in i.operands]
+        if not uses or depth > 4:
+            return None
+        total = 0.0
+        for u in uses:
+            if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == param:
+                total += shape_bytes(u.shape)
+                continue
+            if u.opcode != "fusion" or u.operands.count(param) != 1:
+                return None
+            inner = (u.attr_computations("calls") or [""])[0]
+            inner_params = {
+                int(i.arg): i.name for i in self.comps.get(inner, []) if i.opcode == "parameter" and i.arg.isdigit()
+            }
+            nested = self._sliced_reads(inner, inner_params.get(u.operands.index(param), ""), depth + 1)
+            if nested is None:
+                return None
+            total += nested
+        return total
+
     def _fusion_bytes(self, ins: Instr) -> float:
-        """Operands read plus results written, where a fused slice reads only its slice and a fused in-place
-        update writes only its update."""
+        """Operands read plus results written, where a fused slice reads only its slice (also inside a nested
+        fusion) and a fused in-place update writes only its update (also beside other results of a tuple)."""
         called = (ins.attr_computations("calls") or [""])[0]
         body = self.comps.get(called, [])
+        by_name = {i.name: i for i in body}
         params = {int(i.arg): i.name for i in body if i.opcode == "parameter" and i.arg.strip().isdigit()}
+        root = body[-1] if body else None
+        roots = [root] if root is not None else []
+        if root is not None and root.opcode == "tuple":
+            roots = [by_name[o] for o in root.operands if o in by_name]
+        # a bitcast of an in-place update is that update
+        roots = [by_name.get(r.operands[0], r) if r.opcode == "bitcast" and r.operands else r for r in roots]
+        updates = [r for r in roots if r.opcode in IN_PLACE_UPDATES]
+        if roots and updates:
+            # an update's bytes: operand 1 of a dynamic-update-slice, the last operand of a (one-array) scatter
+            written = sum(
+                shape_bytes(self.shapes.get(r.operands[1 if r.opcode == "dynamic-update-slice" else -1], ""))
+                if r.opcode in IN_PLACE_UPDATES
+                else shape_bytes(r.shape)
+                for r in roots
+            )
+        else:
+            written = shape_bytes(ins.shape)
+        in_place = {r.operands[0] for r in updates}
         users: dict[str, list[Instr]] = {}
         for i in body:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
-        root = body[-1] if body else None
-        written = shape_bytes(ins.shape)
-        in_place = set()
-        roots = [root] if root is not None else []
-        if root is not None and root.opcode == "tuple":
-            by_name = {i.name: i for i in body}
-            roots = [by_name[o] for o in root.operands if o in by_name]
-        if roots and all(r.opcode in IN_PLACE_UPDATES for r in roots):
-            # the update's bytes: operand 1 of a dynamic-update-slice, the last operand of a (one-array) scatter
-            written = sum(
-                shape_bytes(self.shapes.get(r.operands[1 if r.opcode == "dynamic-update-slice" else -1], ""))
-                for r in roots
-            )
-            in_place = {r.operands[0] for r in roots}
         # A loop fusion computes each result element once from elementwise ops, slices and gathers: it reads at
         # most as many elements of a parameter as it computes (a gather of one logit per row reads that logit).
         computed = None
@@ -334,8 +364,9 @@ class _Walker:
             uses = users.get(p, []) if p else []
             if p in in_place and all(u.opcode in IN_PLACE_UPDATES and u.operands[0] == p for u in uses):
                 continue  # the buffer updated in place: only the update is written, nothing of it read
-            if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == p for u in uses):
-                read += sum(shape_bytes(u.shape) for u in uses)
+            sliced = self._sliced_reads(called, p) if p else None
+            if sliced is not None:
+                read += sliced
             else:
                 shape = self.shapes.get(operand, "")
                 whole = shape_bytes(shape)
@@ -470,3 +501,4 @@ def chip_for(kind: str) -> Chip | None:
     """The chip a compile target's `kind` names, where the roofline knows its numbers."""
     chip = chip_named(kind)
     return chip if chip is not None and chip.has_roofline else None
+
