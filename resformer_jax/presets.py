@@ -7,6 +7,8 @@ Its notes (the reasons, what was measured): docs/modules.md.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import types
 
 import ml_collections
@@ -81,6 +83,116 @@ def tiny_config(variant: str = "resformer") -> ml_collections.ConfigDict:
     c.data.update(seq_len=32, source="synthetic")
     c.train.update(global_batch=8, steps=20, warmup_steps=2, peak_lr=3e-3, log_every=5, eval_every=10, eval_batches=1)
     c.checkpoint.update(every_steps=10, async_save=False)
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedModel:
+    """A published Llama-family model a scale-out preset copies: its shapes, its parameter count as published, and
+    the learning rate, batch and warmup of its recipe (the rest of the recipe is the paper's, Sec. 4.1.1)."""
+
+    name: str
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_dim: int
+    vocab_size: int  # the embedding's rows: the GPT-NeoX tokenizer's 50,277 ids padded to a multiple of 128
+    seq_len: int
+    tie_embeddings: bool
+    params: int
+    peak_lr: float
+    sequences_a_step: int
+    warmup_steps: int
+    source: str
+
+
+# Each copies a model trained with the GPT-NeoX tokenizer this project prepares data with, so the parameter count
+# is the copied model's (a Llama-2-vocabulary model would be 2-7% off it). Their notes: docs/scaling-out.md.
+SCALE_MODELS = types.MappingProxyType(
+    {
+        "1b": PublishedModel(
+            "OLMo-1B", 16, 2048, 16, 16, 8192, 50304, 2048, True, 1_176_764_416, 4e-4, 2048, 2000,
+            "Groeneveld et al. 2024, OLMo (arXiv 2402.00838), Sec. 3 and Table 1; allenai/OLMo-1B's config",
+        ),
+        "3b": PublishedModel(
+            "StableLM-3B-4E1T", 32, 2560, 32, 32, 6912, 50304, 4096, False, 2_795_443_200, 3.2e-4, 1024, 4800,
+            "Tow et al. 2023, StableLM-3B-4E1T technical report; stabilityai/stablelm-3b-4e1t's model card",
+        ),
+        "7b": PublishedModel(
+            "OLMo-7B", 32, 4096, 32, 32, 11008, 50304, 2048, False, 6_888_095_744, 3e-4, 2048, 5000,
+            "Groeneveld et al. 2024, OLMo (arXiv 2402.00838), Sec. 3 and Table 1; allenai/OLMo-7B's config",
+        ),
+    }
+)  # fmt: skip
+TOKENS_PER_PARAM = 20  # the token budget: Hoffmann et al. 2022's compute-optimal 20 tokens a parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSetting:
+    """How a scale-out preset runs on one cluster: its compile target, the mesh, the microbatch (sequences a
+    gradient-accumulation step over all devices) and the remat policy, chosen by `resformer compile`."""
+
+    target: str  # --target
+    nodes: int  # --nodes (GPU)
+    data: int
+    fsdp: int
+    microbatch: int
+    remat: str
+    scan_layers: bool
+    hardware: str  # mesh.target: what the preset is sized for
+
+
+# Chosen by compiling each preset for each cluster (docs/scaling-out.md's table, the command with each row).
+CLUSTERS = ("h100x8", "4xh100x8", "v5p-128", "v6e-64")
+SCALE_SETTINGS: types.MappingProxyType = types.MappingProxyType(
+    {
+        ("1b", "h100x8"): ClusterSetting("h100x8", 1, 1, 8, 64, "none", True, "8x H100 80GB"),
+        ("1b", "4xh100x8"): ClusterSetting("h100x8", 4, 4, 8, 256, "none", True, "32x H100 80GB (4 nodes)"),
+        ("1b", "v5p-128"): ClusterSetting("v5p-128", 1, 1, 64, 512, "none", True, "64x TPU v5p"),
+        ("1b", "v6e-64"): ClusterSetting("v6e-64", 1, 1, 64, 256, "none", True, "64x TPU v6e"),
+        ("3b", "h100x8"): ClusterSetting("h100x8", 1, 1, 8, 16, "dots", True, "8x H100 80GB"),
+        ("3b", "4xh100x8"): ClusterSetting("h100x8", 4, 4, 8, 64, "dots", True, "32x H100 80GB (4 nodes)"),
+        ("3b", "v5p-128"): ClusterSetting("v5p-128", 1, 1, 64, 128, "dots", True, "64x TPU v5p"),
+        ("3b", "v6e-64"): ClusterSetting("v6e-64", 1, 1, 64, 64, "full", True, "64x TPU v6e"),
+        ("7b", "h100x8"): ClusterSetting("h100x8", 1, 1, 8, 16, "dots", True, "8x H100 80GB"),
+        ("7b", "4xh100x8"): ClusterSetting("h100x8", 4, 4, 8, 64, "dots", True, "32x H100 80GB (4 nodes)"),
+        ("7b", "v5p-128"): ClusterSetting("v5p-128", 1, 1, 64, 128, "dots", True, "64x TPU v5p"),
+        ("7b", "v6e-64"): ClusterSetting("v6e-64", 1, 1, 64, 64, "full", True, "64x TPU v6e"),
+    }
+)
+
+
+def scale_config(size: str, variant: str = "none", cluster: str = "h100x8") -> ml_collections.ConfigDict:
+    """A scale-out preset: the shapes of the published model SCALE_MODELS[size] copies, the paper's recipe (AdamW
+    betas, weight decay, clipping, warmup then cosine) with that model's learning rate, batch and warmup, a token
+    budget of 20 tokens a parameter, and the mesh, microbatch and remat chosen for `cluster` (one of CLUSTERS)."""
+    if size not in SCALE_MODELS:
+        raise ConfigError(f"unknown scale-out size {size!r}; choose one of {', '.join(SCALE_MODELS)}")
+    if cluster not in CLUSTERS:
+        raise ConfigError(
+            f"unknown cluster {cluster!r} for the {size} preset; choose one of {', '.join(CLUSTERS)} "
+            f"(e.g. --config=configs/resformer_{size}.py:v5p-128), or compile it for yours with `resformer compile "
+            "--tune`"
+        )
+    p, s = SCALE_MODELS[size], SCALE_SETTINGS[size, cluster]
+    c = base_config()
+    c.model.update(
+        num_layers=p.num_layers, d_model=p.d_model, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
+        ffn_dim=p.ffn_dim, vocab_size=p.vocab_size, max_seq_len=p.seq_len, tie_embeddings=p.tie_embeddings,
+        value_residual=variant, dtype="bfloat16", remat=s.remat, scan_layers=s.scan_layers,
+    )  # fmt: skip
+    c.data.update(seq_len=p.seq_len, source="array_record")
+    tokens_a_step = p.sequences_a_step * p.seq_len
+    c.train.update(
+        global_batch=p.sequences_a_step,
+        microbatch=0 if s.microbatch >= p.sequences_a_step else s.microbatch,
+        peak_lr=p.peak_lr,
+        warmup_steps=p.warmup_steps,
+        steps=math.ceil(TOKENS_PER_PARAM * p.params / tokens_a_step),
+        eval_every=1000,
+    )
+    c.mesh.update(data=s.data, fsdp=s.fsdp, target=s.hardware)
     return c
 
 
