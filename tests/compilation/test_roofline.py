@@ -138,6 +138,30 @@ def test_a_scans_saved_matmul_writes_its_slice_and_its_reader_reads_only_the_sli
     assert read.bytes == slice_b + idx + w_b + slice_b  # one slice of the stack, the index, w; the result
 
 
+def test_gpu_async_reduce_scatter_and_all_to_all_are_collectives_not_memory_traffic():
+    """XLA:GPU's async reduce-scatter and all-to-all (FSDP's gradient reduction): on the links, overlapped, not in
+    the bound (counted as HBM traffic they were 0.6 s a step of a 7B FSDP step on 8 H100s)."""
+    text = """HloModule a
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (g: f32[64,32]) -> f32[8,32] {
+  %g = f32[64,32]{1,0} parameter(0)
+  %rs = ((f32[64,32]{1,0}), f32[8,32]{1,0}) reduce-scatter-start(%g), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%sum
+  %rsd = f32[8,32]{1,0} reduce-scatter-done(%rs)
+  %aa = ((f32[8,32]{1,0}), f32[8,32]{1,0}) all-to-all-start(%rsd), replica_groups={{0,1,2,3,4,5,6,7}}
+  ROOT %aad = f32[8,32]{1,0} all-to-all-done(%aa)
+}
+"""
+    r = rl.roofline(text, H100)
+    assert {o.name: o.kind for o in r.ops} == {"rs": "collective", "aa": "collective"}
+    assert r.per_op_bound_s == 0 and r.collective_bytes > 0
+
+
 def test_an_instruction_over_several_lines_is_one_instruction():
     text = HLO.replace(
         "%ar = f32[64,32]{1,0} all-reduce(%x0), replica_groups={}, to_apply=%cond",
