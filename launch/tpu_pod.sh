@@ -4,7 +4,10 @@
 #
 #   launch/tpu_pod.sh NAME ZONE ACCELERATOR CONFIG WORKDIR [--config.x=v ...]
 #   launch/tpu_pod.sh rf-v5p us-east5-a v5p-64 configs/resformer_468m.py gs://bucket/runs/r468
+#   launch/tpu_pod.sh rf-7b us-east5-a v5p-128 configs/svformer_7b.py:v5p-128 gs://bucket/runs/sv7b
 #
+# The config's mesh is used as it is: the scale-out presets carry each cluster's (CONFIG:v5p-128 or :v6e-64;
+# docs/scaling-out.md), the paper presets put every chip on the data axis.
 # WORKDIR should be a GCS path so every worker sees the same run: checkpoints, TensorBoard events,
 # metrics.jsonl (in segments), config and evaluation outputs all go there (the tpu extra installs gcsfs).
 # The prepared corpus must be on each worker's local disk (ArrayRecord reads local files): set
@@ -64,7 +67,7 @@ ARGS=$(printf ' %q' "$@")
 # Each worker's exit status is reported with its name, so the one line at the end can say which failed.
 set +e
 ssh_all "cd resformer_jax && .venv/bin/python -m resformer_jax.main --config=$CONFIG --workdir=$WORKDIR \
-  --config.mesh.data=-1 $ARGS 2>&1 | tee -a train_\$(hostname).log; rc=\${PIPESTATUS[0]};
+  $ARGS 2>&1 | tee -a train_\$(hostname).log; rc=\${PIPESTATUS[0]};
   [ \$rc -ne 0 ] && echo \"worker \$(hostname) exited with \$rc\" >&2; exit \$rc" 2> >(tee /tmp/resformer_tpu_err.$$ >&2)
 rc=$?
 set -e

@@ -21,7 +21,7 @@ def run(cfg, workdir: str, **dist) -> int:
     library_errors = common.divert_library_errors(workdir)
     try:
         rundir = RunDir(workdir)  # first: a missing gcsfs/s3fs names its extra before anything starts
-        return Trainer(cfg, rundir, **dist).train()
+        return Trainer(cfg, rundir, **dist, step_bound=step_bound).train()
     except (UserError, OSError) as e:  # OSError: a read-only or full disk, a missing folder
         code = common.report_user_error(e)
         if library_errors.path:
@@ -51,6 +51,17 @@ def run(cfg, workdir: str, **dist) -> int:
         )
         sys.stdout.flush()
         os._exit(EXIT_PEER_FAILED)
+
+
+def step_bound(compiled, cfg, devices: int) -> str:
+    """The start-up line's bound: the compiled step's roofline on this machine's accelerator (none on a CPU)."""
+    import jax
+
+    from resformer_jax import perf
+    from resformer_jax.compilation.roofline import step_bound_line
+
+    flops = perf.model_flops(cfg.model, cfg.data.seq_len).per_token * cfg.train.global_batch * cfg.data.seq_len
+    return step_bound_line(compiled.as_text, jax.devices()[0].device_kind, flops / devices)
 
 
 PEER_FAILURE_MARKS = (

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import re
 
-from resformer_jax.chips import Chip, chip_named
+from resformer_jax.chips import Chip, chip_named, chip_of_device
 from resformer_jax.compilation.hlo import Instr, arrays, dtype_bytes, elements, parse_module, shape_bytes
 from resformer_jax.kernels import pallas_attention, tpu_attention
 
@@ -506,3 +506,17 @@ def chip_for(kind: str) -> Chip | None:
     chip = chip_named(kind)
     return chip if chip is not None and chip.has_roofline else None
 
+
+def step_bound_line(hlo_text, device_kind: str, model_flops_per_device: float) -> str:
+    """The trainer's start-up words on its compiled step's roofline on this machine's chip: the per-op bound and its
+    MFU ceiling (a bound, not a timing); '' on a device without the roofline's numbers (a CPU). `hlo_text`: a
+    callable giving the compiled step's HLO, read only where the chip is known."""
+    chip = chip_of_device(device_kind)
+    if chip is None or not chip.has_roofline:
+        return ""
+    bound = roofline(hlo_text(), chip).per_op_bound_s
+    if not bound:
+        return ""
+    mfu = model_flops_per_device / (bound * chip.peak_flops)
+    how = "from the compiled program, not a timing"
+    return f"step bound {bound * 1e3:,.1f} ms on {chip.kind} (MFU ceiling {mfu:.3f}; {how})"

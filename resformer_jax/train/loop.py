@@ -110,7 +110,17 @@ class NothingToDo(Exception):
 
 
 class Trainer:
-    def __init__(self, cfg, run: RunDir | str, coordinator_address=None, num_processes=None, process_id=None):
+    def __init__(
+        self,
+        cfg,
+        run: RunDir | str,
+        coordinator_address=None,
+        num_processes=None,
+        process_id=None,
+        step_bound: Callable[[Any, Any, int], str] | None = None,
+    ):
+        """`step_bound(compiled, cfg, devices)`: words on the compiled step's bound for the start-up line (the
+        training command passes the roofline's; '' or None: none said)."""
         maybe_initialize_distributed(
             coordinator_address,
             num_processes,
@@ -139,6 +149,7 @@ class Trainer:
         self.watchdog.on_stall.append(self._record_stall)
         self.resume = Resume(self.run, self.say, self._warn, self._enter)
         self.faults = Faults.from_env(jax.process_index())  # tests' injected stalls and spikes; unset: nothing
+        self.step_bound = step_bound
 
     def _enter(self, phase: str, step: int | None = None) -> None:
         """The loop enters `phase`: the watchdog's clock and budget, the ledger's category."""
@@ -214,8 +225,16 @@ class Trainer:
         self._enter("compile")
         self.say("compiling the train step (Ctrl-C stops at once) ...")
         compiled, compile_s, mem = setup.compile()
-        line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
-        self.say(f"compiled train step in {compile_s:.1f}s; {line}")
+        devices = setup.mesh.devices.size
+        line, _ = memory_precheck(mem, cfg.mesh, knobs=memory_knobs(cfg, devices))
+        micro = cfg.train.microbatch or cfg.train.global_batch
+        shards = max(1, devices // max(1, cfg.mesh.context))
+        bound = self.step_bound(compiled, cfg, devices) if self.step_bound else ""
+        self.say(
+            f"compiled train step in {compile_s:.1f}s; mesh {dict(setup.mesh.shape)}, microbatch {micro} "
+            f"({micro / shards:g} sequences a device, {cfg.train.global_batch // micro} microbatches a step), remat "
+            f"{cfg.model.remat}; {line}" + (f"; {bound}" if bound else "")
+        )
         with_norms, norms_s, norms_mem = setup.compile(telemetry=True)
         if with_norms is not None:
             memory_precheck(norms_mem, cfg.mesh, knobs=memory_knobs(cfg, setup.mesh.devices.size))
