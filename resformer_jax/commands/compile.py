@@ -5,6 +5,7 @@
   resformer compile --config=configs/seq_len/sweep.py:svformer,65536 --target=h100x8 --steps=train
   resformer compile --config=... --target=v5e-256 --config.train.microbatch=64 --config.model.remat=dots
   resformer compile --config=configs/resformer_468m.py --target=h100x8 --tune [--tune_write=FILE]
+  resformer compile --scale_table=runs/scale_table [--scale_sizes=7b] [--scale_clusters=v5p-128]
 
 Targets: v4-N, v5p-N (N TensorCores), v5e-N, v6e-N (N chips), libtpu's GEN:AxB[xC], --slices=S for multislice;
 h100xN, h200xN, a100xN (N GPUs a node), --nodes=M. Any --config.a.b override works as in training.
@@ -19,7 +20,9 @@ HBM bytes by op, its per-op bound on step time and the MFU ceiling that implies 
 GPUs each Triton kernel's registers and spills from ptxas. --tune compiles the train step for the remat
 policies, microbatches, scanned or unrolled layers and (several devices) fsdp vs data that a user would try, and
 lists those that fit with 10% of memory to spare, best bound first; --tune_write=FILE writes the best one's
-overrides there.
+overrides there. --scale_table=DIR compiles the train step of every scale-out preset (configs/*_{1b,3b,7b}.py) for
+each of its clusters, a process a row, keeps each row's JSON line in DIR (a rerun compiles only the rows missing
+there) and prints docs/scaling-out.md's table.
 Needs `pip install -e '.[aot]'`.
 """
 
@@ -36,9 +39,7 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file(
     "config", None, "Config file (ml_collections get_config()), as for training.", lock_config=True
 )
-flags.DEFINE_string(
-    "target", None, "Hardware: v5p-64, v5e-256, v4-8, v6e-8, v5e:2x4, h100x8, h200x8, a100x8, ...", required=True
-)
+flags.DEFINE_string("target", None, "Hardware: v5p-64, v5e-256, v4-8, v6e-8, v5e:2x4, h100x8, h200x8, a100x8, ...")
 flags.DEFINE_integer("nodes", 1, "GPU targets: nodes of the --target's GPUs.")
 flags.DEFINE_integer("slices", 1, "TPU targets: slices (multislice over DCN).")
 flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile: train, eval, decode.")
@@ -57,6 +58,14 @@ flags.DEFINE_bool(
     "those that fit, by their roofline bound.",
 )
 flags.DEFINE_string("tune_write", None, "--tune: write the best setting's --config overrides to this file.")
+flags.DEFINE_string(
+    "scale_table",
+    None,
+    "A folder: compile every scale-out preset for each of its clusters (the rows missing there), then print the "
+    "table of docs/scaling-out.md.",
+)
+flags.DEFINE_list("scale_sizes", ["1b", "3b", "7b"], "--scale_table: the preset sizes.")
+flags.DEFINE_list("scale_clusters", ["h100x8", "4xh100x8", "v5p-128", "v6e-64"], "--scale_table: the clusters.")
 FLAGS = flags.FLAGS
 
 
@@ -72,6 +81,10 @@ def main(argv):
         from resformer_jax.compilation.aot import compile_for_target
         from resformer_jax.compilation.targets import parse_target
 
+        if FLAGS.scale_table:
+            return run_scale_table(FLAGS.scale_table, FLAGS.scale_sizes, FLAGS.scale_clusters)
+        if FLAGS.target is None:
+            raise common.ConfigFlagError("--target is required: the hardware to compile for, e.g. --target=h100x8")
         if FLAGS.config is None:
             raise common.ConfigFlagError(
                 "--config is required: the run to compile, e.g. --config=configs/resformer_468m.py"
@@ -117,6 +130,40 @@ def run_tune(target, log):
         with open(FLAGS.tune_write, "w") as f:
             f.write(best.flags() + "\n")
         print(f"wrote {FLAGS.tune_write}", file=sys.stderr)
+
+
+def run_scale_table(folder: str, sizes: list[str], clusters: list[str]):
+    """Compiles each scale-out preset row missing from `folder` in a process of its own (each compile holds its
+    target's compiler state; a failed row is kept as its output and said), then prints the table."""
+    import pathlib
+    import subprocess
+
+    from resformer_jax.commands import common
+    from resformer_jax.compilation import scale_table
+    from resformer_jax.presets import CLUSTERS, SCALE_MODELS
+
+    for name, given, known in (("scale_sizes", sizes, SCALE_MODELS), ("scale_clusters", clusters, CLUSTERS)):
+        unknown = [x for x in given if x not in known]
+        if unknown:
+            raise common.ConfigFlagError(f"--{name}: unknown {unknown}; choose from {', '.join(known)}")
+    out = pathlib.Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    reports = {}
+    for row in scale_table.rows(sizes, clusters):
+        path = out / f"{row.name}.json"
+        report = scale_table.read(path)
+        if report is None:
+            cmd = [sys.executable, "-m", "resformer_jax", *row.command()]
+            print(f"+ resformer {' '.join(row.command())}", file=sys.stderr, flush=True)
+            part = path.with_suffix(".part")  # renamed when whole: a killed compile never looks like a row
+            with open(part, "w") as f, open(out / f"{row.name}.log", "w") as log:
+                rc = subprocess.run(cmd, stdout=f, stderr=log).returncode
+            part.replace(path)
+            report = scale_table.read(path)
+            if report is None:
+                print(f"  {row.name}: no report (exit {rc}; {out / (row.name + '.log')} says why)", file=sys.stderr)
+        reports[row] = report
+    print("\n".join(scale_table.markdown(reports)))
 
 
 def _target_platform(argv) -> str:

@@ -29,7 +29,7 @@ from resformer_jax.config import REMAT_POLICIES, RunConfig, set_dotted
 from resformer_jax.errors import UserError
 from resformer_jax.kernels.names import compiling_for
 from resformer_jax.memory import MemoryPrecheckError, memory_knobs, memory_line, memory_precheck
-from resformer_jax.model.transformer import attended_fraction, needs_unrolled
+from resformer_jax.model.transformer import attended_fraction, cache_bytes_per_token, needs_unrolled
 from resformer_jax.resolve import resolve
 from resformer_jax.train.setup import build
 
@@ -101,6 +101,7 @@ class CompileReport:
     steps: list[CompiledStep]
     estimate: dict  # --mode=summary's analytic estimate per device (train step)
     documents: dict | None = None  # --documents: the packing the bounds count ({mean_len, attended_fraction})
+    run: dict = dataclasses.field(default_factory=dict)  # the run's size: run_size()
 
     @property
     def fits(self) -> bool:
@@ -129,11 +130,24 @@ class CompileReport:
             "fits": self.fits,
             "steps": [s.to_json() for s in self.steps],
             "documents": self.documents,
+            "run": self.run,
+            "at_the_bound": self.at_the_bound(),
             "summary_estimate_bytes": est,
             "summary_estimate_vs_compiled": (
                 round(est / train.memory.total, 3) if est and train and train.memory and train.memory.total else None
             ),
         }
+
+    def at_the_bound(self) -> dict | None:
+        """The whole cluster's tokens a second at the train step's bound, and the days to the run's token budget
+        (train.steps steps) at the bound and at 0.6 of it; None without a train step's bound."""
+        train = next((s for s in self.steps if s.name == "train"), None)
+        bound = ((train.roofline or {}).get("per_op_bound_s") if train else None) or 0.0
+        if not bound or not self.run:
+            return None
+        tokens_per_s = self.run["tokens_a_step"] / bound
+        days = self.run["token_budget"] / tokens_per_s / 86400
+        return {"tokens_per_s": tokens_per_s, "days": days, "days_at_0_6": days / 0.6}
 
     def lines(self) -> list[str]:
         t, gib = self.target, (lambda b: f"{b / 2**30:.2f} GiB")
@@ -188,7 +202,30 @@ class CompileReport:
                 line += f", run as {d['rows_run']} rows" if d.get("rows_run", d["rows"]) != d["rows"] else ""
                 line += f", a paged cache of {gib(d['kv_cache_bytes'])})"
             out.append(line)
+        b = self.at_the_bound()
+        if b:
+            out.append(
+                f"at the bound: {b['tokens_per_s']:,.0f} tokens/s over the {t.num_devices} devices; the run's "
+                f"{self.run['token_budget'] / 1e9:,.1f}B tokens ({self.run['steps']:,} steps) in {b['days']:.1f} days, "
+                f"{b['days_at_0_6']:.1f} days at 0.6 of the bound"
+            )
         return out
+
+
+def run_size(cfg) -> dict:
+    """What the compile table reports of the run beside the compiled steps: its size, its step and its budget."""
+    f = perf.model_flops(cfg.model, cfg.data.seq_len)
+    tokens_a_step = cfg.train.global_batch * cfg.data.seq_len
+    return {
+        "variant": cfg.model.value_residual,
+        "params": f.params_total,
+        "seq_len": cfg.data.seq_len,
+        "global_batch": cfg.train.global_batch,
+        "tokens_a_step": tokens_a_step,
+        "steps": cfg.train.steps,
+        "token_budget": cfg.train.steps * tokens_a_step,
+        "kv_cache_bytes_per_token": cache_bytes_per_token(cfg.model),
+    }
 
 
 def roofline_lines(r: dict | None, top: int = 10) -> list[str]:
@@ -434,6 +471,7 @@ def compile_for_target(
         None
         if documents is None
         else {"mean_len": document_len, "attended_fraction": round(float(attended_fraction(documents, 1)), 4)},
+        run_size(cfg),
     )
 
 
