@@ -39,7 +39,9 @@ def report(size="1b", data=1, fsdp=8, microbatch=64, total=40 * GIB, hbm=60 * GI
             }
         ],
         "run": {"tokens_a_step": tokens, "token_budget": 1000 * tokens, "steps": 1000},
-        "at_the_bound": {"tokens_per_s": tokens / bound, "days": 1000 * bound / 86400, "days_at_0_6": 1000 * bound / 86400 / 0.6},
+        "at_the_bound": {
+            "tokens_per_s": tokens / bound, "days": 1000 * bound / 86400, "days_at_0_6": 1000 * bound / 86400 / 0.6
+        },
     }  # fmt: skip
 
 
