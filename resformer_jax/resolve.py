@@ -101,15 +101,11 @@ def resolve_attention(
         log(f"attention_impl=auto is {choice!r} with mesh.context={context} (keys and values gathered over the axis)")
         return AttentionChoice(choice, rejected, False)
     if platform is not None:
-        head_dim = ModelConfig.of(cfg.model).head_dim
-        candidates, rejected = names.auto_candidates(backend_of(platform), head_dim=head_dim)
-        choice = names.unprobed_auto(backend_of(platform), head_dim)
-        lowered = ""
-        if choice == "cudnn":  # cuDNN's attention asks the local CUDA runtime while tracing (kernels/attention.py)
-            choice, lowered = "xla", "; cuDNN's kernel cannot be lowered without a GPU, so XLA's attention here"
+        candidates, rejected = names.auto_candidates(backend_of(platform))
+        choice = names.unprobed_auto(backend_of(platform))
         log(
             f"attention_impl=auto is {choice!r} on {platform} here (compiled, not probed: on the hardware "
-            f"auto times {', '.join(candidates)} and keeps the fastest{lowered})"
+            f"auto times {', '.join(candidates)} and keeps the fastest)"
         )
         return AttentionChoice(choice, rejected, False)
     m, mc = cfg.model, ModelConfig.of(cfg.model)

@@ -73,13 +73,10 @@ def balanced_order(T: int, context: int):
 DOCUMENT_MASK_IMPLS = ("reference", "xla", "chunked", "pallas", "splash")
 
 
-def auto_candidates(backend: str, documents: bool = False, head_dim: int = 0) -> tuple[list[str], dict[str, str]]:
+def auto_candidates(backend: str, documents: bool = False) -> tuple[list[str], dict[str, str]]:
     """(impls `auto` tries in order on this backend, {impl: why it is not tried}); documents: only the impls that
-    mask packed documents; head_dim: the model's (0: unknown), which the Triton kernel needs a power of two."""
+    mask packed documents."""
     candidates, rejected = _backend_candidates(backend)
-    if head_dim and head_dim & (head_dim - 1) and "pallas" in candidates:
-        rejected["pallas"] = f"Triton's lowering needs power-of-two shapes, and head_dim is {head_dim}"
-        candidates = [i for i in candidates if i != "pallas"]
     if documents:
         rejected.update({i: "it takes no document mask" for i in candidates if i not in DOCUMENT_MASK_IMPLS})
         candidates = [i for i in candidates if i in DOCUMENT_MASK_IMPLS]
@@ -95,8 +92,7 @@ def _backend_candidates(backend: str) -> tuple[list[str], dict[str, str]]:
     return ["chunked", "xla"], {"pallas": why, "splash": why, "cudnn": f"backend {backend!r} is not a GPU"}
 
 
-def unprobed_auto(backend: str, head_dim: int = 0) -> str:
+def unprobed_auto(backend: str) -> str:
     """What `auto` is where nothing is timed: the backend's first candidate (chunked on CPU, the Pallas kernel on
-    GPU, or cuDNN's where head_dim is no power of two, splash on TPU). The probe (`probe_auto`) keeps the fastest
-    that runs instead."""
-    return auto_candidates(backend, head_dim=head_dim)[0][0]
+    GPU, splash on TPU). The probe (`probe_auto`) keeps the fastest that runs instead."""
+    return auto_candidates(backend)[0][0]

@@ -78,9 +78,9 @@ def probe_auto(
     the choice into the model's config (resolve.py).
     """
     backend = backend or jax.default_backend()
-    B, T, H, D = q_shape
-    candidates, rejected = auto_candidates(backend, documents, head_dim=D)
+    candidates, rejected = auto_candidates(backend, documents)
     timed = backend in ("gpu", "tpu")
+    B, T, H, D = q_shape
     seconds: dict[str, float] = {}
     for impl in candidates:
         try:

@@ -8,7 +8,7 @@ import pytest
 from resformer_jax import kernels
 from resformer_jax.commands.training import run
 from resformer_jax.kernels import attention as dispatch
-from resformer_jax.kernels import names, probe
+from resformer_jax.kernels import probe
 from resformer_jax.metrics import read_jsonl
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.presets import tiny_config
@@ -194,29 +194,6 @@ def test_auto_probe_times_resformer_layers_on_their_value_mix(monkeypatch):
 
     kinds = {v: kernel_can_mix_values(ModelConfig.of(tiny_config(v).model)) for v in ("resformer", "svformer", "none")}
     assert kinds == {"resformer": True, "svformer": False, "none": False}, kinds
-
-
-def test_auto_skips_the_triton_kernel_for_a_head_width_no_power_of_two():
-    """StableLM-3B's heads are 80 wide (the 3B presets): Triton's lowering takes only power-of-two shapes, so auto on
-    a GPU goes to cuDNN's kernel, compiled or probed, and says why."""
-    candidates, rejected = names.auto_candidates("gpu", head_dim=80)
-    assert candidates == ["cudnn", "xla"] and "power-of-two" in rejected["pallas"] and "80" in rejected["pallas"]
-    assert names.unprobed_auto("gpu", 80) == "cudnn" and names.unprobed_auto("gpu", 128) == "pallas"
-    assert names.auto_candidates("tpu", head_dim=80)[0] == ["splash", "xla"]
-    msgs, ticks = [], iter([0.0, 0.002] * 3)  # only xla runs here (cudnn cannot on a CPU)
-    choice, rejected = probe.probe_auto(
-        (1, 64, 2, 80), 2, jnp.float32, msgs.append, backend="gpu", clock=lambda: next(ticks)
-    )
-    assert choice == "xla" and "power-of-two" in rejected["pallas"], (choice, rejected)
-    # compiled for a GPU from here: cuDNN's kernel cannot be lowered without one, so XLA's attention, said
-    from resformer_jax.config import validate
-    from resformer_jax.resolve import resolve_attention
-
-    c = tiny_config("svformer")
-    c.model.update(d_model=320, attention_impl="auto")
-    msgs = []
-    assert resolve_attention(validate(c), platform="cuda", log=msgs.append).impl == "xla"
-    assert "cuDNN's kernel cannot be lowered without a GPU" in msgs[0], msgs
 
 
 def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
