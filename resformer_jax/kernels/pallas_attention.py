@@ -353,15 +353,17 @@ def position_tables(qpos_BxT, S: int, Tp: int, Sp: int, bq: int, seg_BxS=None):
     return qpos_p, qstart, (start, end_local)
 
 
-def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None):
-    """mix: (V_1 [B, S, K, D], (l1, l2) fp32 [2]): attend over Eq. 7's l1 V_1 + l2 v."""
+def _forward(q, k, v, causal, bq, bk, seg=None, qpos=None, mix=None, dim=None):
+    """mix: (V_1 [B, S, K, D], (l1, l2) fp32 [2]): attend over Eq. 7's l1 V_1 + l2 v. dim: the heads' width before
+    zero columns padded it to a power of two (the scores' scale is 1/sqrt(dim)); None: D."""
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     qp, kp, vp = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp)
     docs, positions = seg is not None, qpos is not None
-    shape_of = dict(scale=1.0 / math.sqrt(D), causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions)
+    scale = 1.0 / math.sqrt(dim or D)
+    shape_of = dict(scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S, docs=docs, positions=positions)
     kernel = functools.partial(_fwd_kernel, **shape_of, mixed=mix is not None, gated=_gated(mix))
     kv_spec = pl.BlockSpec((None, Sp, None, D), lambda i, b, h: (b, 0, h // G, 0))
     mix_specs, mix_in = _mix_inputs(mix, kv_spec, Sp)
@@ -566,7 +568,9 @@ def _write_rotated_back(out_ref, g1, g2, pos_ref, inv_freq_ref):
     out_ref[:, pl.ds(D2, D2)] = (g2 * cos - g1 * sin).astype(out_ref.dtype)
 
 
-def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=None, lambda_grads=False, rope=None):
+def _backward(
+    q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=None, lambda_grads=False, rope=None, dim=None
+):
     """(dQ, dK, dV) or, with Eq. 7's mix (V_1, (l1, l2)), (dQ, dK, dV_n, dV_1, d(l1, l2)) (zeros unless
     lambda_grads)."""
     B, T, H, D = q.shape
@@ -576,7 +580,7 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
     bq, bk = backward_blocks(bq, bk, D, jnp.dtype(q.dtype).itemsize, tables=docs or positions, rope=rope is not None)
     Tp, Sp = o_p.shape[1], pl.cdiv(S, bk) * bk
     qp, kp, vp, dop = _pad(q, 1, Tp), _pad(k, 1, Sp), _pad(v, 1, Sp), _pad(do, 1, Tp)
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(dim or D)
     dkdv_extra_specs, dkdv_extra, dq_extra_specs, dq_extra = [], [], [], []
     key_rows = pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
     query_rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
@@ -666,19 +670,19 @@ def _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg=None, qpos=None, mix=No
 # ----------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _flash(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads, dim=None):
     """seg: packed documents' segment ids; mix: Eq. 7's (V_1, (l1, l2)) or (V_1, gate); rope: (positions [B, T],
     inv_freq [D/2]), q and k then unrotated: rotated here, their gradients rotated back by the dQ and dK/dV kernels.
-    Each None where unused."""
-    return _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads)[0]
+    Each None where unused. dim: the heads' width before padding (_forward)."""
+    return _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads, dim)[0]
 
 
-def _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
+def _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads, dim=None):
     T = q.shape[1]
     if rope is not None:  # T == S: the keys' positions are the queries'
         q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-    o_p, lse = _forward(q, k, v, causal, bq, bk, seg, mix=mix)
+    o_p, lse = _forward(q, k, v, causal, bq, bk, seg, mix=mix, dim=dim)
     # Named for remat=attention (model/transformer.py): what the backward reads, kept instead of recomputed.
     q, k, v, o_p, lse = (checkpoint_name(x, ATTENTION_RESIDUALS) for x in (q, k, v, o_p, lse))
     if mix is not None:
@@ -686,9 +690,11 @@ def _flash_fwd(q, k, v, seg, mix, rope, causal, bq, bk, lambda_grads):
     return o_p[:, :T], (q, k, v, seg, mix, rope, o_p, lse)
 
 
-def _flash_bwd(causal, bq, bk, lambda_grads, res, do):
+def _flash_bwd(causal, bq, bk, lambda_grads, dim, res, do):
     q, k, v, seg, mix, rope, o_p, lse = res
-    grads = _backward(q, k, v, o_p, lse, do, causal, bq, bk, seg, mix=mix, lambda_grads=lambda_grads, rope=rope)
+    grads = _backward(
+        q, k, v, o_p, lse, do, causal, bq, bk, seg, mix=mix, lambda_grads=lambda_grads, rope=rope, dim=dim
+    )
     dmix = None if mix is None else (grads[3], grads[4])
     return (*grads[:3], None, dmix, None)  # segment ids and positions: integers; inv_freq: a constant
 
@@ -768,4 +774,14 @@ def flash_attention(
     if rope is not None and (D < 32 or D & (D - 1)):
         raise ValueError(f"RoPE in the kernel takes head_dim a power of two >= 32 (its halves Triton blocks), got {D}")
     mix = None if value_mix is None else (value_mix[0], value_mix[1])
+    if D & (D - 1):  # Triton's blocks are powers of two: zero columns add nothing to q.k and give zero outputs, cut
+        Dp = 1 << (D - 1).bit_length()
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
+        mix = None if mix is None else (pad(mix[0]), mix[1])
+        bq, bk = choose_blocks(
+            T, S, Dp, jnp.dtype(q_BxTxHxD.dtype).itemsize, block_q, block_k, budget=smem_budget(target_device_kind())
+        )
+        out = _flash(pad(q_BxTxHxD), pad(k_BxSxKxD), pad(v_BxSxKxD), segments_BxT, mix, None, causal, bq, bk,
+                     lambda_grads, D)  # fmt: skip
+        return out[..., :D]
     return _flash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segments_BxT, mix, rope, causal, bq, bk, lambda_grads)

@@ -133,6 +133,7 @@ SHAPES = [
     ((2, 2048, 16, 4, 128), jnp.bfloat16),
     ((1, 1000, 8, 2, 64), jnp.bfloat16),
     ((1, 2048, 16, 16, 64), jnp.float32),
+    ((1, 4096, 32, 32, 80), jnp.bfloat16),  # StableLM-3B's heads (the 3B presets), padded to 128 for Triton
 ]
 
 

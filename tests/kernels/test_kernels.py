@@ -15,6 +15,7 @@ from resformer_jax.presets import tiny_config
 
 SHAPES = [(T, H, K, 64) for T in (1, 7, 128, 300) for H, K in ((4, 4), (8, 2), (8, 1))]
 SHAPES += [(7, 8, 2, 128), (300, 8, 1, 128), (128, 4, 4, 128)]
+SHAPES += [(70, 4, 2, 80)]  # StableLM-3B's head width: the Triton kernel pads it to 128 with zero columns
 BF16_SHAPES = [(128, 8, 2, 64), (300, 8, 1, 128), (7, 4, 4, 64)]
 
 
@@ -80,6 +81,7 @@ def test_bf16_inputs_against_fp32_reference(T, H, K, D):
         (130, 8, 2, 64, False, True),
         (300, 4, 4, 128, True, False),
         (70, 2, 1, 32, True, True),
+        (33, 2, 1, 80, True, True),
     ],
 )
 def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, documents, lambda_grads):
