@@ -20,6 +20,8 @@ DTYPE_BYTES = {  # HLO's element types by width
     "c128": 16,
 }
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_LAID_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
 
@@ -35,8 +37,15 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)]
 
 
-def shape_bytes(shape: str) -> float:
-    return sum(dtype_bytes(d) * math.prod(dims) for d, dims in arrays(shape))
+def shape_bytes(shape: str, off_hbm: frozenset[int] = frozenset()) -> float:
+    """Bytes of every array in a (possibly tuple) HLO shape; those whose layout names a memory space in `off_hbm`
+    (`S(1)`: a TPU's VMEM) left out."""
+    total = 0.0
+    for d, dims, layout in _LAID_ARRAY.findall(shape):
+        space = _MEMORY_SPACE.search(layout)
+        if space is None or int(space.group(1)) not in off_hbm:
+            total += dtype_bytes(d) * math.prod(int(x) for x in dims.split(",") if x)
+    return total
 
 
 def elements(shape: str) -> int:

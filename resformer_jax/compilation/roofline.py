@@ -27,6 +27,7 @@ FREE = {
     "add-dependency",
     "iota",
     "copy-done",
+    "slice-done",
     "all-gather-done",
     "all-reduce-done",
     "reduce-scatter-done",
@@ -38,6 +39,10 @@ FREE = {
     "recv-done",
     "get-dimension-size",
 }
+TPU_ON_CORE_SPACES = frozenset({1, 2})
+_S8_ARRAY = re.compile(r"\bs8\[[0-9,]*\](\{[^}]*\})?")
+_SLICE = re.compile(r"slice=\{([^}]*)\}")
+_SLICE_DIM = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]")
 COLLECTIVES = {
     "all-reduce",
     "all-gather",
@@ -267,6 +272,8 @@ def cudnn_attention_flops(ins: Instr, shapes: dict[str, str]) -> float:
 class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], device_kind: str = "", documents=None):
         self.comps, self.device_kind, self.documents = comps, device_kind, documents
+        # a TPU's scoped memories (S(1) VMEM, S(2) semaphores) are on the core: reading them is not HBM traffic
+        self.off_hbm = TPU_ON_CORE_SPACES if "TPU" in device_kind else frozenset()
         self.shapes = {i.name: i.shape for body in comps.values() for i in body}
         for body in comps.values():  # parameters are instructions too
             for i in body:
@@ -284,8 +291,28 @@ class _Walker:
         o.flops += n * flops
         o.bytes += n * nbytes
 
+    def _bytes(self, shape: str) -> float:
+        return shape_bytes(shape, self.off_hbm)
+
+    def _async_slice_bytes(self, ins: Instr) -> float:
+        """An async slice's HBM traffic: its slice read from the source, written where the slice is not on the core
+        (XLA:TPU prefetching a weight's pieces into VMEM)."""
+        source = self.shapes.get(ins.operands[0], "") if ins.operands else ""
+        dims = _SLICE.search(ins.attrs)
+        laid = arrays(source)
+        if not laid or dims is None:
+            return self._bytes(ins.shape)
+        elements = math.prod(
+            -(-(int(b) - int(a)) // int(step or 1)) for a, b, step in _SLICE_DIM.findall(dims.group(1))
+        )
+        piece = elements * dtype_bytes(laid[0][0])
+        read = piece if self._bytes(source) else 0.0
+        landed = [a for a in ins.shape.split("),", 1)[-1].split(", ") if "[" in a and "[]" not in a]
+        written = piece if landed and self._bytes(landed[0]) else 0.0
+        return read + written
+
     def _operand_bytes(self, ins: Instr) -> float:
-        return sum(shape_bytes(self.shapes.get(o, "")) for o in dict.fromkeys(ins.operands))
+        return sum(self._bytes(self.shapes.get(o, "")) for o in dict.fromkeys(ins.operands))
 
     def _fused_flops(self, comp: str) -> float:
         total = 0.0
@@ -311,7 +338,7 @@ class _Walker:
         total = 0.0
         for u in uses:
             if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == param:
-                total += shape_bytes(u.shape)
+                total += self._bytes(u.shape)
                 continue
             if u.opcode != "fusion" or u.operands.count(param) != 1:
                 return None
@@ -342,13 +369,13 @@ class _Walker:
         if roots and updates:
             # an update's bytes: operand 1 of a dynamic-update-slice, the last operand of a (one-array) scatter
             written = sum(
-                shape_bytes(self.shapes.get(r.operands[1 if r.opcode == "dynamic-update-slice" else -1], ""))
+                self._bytes(self.shapes.get(r.operands[1 if r.opcode == "dynamic-update-slice" else -1], ""))
                 if r.opcode in IN_PLACE_UPDATES
-                else shape_bytes(r.shape)
+                else self._bytes(r.shape)
                 for r in roots
             )
         else:
-            written = shape_bytes(ins.shape)
+            written = self._bytes(ins.shape)
         in_place = {r.operands[0] for r in updates}
         users: dict[str, list[Instr]] = {}
         for i in body:
@@ -373,7 +400,7 @@ class _Walker:
                 read += sliced
             else:
                 shape = self.shapes.get(operand, "")
-                whole = shape_bytes(shape)
+                whole = self._bytes(shape)
                 read += (
                     whole if computed is None else min(whole, computed * max(dtype_bytes(d) for d, _ in arrays(shape)))
                 )
@@ -451,7 +478,7 @@ class _Walker:
                 if branches:
                     self.walk(max(branches, key=self.cost_of), n)
             elif op in COLLECTIVES or op in ("send", "recv"):
-                nbytes = max(shape_bytes(ins.shape), self._operand_bytes(ins))
+                nbytes = max(self._bytes(ins.shape), self._operand_bytes(ins))
                 self._add(ins, "collective", n, 0.0, nbytes)
             elif op == "async-start":
                 called = ins.attr_computations("calls")
@@ -460,16 +487,16 @@ class _Walker:
                     self._add(ins, "collective", n, 0.0, self._operand_bytes(ins))
                 elif called:
                     self.walk(called[0], n)
-            elif op == "copy-start":
-                self._add(ins, "other", n, 0.0, 2 * self._operand_bytes(ins))
+            elif op == "copy-start":  # (destination, source, context): each read or written where it is in HBM
+                self._add(ins, "other", n, 0.0, self._bytes(ins.shape))
+            elif op == "slice-start":  # ((source), slice, context): the slice read, and written where it lands in HBM
+                self._add(ins, "other", n, 0.0, self._async_slice_bytes(ins))
             elif op == "fusion":
                 flops = sum(self._fused_flops(c) for c in ins.attr_computations("calls"))
                 self._add(ins, "gemm" if flops else "fusion", n, flops, self._fusion_bytes(ins))
             elif op == "custom-call":
                 target = ins.custom_call_target
-                nbytes = self._operand_bytes(ins) + sum(
-                    dtype_bytes(d) * math.prod(s) for d, s in arrays(ins.shape) if d != "s8"
-                )  # s8: a workspace
+                nbytes = self._operand_bytes(ins) + self._bytes(_S8_ARRAY.sub("", ins.shape))  # s8: a workspace
                 if target in GEMM_TARGETS:
                     self._add(ins, "gemm", n, dot_flops(ins, self.shapes), nbytes)
                 elif "cudnn$fmha" in target:
@@ -481,14 +508,14 @@ class _Walker:
                     self._add(ins, "other", n, 0.0, nbytes)
             elif op in ("dot", "convolution"):
                 flops = (dot_flops if op == "dot" else conv_flops)(ins, self.shapes)
-                self._add(ins, "gemm", n, flops, self._operand_bytes(ins) + shape_bytes(ins.shape))
+                self._add(ins, "gemm", n, flops, self._operand_bytes(ins) + self._bytes(ins.shape))
             elif op == "dynamic-update-slice":
-                upd = shape_bytes(self.shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
+                upd = self._bytes(self.shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
                 self._add(ins, "other", n, 0.0, 2 * upd)
             elif op in ("dynamic-slice", "slice"):
-                self._add(ins, "other", n, 0.0, 2 * shape_bytes(ins.shape))
+                self._add(ins, "other", n, 0.0, 2 * self._bytes(ins.shape))
             else:
-                self._add(ins, "other", n, 0.0, self._operand_bytes(ins) + shape_bytes(ins.shape))
+                self._add(ins, "other", n, 0.0, self._operand_bytes(ins) + self._bytes(ins.shape))
 
 
 def roofline(hlo_text: str, chip: Chip, documents=None) -> Roofline:
