@@ -497,7 +497,9 @@ class _Walker:
             elif op == "custom-call":
                 target = ins.custom_call_target
                 nbytes = self._operand_bytes(ins) + self._bytes(_S8_ARRAY.sub("", ins.shape))  # s8: a workspace
-                if target in GEMM_TARGETS:
+                if target == "AllocateBuffer":  # XLA:TPU reserving a buffer (a scan's stack) touches no memory
+                    pass
+                elif target in GEMM_TARGETS:
                     self._add(ins, "gemm", n, dot_flops(ins, self.shapes), nbytes)
                 elif "cudnn$fmha" in target:
                     self._add(ins, "kernel", n, cudnn_attention_flops(ins, self.shapes), nbytes)

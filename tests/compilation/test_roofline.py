@@ -503,13 +503,14 @@ ENTRY %main (w: s8[4096], x: bf16[64,32]) -> bf16[64,32] {
   %d0 = s8[1024]{0:T(1024)S(1)} slice-done(%s0)
   %d1 = s8[1024]{0:T(1024)S(1)} slice-done(%s1)
   %wv = bf16[32,32]{1,0:T(8,128)(2,1)S(1)} custom-call(%d0, %d1), custom_call_target="ConcatBitcast"
+  %stack = bf16[15,64,32]{2,1,0:T(8,128)(2,1)} custom-call(), custom_call_target="AllocateBuffer"
   ROOT %y = bf16[64,32]{1,0:T(8,128)(2,1)} dot(%x, %wv), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
     r = rl.roofline(text, rl.chip_for("TPU v6e"))
     by = {o.name: o for o in r.ops}
     assert by["s0"].bytes == by["s1"].bytes == 1024  # the piece read; it lands in VMEM
-    assert "d0" not in by and by["wv"].bytes == 0
+    assert "d0" not in by and "stack" not in by and by["wv"].bytes == 0  # a join of VMEM pieces; an allocation
     assert by["y"].bytes == 2 * (2 * 64 * 32)  # x read and y written from HBM; the weight from VMEM
     gpu = rl.roofline(text, H100)  # a GPU has no VMEM: the same names in HBM
     assert {o.name: o.bytes for o in gpu.ops}["s0"] == 2 * 1024
