@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +16,8 @@ from jax.sharding import Mesh
 
 from resformer_jax.engine.errors import EngineError
 from resformer_jax.engine.pages import ShardedPages, pages_in_budget
-from resformer_jax.engine.runner import ModelRunner, bucket, free_memory_bytes
+from resformer_jax.engine.runner import DecodeRows, ModelRunner, ScoredRows, StepRows, bucket, free_memory_bytes
+from resformer_jax.engine.sampling import TOP_LOGPROBS, PenaltyRows, SamplingParams, SamplingRows
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import cache_bytes_per_token
 from resformer_jax.resolve import serving_model
@@ -25,61 +25,6 @@ from resformer_jax.resolve import serving_model
 # Decode steps one program runs between readbacks: the host's scheduling, dispatch and readback paid once for 8
 # tokens a row (measured in docs/evaluation.md). While prompts are being read, one step a readback.
 DECODE_STEPS = 8
-TOP_LOGPROBS = 20  # alternatives a scored position gives at most (vLLM's and OpenAI's maximum)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """One request's decoding: greedy at temperature 0; `stop_ids` end it (the stop token is kept, its reason
-    'stop'); `max_tokens` new tokens at most ('length')."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-    min_tokens: int = 0  # a stop id ends the request only from this many new tokens on (the benchmarks' fixed lengths)
-    logprobs: int | None = None  # the most likely N tokens at each generated position, beside the chosen one's
-    prompt_logprobs: int | None = None  # each prompt token's log-probability and the N most likely there
-    # vLLM's (and OpenAI's presence and frequency): subtracted from a token's logit once if it is in the output
-    # so far, and per time it is there; a logit of a token in the prompt or the output divided by the repetition
-    # penalty where positive, multiplied by it where negative (> 1 discourages repeating)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0  # vLLM's: a sampled token at least min_p times as likely as the most likely (0: off)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's (token id, added to its logit) pairs, before penalties
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the row needs the penalized programs: a penalty or a logit bias."""
-        penalty = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-        return penalty or bool(self.logit_bias)
-
-    def check(self) -> None:
-        least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt scored only
-        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
-            raise EngineError(f"max_tokens={self.max_tokens!r}: must be a positive integer (new tokens to generate)")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(self, name)
-            if n is not None and not (isinstance(n, int) and 0 <= n <= TOP_LOGPROBS):
-                raise EngineError(f"{name}={n!r}: must be an integer in [0, {TOP_LOGPROBS}]")
-        if not self.temperature >= 0:
-            raise EngineError(f"temperature={self.temperature!r}: must be >= 0 (0: greedy)")
-        if not 0 < self.top_p <= 1:
-            raise EngineError(f"top_p={self.top_p!r}: must be in (0, 1] (1: off)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise EngineError(f"top_k={self.top_k!r}: must be an integer >= 0 (0: off)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise EngineError(f"{name}={getattr(self, name)!r}: must be in [-2, 2] (0: off)")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise EngineError(f"repetition_penalty={self.repetition_penalty!r}: must be a number > 0 (1: off)")
-        if not 0 <= self.min_p <= 1:
-            raise EngineError(f"min_p={self.min_p!r}: must be in [0, 1] (0: off)")
-        if not all(math.isfinite(b) for _, b in self.logit_bias):
-            raise EngineError("logit_bias: every bias must be a finite number")
 
 
 @dataclasses.dataclass(eq=False)
@@ -544,71 +489,34 @@ class Engine:
         Pn = bucket(max(len(r.pages) for r in rows), at_least=4)
         tokens, positions = np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32)
         last, table = np.zeros((B,), np.int32), np.zeros((B, Pn), np.int32)
-        temperature, top_k = np.zeros((B,), np.float32), np.zeros((B,), np.int32)
-        top_p, min_p = np.ones((B,), np.float32), np.zeros((B,), np.float32)
-        seeds, counters = np.zeros((B,), np.uint32), np.zeros((B,), np.int32)
         for i, r, new in zip(slot, rows, new_tokens):
             tokens[i, : len(new)] = new
             positions[i, : len(new)] = np.arange(r.cached, r.cached + len(new))
             last[i] = len(new) - 1
             table[i, : len(r.pages)] = r.pages
-            s = r.params
-            temperature[i], top_k[i], top_p[i], min_p[i] = s.temperature, s.top_k, s.top_p, s.min_p
-            seeds[i], counters[i] = s.seed % 2**32, len(r.tokens)
-        sampling = (temperature, top_k, top_p, min_p, seeds, counters)
-        penalties = self._penalty_rows(rows, slot, B)
+        sampling = SamplingRows.of(B, [(i, r.params, len(r.tokens)) for i, r in zip(slot, rows)])
+        penalties = PenaltyRows.of(B, [(i, r.params, r.prompt, r.tokens) for i, r in zip(slot, rows)])
         if steps is None:
             self.stats.compiled_shapes.add((B, T, Pn, 1))
-            targets: tuple[np.ndarray, ...] = ()
+            scored = None
             if top:  # the token after each one fed: the next of the sequence (0 past its end: not read)
-                targets_BxT = np.zeros((B, T), np.int32)
-                carry_BxE = np.zeros((B, self.model_cfg.d_model), np.float32)
+                scored = ScoredRows(np.zeros((B, T), np.int32), np.zeros((B, self.model_cfg.d_model), np.float32))
                 for i, r, new in zip(slot, rows, new_tokens):
                     after = r.to_cache[r.cached + 1 : r.cached + len(new) + 1]
-                    targets_BxT[i, : len(after)] = after
+                    scored.targets_BxT[i, : len(after)] = after
                     if r.carry is not None:
-                        carry_BxE[i] = r.carry
-                targets = (targets_BxT, carry_BxE)
-            out = self.runner.step(
-                top, bool(penalties), tokens, positions, table, last, *sampling, *penalties, *targets
-            )
+                        scored.carry_BxE[i] = r.carry
+            out = self.runner.step(top, StepRows(tokens, positions, table, last), sampling, penalties, scored)
             tok, lp = out[0], out[1]
             scores = tuple(np.asarray(x)[slot] for x in out[2]) if top else None
             return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None], scores
         steps_B = np.zeros((B,), np.int32)
         steps_B[slot] = steps
         self.stats.compiled_shapes.add((B, T, Pn, k))
-        out = self.runner.decode(
-            k, top, bool(penalties), tokens[:, 0], positions[:, 0], table, steps_B, *sampling, *penalties
-        )
+        out = self.runner.decode(k, top, DecodeRows(tokens[:, 0], positions[:, 0], table, steps_B), sampling, penalties)
         tok, lp = out[0], out[1]
         tops = tuple(np.asarray(x)[slot] for x in out[2][1:]) if top else None  # (ids, log-probabilities)
         return np.asarray(tok)[slot], np.asarray(lp)[slot], tops
-
-    @staticmethod
-    def _penalty_rows(rows: list[Request], slot: list[int], B: int) -> tuple[np.ndarray, ...]:
-        """The penalized programs' seven rows (history, output_from, presence, frequency, repetition, bias ids,
-        biases) where some row asks for a penalty or a logit bias, else (): the plain programs, which pay nothing
-        for them."""
-        if not any(r.params.penalized for r in rows):
-            return ()
-        L = bucket(max(len(r.prompt) + len(r.tokens) for r in rows), at_least=16)
-        history, output_from = np.full((B, L), -1, np.int32), np.zeros((B,), np.int32)
-        presence, frequency, repetition = (
-            np.zeros((B,), np.float32),
-            np.zeros((B,), np.float32),
-            np.ones((B,), np.float32),
-        )
-        K = bucket(max(len(r.params.logit_bias) for r in rows), at_least=4)
-        bias_ids, biases = np.zeros((B, K), np.int32), np.zeros((B, K), np.float32)  # padding: 0 added to token 0
-        for i, r in zip(slot, rows):
-            seq = r.prompt + r.tokens
-            history[i, : len(seq)], output_from[i] = seq, len(r.prompt)
-            s = r.params
-            presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
-            for j, (t, b) in enumerate(s.logit_bias):
-                bias_ids[i, j], biases[i, j] = t, b
-        return history, output_from, presence, frequency, repetition, bias_ids, biases
 
     # ------------------------------------------------------------------ ends
     def _emit(self, r: Request, token: int, logprob: float) -> bool:

@@ -15,19 +15,53 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resformer_jax.engine.errors import EngineError
-from resformer_jax.engine.sampling import sample_rows, token_counts
+from resformer_jax.engine.sampling import Penalties, PenaltyRows, SamplingRows, sample_rows
 from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels.names import target_backend
 from resformer_jax.model.attention import PageLayout
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import Transformer, lm_head_logits, pool_shapes, unrolled_params
 
-ROW_ARGS = 10  # a step's rows: tokens, positions, table, last; temperature, top_k, top_p, min_p, seed, counter
-PENALTY_ARGS = 7  # the penalized programs' more: history, output_from, presence, frequency, repetition, bias ids, bias
+
+@struct.dataclass
+class StepRows:
+    """A step's rows: the tokens fed [B, T] at their positions (-1: a padding slot, nothing written), each row's
+    pages [B, P], and which of its tokens is its last (the LM head's) [B]."""
+
+    tokens_BxT: Any
+    positions_BxT: Any
+    table_BxP: Any
+    last_B: Any
+
+    @classmethod
+    def shapes(cls, B: int, T: int, P: int) -> StepRows:
+        S, i32 = jax.ShapeDtypeStruct, jnp.int32
+        return cls(S((B, T), i32), S((B, T), i32), S((B, P), i32), S((B,), i32))
+
+
+@struct.dataclass
+class ScoredRows:
+    """The scored form's more: the token after each one fed [B, T] and the hidden state before the first [B, E]
+    (a cached prefix's last)."""
+
+    targets_BxT: Any
+    carry_BxE: Any
+
+
+@struct.dataclass
+class DecodeRows:
+    """A multi-step decode's rows: each row's one token fed [B] at its position (-1: padding), its pages [B, P],
+    and how many of the k steps it runs [B]."""
+
+    token_B: Any
+    positions_B: Any
+    table_BxP: Any
+    steps_B: Any
 
 
 def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
@@ -65,36 +99,38 @@ class ModelRunner:
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
 
-            def per_shard(program, row_args: int = ROW_ARGS, scored: int = 0):  # after (params, cache); scores out
-                in_specs = (P(), cache_spec) + (row_spec,) * row_args
+            def per_shard(program, groups: int, scored: int = 0):  # after (params, cache): typed row groups
+                in_specs = (P(), cache_spec) + (row_spec,) * groups  # each group's every leaf split by rows
                 scores = ((row_spec,) * scored,) if scored else ()
                 out_specs = (row_spec, row_spec, *scores, cache_spec)
                 sharded = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
                 return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
 
             self._jit = per_shard
-        self._step_fns: dict[tuple[int, bool], Callable] = {}  # (top, penalized): step_program, made when first run
-        self._decode_fns: dict[tuple[int, int, bool], Callable] = {}  # (k steps a readback, top, penalized)
+        self._step_fns: dict[int, Callable] = {}  # top: step_program, made when first run
+        self._decode_fns: dict[tuple[int, int], Callable] = {}  # (k steps a readback, top)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
 
-    def step(self, top: int, penalized: bool, *args):
-        """step_program(top, penalized) over (tokens, positions, table, last, the 6 sampling rows[, the 7 penalty
-        rows][, targets, carry]); the cache replaced by the updated one. Returns the outputs before the cache."""
-        if (top, penalized) not in self._step_fns:
-            program = step_program(self.model, top, penalized)
-            rows = ROW_ARGS + 2 * bool(top) + PENALTY_ARGS * penalized
-            self._step_fns[top, penalized] = self._jit(program, rows, 4 if top else 0)
-        *out, self.cache = self._step_fns[top, penalized](self.params, self.cache, *args)
+    def step(
+        self,
+        top: int,
+        rows: StepRows,
+        sampling: SamplingRows,
+        penalties: PenaltyRows | None,
+        scored: ScoredRows | None = None,
+    ):
+        """step_program(top) over the step's rows; the cache replaced by the updated one. Returns the
+        outputs before the cache."""
+        if top not in self._step_fns:  # jitted once a form; traced again for penalties (another pytree)
+            self._step_fns[top] = self._jit(step_program(self.model, top), 4, 4 if top else 0)
+        *out, self.cache = self._step_fns[top](self.params, self.cache, rows, sampling, penalties, scored)
         return out
 
-    def decode(self, k: int, top: int, penalized: bool, *args):
-        """decode_program(k, top, penalized) over (token, positions, table, steps, the 6 sampling rows[, the 7
-        penalty rows]); as `step`."""
-        if (k, top, penalized) not in self._decode_fns:
-            program = decode_program(self.model, k, top, penalized)
-            rows = ROW_ARGS + PENALTY_ARGS * penalized
-            self._decode_fns[k, top, penalized] = self._jit(program, rows, 3 if top else 0)
-        *out, self.cache = self._decode_fns[k, top, penalized](self.params, self.cache, *args)
+    def decode(self, k: int, top: int, rows: DecodeRows, sampling: SamplingRows, penalties: PenaltyRows | None):
+        """decode_program(k, top) over the rows; as `step`."""
+        if (k, top) not in self._decode_fns:
+            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 3, 3 if top else 0)
+        *out, self.cache = self._decode_fns[k, top](self.params, self.cache, rows, sampling, penalties)
         return out
 
 
@@ -151,59 +187,48 @@ def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
     return params
 
 
-def step_program(model: Transformer, top: int = 0, penalized: bool = False):
-    """The engine's one program as a pure function: the paged model over `tokens_BxT` at `positions_BxT` (-1: a
-    padding slot, nothing written), each row's pages in `table_BxP`; the LM head at each row's `last_B` token;
-    per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with the cache donated;
-    `resformer compile --steps=decode` compiles it for a target.
+def step_program(model: Transformer, top: int = 0):
+    """The engine's one program as a pure function of (params, cache, rows: StepRows, sampling: SamplingRows,
+    penalties: PenaltyRows | None, scored: ScoredRows | None): the paged model over the rows' tokens, the LM head at
+    each row's last token, per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with
+    the cache donated; `resformer compile --steps=decode` compiles it for a target.
 
-    With `top` (the scored form; two more arguments: targets_BxT, the token after each one fed, and carry_BxE,
-    the hidden state before the first one, a cached prefix's last): the LM head at the carried state and at every
-    position, and after the sampled tokens, per row: log p of tokens_BxT[:, 0] then of targets_BxT [B, T + 1], the
-    `top` most likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E]
-    (a page's last is kept with its block): a prompt's log-probabilities read in its prefill.
-
-    `penalized` (seven more arguments before the scored form's: history_BxL, each row's prompt and generated tokens
-    so far with -1 padding, output_from_B, where its generated ones start, the presence, frequency and repetition
-    penalties a row, and its logit bias as ids and values [B, K]): the token sampled from the logits
-    sampling.penalized_logits makes."""
+    With `top` (the scored form, given ScoredRows): the LM head at the carried state and at every position, and
+    after the sampled tokens, per row: log p of tokens_BxT[:, 0] then of the targets [B, T + 1], the `top` most
+    likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E] (a page's last
+    is kept with its block): a prompt's log-probabilities read in its prefill. Given PenaltyRows: the token sampled
+    from the logits sampling.penalized_logits makes."""
     forward = _forward(model, top)
 
-    def program(params, cache, *args):
-        rows, rest = args[:ROW_ARGS], args[ROW_ARGS:]
-        if not penalized:
-            return forward(params, cache, *rows, (), *rest)
-        (history_BxL, output_from_B, *weights), tgt = rest[:PENALTY_ARGS], rest[PENALTY_ARGS:]
-        counts = token_counts(history_BxL, output_from_B, model.cfg.vocab_size)
-        return forward(params, cache, *rows, (*counts, *weights), *tgt)
+    def program(params, cache, rows: StepRows, sampling: SamplingRows, penalties: PenaltyRows | None, scored):
+        counted = None if penalties is None else penalties.counted(model.cfg.vocab_size)
+        return forward(params, cache, rows, sampling, counted, scored)
 
     return program
 
 
 def _forward(model: Transformer, top: int):
-    """step_program with the penalties as sampling.penalized_logits takes them (() without)."""
+    """step_program with the penalties counted (sampling.Penalties, or None)."""
     m = model.cfg
 
-    def forward(params, cache, tokens_BxT, positions_BxT, table_BxP, last_B, temp_B, topk_B, topp_B, minp_B, seed_B,
-                n_B, penalties, *tgt):  # fmt: skip
+    def forward(params, cache, rows: StepRows, sampling: SamplingRows, penalties: Penalties | None, scored):
         h_BxTxE, mutated = model.apply(
             {"params": params, "cache": cache},
-            tokens_BxT,
-            positions_BxT,
+            rows.tokens_BxT,
+            rows.positions_BxT,
             return_hidden=True,
-            page_table_BxP=table_BxP,
+            page_table_BxP=rows.table_BxP,
             mutable=["cache"],
         )
-        h_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)
+        h_BxE = jnp.take_along_axis(h_BxTxE, rows.last_B[:, None, None], axis=1)
         # the LM head as held (serving_params may pad its columns), the padding's logits cut
         width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
         head = lambda h: lm_head_logits(m.replace(vocab_size=width), params, h)[..., : m.vocab_size]
-        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], temp_B, topk_B, topp_B, minp_B, seed_B, n_B, penalties)
+        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], sampling, penalties)
         if not top:
             return token_B, logprob_B, mutated["cache"]
-        targets_BxT, carry_BxE = tgt
-        h_BxT1xE = jnp.concatenate([carry_BxE[:, None].astype(h_BxTxE.dtype), h_BxTxE], axis=1)
-        targets_BxT1 = jnp.concatenate([tokens_BxT[:, :1], targets_BxT], axis=1)
+        h_BxT1xE = jnp.concatenate([scored.carry_BxE[:, None].astype(h_BxTxE.dtype), h_BxTxE], axis=1)
+        targets_BxT1 = jnp.concatenate([rows.tokens_BxT[:, :1], scored.targets_BxT], axis=1)
         logp_BxT1xV = jax.nn.log_softmax(head(h_BxT1xE).astype(jnp.float32), axis=-1)
         chosen_BxT1 = jnp.take_along_axis(logp_BxT1xV, targets_BxT1[..., None], axis=-1)[..., 0]
         top_lp_BxT1xN, top_id_BxT1xN = jax.lax.top_k(logp_BxT1xV, top)
@@ -212,42 +237,39 @@ def _forward(model: Transformer, top: int):
     return forward
 
 
-def decode_program(model: Transformer, k: int, top: int = 0, penalized: bool = False):
-    """`k` decode steps as one program, read back once (the host's work and the readback paid once for k tokens,
-    not per token): each step feeds the token it sampled to the next, a row's K/V written at positions_B,
-    positions_B + 1, ... Row b runs its first steps_B[b] steps (its pages reserved for them); after those, and on
-    a padding row (position -1), nothing is written. A row's i-th token samples with counter n_B + i, as k single
-    steps would. Returns (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the
-    `top` most likely ids [B, K, top], their log-probabilities) at each step. `penalized`: as step_program's, the
-    history holding the token fed; each token sampled counted before the next step samples."""
+def decode_program(model: Transformer, k: int, top: int = 0):
+    """`k` decode steps as one program of (params, cache, rows: DecodeRows, sampling: SamplingRows, penalties:
+    PenaltyRows | None), read back once (the host's work and the readback paid once for k tokens, not per token):
+    each step feeds the token it sampled to the next, a row's K/V written at positions_B, positions_B + 1, ... Row
+    b runs its first steps_B[b] steps (its pages reserved for them); after those, and on a padding row (position
+    -1), nothing is written. A row's i-th token samples with counter + i, as k single steps would. Returns
+    (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the `top` most likely ids
+    [B, K, top], their log-probabilities) at each step. Given PenaltyRows: as step_program's, the history holding the
+    token fed; each token sampled counted before the next step samples."""
     forward = _forward(model, top)
 
-    def decode(params, cache, token_B, positions_B, table_BxP, steps_B, *sampling_and_penalties):
-        (temp_B, topk_B, topp_B, minp_B, seed_B, n_B), pen = sampling_and_penalties[:6], sampling_and_penalties[6:]
-        B = token_B.shape[0]
+    def decode(params, cache, rows: DecodeRows, sampling: SamplingRows, penalties: PenaltyRows | None):
+        B = rows.token_B.shape[0]
         last_B = jnp.zeros((B,), jnp.int32)
-        counts = token_counts(pen[0], pen[1], model.cfg.vocab_size) if penalized else ()
+        counted = None if penalties is None else penalties.counted(model.cfg.vocab_size)
 
         def one(i, carry):
-            cache, counts, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
-            live_B = (positions_B >= 0) & (i < steps_B)
-            pos_B = jnp.where(live_B, positions_B + i, -1)
-            sampling = (temp_B, topk_B, topp_B, minp_B, seed_B, n_B + i)
-            args = (token_B[:, None], pos_B[:, None], table_BxP, last_B, *sampling)
-            carried = (token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else ()
-            out = forward(params, cache, *args, (*counts, *pen[2:]) if penalized else (), *carried)
+            cache, counted, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
+            live_B = (rows.positions_B >= 0) & (i < rows.steps_B)
+            position_Bx1 = jnp.where(live_B, rows.positions_B + i, -1)[:, None]
+            step = StepRows(token_B[:, None], position_Bx1, rows.table_BxP, last_B)
+            scored = ScoredRows(token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else None
+            out = forward(params, cache, step, sampling.ahead(i), counted, scored)
             token_B, logprob_B, cache = out[0], out[1], out[-1]
-            if penalized:  # the token sampled joins the row's output for the next step
-                rows_B = jnp.arange(B)
-                counts = (counts[0].at[rows_B, token_B].add(live_B.astype(jnp.int32)),
-                          counts[1].at[rows_B, token_B].set(counts[1][rows_B, token_B] | live_B))  # fmt: skip
+            if counted is not None:  # the token sampled joins the row's output for the next step
+                counted = counted.with_token(token_B, live_B)
             if top:  # score 1: after the token fed (0 is the carried state's, unused here)
                 ids_KxBxN, lps_KxBxN = ids_KxBxN.at[i].set(out[2][1][:, 1]), lps_KxBxN.at[i].set(out[2][2][:, 1])
             tokens_KxB, logprobs_KxB = tokens_KxB.at[i].set(token_B), logprobs_KxB.at[i].set(logprob_B)
-            return cache, counts, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
+            return cache, counted, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
 
         n = max(top, 1)
-        init = (cache, counts, token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
+        init = (cache, counted, rows.token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
                 jnp.zeros((k, B, n), jnp.int32), jnp.zeros((k, B, n), jnp.float32))  # fmt: skip
         cache, _, _, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = jax.lax.fori_loop(0, k, one, init)
         if not top:
@@ -260,21 +282,8 @@ def decode_program(model: Transformer, k: int, top: int = 0, penalized: bool = F
 
 def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) -> tuple:
     """step_program's arguments after (params, cache), as shapes: `rows` sequences of `tokens` new tokens each,
-    `pages_per_row` pages in each row's table."""
-    S = jax.ShapeDtypeStruct
-    i32, f32 = jnp.int32, jnp.float32
-    return (
-        S((rows, tokens), i32),  # tokens
-        S((rows, tokens), i32),  # positions
-        S((rows, pages_per_row), i32),  # page table
-        S((rows,), i32),  # last
-        S((rows,), f32),  # temperature
-        S((rows,), i32),  # top_k
-        S((rows,), f32),  # top_p
-        S((rows,), f32),  # min_p
-        S((rows,), jnp.uint32),  # seed
-        S((rows,), i32),  # tokens generated so far
-    )
+    `pages_per_row` pages in each row's table; no penalties, not scored."""
+    return StepRows.shapes(rows, tokens, pages_per_row), SamplingRows.shapes(rows), None, None
 
 
 def init_pools(model: Transformer):

@@ -8,12 +8,190 @@ Its notes (the reasons, what was measured): docs/modules.md.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
+from resformer_jax.engine.errors import EngineError
 from resformer_jax.kernels.names import target_backend
 
 BISECTIONS = 32  # one halving per bit of a float32's order key: the threshold found is exact
+TOP_LOGPROBS = 20  # alternatives a scored position gives at most (vLLM's and OpenAI's maximum)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding: greedy at temperature 0; `stop_ids` end it (the stop token is kept, its reason
+    'stop'); `max_tokens` new tokens at most ('length')."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # a stop id ends the request only from this many new tokens on (the benchmarks' fixed lengths)
+    logprobs: int | None = None  # the most likely N tokens at each generated position, beside the chosen one's
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and the N most likely there
+    # vLLM's (and OpenAI's presence and frequency): subtracted from a token's logit once if it is in the output
+    # so far, and per time it is there; a logit of a token in the prompt or the output divided by the repetition
+    # penalty where positive, multiplied by it where negative (> 1 discourages repeating)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # vLLM's: a sampled token at least min_p times as likely as the most likely (0: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's (token id, added to its logit) pairs, before penalties
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the row needs the penalized programs: a penalty or a logit bias."""
+        penalty = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return penalty or bool(self.logit_bias)
+
+    def check(self) -> None:
+        least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt scored only
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise EngineError(f"max_tokens={self.max_tokens!r}: must be a positive integer (new tokens to generate)")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, int) and 0 <= n <= TOP_LOGPROBS):
+                raise EngineError(f"{name}={n!r}: must be an integer in [0, {TOP_LOGPROBS}]")
+        if not self.temperature >= 0:
+            raise EngineError(f"temperature={self.temperature!r}: must be >= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p={self.top_p!r}: must be in (0, 1] (1: off)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise EngineError(f"top_k={self.top_k!r}: must be an integer >= 0 (0: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise EngineError(f"{name}={getattr(self, name)!r}: must be in [-2, 2] (0: off)")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise EngineError(f"repetition_penalty={self.repetition_penalty!r}: must be a number > 0 (1: off)")
+        if not 0 <= self.min_p <= 1:
+            raise EngineError(f"min_p={self.min_p!r}: must be in [0, 1] (0: off)")
+        if not all(math.isfinite(b) for _, b in self.logit_bias):
+            raise EngineError("logit_bias: every bias must be a finite number")
+
+
+@struct.dataclass
+class SamplingRows:
+    """Every per-row sampling value of a step, [B] each, as vLLM's SamplingMetadata carries them into its sampler:
+    laid out once from the scheduled requests (`of`), passed whole into the step program and to `sample_rows`. A
+    padding row samples greedily."""
+
+    temperature_B: Any
+    top_k_B: Any
+    top_p_B: Any
+    min_p_B: Any
+    seed_B: Any
+    counter_B: Any  # the index of the token the row samples (its generated tokens so far): its draw's counter
+
+    @classmethod
+    def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, int]]) -> SamplingRows:
+        """B rows from (slot, params, tokens generated so far) of each scheduled request; the rest padding."""
+        x = cls(
+            temperature_B=np.zeros((B,), np.float32),
+            top_k_B=np.zeros((B,), np.int32),
+            top_p_B=np.ones((B,), np.float32),
+            min_p_B=np.zeros((B,), np.float32),
+            seed_B=np.zeros((B,), np.uint32),
+            counter_B=np.zeros((B,), np.int32),
+        )
+        for i, s, generated in rows:
+            x.temperature_B[i], x.top_k_B[i], x.top_p_B[i], x.min_p_B[i] = s.temperature, s.top_k, s.top_p, s.min_p
+            x.seed_B[i], x.counter_B[i] = s.seed % 2**32, generated
+        return x
+
+    @classmethod
+    def shapes(cls, B: int) -> SamplingRows:
+        S = jax.ShapeDtypeStruct
+        f32, i32 = jnp.float32, jnp.int32
+        return cls(S((B,), f32), S((B,), i32), S((B,), f32), S((B,), f32), S((B,), jnp.uint32), S((B,), i32))
+
+    def ahead(self, i) -> SamplingRows:
+        """The rows `i` tokens later (a multi-step decode's i-th step)."""
+        return dataclasses.replace(self, counter_B=self.counter_B + i)
+
+
+@struct.dataclass
+class PenaltyRows:
+    """The penalized programs' per-row inputs: each row's prompt and generated tokens so far (-1: padding), where
+    its generated ones start, its presence, frequency and repetition penalties, and its logit bias (ids and values
+    [B, K]; padding: bias 0 on token 0)."""
+
+    history_BxL: Any
+    output_from_B: Any
+    presence_B: Any
+    frequency_B: Any
+    repetition_B: Any
+    bias_ids_BxK: Any
+    bias_BxK: Any
+
+    @classmethod
+    def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, list[int], list[int]]]) -> PenaltyRows | None:
+        """From (slot, params, prompt, generated) of each scheduled request; None where no row asks for a penalty
+        or a bias: the plain programs, which pay nothing for them."""
+        if not any(s.penalized for _, s, _, _ in rows):
+            return None
+        L = _bucket(max(len(p) + len(g) for _, _, p, g in rows), 16)
+        K = _bucket(max(len(s.logit_bias) for _, s, _, _ in rows), 4)
+        x = cls(
+            history_BxL=np.full((B, L), -1, np.int32),
+            output_from_B=np.zeros((B,), np.int32),
+            presence_B=np.zeros((B,), np.float32),
+            frequency_B=np.zeros((B,), np.float32),
+            repetition_B=np.ones((B,), np.float32),
+            bias_ids_BxK=np.zeros((B, K), np.int32),
+            bias_BxK=np.zeros((B, K), np.float32),
+        )
+        for i, s, prompt, generated in rows:
+            seq = prompt + generated
+            x.history_BxL[i, : len(seq)], x.output_from_B[i] = seq, len(prompt)
+            x.presence_B[i], x.frequency_B[i] = s.presence_penalty, s.frequency_penalty
+            x.repetition_B[i] = s.repetition_penalty
+            for j, (t, b) in enumerate(s.logit_bias):
+                x.bias_ids_BxK[i, j], x.bias_BxK[i, j] = t, b
+        return x
+
+    def counted(self, V: int) -> Penalties:
+        counts_BxV, seen_BxV = token_counts(self.history_BxL, self.output_from_B, V)
+        return Penalties(
+            counts_BxV, seen_BxV, self.presence_B, self.frequency_B, self.repetition_B, self.bias_ids_BxK, self.bias_BxK
+        )
+
+
+@struct.dataclass
+class Penalties:
+    """PenaltyRows inside the program: each token's count among a row's generated tokens and whether the row has
+    it at all [B, V], with the row's weights and bias."""
+
+    counts_BxV: Any
+    seen_BxV: Any
+    presence_B: Any
+    frequency_B: Any
+    repetition_B: Any
+    bias_ids_BxK: Any
+    bias_BxK: Any
+
+    def with_token(self, token_B, live_B) -> Penalties:
+        """The counts after each live row's sampled token joins its output."""
+        rows_B = jnp.arange(token_B.shape[0])
+        counts = self.counts_BxV.at[rows_B, token_B].add(live_B.astype(jnp.int32))
+        seen = self.seen_BxV.at[rows_B, token_B].set(self.seen_BxV[rows_B, token_B] | live_B)
+        return dataclasses.replace(self, counts_BxV=counts, seen_BxV=seen)
+
+
+def _bucket(n: int, at_least: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return max(at_least, b)
 
 
 def row_keys(seeds_B, counters_B):
@@ -137,32 +315,31 @@ def token_counts(history_BxL, output_from_B, V: int):
     return counts_BxV, seen_BxV
 
 
-def penalized_logits(logits_BxV, counts_BxV, seen_BxV, presence_B, frequency_B, repetition_B, bias_ids_BxK, bias_BxK):
-    """OpenAI's logit bias (bias_BxK added to the logits of bias_ids_BxK; padding: bias 0), then vLLM's penalties
-    (its apply_penalties): a token in the prompt or the output has a positive logit divided by the row's
+def penalized_logits(logits_BxV, p: Penalties):
+    """OpenAI's logit bias (p.bias_BxK added to the logits of p.bias_ids_BxK; padding: bias 0), then vLLM's
+    penalties (its apply_penalties): a token in the prompt or the output has a positive logit divided by the row's
     repetition penalty and a negative one multiplied by it; then frequency x its count in the output and presence
     (once, if it is there) are subtracted. Repetition 1, the others 0 and no bias leave the logits as they are."""
-    rows_BxK = jnp.broadcast_to(jnp.arange(logits_BxV.shape[0])[:, None], bias_ids_BxK.shape)
-    logits_BxV = logits_BxV.at[rows_BxK, bias_ids_BxK].add(bias_BxK.astype(logits_BxV.dtype))
-    rep_BxV = jnp.where(seen_BxV, repetition_B[:, None], 1.0).astype(logits_BxV.dtype)
+    rows_BxK = jnp.broadcast_to(jnp.arange(logits_BxV.shape[0])[:, None], p.bias_ids_BxK.shape)
+    logits_BxV = logits_BxV.at[rows_BxK, p.bias_ids_BxK].add(p.bias_BxK.astype(logits_BxV.dtype))
+    rep_BxV = jnp.where(p.seen_BxV, p.repetition_B[:, None], 1.0).astype(logits_BxV.dtype)
     x_BxV = jnp.where(logits_BxV > 0, logits_BxV / rep_BxV, logits_BxV * rep_BxV)
-    counts_BxV = counts_BxV.astype(logits_BxV.dtype)
-    return x_BxV - frequency_B[:, None] * counts_BxV - presence_B[:, None] * (counts_BxV > 0)
+    counts_BxV = p.counts_BxV.astype(logits_BxV.dtype)
+    return x_BxV - p.frequency_B[:, None] * counts_BxV - p.presence_B[:, None] * (counts_BxV > 0)
 
 
-def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B, seeds_B, counters_B, penalties=()):
+def sample_rows(logits_BxV, s: SamplingRows, penalties: Penalties | None = None):
     """(token [B], its log-probability under the model [B], before any bias or penalty, as vLLM's raw logprobs):
-    greedy rows by argmax; the filtering and the draw run only when some row samples. `penalties`: () or
-    penalized_logits's (counts, seen, presence, frequency, repetition, bias ids, biases)."""
+    greedy rows by argmax; the filtering and the draw run only when some row samples."""
     max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
-    chosen_BxV = penalized_logits(logits_BxV, *penalties) if penalties else logits_BxV
-    greedy_B = first_argmax(chosen_BxV, jnp.max(chosen_BxV, axis=-1, keepdims=True) if penalties else max_Bx1)
+    chosen_BxV = logits_BxV if penalties is None else penalized_logits(logits_BxV, penalties)
+    greedy_B = first_argmax(chosen_BxV, max_Bx1 if penalties is None else jnp.max(chosen_BxV, axis=-1, keepdims=True))
 
     def sample(_):
-        masked = filtered_logits(chosen_BxV, temperature_B, top_k_B, top_p_B, min_p_B)
-        return jnp.where(temperature_B > 0, draw(row_keys(seeds_B, counters_B), masked), greedy_B)
+        masked = filtered_logits(chosen_BxV, s.temperature_B, s.top_k_B, s.top_p_B, s.min_p_B)
+        return jnp.where(s.temperature_B > 0, draw(row_keys(s.seed_B, s.counter_B), masked), greedy_B)
 
-    token_B = jax.lax.cond(jnp.any(temperature_B > 0), sample, lambda _: greedy_B, None)
+    token_B = jax.lax.cond(jnp.any(s.temperature_B > 0), sample, lambda _: greedy_B, None)
     # log_softmax(logits)[token] as jax.nn.log_softmax forms it, for the sampled column only
     log_sum_B = jnp.log(jnp.sum(jnp.exp(logits_BxV - max_Bx1), axis=-1))
     picked_B = jnp.take_along_axis(logits_BxV, token_B[:, None], axis=-1)[:, 0]

@@ -80,8 +80,7 @@ def test_greedy_and_log_probabilities_equal_argmax_and_log_softmax():
     y = (rng.standard_normal((8, 5000)) * 4).astype(np.float32)
     B = y.shape[0]
     temperature = jnp.where(jnp.arange(B) % 2 == 0, 0.0, 0.8)
-    token, logprob = jax.jit(sampling.sample_rows)(
-        y,
+    rows = sampling.SamplingRows(
         temperature,
         jnp.full((B,), 40, jnp.int32),
         jnp.full((B,), 0.9),
@@ -89,6 +88,7 @@ def test_greedy_and_log_probabilities_equal_argmax_and_log_softmax():
         jnp.arange(B, dtype=jnp.uint32),
         jnp.zeros((B,), jnp.int32),
     )
+    token, logprob = jax.jit(sampling.sample_rows)(y, rows)
     np.testing.assert_array_equal(token[::2], np.argmax(y[::2], axis=-1))
     want = jnp.take_along_axis(jax.nn.log_softmax(y, axis=-1), token[:, None], axis=-1)[:, 0]
     np.testing.assert_array_equal(logprob, want)  # the model's log-probability, bit for bit
@@ -109,16 +109,15 @@ def test_logit_bias_then_penalties_as_vllm_orders_them():
     bias_ids = jnp.asarray([[9, 30, 0, 0], [0, 0, 0, 0], [4, 0, 0, 0]], jnp.int32)
     biases = jnp.asarray([[-100.0, 100.0, 0, 0], [0, 0, 0, 0], [5.0, 0, 0, 0]])
     weights = (jnp.full((B,), 0.5), jnp.full((B,), 0.25), jnp.full((B,), 1.3))
-    got = np.asarray(sampling.penalized_logits(jnp.asarray(x), counts, seen, *weights, bias_ids, biases))
+    penalties = sampling.Penalties(counts, seen, *weights, bias_ids, biases)
+    got = np.asarray(sampling.penalized_logits(jnp.asarray(x), penalties))
     for b in range(B):
         biased = x[b].copy()
         for t, v in zip(np.asarray(bias_ids[b]), np.asarray(biases[b])):
             biased[t] += v
         np.testing.assert_allclose(got[b], penalize(biased, prompt, output, 0.5, 0.25, 1.3), rtol=1e-6)
-    penalties = (counts, seen, *weights, bias_ids, biases)
-    zeros = jnp.zeros((B,))
-    args = (zeros, zeros.astype(jnp.int32), zeros + 1, zeros, zeros.astype(jnp.uint32), zeros.astype(jnp.int32))
-    token, logprob = sampling.sample_rows(jnp.asarray(x), *args, penalties)
+    greedy = sampling.SamplingRows.of(B, [])
+    token, logprob = sampling.sample_rows(jnp.asarray(x), greedy, penalties)
     assert int(token[0]) == 30 and int(token[1]) == int(np.argmax(got[1]))
     want = np.take_along_axis(np.asarray(jax.nn.log_softmax(x, axis=-1)), np.asarray(token)[:, None], axis=-1)[:, 0]
     np.testing.assert_array_equal(logprob, want)
