@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from resformer_jax.engine.errors import EngineError
 from resformer_jax.engine.pages import ShardedPages, pages_in_budget
 from resformer_jax.engine.runner import DecodeRows, ModelRunner, ScoredRows, StepRows, bucket, free_memory_bytes
-from resformer_jax.engine.sampling import TOP_LOGPROBS, PenaltyRows, SamplingParams, SamplingRows
+from resformer_jax.engine.sampling import TOP_LOGPROBS, SamplingParams, SamplingRows
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import cache_bytes_per_token
 from resformer_jax.resolve import serving_model
@@ -494,8 +494,7 @@ class Engine:
             positions[i, : len(new)] = np.arange(r.cached, r.cached + len(new))
             last[i] = len(new) - 1
             table[i, : len(r.pages)] = r.pages
-        sampling = SamplingRows.of(B, [(i, r.params, len(r.tokens)) for i, r in zip(slot, rows)])
-        penalties = PenaltyRows.of(B, [(i, r.params, r.prompt, r.tokens) for i, r in zip(slot, rows)])
+        sampling = SamplingRows.of(B, [(i, r.params, r.prompt, r.tokens) for i, r in zip(slot, rows)])
         if steps is None:
             self.stats.compiled_shapes.add((B, T, Pn, 1))
             scored = None
@@ -506,14 +505,14 @@ class Engine:
                     scored.targets_BxT[i, : len(after)] = after
                     if r.carry is not None:
                         scored.carry_BxE[i] = r.carry
-            out = self.runner.step(top, StepRows(tokens, positions, table, last), sampling, penalties, scored)
+            out = self.runner.step(top, StepRows(tokens, positions, table, last), sampling, scored)
             tok, lp = out[0], out[1]
             scores = tuple(np.asarray(x)[slot] for x in out[2]) if top else None
             return np.asarray(tok)[slot][:, None], np.asarray(lp)[slot][:, None], scores
         steps_B = np.zeros((B,), np.int32)
         steps_B[slot] = steps
         self.stats.compiled_shapes.add((B, T, Pn, k))
-        out = self.runner.decode(k, top, DecodeRows(tokens[:, 0], positions[:, 0], table, steps_B), sampling, penalties)
+        out = self.runner.decode(k, top, DecodeRows(tokens[:, 0], positions[:, 0], table, steps_B), sampling)
         tok, lp = out[0], out[1]
         tops = tuple(np.asarray(x)[slot] for x in out[2][1:]) if top else None  # (ids, log-probabilities)
         return np.asarray(tok)[slot], np.asarray(lp)[slot], tops

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resformer_jax.engine.errors import EngineError
-from resformer_jax.engine.sampling import Penalties, PenaltyRows, SamplingRows, sample_rows
+from resformer_jax.engine.sampling import SamplingRows, sample_rows
 from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels.names import target_backend
 from resformer_jax.model.attention import PageLayout
@@ -116,21 +116,20 @@ class ModelRunner:
         top: int,
         rows: StepRows,
         sampling: SamplingRows,
-        penalties: PenaltyRows | None,
         scored: ScoredRows | None = None,
     ):
         """step_program(top) over the step's rows; the cache replaced by the updated one. Returns the
         outputs before the cache."""
-        if top not in self._step_fns:  # jitted once a form; traced again for penalties (another pytree)
-            self._step_fns[top] = self._jit(step_program(self.model, top), 4, 4 if top else 0)
-        *out, self.cache = self._step_fns[top](self.params, self.cache, rows, sampling, penalties, scored)
+        if top not in self._step_fns:  # jitted once a form; traced again for penalties or masks (another pytree)
+            self._step_fns[top] = self._jit(step_program(self.model, top), 3, 4 if top else 0)
+        *out, self.cache = self._step_fns[top](self.params, self.cache, rows, sampling, scored)
         return out
 
-    def decode(self, k: int, top: int, rows: DecodeRows, sampling: SamplingRows, penalties: PenaltyRows | None):
+    def decode(self, k: int, top: int, rows: DecodeRows, sampling: SamplingRows):
         """decode_program(k, top) over the rows; as `step`."""
         if (k, top) not in self._decode_fns:
-            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 3, 3 if top else 0)
-        *out, self.cache = self._decode_fns[k, top](self.params, self.cache, rows, sampling, penalties)
+            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 2, 3 if top else 0)
+        *out, self.cache = self._decode_fns[k, top](self.params, self.cache, rows, sampling)
         return out
 
 
@@ -189,29 +188,27 @@ def serving_params(m: ModelConfig, params, vocab_multiple: int = 1):
 
 def step_program(model: Transformer, top: int = 0):
     """The engine's one program as a pure function of (params, cache, rows: StepRows, sampling: SamplingRows,
-    penalties: PenaltyRows | None, scored: ScoredRows | None): the paged model over the rows' tokens, the LM head at
+    scored: ScoredRows | None): the paged model over the rows' tokens, the LM head at
     each row's last token, per-row sampling. Returns (token_B, logprob_B, the updated cache). Engine jits it with
     the cache donated; `resformer compile --steps=decode` compiles it for a target.
 
     With `top` (the scored form, given ScoredRows): the LM head at the carried state and at every position, and
     after the sampled tokens, per row: log p of tokens_BxT[:, 0] then of the targets [B, T + 1], the `top` most
     likely ids and their log-probabilities there [B, T + 1, top], and the hidden states [B, T, E] (a page's last
-    is kept with its block): a prompt's log-probabilities read in its prefill. Given PenaltyRows: the token sampled
-    from the logits sampling.penalized_logits makes."""
+    is kept with its block): a prompt's log-probabilities read in its prefill."""
     forward = _forward(model, top)
 
-    def program(params, cache, rows: StepRows, sampling: SamplingRows, penalties: PenaltyRows | None, scored):
-        counted = None if penalties is None else penalties.counted(model.cfg.vocab_size)
-        return forward(params, cache, rows, sampling, counted, scored)
+    def program(params, cache, rows: StepRows, sampling: SamplingRows, scored: ScoredRows | None):
+        return forward(params, cache, rows, sampling.counted(model.cfg.vocab_size), scored)
 
     return program
 
 
 def _forward(model: Transformer, top: int):
-    """step_program with the penalties counted (sampling.Penalties, or None)."""
+    """step_program with the sampling rows counted (SamplingRows.counted)."""
     m = model.cfg
 
-    def forward(params, cache, rows: StepRows, sampling: SamplingRows, penalties: Penalties | None, scored):
+    def forward(params, cache, rows: StepRows, sampling: SamplingRows, scored: ScoredRows | None):
         h_BxTxE, mutated = model.apply(
             {"params": params, "cache": cache},
             rows.tokens_BxT,
@@ -224,9 +221,10 @@ def _forward(model: Transformer, top: int):
         # the LM head as held (serving_params may pad its columns), the padding's logits cut
         width = params["lm_head"]["kernel"].shape[-1] if "lm_head" in params else m.vocab_size
         head = lambda h: lm_head_logits(m.replace(vocab_size=width), params, h)[..., : m.vocab_size]
-        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], sampling, penalties)
+        token_B, logprob_B = sample_rows(head(h_BxE)[:, 0], sampling)
         if not top:
             return token_B, logprob_B, mutated["cache"]
+        assert scored is not None, "the scored form reads ScoredRows"
         h_BxT1xE = jnp.concatenate([scored.carry_BxE[:, None].astype(h_BxTxE.dtype), h_BxTxE], axis=1)
         targets_BxT1 = jnp.concatenate([rows.tokens_BxT[:, :1], scored.targets_BxT], axis=1)
         logp_BxT1xV = jax.nn.log_softmax(head(h_BxT1xE).astype(jnp.float32), axis=-1)
@@ -238,39 +236,39 @@ def _forward(model: Transformer, top: int):
 
 
 def decode_program(model: Transformer, k: int, top: int = 0):
-    """`k` decode steps as one program of (params, cache, rows: DecodeRows, sampling: SamplingRows, penalties:
-    PenaltyRows | None), read back once (the host's work and the readback paid once for k tokens, not per token):
-    each step feeds the token it sampled to the next, a row's K/V written at positions_B, positions_B + 1, ... Row
-    b runs its first steps_B[b] steps (its pages reserved for them); after those, and on a padding row (position
-    -1), nothing is written. A row's i-th token samples with counter + i, as k single steps would. Returns
-    (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the `top` most likely ids
-    [B, K, top], their log-probabilities) at each step. Given PenaltyRows: as step_program's, the history holding the
-    token fed; each token sampled counted before the next step samples."""
+    """`k` decode steps as one program of (params, cache, rows: DecodeRows, sampling: SamplingRows), read back
+    once (the host's work and the readback paid once for k tokens, not per token): each step feeds the token it
+    sampled to the next, a row's K/V written at positions_B, positions_B + 1, ... Row b runs its first steps_B[b]
+    steps (its pages reserved for them); after those, and on a padding row (position -1), nothing is written. The
+    sampling rows follow each row's text (SamplingRows.after): a row's i-th token samples with its counter + i, as
+    k single steps would, and its penalties' counts and masks take each token sampled before the next step
+    samples. Returns (token_BxK, logprob_BxK, the updated cache); with `top`, before the cache, (None, the `top`
+    most likely ids [B, K, top], their log-probabilities) at each step."""
     forward = _forward(model, top)
 
-    def decode(params, cache, rows: DecodeRows, sampling: SamplingRows, penalties: PenaltyRows | None):
+    def decode(params, cache, rows: DecodeRows, sampling: SamplingRows):
         B = rows.token_B.shape[0]
         last_B = jnp.zeros((B,), jnp.int32)
-        counted = None if penalties is None else penalties.counted(model.cfg.vocab_size)
 
         def one(i, carry):
-            cache, counted, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
+            cache, sampling, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = carry
             live_B = (rows.positions_B >= 0) & (i < rows.steps_B)
             position_Bx1 = jnp.where(live_B, rows.positions_B + i, -1)[:, None]
             step = StepRows(token_B[:, None], position_Bx1, rows.table_BxP, last_B)
             scored = ScoredRows(token_B[:, None], jnp.zeros((B, model.cfg.d_model), jnp.float32)) if top else None
-            out = forward(params, cache, step, sampling.ahead(i), counted, scored)
+            out = forward(params, cache, step, sampling, scored)
             token_B, logprob_B, cache = out[0], out[1], out[-1]
-            if counted is not None:  # the token sampled joins the row's output for the next step
-                counted = counted.with_token(token_B, live_B)
+            sampling = sampling.after(token_B, live_B)  # the token sampled joins the row's text
             if top:  # score 1: after the token fed (0 is the carried state's, unused here)
                 ids_KxBxN, lps_KxBxN = ids_KxBxN.at[i].set(out[2][1][:, 1]), lps_KxBxN.at[i].set(out[2][2][:, 1])
             tokens_KxB, logprobs_KxB = tokens_KxB.at[i].set(token_B), logprobs_KxB.at[i].set(logprob_B)
-            return cache, counted, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
+            return cache, sampling, token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN
 
         n = max(top, 1)
-        init = (cache, counted, rows.token_B, jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32),
-                jnp.zeros((k, B, n), jnp.int32), jnp.zeros((k, B, n), jnp.float32))  # fmt: skip
+        tokens_KxB, logprobs_KxB = jnp.zeros((k, B), jnp.int32), jnp.zeros((k, B), jnp.float32)
+        ids_KxBxN, lps_KxBxN = jnp.zeros((k, B, n), jnp.int32), jnp.zeros((k, B, n), jnp.float32)
+        counted = sampling.counted(model.cfg.vocab_size)
+        init = (cache, counted, rows.token_B, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN)
         cache, _, _, tokens_KxB, logprobs_KxB, ids_KxBxN, lps_KxBxN = jax.lax.fori_loop(0, k, one, init)
         if not top:
             return tokens_KxB.T, logprobs_KxB.T, cache
@@ -283,7 +281,7 @@ def decode_program(model: Transformer, k: int, top: int = 0):
 def step_shapes(model: Transformer, rows: int, tokens: int, pages_per_row: int) -> tuple:
     """step_program's arguments after (params, cache), as shapes: `rows` sequences of `tokens` new tokens each,
     `pages_per_row` pages in each row's table; no penalties, not scored."""
-    return StepRows.shapes(rows, tokens, pages_per_row), SamplingRows.shapes(rows), None, None
+    return StepRows.shapes(rows, tokens, pages_per_row), SamplingRows.shapes(rows), None
 
 
 def init_pools(model: Transformer):

@@ -49,6 +49,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's (token id, added to its logit) pairs, before penalties
 
     @property
+    def masked(self) -> bool:
+        """Whether the row needs the masked programs: tokens it may not draw at some step (MaskRows)."""
+        return self.min_tokens > 0 and bool(self.stop_ids)
+
+    @property
     def penalized(self) -> bool:
         """Whether the row needs the penalized programs: a penalty or a logit bias."""
         penalty = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
@@ -81,9 +86,10 @@ class SamplingParams:
 
 @struct.dataclass
 class SamplingRows:
-    """Every per-row sampling value of a step, [B] each, as vLLM's SamplingMetadata carries them into its sampler:
-    laid out once from the scheduled requests (`of`), passed whole into the step program and to `sample_rows`. A
-    padding row samples greedily."""
+    """Every per-row input of a step's sampler, as vLLM's SamplingMetadata carries them: the settings [B] each,
+    the penalty rows and the masks (None where no row of the step has one: the programs without them pay
+    nothing). Laid out once from the scheduled requests (`of`), passed whole into the step program and to
+    `sample_rows`. A padding row samples greedily."""
 
     temperature_B: Any
     top_k_B: Any
@@ -91,10 +97,12 @@ class SamplingRows:
     min_p_B: Any
     seed_B: Any
     counter_B: Any  # the index of the token the row samples (its generated tokens so far): its draw's counter
+    penalties: Any = None  # PenaltyRows; inside a program, counted: Penalties
+    masks: Any = None  # MaskRows
 
     @classmethod
-    def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, int]]) -> SamplingRows:
-        """B rows from (slot, params, tokens generated so far) of each scheduled request; the rest padding."""
+    def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, list[int], list[int]]]) -> SamplingRows:
+        """B rows from (slot, params, prompt, generated tokens) of each scheduled request; the rest padding."""
         x = cls(
             temperature_B=np.zeros((B,), np.float32),
             top_k_B=np.zeros((B,), np.int32),
@@ -102,10 +110,12 @@ class SamplingRows:
             min_p_B=np.zeros((B,), np.float32),
             seed_B=np.zeros((B,), np.uint32),
             counter_B=np.zeros((B,), np.int32),
+            penalties=PenaltyRows.of(B, rows),
+            masks=MaskRows.of(B, rows),
         )
-        for i, s, generated in rows:
+        for i, s, _, generated in rows:
             x.temperature_B[i], x.top_k_B[i], x.top_p_B[i], x.min_p_B[i] = s.temperature, s.top_k, s.top_p, s.min_p
-            x.seed_B[i], x.counter_B[i] = s.seed % 2**32, generated
+            x.seed_B[i], x.counter_B[i] = s.seed % 2**32, len(generated)
         return x
 
     @classmethod
@@ -114,9 +124,56 @@ class SamplingRows:
         f32, i32 = jnp.float32, jnp.int32
         return cls(S((B,), f32), S((B,), i32), S((B,), f32), S((B,), f32), S((B,), jnp.uint32), S((B,), i32))
 
-    def ahead(self, i) -> SamplingRows:
-        """The rows `i` tokens later (a multi-step decode's i-th step)."""
-        return dataclasses.replace(self, counter_B=self.counter_B + i)
+    def counted(self, V: int) -> SamplingRows:
+        """As a program samples with them: the penalty rows' tokens counted over the vocabulary (Penalties)."""
+        return self if self.penalties is None else dataclasses.replace(self, penalties=self.penalties.counted(V))
+
+    def after(self, token_B, live_B) -> SamplingRows:
+        """The rows of the next step of a multi-step decode: each live row's sampled token joined to its text."""
+        return dataclasses.replace(
+            self,
+            counter_B=self.counter_B + 1,
+            penalties=None if self.penalties is None else self.penalties.with_token(token_B, live_B),
+            masks=None if self.masks is None else self.masks.after(token_B, live_B),
+        )
+
+
+@struct.dataclass
+class MaskRows:
+    """The tokens each row may not draw, as vLLM's logits processors mask them (to -inf, before any penalty):
+    its stop ids (the end-of-text id among them) while it has fewer than min_tokens new tokens (vLLM's
+    MinTokensLogitsProcessor). `after` carries them to the next step of a multi-step decode."""
+
+    stop_ids_BxS: Any  # -1: padding
+    min_tokens_B: Any
+
+    @classmethod
+    def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, list[int], list[int]]]) -> MaskRows | None:
+        """From (slot, params, prompt, generated) of each scheduled request; None where no row masks a token."""
+        if not any(s.masked for _, s, _, _ in rows):
+            return None
+        S = _bucket(max(len(s.stop_ids) for _, s, _, _ in rows), 4)
+        x = cls(stop_ids_BxS=np.full((B, S), -1, np.int32), min_tokens_B=np.zeros((B,), np.int32))
+        for i, s, _, _ in rows:
+            x.stop_ids_BxS[i, : len(s.stop_ids)], x.min_tokens_B[i] = s.stop_ids, s.min_tokens
+        return x
+
+    def banned(self, V: int, generated_B):
+        """[B, V] True where the row may not draw the token, given how many it has generated."""
+        B = generated_B.shape[0]
+        early_BxS = (generated_B < self.min_tokens_B)[:, None] & (self.stop_ids_BxS >= 0)
+        return _marked(B, V, self.stop_ids_BxS, early_BxS)
+
+    def after(self, token_B, live_B) -> MaskRows:
+        """The masks of the next step, each live row's sampled token joined to its text."""
+        return self
+
+
+def _marked(B: int, V: int, ids_BxN, where_BxN):
+    """[B, V] bool: True at ids_BxN[b, n] where where_BxN[b, n] (the rest of ids_BxN may be padding)."""
+    rows_BxN = jnp.broadcast_to(jnp.arange(B)[:, None], ids_BxN.shape)
+    marks = jnp.zeros((B, V), jnp.int32).at[rows_BxN, jnp.clip(ids_BxN, 0, V - 1)].max(where_BxN.astype(jnp.int32))
+    return marks > 0
 
 
 @struct.dataclass
@@ -328,12 +385,18 @@ def penalized_logits(logits_BxV, p: Penalties):
     return x_BxV - p.frequency_B[:, None] * counts_BxV - p.presence_B[:, None] * (counts_BxV > 0)
 
 
-def sample_rows(logits_BxV, s: SamplingRows, penalties: Penalties | None = None):
-    """(token [B], its log-probability under the model [B], before any bias or penalty, as vLLM's raw logprobs):
-    greedy rows by argmax; the filtering and the draw run only when some row samples."""
+def sample_rows(logits_BxV, s: SamplingRows):
+    """(token [B], its log-probability under the model [B], before any mask, bias or penalty, as vLLM's raw
+    logprobs): greedy rows by argmax; the filtering and the draw run only when some row samples. A masked token
+    is never drawn, greedy or not. `s` as counted (SamplingRows.counted)."""
     max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
-    chosen_BxV = logits_BxV if penalties is None else penalized_logits(logits_BxV, penalties)
-    greedy_B = first_argmax(chosen_BxV, max_Bx1 if penalties is None else jnp.max(chosen_BxV, axis=-1, keepdims=True))
+    chosen_BxV = logits_BxV
+    if s.masks is not None:
+        chosen_BxV = jnp.where(s.masks.banned(logits_BxV.shape[-1], s.counter_B), -jnp.inf, chosen_BxV)
+    if s.penalties is not None:
+        chosen_BxV = penalized_logits(chosen_BxV, s.penalties)
+    plain = s.masks is None and s.penalties is None
+    greedy_B = first_argmax(chosen_BxV, max_Bx1 if plain else jnp.max(chosen_BxV, axis=-1, keepdims=True))
 
     def sample(_):
         masked = filtered_logits(chosen_BxV, s.temperature_B, s.top_k_B, s.top_p_B, s.min_p_B)

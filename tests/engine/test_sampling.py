@@ -1,12 +1,15 @@
 """The engine's sampler (engine/sampling.py) against plain sort-based references: the min-p, top-k and top-p sets,
 the draw's frequencies, greedy's argmax and the log-probabilities, the logit bias and penalties."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from resformer_jax.engine import sampling
+from resformer_jax.engine.sampling import SamplingParams
 
 
 def reference_kept(x_V, temperature, top_k, top_p, min_p=0.0):
@@ -116,8 +119,31 @@ def test_logit_bias_then_penalties_as_vllm_orders_them():
         for t, v in zip(np.asarray(bias_ids[b]), np.asarray(biases[b])):
             biased[t] += v
         np.testing.assert_allclose(got[b], penalize(biased, prompt, output, 0.5, 0.25, 1.3), rtol=1e-6)
-    greedy = sampling.SamplingRows.of(B, [])
-    token, logprob = sampling.sample_rows(jnp.asarray(x), greedy, penalties)
+    greedy = dataclasses.replace(sampling.SamplingRows.of(B, []), penalties=penalties)
+    token, logprob = sampling.sample_rows(jnp.asarray(x), greedy)
     assert int(token[0]) == 30 and int(token[1]) == int(np.argmax(got[1]))
     want = np.take_along_axis(np.asarray(jax.nn.log_softmax(x, axis=-1)), np.asarray(token)[:, None], axis=-1)[:, 0]
     np.testing.assert_array_equal(logprob, want)
+
+
+def test_min_tokens_masks_the_stop_ids_until_then_as_vllm_does():
+    """A row's stop ids (the end-of-text id among them) cannot be drawn, greedy or sampled, while it has fewer
+    than min_tokens new tokens (vLLM's MinTokensLogitsProcessor); from min_tokens on they can; a row without
+    min_tokens is untouched; the log-probability stays the model's."""
+    B, V = 4, 32
+    x = np.zeros((B, V), np.float32)
+    x[:, 7], x[:, 3], x[:, 5] = 9.0, 8.0, 1.0  # 7 (a stop id) the most likely, then 3 (another), then 5
+    params = SamplingParams(stop_ids=(7, 3), min_tokens=2)
+    rows = [(0, params, [1], []), (1, params, [1], [5]), (2, params, [1], [5, 5]), (3, SamplingParams(), [1], [])]
+    s = sampling.SamplingRows.of(B, rows)
+    token, logprob = jax.jit(sampling.sample_rows)(jnp.asarray(x), s)
+    np.testing.assert_array_equal(token, [5, 5, 7, 7])  # 0 and 1 new tokens: both stop ids masked; 2: free
+    want = jax.nn.log_softmax(jnp.asarray(x), axis=-1)[jnp.arange(B), token]
+    np.testing.assert_allclose(logprob, want, rtol=1e-6)
+    hot = dataclasses.replace(s, temperature_B=np.full((B,), 2.0, np.float32), seed_B=np.arange(B, dtype=np.uint32))
+    drawn = []
+    for _ in range(20):  # sampled at temperature 2 (7 and 3 hold most of the mass): never a stop id before min_tokens
+        drawn.append(np.asarray(jax.jit(sampling.sample_rows)(jnp.asarray(x), hot)[0]))
+        hot = dataclasses.replace(hot, seed_B=hot.seed_B + B)
+    drawn = np.stack(drawn)
+    assert not set(drawn[:, :2].ravel().tolist()) & {7, 3} and set(drawn[:, 2:].ravel().tolist()) & {7, 3}

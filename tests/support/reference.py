@@ -391,17 +391,21 @@ def penalize(logits, prompt, output, presence=0.0, frequency=0.0, repetition=1.0
     return x - np.float32(frequency) * counts - np.float32(presence) * (counts > 0)
 
 
-def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None, penalties=None):
+def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None, penalties=None, banned=None):
     """The engine's oracle: greedy decoding with no cache at all, the full forward over the whole prefix for each
     new token. logits_fn: tokens [1, T] -> logits [1, T, V]. pad_to: the prefix right-padded to this length (a
     causal model's logits at a position do not see the padding after it; one shape, one compile). eos_id: stop
     after it (kept). penalties: `penalize`'s (presence, frequency, repetition[, logit_bias]), applied before the
-    argmax."""
+    argmax. banned: (the whole sequence so far, the new tokens so far) -> the ids that may not come next."""
     seq = [int(t) for t in prompt]
     for _ in range(new_tokens):
         tokens = np.zeros((1, pad_to or len(seq)), np.int32)
         tokens[0, : len(seq)] = seq
         logits = np.asarray(logits_fn(tokens))[0, len(seq) - 1]
+        if banned is not None:
+            logits = np.where(
+                np.isin(np.arange(logits.shape[0]), list(banned(seq, seq[len(prompt) :]))), -np.inf, logits
+            )
         if penalties is not None:
             logits = penalize(logits, prompt, seq[len(prompt) :], *penalties)
         seq.append(int(np.argmax(logits)))
@@ -410,12 +414,13 @@ def greedy_uncached(logits_fn, prompt, new_tokens, pad_to=None, eos_id=None, pen
     return seq[len(prompt) :]
 
 
-def model_greedy(m, params, prompt, new_tokens, eos_id=None, penalties=None):
+def model_greedy(m, params, prompt, new_tokens, eos_id=None, penalties=None, banned=None):
     """greedy_uncached over a project model (ModelConfig m, its parameters), padded to a multiple of 32 tokens within
     the model's context: one compile serves every prompt of a length bucket."""
     apply = jitted_apply(m)
     pad_to = min(m.max_seq_len, -(-(len(prompt) + new_tokens) // 32) * 32)
-    return greedy_uncached(lambda t: apply({"params": params}, t), prompt, new_tokens, pad_to, eos_id, penalties)
+    logits_fn = lambda t: apply({"params": params}, t)
+    return greedy_uncached(logits_fn, prompt, new_tokens, pad_to, eos_id, penalties, banned)
 
 
 @functools.cache
