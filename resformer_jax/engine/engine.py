@@ -189,14 +189,12 @@ class Engine:
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """EngineError if the request cannot run here (reads only what never changes: safe from any thread)."""
-        params.check()
         m = self.model_cfg
+        params.check(m.vocab_size)
         if not prompt:
             raise EngineError("the prompt is empty; give at least one token")
         if any(t < 0 or t >= m.vocab_size for t in prompt):
             raise EngineError(f"the prompt holds token ids outside the vocabulary [0, {m.vocab_size})")
-        if outside := sorted(t for t, _ in params.logit_bias if not 0 <= t < m.vocab_size):
-            raise EngineError(f"logit_bias names token ids outside the vocabulary [0, {m.vocab_size}): {outside[:5]}")
         if len(prompt) + params.max_tokens > self.max_len:
             raise EngineError(
                 f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_tokens}) exceed the model's context "

@@ -59,7 +59,8 @@ class SamplingParams:
         penalty = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         return penalty or bool(self.logit_bias)
 
-    def check(self) -> None:
+    def check(self, vocab_size: int | None = None) -> None:
+        """EngineError naming the first setting out of its range; with `vocab_size`, a token id outside it too."""
         least = 0 if self.prompt_logprobs is not None else 1  # 0 new tokens: the prompt scored only
         if not isinstance(self.max_tokens, int) or self.max_tokens < least:
             raise EngineError(f"max_tokens={self.max_tokens!r}: must be a positive integer (new tokens to generate)")
@@ -82,6 +83,10 @@ class SamplingParams:
             raise EngineError(f"min_p={self.min_p!r}: must be in [0, 1] (0: off)")
         if not all(math.isfinite(b) for _, b in self.logit_bias):
             raise EngineError("logit_bias: every bias must be a finite number")
+        if vocab_size is None:
+            return
+        if outside := sorted(t for t, _ in self.logit_bias if not 0 <= t < vocab_size):
+            raise EngineError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
 
 @struct.dataclass
