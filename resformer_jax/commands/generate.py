@@ -33,6 +33,7 @@ flags.DEFINE_float("presence_penalty", 0.0, "Subtracted from a token's logit onc
 flags.DEFINE_float("frequency_penalty", 0.0, "Subtracted from a token's logit per time it is in the output.")
 flags.DEFINE_float("repetition_penalty", 1.0, "A prompt or output token's logit divided by it (> 1 repeats less).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_list("allowed_token_ids", [], "Only these token ids may be generated (vLLM's; comma-separated).")
 flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token.")
 flags.DEFINE_integer(
     "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
@@ -61,6 +62,10 @@ def sampling_knobs() -> dict:
     if FLAGS.max_new_tokens < 1:
         raise cli.ConfigFlagError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be at least 1")
     knobs = {name: getattr(FLAGS, name) for name in SAMPLING_FLAGS}
+    try:
+        knobs["allowed_token_ids"] = tuple(int(t) for t in FLAGS.allowed_token_ids)
+    except ValueError:
+        raise cli.ConfigFlagError(f"--allowed_token_ids={','.join(FLAGS.allowed_token_ids)}: token ids") from None
     try:
         SamplingParams(max_tokens=FLAGS.max_new_tokens, **knobs).check()
     except EngineError as e:

@@ -47,11 +47,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # vLLM's: a sampled token at least min_p times as likely as the most likely (0: off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's (token id, added to its logit) pairs, before penalties
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these ids may be generated (empty: any)
 
     @property
     def masked(self) -> bool:
         """Whether the row needs the masked programs: tokens it may not draw at some step (MaskRows)."""
-        return self.min_tokens > 0 and bool(self.stop_ids)
+        return (self.min_tokens > 0 and bool(self.stop_ids)) or bool(self.allowed_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -87,6 +88,8 @@ class SamplingParams:
             return
         if outside := sorted(t for t, _ in self.logit_bias if not 0 <= t < vocab_size):
             raise EngineError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+        if outside := sorted(t for t in self.allowed_token_ids if not 0 <= t < vocab_size):
+            raise EngineError(f"allowed_token_ids holds ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
 
 @struct.dataclass
@@ -147,10 +150,12 @@ class SamplingRows:
 class MaskRows:
     """The tokens each row may not draw, as vLLM's logits processors mask them (to -inf, before any penalty):
     its stop ids (the end-of-text id among them) while it has fewer than min_tokens new tokens (vLLM's
-    MinTokensLogitsProcessor). `after` carries them to the next step of a multi-step decode."""
+    MinTokensLogitsProcessor), and every id outside its allowed_token_ids where it names some. `after` carries them
+    to the next step of a multi-step decode."""
 
     stop_ids_BxS: Any  # -1: padding
     min_tokens_B: Any
+    allowed_BxA: Any  # -1: padding; a row with none allows every id
 
     @classmethod
     def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, list[int], list[int]]]) -> MaskRows | None:
@@ -158,16 +163,24 @@ class MaskRows:
         if not any(s.masked for _, s, _, _ in rows):
             return None
         S = _bucket(max(len(s.stop_ids) for _, s, _, _ in rows), 4)
-        x = cls(stop_ids_BxS=np.full((B, S), -1, np.int32), min_tokens_B=np.zeros((B,), np.int32))
+        A = _bucket(max(len(s.allowed_token_ids) for _, s, _, _ in rows), 1)
+        x = cls(
+            stop_ids_BxS=np.full((B, S), -1, np.int32),
+            min_tokens_B=np.zeros((B,), np.int32),
+            allowed_BxA=np.full((B, A), -1, np.int32),
+        )
         for i, s, _, _ in rows:
             x.stop_ids_BxS[i, : len(s.stop_ids)], x.min_tokens_B[i] = s.stop_ids, s.min_tokens
+            x.allowed_BxA[i, : len(s.allowed_token_ids)] = s.allowed_token_ids
         return x
 
     def banned(self, V: int, generated_B):
         """[B, V] True where the row may not draw the token, given how many it has generated."""
         B = generated_B.shape[0]
         early_BxS = (generated_B < self.min_tokens_B)[:, None] & (self.stop_ids_BxS >= 0)
-        return _marked(B, V, self.stop_ids_BxS, early_BxS)
+        named_BxA = self.allowed_BxA >= 0
+        outside_BxV = jnp.any(named_BxA, axis=-1, keepdims=True) & ~_marked(B, V, self.allowed_BxA, named_BxA)
+        return _marked(B, V, self.stop_ids_BxS, early_BxS) | outside_BxV
 
     def after(self, token_B, live_B) -> MaskRows:
         """The masks of the next step, each live row's sampled token joined to its text."""

@@ -135,6 +135,7 @@ class ResformerLM(LM):
                 top_k=int(kw.get("top_k", 0) or 0),
                 top_p=float(kw.get("top_p", 1.0) or 1.0),
                 stop_ids=(self.eot_id,),
+                allowed_token_ids=tuple(kw.get("allowed_token_ids") or ()),  # vLLM's, as a gen_kwargs entry
             )
             stops.append([u for u in until if u])
             reqs.append(engine.submit(prompt, params, on_token=self._stop_at(stops[-1])))

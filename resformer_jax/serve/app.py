@@ -169,6 +169,7 @@ def sampling_params(
         repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
         min_p=float(req.min_p or 0.0),
         logit_bias=logit_bias,
+        allowed_token_ids=tuple(req.allowed_token_ids or ()),
     )
 
 

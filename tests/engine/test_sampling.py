@@ -147,3 +147,23 @@ def test_min_tokens_masks_the_stop_ids_until_then_as_vllm_does():
         hot = dataclasses.replace(hot, seed_B=hot.seed_B + B)
     drawn = np.stack(drawn)
     assert not set(drawn[:, :2].ravel().tolist()) & {7, 3} and set(drawn[:, 2:].ravel().tolist()) & {7, 3}
+
+
+def test_allowed_token_ids_leave_only_those_ids_to_draw():
+    """A row naming allowed_token_ids (vLLM's) draws only among them, greedy (the most likely of them) or sampled at
+    temperature 1 (every draw in the set though the set holds a small share of the mass); a row naming none draws
+    from the whole vocabulary."""
+    B, V = 3, 64
+    x = np.random.default_rng(9).standard_normal((B, V)).astype(np.float32) * 2
+    allowed = tuple(int(t) for t in np.argsort(x[0])[:20])  # the 20 least likely of row 0
+    rows = [(0, SamplingParams(allowed_token_ids=allowed), [1], []), (1, SamplingParams(temperature=1.0,
+            allowed_token_ids=allowed), [1], []), (2, SamplingParams(temperature=1.0), [1], [])]  # fmt: skip
+    s = sampling.SamplingRows.of(B, rows)
+    assert int(jax.jit(sampling.sample_rows)(jnp.asarray(x), s)[0][0]) == max(allowed, key=lambda t: x[0, t])
+    drawn = []
+    for seed in range(64):
+        s = dataclasses.replace(s, seed_B=np.full((B,), seed, np.uint32))
+        drawn.append(np.asarray(jax.jit(sampling.sample_rows)(jnp.asarray(x), s)[0]))
+    drawn = np.stack(drawn)
+    assert set(drawn[:, 1].tolist()) <= set(allowed) and len(set(drawn[:, 1].tolist())) > 1
+    assert not set(drawn[:, 2].tolist()) <= set(allowed), "the unconstrained row drew only allowed ids"

@@ -190,6 +190,24 @@ def test_the_openai_sdks_logit_bias_and_vllms_min_p_are_applied(server, run_dir)
     assert r.choices[0].text == greedy(client, prompt).text
 
 
+def test_vllms_allowed_token_ids_through_the_openai_sdk_streamed_and_not(server, run_dir):
+    """allowed_token_ids in extra_body (vLLM's): 64 tokens sampled at temperature 1 from 20 allowed ids are all
+    among them, streamed or not (a mask: not one token outside, whatever the model prefers); none is ignored."""
+    client = server.client()
+    allowed = list(range(40, 60))
+    kw = dict(model=None, prompt=PROMPTS[1], max_tokens=64, temperature=1.0, seed=5)
+    kw["extra_body"] = {"allowed_token_ids": allowed, "ignore_eos": True}
+    r = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [t for c in chunks for t in getattr(c, "token_ids", None) or []]
+    for ids in (getattr(r, "token_ids", None), streamed):
+        assert len(ids) == 64 and set(ids) <= set(allowed), ids
+    assert streamed == getattr(r, "token_ids", None)  # the same seeded draw
+    unmasked = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True}}).choices[0]
+    plain = getattr(unmasked, "token_ids", None)
+    assert not set(plain) <= set(allowed), "the model draws only those ids anyway: the test could not fail"
+
+
 def test_vllms_stop_token_ids_and_include_stop_str_in_output(server, run_dir):
     """stop_token_ids in extra_body (vLLM's): the choice ends at the first of them, finish_reason 'stop', its text
     the tokens before it (the stop token not shown, as vLLM's detokenizer leaves it out), streamed the same. The
