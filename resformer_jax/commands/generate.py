@@ -34,6 +34,7 @@ flags.DEFINE_float("frequency_penalty", 0.0, "Subtracted from a token's logit pe
 flags.DEFINE_float("repetition_penalty", 1.0, "A prompt or output token's logit divided by it (> 1 repeats less).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_list("allowed_token_ids", [], "Only these token ids may be generated (vLLM's; comma-separated).")
+flags.DEFINE_list("bad_words", [], "Words never generated (vLLM's; comma-separated; read with the run's tokenizer).")
 flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token.")
 flags.DEFINE_integer(
     "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
@@ -115,6 +116,14 @@ def main(argv):
         knobs = sampling_knobs()
         model, params, step, tok, _ = load_model(FLAGS.workdir, FLAGS.step)
         prompts = read_prompts(tok, model.vocab_size)
+        if FLAGS.bad_words:
+            if tok is None:
+                raise cli.ConfigFlagError("--bad_words: this run has no tokenizer to read them with")
+            from resformer_jax.engine.sampling import bad_words_ids
+
+            knobs["bad_words_ids"] = bad_words_ids(
+                lambda t: tok.encode(t, add_special_tokens=False).ids, FLAGS.bad_words
+            )
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     longest = max(len(p) for p in prompts)
     if longest + FLAGS.max_new_tokens > model.max_seq_len:

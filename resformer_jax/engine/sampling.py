@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,11 +48,12 @@ class SamplingParams:
     min_p: float = 0.0  # vLLM's: a sampled token at least min_p times as likely as the most likely (0: off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's (token id, added to its logit) pairs, before penalties
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these ids may be generated (empty: any)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words as token ids (`bad_words_ids`): never completed
 
     @property
     def masked(self) -> bool:
         """Whether the row needs the masked programs: tokens it may not draw at some step (MaskRows)."""
-        return (self.min_tokens > 0 and bool(self.stop_ids)) or bool(self.allowed_token_ids)
+        return (self.min_tokens > 0 and bool(self.stop_ids)) or bool(self.allowed_token_ids or self.bad_words_ids)
 
     @property
     def penalized(self) -> bool:
@@ -90,6 +91,10 @@ class SamplingParams:
             raise EngineError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
         if outside := sorted(t for t in self.allowed_token_ids if not 0 <= t < vocab_size):
             raise EngineError(f"allowed_token_ids holds ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+        if any(not w for w in self.bad_words_ids):
+            raise EngineError("bad_words: a word of no tokens; give each as text or at least one token id")
+        if outside := sorted({t for w in self.bad_words_ids for t in w if not 0 <= t < vocab_size}):
+            raise EngineError(f"bad_words hold ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
 
 @struct.dataclass
@@ -150,12 +155,15 @@ class SamplingRows:
 class MaskRows:
     """The tokens each row may not draw, as vLLM's logits processors mask them (to -inf, before any penalty):
     its stop ids (the end-of-text id among them) while it has fewer than min_tokens new tokens (vLLM's
-    MinTokensLogitsProcessor), and every id outside its allowed_token_ids where it names some. `after` carries them
-    to the next step of a multi-step decode."""
+    MinTokensLogitsProcessor), every id outside its allowed_token_ids where it names some, and the last token of
+    each bad word whose other tokens end the row's generated text (vLLM's NoBadWordsLogitsProcessor). `after`
+    carries them to the next step of a multi-step decode."""
 
     stop_ids_BxS: Any  # -1: padding
     min_tokens_B: Any
     allowed_BxA: Any  # -1: padding; a row with none allows every id
+    bad_BxJxW: Any  # each bad word's ids right-aligned, -1 before them (any token there matches)
+    recent_BxW1: Any  # the row's last W - 1 generated ids, -2 before its first (matching no word's token)
 
     @classmethod
     def of(cls, B: int, rows: Sequence[tuple[int, SamplingParams, list[int], list[int]]]) -> MaskRows | None:
@@ -164,14 +172,22 @@ class MaskRows:
             return None
         S = _bucket(max(len(s.stop_ids) for _, s, _, _ in rows), 4)
         A = _bucket(max(len(s.allowed_token_ids) for _, s, _, _ in rows), 1)
+        J = _bucket(max(len(s.bad_words_ids) for _, s, _, _ in rows), 1)
+        W = max([len(w) for _, s, _, _ in rows for w in s.bad_words_ids], default=1)
         x = cls(
             stop_ids_BxS=np.full((B, S), -1, np.int32),
             min_tokens_B=np.zeros((B,), np.int32),
             allowed_BxA=np.full((B, A), -1, np.int32),
+            bad_BxJxW=np.full((B, J, W), -1, np.int32),
+            recent_BxW1=np.full((B, W - 1), -2, np.int32),
         )
-        for i, s, _, _ in rows:
+        for i, s, _, generated in rows:
             x.stop_ids_BxS[i, : len(s.stop_ids)], x.min_tokens_B[i] = s.stop_ids, s.min_tokens
             x.allowed_BxA[i, : len(s.allowed_token_ids)] = s.allowed_token_ids
+            for j, word in enumerate(s.bad_words_ids):
+                x.bad_BxJxW[i, j, W - len(word) :] = word
+            tail = generated[len(generated) - (W - 1) :] if W > 1 else []
+            x.recent_BxW1[i, W - 1 - len(tail) :] = tail
         return x
 
     def banned(self, V: int, generated_B):
@@ -180,11 +196,30 @@ class MaskRows:
         early_BxS = (generated_B < self.min_tokens_B)[:, None] & (self.stop_ids_BxS >= 0)
         named_BxA = self.allowed_BxA >= 0
         outside_BxV = jnp.any(named_BxA, axis=-1, keepdims=True) & ~_marked(B, V, self.allowed_BxA, named_BxA)
-        return _marked(B, V, self.stop_ids_BxS, early_BxS) | outside_BxV
+        prefix_BxJxW1, last_BxJ = self.bad_BxJxW[..., :-1], self.bad_BxJxW[..., -1]
+        matched_BxJxW1 = (prefix_BxJxW1 == -1) | (prefix_BxJxW1 == self.recent_BxW1[:, None, :])
+        completes_BxJ = jnp.all(matched_BxJxW1, axis=-1) & (last_BxJ >= 0)
+        return _marked(B, V, self.stop_ids_BxS, early_BxS) | outside_BxV | _marked(B, V, last_BxJ, completes_BxJ)
 
     def after(self, token_B, live_B) -> MaskRows:
         """The masks of the next step, each live row's sampled token joined to its text."""
-        return self
+        if self.recent_BxW1.shape[-1] == 0:
+            return self
+        shifted_BxW1 = jnp.concatenate([self.recent_BxW1[:, 1:], token_B[:, None]], axis=-1)
+        return dataclasses.replace(self, recent_BxW1=jnp.where(live_B[:, None], shifted_BxW1, self.recent_BxW1))
+
+
+def bad_words_ids(encode: Callable[[str], list[int]], words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token ids, as its SamplingParams tokenizes them: each word as written (left-stripped)
+    and, where a space before it makes other tokens of the same count, as it reads mid-text ("foo" and " foo")."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        out.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 def _marked(B: int, V: int, ids_BxN, where_BxN):

@@ -115,6 +115,7 @@ class ResformerLM(LM):
         """Every request at once through the decode engine (batched, mixed lengths; a handful of compiles), each
         stopping at the end-of-text token, its max_gen_toks or the first of its `until` strings."""
         from resformer_jax.engine import Engine, SamplingParams
+        from resformer_jax.engine.sampling import bad_words_ids
 
         if self._engine is None:
             self._engine = Engine(self.model, self.params, max_batch=max(self.batch, 16))
@@ -135,7 +136,8 @@ class ResformerLM(LM):
                 top_k=int(kw.get("top_k", 0) or 0),
                 top_p=float(kw.get("top_p", 1.0) or 1.0),
                 stop_ids=(self.eot_id,),
-                allowed_token_ids=tuple(kw.get("allowed_token_ids") or ()),  # vLLM's, as a gen_kwargs entry
+                allowed_token_ids=tuple(kw.get("allowed_token_ids") or ()),  # vLLM's, as gen_kwargs entries
+                bad_words_ids=bad_words_ids(self.encode, kw.get("bad_words") or ()),
             )
             stops.append([u for u in until if u])
             reqs.append(engine.submit(prompt, params, on_token=self._stop_at(stops[-1])))

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from resformer_jax.engine import EngineError, SamplingParams
 from resformer_jax.engine.detokenizer import IncrementalText
 from resformer_jax.engine.engine import Scores
+from resformer_jax.engine.sampling import bad_words_ids
 from resformer_jax.serve.engine_thread import EngineThread, Handle
 from resformer_jax.serve.metrics import ServeMetrics
 from resformer_jax.serve.protocol import (
@@ -170,6 +171,7 @@ def sampling_params(
         min_p=float(req.min_p or 0.0),
         logit_bias=logit_bias,
         allowed_token_ids=tuple(req.allowed_token_ids or ()),
+        bad_words_ids=bad_words_ids(s.encode, req.bad_words or ()),
     )
 
 

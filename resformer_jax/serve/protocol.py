@@ -45,6 +45,7 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = Field(0.0, ge=0, le=1)  # vLLM's: a token at least min_p times the most likely's probability
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be generated
+    bad_words: list[str] | None = None  # vLLM's: words never generated (the last token of each masked once due)
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """The bias as (token id, bias) pairs, each bias clipped to [-100, 100] (OpenAI's range; vLLM clips too)."""

@@ -98,7 +98,8 @@ def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalti
 def test_masked_greedy_tokens_equal_the_cache_free_forward_with_the_masked_ids_ruled_out(decode_steps):
     """min_tokens (vLLM's): a row's stop ids cannot come before its min_tokens-th new token (the oracle rules them
     out there), the request then ending at its stop id as usual; allowed_token_ids (vLLM's): every id outside them
-    ruled out; through the prefill step and k decode steps a readback, beside a row without (plain greedy)."""
+    ruled out; bad words (vLLM's, as ids): a word's last token ruled out where the rest ends the generated text;
+    through the prefill step and k decode steps a readback, beside a row without (plain greedy)."""
     m, params = peaky_model("resformer")
     prompts = prompts_of(np.random.default_rng(6), 3, m.vocab_size, lo=2, hi=12)
     plain = [model_greedy(m, params, p, 10) for p in prompts]
@@ -106,18 +107,32 @@ def test_masked_greedy_tokens_equal_the_cache_free_forward_with_the_masked_ids_r
     params_of = [SamplingParams(max_tokens=10, stop_ids=(stop, plain[1][2]), min_tokens=n) for n in (5, 4)]
     params_of.append(SamplingParams(max_tokens=10))
     params_of.append(SamplingParams(max_tokens=10, allowed_token_ids=tuple(range(3, m.vocab_size, 7))))
-    prompts.append(prompts[2])
+    words = ((plain[2][1], plain[2][2]), (plain[2][5], plain[2][6], plain[2][7]))  # greedy's own
+    params_of.append(SamplingParams(max_tokens=10, bad_words_ids=words))
+    prompts += [prompts[2], prompts[2]]
     engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16,
                     decode_steps=decode_steps)  # fmt: skip
     got = engine.generate(prompts, params_of)
     for p, s, r in zip(prompts, params_of, got):
         outside = set(range(m.vocab_size)) - set(s.allowed_token_ids) if s.allowed_token_ids else set()
-        early = lambda seq, new, s=s: (set(s.stop_ids) if len(new) < s.min_tokens else set()) | outside
+
+        def early(seq, new, s=s, outside=outside):
+            bad = {
+                w[-1]
+                for w in s.bad_words_ids
+                if len(new) >= len(w) - 1 and tuple(new[len(new) - len(w) + 1 :]) == w[:-1]
+            }
+            return (set(s.stop_ids) if len(new) < s.min_tokens else set()) | outside | bad
+
         want = model_greedy(m, params, p, 10, banned=early)
         ended = [i for i, t in enumerate(want) if t in s.stop_ids and i >= s.min_tokens]
         assert r.tokens == (want[: ended[0] + 1] if ended else want), f"min_tokens {s.min_tokens}"
     assert got[0].tokens[0] != stop and got[2].tokens == plain[2], "min_tokens masked nothing: the test could pass"
     assert set(got[3].tokens) <= set(params_of[3].allowed_token_ids) and got[3].tokens != plain[2]
+    t, g = got[4].tokens, plain[2]  # greedy's own words: its text changed where one would first complete
+    first = min(i + len(w) - 1 for w in words for i in range(len(g)) if tuple(g[i : i + len(w)]) == w)
+    assert t[:first] == g[:first] and t[first] != g[first], (t, g)
+    assert not any(tuple(t[i : i + len(w)]) == w for w in words for i in range(len(t)))
 
 
 @pytest.mark.slow

@@ -208,6 +208,36 @@ def test_vllms_allowed_token_ids_through_the_openai_sdk_streamed_and_not(server,
     assert not set(plain) <= set(allowed), "the model draws only those ids anyway: the test could not fail"
 
 
+def test_vllms_bad_words_through_the_openai_sdk_streamed_and_not(server, run_dir):
+    """bad_words in extra_body (vLLM's): a two-token word the model produces never appears among the tokens, and
+    the text is what the same decoding gives without it up to where the word would complete; streamed the same.
+    The tokens are a seeded sample (the tiny run's greedy text is one token repeated, and its two-token run reads
+    back as one token); greedy decoding against the cache-free oracle is tests/engine's masked-greedy test."""
+    from resformer_jax.engine.sampling import bad_words_ids
+    from resformer_jax.rundir import RunDir
+
+    tok = RunDir(run_dir).tokenizer()
+    encode = lambda t: tok.encode(t, add_special_tokens=False).ids
+    client = server.client()
+    kw = dict(model=None, prompt=PROMPTS[0], max_tokens=24, temperature=1.5, seed=11, extra_body={"ignore_eos": True})
+    free = getattr(client.completions.create(**kw).choices[0], "token_ids", None)
+    pairs = [
+        i
+        for i in range(len(free) - 1)
+        if tuple(free[i : i + 2]) in bad_words_ids(encode, [tok.decode(free[i : i + 2])])
+    ]
+    assert pairs, f"no two-token word in the sample reads back as its tokens: {tok.decode(free)!r}"
+    i = pairs[0]
+    word = tok.decode(free[i : i + 2])
+    words = bad_words_ids(encode, [word])
+    kw["extra_body"] = {"bad_words": [word], "ignore_eos": True}
+    got = getattr(client.completions.create(**kw).choices[0], "token_ids", None)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [t for c in chunks for t in getattr(c, "token_ids", None) or []] == got
+    assert got[: i + 1] == free[: i + 1] and got[i + 1] != free[i + 1], (got, free, i)
+    assert not any(tuple(got[j : j + len(w)]) == w for w in words for j in range(len(got))), (got, words)
+
+
 def test_vllms_stop_token_ids_and_include_stop_str_in_output(server, run_dir):
     """stop_token_ids in extra_body (vLLM's): the choice ends at the first of them, finish_reason 'stop', its text
     the tokens before it (the stop token not shown, as vLLM's detokenizer leaves it out), streamed the same. The
