@@ -42,8 +42,7 @@ def test_each_preset_counts_the_parameters_of_the_model_it_copies(size):
     vanilla = s["transformer"]["params_total"]
     assert abs(vanilla - p.params) / p.params < 0.01, (size, vanilla, p.params)
     assert s["resformer"]["params_total"] == vanilla
-    head_dim = p.d_model // p.num_heads
-    values = (p.num_layers - 1) * p.d_model * p.num_kv_heads * head_dim
+    values = (p.num_layers - 1) * p.d_model * p.heads[1] * p.head_dim
     assert vanilla - s["svformer"]["params_total"] == values
     kv = s["svformer"]["kv_cache_bytes_per_token"] / s["transformer"]["kv_cache_bytes_per_token"]
     assert kv == (p.num_layers + 1) / (2 * p.num_layers)
@@ -52,10 +51,13 @@ def test_each_preset_counts_the_parameters_of_the_model_it_copies(size):
 @pytest.mark.parametrize("size", sorted(SCALE_MODELS))
 def test_each_preset_carries_its_recipe_and_token_budget(size):
     p, c = SCALE_MODELS[size], validate(preset("resformer", size))
-    assert (c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.ffn_dim) == (
-        p.num_layers, p.d_model, p.num_heads, p.ffn_dim
-    )  # fmt: skip
-    assert c.model.kv_heads == p.num_kv_heads and c.model.tie_embeddings == p.tie_embeddings
+    assert (c.model.num_layers, c.model.d_model, c.model.ffn_dim) == (p.num_layers, p.d_model, p.ffn_dim)
+    # the published heads where their width is 128 (OLMo's); else as many of 128 (StableLM's 32 of 80: 20), the
+    # published grouping kept
+    assert c.model.num_heads * c.model.head_dim == p.d_model and c.model.head_dim == 128
+    assert c.model.num_heads == (p.num_heads if p.d_model // p.num_heads == 128 else p.d_model // 128)
+    assert c.model.num_heads // c.model.kv_heads == p.num_heads // p.num_kv_heads
+    assert c.model.tie_embeddings == p.tie_embeddings
     assert (c.train.peak_lr, c.train.global_batch, c.train.warmup_steps) == (
         p.peak_lr, p.sequences_a_step, p.warmup_steps
     )  # fmt: skip
@@ -93,8 +95,8 @@ def test_each_preset_layout_trains_a_few_steps_at_a_tiny_width(size, file):
     m.update(attention_impl="xla", scan_layers=True, remat="none")
     c.data.seq_len = 16
     typed = validate(c).model
-    assert (typed.num_layers, typed.num_heads, typed.kv_heads) == (
-        SCALE_MODELS[size].num_layers, SCALE_MODELS[size].num_heads, SCALE_MODELS[size].num_kv_heads
+    assert (typed.num_layers, (typed.num_heads, typed.kv_heads)) == (
+        SCALE_MODELS[size].num_layers, SCALE_MODELS[size].heads
     )  # fmt: skip
     model = Transformer(for_backend(ModelConfig.of(typed)))
     tx = optax.adam(2e-3)
