@@ -296,11 +296,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
             if i >= 6:
                 assert server.metric("resformer:kv_cache_pages_used") > 0
                 break
+    # its pages go back before its end is counted (the engine thread does both, in that order): wait for both
     deadline = time.time() + 10
-    while server.metric("resformer:kv_cache_pages_used") > 0 and time.time() < deadline:
+    while time.time() < deadline and (
+        server.metric("resformer:kv_cache_pages_used") > 0
+        or 'finished_reason="cancelled"' not in httpx.get(f"{server.url}/metrics").text
+    ):
         time.sleep(0.1)
     assert server.metric("resformer:kv_cache_pages_used") == 0
-    assert server.metric("vllm:request_success_total") >= 1 or True  # counted by reason below
     assert 'finished_reason="cancelled"' in httpx.get(f"{server.url}/metrics").text
 
 
