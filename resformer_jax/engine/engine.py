@@ -9,7 +9,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from jax.sharding import Mesh
@@ -27,6 +27,27 @@ from resformer_jax.resolve import serving_model
 DECODE_STEPS = 8
 
 
+FinishReason = Literal["stop", "length", "cancelled", "abort", "error"]  # abort: the server's; error: the engine's
+
+
+@dataclasses.dataclass(frozen=True)
+class NewToken:
+    """A request's next token, as its on_output callback gets it."""
+
+    token: int
+    logprob: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A request's end, the last thing its on_output callback gets."""
+
+    reason: FinishReason
+
+
+Output = NewToken | Finished
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """A prompt and what has been generated for it; the engine's bookkeeping of where it is."""
@@ -36,10 +57,10 @@ class Request:
     params: SamplingParams
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: FinishReason | None = None
     submitted_s: float = 0.0
     token_times_s: list[float] = dataclasses.field(default_factory=list)
-    on_token: Callable[[Request, int, float], Any] | None = None  # streaming: called for each new token
+    on_output: Callable[[Request, Output], Any] | None = None  # streaming: each new token, then the end
     state: str = "waiting"  # waiting -> prefill -> decode -> done
     pages: list[int] = dataclasses.field(default_factory=list)  # numbered within its shard's pool
     shard: int = 0  # which shard of the cache (a device of the engine's mesh) holds its pages and runs its row
@@ -175,7 +196,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, prompt: Sequence[int], params: SamplingParams | None = None, on_token=None, request_id=None
+        self, prompt: Sequence[int], params: SamplingParams | None = None, on_output=None, request_id=None
     ) -> Request:
         """Queues a request (it joins the batch at the next step); EngineError names what cannot work."""
         params = params or SamplingParams()
@@ -183,7 +204,7 @@ class Engine:
         self.check(prompt, params)
         rid = request_id if request_id is not None else self._next_id
         self._next_id += 1
-        r = Request(rid, prompt, params, submitted_s=time.perf_counter(), on_token=on_token)
+        r = Request(rid, prompt, params, submitted_s=time.perf_counter(), on_output=on_output)
         self.waiting.append(r)
         return r
 
@@ -208,7 +229,7 @@ class Engine:
                 "budget or lower max_tokens"
             )
 
-    def cancel(self, r: Request, reason: str = "cancelled") -> None:
+    def cancel(self, r: Request, reason: FinishReason = "cancelled") -> None:
         """Ends a request now (a client that went away; a stop string: reason 'stop'): its pages go back to the
         pool at once."""
         if r.done:
@@ -529,8 +550,8 @@ class Engine:
             r.scores.logprob[at] = float(top[1][among[0]]) if among.size else logprob
         r.token_times_s.append(time.perf_counter())
         self.stats.generated_tokens += 1
-        if r.on_token is not None:
-            r.on_token(r, token, logprob)
+        if r.on_output is not None:
+            r.on_output(r, NewToken(token, logprob))
             if r.done:  # the callback ended it (a stop string, a client gone)
                 return True
         if token in r.params.stop_ids and len(r.tokens) >= r.params.min_tokens:
@@ -539,10 +560,10 @@ class Engine:
             self._finish(r, "length")
         return r.done
 
-    def _finish(self, r: Request, reason: str) -> None:
+    def _finish(self, r: Request, reason: FinishReason) -> None:
         if r in self.running:
             self.running.remove(r)
         self.pool[r.shard].give_back(r.pages)
         r.pages, r.state, r.finish_reason, r.blocks = [], "done", reason, []
-        if r.on_token is not None:
-            r.on_token(r, -1, 0.0)  # the end: token -1
+        if r.on_output is not None:
+            r.on_output(r, Finished(reason))

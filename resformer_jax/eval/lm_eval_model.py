@@ -140,7 +140,7 @@ class ResformerLM(LM):
                 bad_words_ids=bad_words_ids(self.encode, kw.get("bad_words") or ()),
             )
             stops.append([u for u in until if u])
-            reqs.append(engine.submit(prompt, params, on_token=self._stop_at(stops[-1])))
+            reqs.append(engine.submit(prompt, params, on_output=self._stop_at(stops[-1])))
         while engine.busy:
             engine.step()
         out = []
@@ -154,14 +154,15 @@ class ResformerLM(LM):
 
     def _stop_at(self, until: list[str]):
         """A request's token callback that ends it once its text holds one of `until` (the text is cut there)."""
+        from resformer_jax.engine import NewToken
         from resformer_jax.engine.detokenizer import IncrementalText
 
         seen = IncrementalText(self.tok.decode, until)
 
-        def on_token(r, token, _):
-            if token >= 0 and seen.stops:
-                seen.add(token)
+        def on_output(r, out):
+            if isinstance(out, NewToken) and seen.stops:
+                seen.add(out.token)
                 if seen.stop_found():
                     self._engine.cancel(r)
 
-        return on_token
+        return on_output

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from resformer_jax.engine import EngineError, SamplingParams
 from resformer_jax.engine.detokenizer import IncrementalText
-from resformer_jax.engine.engine import Scores
+from resformer_jax.engine.engine import Finished, FinishReason, NewToken, Output, Scores
 from resformer_jax.engine.sampling import bad_words_ids
 from resformer_jax.serve.engine_thread import EngineThread, Handle
 from resformer_jax.serve.metrics import ServeMetrics
@@ -35,6 +35,7 @@ from resformer_jax.serve.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from resformer_jax.serve.protocol import FinishReason as OpenAIFinishReason
 
 log = logging.getLogger("resformer_jax.serve")
 router = APIRouter()
@@ -209,7 +210,7 @@ class Choice:
     queue: asyncio.Queue
     handle: Handle | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None  # the engine's
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)  # as submitted (stop ids, min_tokens)
     keep_stop: bool = False  # include_stop_str_in_output: the stop string or id that ended it shown
     shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no stop id)
@@ -253,16 +254,16 @@ def submit(s: Serving, choice: Choice, stops: list[str], rid: str) -> None:
     min_tokens = choice.params.min_tokens
     seen = IncrementalText(s.decode, stops)  # read on the engine thread only
 
-    def on_token(r, token, logprob):
+    def on_output(r, out: Output):
         with contextlib.suppress(RuntimeError):  # the event loop has closed (the server is gone): nobody waits
-            loop.call_soon_threadsafe(choice.queue.put_nowait, (token, logprob, r.finish_reason))
+            loop.call_soon_threadsafe(choice.queue.put_nowait, out)
         # after the token is queued: the one that completes a stop string is read before the end that follows it
-        if token >= 0 and seen.stops:
-            seen.add(token)
+        if isinstance(out, NewToken) and seen.stops:
+            seen.add(out.token)
             if len(r.tokens) >= min_tokens and seen.stop_found():
                 s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
 
-    choice.handle = s.engine_thread.submit(choice.prompt, choice.params, on_token)
+    choice.handle = s.engine_thread.submit(choice.prompt, choice.params, on_output)
     with s.lock:
         s.live[choice.handle] = f"{rid}#{choice.index}"
 
@@ -325,15 +326,18 @@ def kept_tokens(c: Choice) -> list[int]:
 
 async def collect(c: Choice) -> None:
     while True:
-        token, _, reason = await c.queue.get()
-        if token < 0:
-            c.finish_reason = reason
+        out = await c.queue.get()
+        if isinstance(out, Finished):
+            c.finish_reason = out.reason
             return
-        c.tokens.append(token)
+        c.tokens.append(out.token)
 
 
-def reason_of(engine_reason: str | None) -> str:
-    return {"stop": "stop", "abort": "abort", "error": "abort"}.get(engine_reason or "", "length")
+def reason_of(engine_reason: FinishReason | None) -> OpenAIFinishReason:
+    """OpenAI's reason for the engine's: a stop id or string "stop", the server's or the engine's end "abort", the
+    rest (max_tokens, the context, a cancel) "length"."""
+    openai: dict[str | None, OpenAIFinishReason] = {"stop": "stop", "abort": "abort", "error": "abort"}
+    return openai.get(engine_reason, "length")
 
 
 async def until_done_or_gone(request: Request, s: Serving, choices: list[Choice]) -> None:
@@ -507,26 +511,26 @@ async def completion_response(s, req: CompletionRequest, rid, created, prompts, 
     return envelope(s, rid, created, "text_completion", out, usage=usage(prompts, choices))
 
 
-async def merged_tokens(choices: list[Choice]):
-    """(choice, token, engine reason) as they come, over every choice, until each has ended (token -1)."""
+async def merged_outputs(choices: list[Choice]):
+    """(choice, its engine output: NewToken or Finished) as they come, over every choice, until each has ended."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def forward(c: Choice):
         while True:
-            item = await c.queue.get()
-            await merged.put((c, *item))
-            if item[0] < 0:
+            out = await c.queue.get()
+            await merged.put((c, out))
+            if isinstance(out, Finished):
                 return
 
     tasks = [asyncio.create_task(forward(c)) for c in choices]
     try:
         left = len(choices)
         while left:
-            c, token, _, reason = await merged.get()
-            if token < 0:
+            c, out = await merged.get()
+            if isinstance(out, Finished):
                 left -= 1
-                c.finish_reason = reason
-            yield c, token, reason
+                c.finish_reason = out.reason
+            yield c, out
     finally:
         for t in tasks:
             t.cancel()
@@ -565,19 +569,19 @@ async def stream_completion(
             for c in choices:
                 yield echo(c)
         if run:
-            async for c, token, reason in merged_tokens(choices):
+            async for c, out in merged_outputs(choices):
                 if req.echo and c.index not in echoed:
                     yield echo(c)
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
-                if token >= 0:
-                    if (delta := stream_delta(s, c, token, req.stops)) is None:
+                if isinstance(out, NewToken):
+                    if (delta := stream_delta(s, c, out.token, req.stops)) is None:
                         continue  # the finish reason follows
-                    entry["text"], entry["token_ids"] = delta, [token]
+                    entry["text"], entry["token_ids"] = delta, [out.token]
                     if req.logprobs is not None:  # this token's, over the prompt and what came before it
                         ids, offset = c.prompt + c.shown, prompt_chars[c.index] + c.offset
                         entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
-                    entry["text"], entry["finish_reason"] = stream_rest(s, c, req.stops), reason_of(reason)
+                    entry["text"], entry["finish_reason"] = stream_rest(s, c, req.stops), reason_of(out.reason)
                 yield sse(chunk([entry]))
         else:
             for c in choices:
@@ -674,10 +678,10 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
         for c in choices:  # the role first, as OpenAI streams it
             role = {"role": "assistant", "content": ""}
             yield sse(chunk([{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]))
-        async for c, token, reason in merged_tokens(choices):
+        async for c, out in merged_outputs(choices):
             entry: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
-            if token >= 0:
-                if (delta := stream_delta(s, c, token, req.stops)) is None:
+            if isinstance(out, NewToken):
+                if (delta := stream_delta(s, c, out.token, req.stops)) is None:
                     continue
                 entry["delta"] = {"content": delta}
                 if n_top is not None:
@@ -685,7 +689,7 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
                     entry["logprobs"] = chat_logprobs(s, scores_of(c), ids, len(ids) - 1, n_top)
             else:
                 entry["delta"] = {"content": rest} if (rest := stream_rest(s, c, req.stops)) else {}
-                entry["finish_reason"] = reason_of(reason)
+                entry["finish_reason"] = reason_of(out.reason)
             yield sse(chunk([entry]))
         if req.include_usage:
             yield sse(chunk([], usage=usage([prompt], choices)))

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from resformer_jax.engine import Engine, Request, SamplingParams
+from resformer_jax.engine import Engine, FinishReason, NewToken, Output, Request, SamplingParams
 from resformer_jax.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class Handle:
 
     prompt: list[int]
     params: SamplingParams
-    on_token: Callable[[Request, int, float], Any]
+    on_output: Callable[[Request, Output], Any]
     request: Request | None = None
     cancelled: bool = False
 
@@ -49,14 +49,14 @@ class EngineThread:
         self._commands.put(("wake", None))
         self._thread.join(timeout)
 
-    def submit(self, prompt: list[int], params: SamplingParams, on_token) -> Handle:
+    def submit(self, prompt: list[int], params: SamplingParams, on_output) -> Handle:
         """Checks the request here (EngineError in the caller's thread), then hands it to the engine."""
         self.engine.check(prompt, params)
-        h = Handle(prompt, params, on_token)
+        h = Handle(prompt, params, on_output)
         self._commands.put(("submit", h))
         return h
 
-    def cancel(self, h: Handle, reason: str = "cancelled", say: str | None = None) -> None:
+    def cancel(self, h: Handle, reason: FinishReason = "cancelled", say: str | None = None) -> None:
         """Ends the request (at the thread's next turn); `say`: a line logged if this is what ends it (a request
         that finished meanwhile keeps its own reason, and says nothing)."""
         self._commands.put(("cancel", (h, reason, say)))
@@ -85,7 +85,7 @@ class EngineThread:
         while True:
             kind, arg = cmd
             if kind == "submit" and not arg.cancelled:
-                arg.request = self.engine.submit(arg.prompt, arg.params, on_token=self._tokens_to(arg))
+                arg.request = self.engine.submit(arg.prompt, arg.params, on_output=self._outputs_to(arg))
                 self.metrics.label(self.metrics.prompt_tokens).inc(len(arg.prompt))
             elif kind == "cancel":
                 h, reason, say = arg
@@ -100,21 +100,21 @@ class EngineThread:
                 break
         self._gauges()
 
-    def _tokens_to(self, h: Handle):
+    def _outputs_to(self, h: Handle):
         m = self.metrics
 
-        def on_token(r: Request, token: int, logprob: float) -> None:
-            if token >= 0:
+        def on_output(r: Request, out: Output) -> None:
+            if isinstance(out, NewToken):
                 times = r.token_times_s
                 if len(times) == 1:
                     m.label(m.ttft).observe(times[0] - r.submitted_s)
                 else:
                     m.label(m.itl).observe(times[-1] - times[-2])
             else:
-                m.label(m.requests, finished_reason=r.finish_reason or "unknown").inc()
-            h.on_token(r, token, logprob)
+                m.label(m.requests, finished_reason=out.reason).inc()
+            h.on_output(r, out)
 
-        return on_token
+        return on_output
 
     def _observe(self, tokens: int, preemptions: int, prefix_queries: int = 0, prefix_hits: int = 0) -> None:
         m, now = self.metrics, time.perf_counter()
