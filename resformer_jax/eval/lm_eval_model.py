@@ -115,6 +115,7 @@ class ResformerLM(LM):
         """Every request at once through the decode engine (batched, mixed lengths; a handful of compiles), each
         stopping at the end-of-text token, its max_gen_toks or the first of its `until` strings."""
         from resformer_jax.engine import Engine, SamplingParams
+        from resformer_jax.engine.detokenizer import cut
         from resformer_jax.engine.sampling import bad_words_ids
 
         if self._engine is None:
@@ -145,11 +146,7 @@ class ResformerLM(LM):
             engine.step()
         out = []
         for r, until in zip(reqs, stops):
-            text = self.tok.decode(r.tokens[:-1] if r.finish_reason == "stop" else r.tokens)
-            for stop in until:
-                if stop in text:
-                    text = text[: text.index(stop)]
-            out.append(text)
+            out.append(cut(self.tok.decode(r.tokens[:-1] if r.finish_reason == "stop" else r.tokens), until))
         return out
 
     def _stop_at(self, until: list[str]):

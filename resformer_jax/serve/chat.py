@@ -9,11 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from resformer_jax.engine.detokenizer import cut
 from resformer_jax.engine.engine import NewToken, Scores
 from resformer_jax.serve.choices import (
     Logprobs,
     check_model,
-    cut,
     envelope,
     event_stream,
     finished,
@@ -125,7 +125,7 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
                     continue
                 entry["delta"] = {"content": delta}
                 if n_top is not None:
-                    ids = prompt + c.shown
+                    ids = prompt + c.stream.shown
                     entry["logprobs"] = chat_logprobs(s, scores_of(c), ids, len(ids) - 1, n_top)
             else:
                 entry["delta"] = {"content": rest} if (rest := stream_rest(s, c, req.stops)) else {}

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from resformer_jax.engine import EngineError, SamplingParams
-from resformer_jax.engine.detokenizer import IncrementalText
+from resformer_jax.engine.detokenizer import IncrementalText, StopText
 from resformer_jax.engine.engine import Finished, FinishReason, NewToken, Output, Scores
 from resformer_jax.engine.sampling import bad_words_ids
 from resformer_jax.serve.engine_thread import Handle
@@ -77,15 +77,6 @@ def prompts_of(s: Serving, prompt) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def cut(text: str, stops: list[str], keep: bool = False) -> str:
-    """The text before its first stop string (keep: through it, vLLM's include_stop_str_in_output)."""
-    found = [(text.index(stop), stop) for stop in stops if stop in text]
-    if not found:
-        return text
-    at, stop = min(found)
-    return text[: at + len(stop) * keep]
-
-
 @dataclasses.dataclass
 class Choice:
     """One choice in flight: its prompt, its engine handle, the queue its tokens arrive on."""
@@ -98,10 +89,7 @@ class Choice:
     finish_reason: FinishReason | None = None  # the engine's
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)  # as submitted (stop ids, min_tokens)
     keep_stop: bool = False  # include_stop_str_in_output: the stop string or id that ended it shown
-    shown: list[int] = dataclasses.field(default_factory=list)  # streamed: the tokens sent (no stop id)
-    shown_text: IncrementalText | None = None  # streamed: their text, decoded as they come
-    text: str = ""  # streamed: the text sent so far, cut at a stop string
-    offset: int = 0  # streamed: where the latest shown token's text begins in shown_text
+    stream: StopText | None = None  # streamed: the tokens shown (no stop id) and their text under the stop strings
 
     def ended_by(self, token: int) -> bool:
         """Whether `token`, its latest, is a stop id that ends it (the engine's rule: from min_tokens on)."""
@@ -109,29 +97,19 @@ class Choice:
 
 
 def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | None:
-    """A streamed token's new text (None: the stop id that ends the choice, not shown; its reason follows). Until
-    a stop string comes, the last len(longest stop) - 1 characters are held back (a stop string may begin there,
-    as vLLM's detokenizer holds them); `stream_rest` sends them at the end."""
+    """A streamed token's new text (None: the stop id that ends the choice, not shown; its reason follows), held
+    back before a possible stop string (engine/detokenizer.StopText); `stream_rest` sends the rest at the end."""
     c.tokens.append(token)
     if c.ended_by(token) and not c.keep_stop:
         return None
-    c.shown.append(token)
-    c.shown_text = c.shown_text or IncrementalText(s.decode)
-    c.offset = len(c.shown_text.text)
-    c.shown_text.add(token)
-    decoded = c.shown_text.text
-    full = cut(decoded, stops, c.keep_stop)
-    if stops and full == decoded:  # no stop string yet
-        full = full[: max(len(c.text), len(full) - max(len(x) for x in stops) + 1)]
-    delta, c.text = full[len(c.text) :], full
-    return delta
+    c.stream = c.stream or StopText(s.decode, stops, c.keep_stop)
+    return c.stream.add(token)
 
 
 def stream_rest(s: Serving, c: Choice, stops: list[str]) -> str:
     """The text stream_delta held back, sent with the finish reason."""
-    full = cut(s.decode(c.shown), stops, c.keep_stop)
-    rest, c.text = full[len(c.text) :], full
-    return rest
+    c.stream = c.stream or StopText(s.decode, stops, c.keep_stop)
+    return c.stream.rest()
 
 
 def submit(s: Serving, choice: Choice, stops: list[str], rid: str) -> None:

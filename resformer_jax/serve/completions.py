@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from resformer_jax.engine.detokenizer import cut
 from resformer_jax.engine.engine import NewToken
 from resformer_jax.serve.choices import (
     Choice,
     Logprobs,
     check_model,
-    cut,
     envelope,
     event_stream,
     finished,
@@ -118,7 +118,7 @@ async def stream_completion(
                         continue  # the finish reason follows
                     entry["text"], entry["token_ids"] = delta, [out.token]
                     if req.logprobs is not None:  # this token's, over the prompt and what came before it
-                        ids, offset = c.prompt + c.shown, prompt_chars[c.index] + c.offset
+                        ids, offset = c.prompt + c.stream.shown, prompt_chars[c.index] + c.stream.offset
                         entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
                     entry["text"], entry["finish_reason"] = stream_rest(s, c, req.stops), reason_of(out.reason)
