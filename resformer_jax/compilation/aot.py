@@ -501,7 +501,8 @@ def _compile_decode(setup, target: Target, batch: int, prompt_len: int, log) -> 
     engine's: in the compute dtype (engine.serving_params)."""
     from jax.sharding import Mesh
 
-    from resformer_jax.engine.runner import bucket, serving_params, step_form, step_program, step_shapes
+    from resformer_jax.engine.runner import serving_params, step_form, step_program, step_shapes
+    from resformer_jax.engine.sampling import bucket
     from resformer_jax.model.attention import PageLayout
     from resformer_jax.model.transformer import Transformer, pool_shapes
     from resformer_jax.resolve import serving_model

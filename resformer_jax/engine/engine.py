@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from resformer_jax.engine.errors import EngineError
 from resformer_jax.engine.pages import ShardedPages, pages_in_budget
-from resformer_jax.engine.runner import DecodeRows, ModelRunner, ScoredRows, StepRows, bucket, free_memory_bytes
-from resformer_jax.engine.sampling import TOP_LOGPROBS, SamplingParams, SamplingRows
+from resformer_jax.engine.runner import DecodeRows, ModelRunner, ScoredRows, StepRows, free_memory_bytes
+from resformer_jax.engine.sampling import TOP_LOGPROBS, SamplingParams, SamplingRows, bucket
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import cache_bytes_per_token
 from resformer_jax.resolve import serving_model

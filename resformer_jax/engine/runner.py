@@ -64,14 +64,6 @@ class DecodeRows:
     steps_B: Any
 
 
-def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
-    """The power of `base` >= n (and >= at_least): the shapes a step is compiled for."""
-    b = 1
-    while b < n:
-        b *= base
-    return max(at_least, b)
-
-
 class ModelRunner:
     """One model's parameters and paged cache on this host's default device, or on every device of `mesh` (the
     cache's pages split over all its axes, each device running its rows over its own pages with `shard_map`; the

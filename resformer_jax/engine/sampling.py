@@ -170,9 +170,9 @@ class MaskRows:
         """From (slot, params, prompt, generated) of each scheduled request; None where no row masks a token."""
         if not any(s.masked for _, s, _, _ in rows):
             return None
-        S = _bucket(max(len(s.stop_ids) for _, s, _, _ in rows), 4)
-        A = _bucket(max(len(s.allowed_token_ids) for _, s, _, _ in rows), 1)
-        J = _bucket(max(len(s.bad_words_ids) for _, s, _, _ in rows), 1)
+        S = bucket(max(len(s.stop_ids) for _, s, _, _ in rows), 4)
+        A = bucket(max(len(s.allowed_token_ids) for _, s, _, _ in rows), 1)
+        J = bucket(max(len(s.bad_words_ids) for _, s, _, _ in rows), 1)
         W = max([len(w) for _, s, _, _ in rows for w in s.bad_words_ids], default=1)
         x = cls(
             stop_ids_BxS=np.full((B, S), -1, np.int32),
@@ -249,8 +249,8 @@ class PenaltyRows:
         or a bias: the plain programs, which pay nothing for them."""
         if not any(s.penalized for _, s, _, _ in rows):
             return None
-        L = _bucket(max(len(p) + len(g) for _, _, p, g in rows), 16)
-        K = _bucket(max(len(s.logit_bias) for _, s, _, _ in rows), 4)
+        L = bucket(max(len(p) + len(g) for _, _, p, g in rows), 16)
+        K = bucket(max(len(s.logit_bias) for _, s, _, _ in rows), 4)
         x = cls(
             history_BxL=np.full((B, L), -1, np.int32),
             output_from_B=np.zeros((B,), np.int32),
@@ -297,10 +297,11 @@ class Penalties:
         return dataclasses.replace(self, counts_BxV=counts, seen_BxV=seen)
 
 
-def _bucket(n: int, at_least: int) -> int:
+def bucket(n: int, at_least: int = 1, base: int = 2) -> int:
+    """The power of `base` >= n (and >= at_least): the shapes a step is compiled for."""
     b = 1
     while b < n:
-        b *= 2
+        b *= base
     return max(at_least, b)
 
 
