@@ -66,7 +66,8 @@ def sampling_knobs() -> dict:
     try:
         knobs["allowed_token_ids"] = tuple(int(t) for t in FLAGS.allowed_token_ids)
     except ValueError:
-        raise cli.ConfigFlagError(f"--allowed_token_ids={','.join(FLAGS.allowed_token_ids)}: token ids") from None
+        given = ",".join(FLAGS.allowed_token_ids)
+        raise cli.ConfigFlagError(f"--allowed_token_ids={given}: give integer token ids, comma-separated") from None
     try:
         SamplingParams(max_tokens=FLAGS.max_new_tokens, **knobs).check()
     except EngineError as e:
