@@ -36,6 +36,7 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_list("allowed_token_ids", [], "Only these token ids may be generated (vLLM's; comma-separated).")
 flags.DEFINE_list("bad_words", [], "Words never generated (vLLM's; comma-separated; read with the run's tokenizer).")
 flags.DEFINE_bool("stop_at_eot", True, "Stop a sequence at the end-of-text token.")
+flags.DEFINE_multi_string("stop", [], "A stop string: the text ends before it (repeat the flag for several; vLLM's).")
 flags.DEFINE_integer(
     "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
 )
@@ -125,6 +126,9 @@ def main(argv):
             knobs["bad_words_ids"] = bad_words_ids(
                 lambda t: tok.encode(t, add_special_tokens=False).ids, FLAGS.bad_words
             )
+        if FLAGS.stop and tok is None:
+            raise cli.ConfigFlagError("--stop: this run has no tokenizer; stop strings need its text")
+        knobs["stop"] = tuple(FLAGS.stop)
     eot = tok.token_to_id("<|endoftext|>") if tok is not None and FLAGS.stop_at_eot else None
     longest = max(len(p) for p in prompts)
     if longest + FLAGS.max_new_tokens > model.max_seq_len:
@@ -144,13 +148,15 @@ def main(argv):
     with cli.exit_on_user_error():
         cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
         mesh = engine_mesh(FLAGS.devices)
-        engine = Engine(model, params, cache_bytes=cache_bytes, decode_steps=FLAGS.decode_steps, mesh=mesh)
+        detokenize = tok.decode if tok is not None else None  # the engine ends text at stop strings
+        engine = Engine(
+            model, params, cache_bytes=cache_bytes, decode_steps=FLAGS.decode_steps, mesh=mesh, detokenize=detokenize
+        )
         stop = (eot,) if eot is not None else ()
         sampling = [SamplingParams(**knobs, seed=FLAGS.seed + i, stop_ids=stop) for i in range(len(prompts))]
         t0 = time.perf_counter()
         requests = engine.generate(prompts, sampling)
     seconds = time.perf_counter() - t0
-    results = [r.tokens[:-1] if r.finish_reason == "stop" else r.tokens for r in requests]
     report = {
         "step": step,
         "prompts": len(prompts),
@@ -162,11 +168,11 @@ def main(argv):
         "compiled_shapes": len(engine.stats.compiled_shapes),
     }
     print(json.dumps(report), file=sys.stderr)
-    for p, new in zip(prompts, results):
+    for p, r in zip(prompts, requests):
         if tok is not None:
-            print(tok.decode(p) + tok.decode(new))
+            print(tok.decode(p) + r.text)
         else:
-            print(",".join(str(t) for t in p + new))
+            print(",".join(str(t) for t in p + r.shown))
         print("-" * 40)
 
 

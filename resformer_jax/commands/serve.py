@@ -81,7 +81,10 @@ def main(argv):
         model_cfg, params, step, tokenizer, trained_len = load_model(FLAGS.workdir, FLAGS.step)
         cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
         sizes = {k: FLAGS[k].value for k in ("max_batch", "page_size", "decode_steps", "prefix_cache")}
-        engine = Engine(model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), **sizes)
+        detokenize = tokenizer.decode if tokenizer is not None else None  # the engine ends text at stop strings
+        engine = Engine(
+            model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), detokenize=detokenize, **sizes
+        )
     name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
     metrics = ServeMetrics(name)
     thread = EngineThread(engine, metrics)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from jax.sharding import Mesh
 
+from resformer_jax.engine.detokenizer import OutputText
 from resformer_jax.engine.errors import EngineError
 from resformer_jax.engine.pages import ShardedPages, pages_in_budget
 from resformer_jax.engine.runner import DecodeRows, ModelRunner, ScoredRows, StepRows, free_memory_bytes
@@ -32,17 +33,24 @@ FinishReason = Literal["stop", "length", "cancelled", "abort", "error"]  # abort
 
 @dataclasses.dataclass(frozen=True)
 class NewToken:
-    """A request's next token, as its on_output callback gets it."""
+    """A request's next token, as its on_output callback gets it: `text`, the text it adds that may be sent now
+    (the engine detokenizes; "" without a tokenizer, or while a stop string could be forming), and `offset`, where
+    the token's text begins in the request's; `shown` False for the stop id that ends a request (not in its text
+    or token ids, as vLLM leaves it out, unless include_stop_str_in_output)."""
 
     token: int
     logprob: float
+    text: str = ""
+    offset: int = 0
+    shown: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A request's end, the last thing its on_output callback gets."""
+    """A request's end, the last thing its on_output callback gets, with the text held back before it."""
 
     reason: FinishReason
+    text: str = ""
 
 
 Output = NewToken | Finished
@@ -69,6 +77,13 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)  # prefix-cache block ids of its first full pages
     scores: Scores | None = None  # asked by logprobs or prompt_logprobs: each position's log-probabilities
     carry: np.ndarray | None = None  # the hidden state before its first token to compute (a cached prefix's last)
+    output: OutputText | None = None  # its text under its stop strings (an engine with a tokenizer's decode)
+    shown: list[int] = dataclasses.field(default_factory=list)  # its tokens but a stop id that ended it
+
+    @property
+    def text(self) -> str:
+        """The generated text, ended by a stop string where one was met ("" without a tokenizer)."""
+        return self.output.text if self.output is not None else ""
 
     @property
     def done(self) -> bool:
@@ -146,7 +161,8 @@ class Engine:
     gathers them into each step).
 
     cache_bytes: the paged cache's size a device (every layer together); cache_fraction instead: that fraction of
-    the device's free memory (a CPU: of the host's available memory)."""
+    the device's free memory (a CPU: of the host's available memory). detokenize: the tokenizer's decode (ids to
+    text): each request's text is built as its tokens come, and its stop strings end it."""
 
     def __init__(
         self,
@@ -162,8 +178,10 @@ class Engine:
         decode_steps: int = DECODE_STEPS,
         mesh: Mesh | None = None,
         prefix_cache: bool = True,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
         self.model_cfg = serving_model(m)
+        self.detokenize = detokenize
         self.page_size, self.max_batch = int(page_size), int(max_batch)
         self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.decode_steps = int(decode_steps)
@@ -205,6 +223,8 @@ class Engine:
         rid = request_id if request_id is not None else self._next_id
         self._next_id += 1
         r = Request(rid, prompt, params, submitted_s=time.perf_counter(), on_output=on_output)
+        if self.detokenize is not None:
+            r.output = OutputText(self.detokenize, params.stop, params.include_stop_str_in_output)
         self.waiting.append(r)
         return r
 
@@ -212,6 +232,8 @@ class Engine:
         """EngineError if the request cannot run here (reads only what never changes: safe from any thread)."""
         m = self.model_cfg
         params.check(m.vocab_size)
+        if params.stop and self.detokenize is None:
+            raise EngineError("stop strings need the text: this engine has no tokenizer (Engine(detokenize=...))")
         if not prompt:
             raise EngineError("the prompt is empty; give at least one token")
         if any(t < 0 or t >= m.vocab_size for t in prompt):
@@ -550,13 +572,22 @@ class Engine:
             r.scores.logprob[at] = float(top[1][among[0]]) if among.size else logprob
         r.token_times_s.append(time.perf_counter())
         self.stats.generated_tokens += 1
+        p, stopping = r.params, len(r.tokens) >= r.params.min_tokens
+        stop_id = token in p.stop_ids and stopping
+        shown = not stop_id or p.include_stop_str_in_output
+        stop_text, text, offset = False, "", 0
+        if shown:
+            r.shown.append(token)
+            if r.output is not None:
+                stop_text = r.output.add(token, stopping)
+                text, offset = r.output.delta(), r.output.offset
         if r.on_output is not None:
-            r.on_output(r, NewToken(token, logprob))
-            if r.done:  # the callback ended it (a stop string, a client gone)
+            r.on_output(r, NewToken(token, logprob, text, offset, shown))
+            if r.done:  # the callback ended it (a client gone)
                 return True
-        if token in r.params.stop_ids and len(r.tokens) >= r.params.min_tokens:
+        if stop_id or stop_text:
             self._finish(r, "stop")
-        elif len(r.tokens) >= r.params.max_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
+        elif len(r.tokens) >= p.max_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
             self._finish(r, "length")
         return r.done
 
@@ -566,4 +597,4 @@ class Engine:
         self.pool[r.shard].give_back(r.pages)
         r.pages, r.state, r.finish_reason, r.blocks = [], "done", reason, []
         if r.on_output is not None:
-            r.on_output(r, Finished(reason))
+            r.on_output(r, Finished(reason, r.output.delta(final=True) if r.output is not None else ""))

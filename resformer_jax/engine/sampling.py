@@ -27,8 +27,9 @@ TOP_LOGPROBS = 20  # alternatives a scored position gives at most (vLLM's and Op
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """One request's decoding: greedy at temperature 0; `stop_ids` end it (the stop token is kept, its reason
-    'stop'); `max_tokens` new tokens at most ('length')."""
+    """One request's decoding: greedy at temperature 0; `stop_ids` and `stop` strings end it (reason 'stop'; the
+    stop id is in its tokens, not in its text unless include_stop_str_in_output); `max_tokens` new tokens at most
+    ('length')."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -36,7 +37,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
-    min_tokens: int = 0  # a stop id ends the request only from this many new tokens on (the benchmarks' fixed lengths)
+    stop: tuple[str, ...] = ()  # vLLM's stop strings: the text ends before the first (the engine's detokenizer)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or the stop id's text, kept in the text
+    min_tokens: int = 0  # stops end the request only from this many new tokens on (the benchmarks' fixed lengths)
     logprobs: int | None = None  # the most likely N tokens at each generated position, beside the chosen one's
     prompt_logprobs: int | None = None  # each prompt token's log-probability and the N most likely there
     # vLLM's (and OpenAI's presence and frequency): subtracted from a token's logit once if it is in the output

@@ -115,13 +115,13 @@ class ResformerLM(LM):
         """Every request at once through the decode engine (batched, mixed lengths; a handful of compiles), each
         stopping at the end-of-text token, its max_gen_toks or the first of its `until` strings."""
         from resformer_jax.engine import Engine, SamplingParams
-        from resformer_jax.engine.detokenizer import cut
         from resformer_jax.engine.sampling import bad_words_ids
 
         if self._engine is None:
-            self._engine = Engine(self.model, self.params, max_batch=max(self.batch, 16))
+            # the engine detokenizes: `until` strings end a request and its text there
+            self._engine = Engine(self.model, self.params, max_batch=max(self.batch, 16), detokenize=self.tok.decode)
         engine = self._engine
-        stops, reqs = [], []
+        reqs = []
         for req in requests:
             ctx, kw = req.args
             kw = dict(kw or {})
@@ -137,29 +137,11 @@ class ResformerLM(LM):
                 top_k=int(kw.get("top_k", 0) or 0),
                 top_p=float(kw.get("top_p", 1.0) or 1.0),
                 stop_ids=(self.eot_id,),
+                stop=tuple(u for u in until if u),
                 allowed_token_ids=tuple(kw.get("allowed_token_ids") or ()),  # vLLM's, as gen_kwargs entries
                 bad_words_ids=bad_words_ids(self.encode, kw.get("bad_words") or ()),
             )
-            stops.append([u for u in until if u])
-            reqs.append(engine.submit(prompt, params, on_output=self._stop_at(stops[-1])))
+            reqs.append(engine.submit(prompt, params))
         while engine.busy:
             engine.step()
-        out = []
-        for r, until in zip(reqs, stops):
-            out.append(cut(self.tok.decode(r.tokens[:-1] if r.finish_reason == "stop" else r.tokens), until))
-        return out
-
-    def _stop_at(self, until: list[str]):
-        """A request's token callback that ends it once its text holds one of `until` (the text is cut there)."""
-        from resformer_jax.engine import NewToken
-        from resformer_jax.engine.detokenizer import IncrementalText
-
-        seen = IncrementalText(self.tok.decode, until)
-
-        def on_output(r, out):
-            if isinstance(out, NewToken) and seen.stops:
-                seen.add(out.token)
-                if seen.stop_found():
-                    self._engine.cancel(r)
-
-        return on_output
+        return [r.text for r in reqs]

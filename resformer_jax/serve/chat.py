@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from resformer_jax.engine.detokenizer import cut
 from resformer_jax.engine.engine import NewToken, Scores
 from resformer_jax.serve.choices import (
     Logprobs,
@@ -17,14 +16,11 @@ from resformer_jax.serve.choices import (
     envelope,
     event_stream,
     finished,
-    kept_tokens,
     merged_outputs,
     reason_of,
     scores_of,
     sse,
     start,
-    stream_delta,
-    stream_rest,
     until_done_or_gone,
     usage,
 )
@@ -78,10 +74,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     await until_done_or_gone(request, s, choices)
     out = []
     for c in choices:
-        kept = kept_tokens(c)
+        kept = c.shown
         entry: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": cut(s.decode(kept), req.stops, c.keep_stop)},
+            "message": {"role": "assistant", "content": c.text},
             "logprobs": None,
             "finish_reason": reason_of(c.finish_reason),
         }
@@ -121,14 +117,14 @@ async def stream_chat(s: Serving, req: ChatCompletionRequest, rid, created, prom
         async for c, out in merged_outputs(choices):
             entry: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
             if isinstance(out, NewToken):
-                if (delta := stream_delta(s, c, out.token, req.stops)) is None:
-                    continue
-                entry["delta"] = {"content": delta}
+                if not out.shown:
+                    continue  # the stop id that ends it: the finish reason follows
+                entry["delta"] = {"content": out.text}
                 if n_top is not None:
-                    ids = prompt + c.stream.shown
+                    ids = prompt + c.shown
                     entry["logprobs"] = chat_logprobs(s, scores_of(c), ids, len(ids) - 1, n_top)
             else:
-                entry["delta"] = {"content": rest} if (rest := stream_rest(s, c, req.stops)) else {}
+                entry["delta"] = {"content": out.text} if out.text else {}
                 entry["finish_reason"] = reason_of(out.reason)
             yield sse(chunk([entry]))
         if req.include_usage:

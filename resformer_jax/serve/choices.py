@@ -1,7 +1,6 @@
 """What the completion and chat endpoints share: a request's choices checked and submitted to the engine thread,
-their tokens arriving on a queue a choice (`Choice`), the stream loop over every choice (`merged_outputs`), the
-streamed text with its hold-back before a stop string (`stream_delta`, `stream_rest`), the log-probability records,
-the envelope and the usage."""
+their outputs (tokens and the engine's text, stop strings applied there) arriving on a queue a choice (`Choice`),
+the stream loop over every choice (`merged_outputs`), the log-probability records, the envelope and the usage."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from resformer_jax.engine import EngineError, SamplingParams
-from resformer_jax.engine.detokenizer import IncrementalText, StopText
 from resformer_jax.engine.engine import Finished, FinishReason, NewToken, Output, Scores
 from resformer_jax.engine.sampling import bad_words_ids
 from resformer_jax.serve.engine_thread import Handle
@@ -51,6 +49,8 @@ def sampling_params(
         top_p=float(1.0 if req.top_p is None else req.top_p),
         seed=seed + j,
         stop_ids=stop_ids,
+        stop=tuple(req.stops),
+        include_stop_str_in_output=req.include_stop_str_in_output,
         min_tokens=req.min_tokens,
         logprobs=logprobs.generated,
         prompt_logprobs=logprobs.prompt,
@@ -79,54 +79,36 @@ def prompts_of(s: Serving, prompt) -> list[list[int]]:
 
 @dataclasses.dataclass
 class Choice:
-    """One choice in flight: its prompt, its engine handle, the queue its tokens arrive on."""
+    """One choice in flight: its prompt, its engine handle, the queue its outputs arrive on, and what they told:
+    every token generated, those shown (the stop id that ended it is not, as vLLM leaves it out), the text."""
 
     index: int
     prompt: list[int]
     queue: asyncio.Queue
     handle: Handle | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
+    shown: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
     finish_reason: FinishReason | None = None  # the engine's
-    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)  # as submitted (stop ids, min_tokens)
-    keep_stop: bool = False  # include_stop_str_in_output: the stop string or id that ended it shown
-    stream: StopText | None = None  # streamed: the tokens shown (no stop id) and their text under the stop strings
 
-    def ended_by(self, token: int) -> bool:
-        """Whether `token`, its latest, is a stop id that ends it (the engine's rule: from min_tokens on)."""
-        return token in self.params.stop_ids and len(self.tokens) >= self.params.min_tokens
-
-
-def stream_delta(s: Serving, c: Choice, token: int, stops: list[str]) -> str | None:
-    """A streamed token's new text (None: the stop id that ends the choice, not shown; its reason follows), held
-    back before a possible stop string (engine/detokenizer.StopText); `stream_rest` sends the rest at the end."""
-    c.tokens.append(token)
-    if c.ended_by(token) and not c.keep_stop:
-        return None
-    c.stream = c.stream or StopText(s.decode, stops, c.keep_stop)
-    return c.stream.add(token)
+    def take(self, out: Output) -> None:
+        if isinstance(out, NewToken):
+            self.tokens.append(out.token)
+            if out.shown:
+                self.shown.append(out.token)
+        else:
+            self.finish_reason = out.reason
+        self.text += out.text
 
 
-def stream_rest(s: Serving, c: Choice, stops: list[str]) -> str:
-    """The text stream_delta held back, sent with the finish reason."""
-    c.stream = c.stream or StopText(s.decode, stops, c.keep_stop)
-    return c.stream.rest()
-
-
-def submit(s: Serving, choice: Choice, stops: list[str], rid: str) -> None:
+def submit(s: Serving, choice: Choice, params: SamplingParams, rid: str) -> None:
     loop = asyncio.get_running_loop()
-    min_tokens = choice.params.min_tokens
-    seen = IncrementalText(s.decode, stops)  # read on the engine thread only
 
     def on_output(r, out: Output):
         with contextlib.suppress(RuntimeError):  # the event loop has closed (the server is gone): nobody waits
             loop.call_soon_threadsafe(choice.queue.put_nowait, out)
-        # after the token is queued: the one that completes a stop string is read before the end that follows it
-        if isinstance(out, NewToken) and seen.stops:
-            seen.add(out.token)
-            if len(r.tokens) >= min_tokens and seen.stop_found():
-                s.engine_thread.engine.cancel(r, "stop")  # the engine thread: end it at once
 
-    choice.handle = s.engine_thread.submit(choice.prompt, choice.params, on_output)
+    choice.handle = s.engine_thread.submit(choice.prompt, params, on_output)
     with s.lock:
         s.live[choice.handle] = f"{rid}#{choice.index}"
 
@@ -173,27 +155,18 @@ def start(
             except EngineError as e:
                 raise BadRequest(str(e)) from None
             plans.append((ids, params))
-    keep = req.include_stop_str_in_output
-    choices = [Choice(i, ids, asyncio.Queue(), params=p, keep_stop=keep) for i, (ids, p) in enumerate(plans)]
-    for c in choices:
-        submit(s, c, req.stops, rid)
+    choices = [Choice(i, ids, asyncio.Queue()) for i, (ids, _) in enumerate(plans)]
+    for c, (_, params) in zip(choices, plans):
+        submit(s, c, params, rid)
     return choices
-
-
-def kept_tokens(c: Choice) -> list[int]:
-    """The tokens a client sees: the stop id (end-of-text, stop_token_ids) that ended a choice is not shown."""
-    if c.finish_reason == "stop" and c.tokens and c.tokens[-1] in c.params.stop_ids and not c.keep_stop:
-        return c.tokens[:-1]
-    return c.tokens
 
 
 async def collect(c: Choice) -> None:
     while True:
         out = await c.queue.get()
+        c.take(out)
         if isinstance(out, Finished):
-            c.finish_reason = out.reason
             return
-        c.tokens.append(out.token)
 
 
 def reason_of(engine_reason: FinishReason | None) -> OpenAIFinishReason:
@@ -280,9 +253,8 @@ async def merged_outputs(choices: list[Choice]):
         left = len(choices)
         while left:
             c, out = await merged.get()
-            if isinstance(out, Finished):
-                left -= 1
-                c.finish_reason = out.reason
+            c.take(out)
+            left -= isinstance(out, Finished)
             yield c, out
     finally:
         for t in tasks:

@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from resformer_jax.engine.detokenizer import cut
 from resformer_jax.engine.engine import NewToken
 from resformer_jax.serve.choices import (
     Choice,
@@ -19,7 +18,6 @@ from resformer_jax.serve.choices import (
     envelope,
     event_stream,
     finished,
-    kept_tokens,
     logprobs_record,
     merged_outputs,
     prompts_of,
@@ -27,8 +25,6 @@ from resformer_jax.serve.choices import (
     scores_of,
     sse,
     start,
-    stream_delta,
-    stream_rest,
     until_done_or_gone,
     usage,
 )
@@ -66,8 +62,7 @@ async def completions(req: CompletionRequest, request: Request):
 async def completion_response(s, req: CompletionRequest, rid, created, prompts, choices: list[Choice]) -> dict:
     out = []
     for c in choices:
-        kept = kept_tokens(c)
-        text = cut(s.decode(kept), req.stops, c.keep_stop)
+        kept, text = c.shown, c.text
         prompt_text = s.decode(c.prompt)
         entry: dict[str, Any] = {
             "index": c.index,
@@ -114,14 +109,14 @@ async def stream_completion(
                     yield echo(c)
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
                 if isinstance(out, NewToken):
-                    if (delta := stream_delta(s, c, out.token, req.stops)) is None:
-                        continue  # the finish reason follows
-                    entry["text"], entry["token_ids"] = delta, [out.token]
+                    if not out.shown:
+                        continue  # the stop id that ends it: the finish reason follows
+                    entry["text"], entry["token_ids"] = out.text, [out.token]
                     if req.logprobs is not None:  # this token's, over the prompt and what came before it
-                        ids, offset = c.prompt + c.stream.shown, prompt_chars[c.index] + c.stream.offset
+                        ids, offset = c.prompt + c.shown, prompt_chars[c.index] + out.offset
                         entry["logprobs"] = logprobs_record(s, scores_of(c), ids, len(ids) - 1, req.logprobs, offset)
                 else:
-                    entry["text"], entry["finish_reason"] = stream_rest(s, c, req.stops), reason_of(out.reason)
+                    entry["text"], entry["finish_reason"] = out.text, reason_of(out.reason)
                 yield sse(chunk([entry]))
         else:
             for c in choices:

@@ -97,3 +97,7 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     cmd = [sys.executable, "-m", "resformer_jax", "generate", f"--workdir={tmp_path / 'hf'}", "--max_new_tokens=24"]
     e = subprocess.run([*cmd, "--prompt=the cat sat on the mat"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert e.returncode == 0 and e.stdout == r.stdout and '"step": null' in e.stderr, e.stderr[-2000:]
+    # stop strings (vLLM's `stop`): the engine ends the text before the first one met
+    stops = ["--prompt=the cat sat on the mat", "--stop= dog", "--stop=bone"]
+    s = subprocess.run([*cmd, *stops], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert s.returncode == 0 and s.stdout.startswith("the cat sat on the mat and the\n" + "-" * 40), s.stdout

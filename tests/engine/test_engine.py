@@ -664,30 +664,78 @@ def test_prompt_and_token_scores_equal_the_whole_forward_with_the_prefix_cache_o
         np.testing.assert_allclose(on.scores.logprob[1:], off.scores.logprob[1:], atol=1e-5)
 
 
-def test_incremental_text_equals_the_whole_decode_and_finds_each_stop_once(shared_data):
-    """vLLM's incremental detokenization over the NeoX tokenizer: the texts added token by token are the whole
-    output's decode (multi-byte characters split across byte tokens included), and a stop string that spans tokens
-    is found at the token that completes it, once; the first search (a caller starting at min_tokens) reads it all."""
+def test_output_text_equals_the_whole_decode_and_ends_at_the_first_stop_string(shared_data):
+    """vLLM's incremental detokenization over the NeoX tokenizer: the text added token by token is the whole
+    output's decode (multi-byte characters split across byte tokens included); a stop string that spans tokens ends
+    the text at the token that completes it (before it; through it with include_stop_str_in_output); the deltas
+    never show a character a stop string may still begin with, and with the rest they add up to the text; a stop
+    string completed before min_tokens (stopping off) is not found later, as vLLM searches only new text."""
     from tokenizers import Tokenizer
 
-    from resformer_jax.engine.detokenizer import IncrementalText
+    from resformer_jax.engine.detokenizer import OutputText
 
     tok = Tokenizer.from_file(str(shared_data / "tokenizers" / "gpt-neox-20b.json"))
     text = "def f(x):\n    return x  # é, 値, 🙂 and a stop: END.\n\nnext"
     ids = tok.encode(text).ids
     assert len(ids) > len(text) // 4 and any(tok.decode([t]).endswith("\ufffd") for t in ids)  # split characters
-    seen = IncrementalText(tok.decode, ["END", "\n\n"])
-    found_at = []
+    plain = OutputText(tok.decode)
     for i, t in enumerate(ids):
-        seen.add(t)
-        assert tok.decode(ids[: i + 1]).startswith(seen.text)
-        if seen.stop_found():
-            found_at.append(i)
-    assert seen.text == tok.decode(ids) == text
+        plain.add(t)
+        assert tok.decode(ids[: i + 1]).startswith(plain.text)
+    assert plain.text == tok.decode(ids) == text
     end = next(i for i in range(len(ids)) if "END" in tok.decode(ids[: i + 1]))
     blank = next(i for i in range(len(ids)) if "\n\n" in tok.decode(ids[: i + 1]))
-    assert found_at == [end, blank]
-    late = IncrementalText(tok.decode, ["END"])
-    for t in ids[: end + 3]:
-        late.add(t)
-    assert late.stop_found() and not late.stop_found()  # what was searched is not searched again
+    for keep, want in ((False, text[: text.index("END")]), (True, text[: text.index("END") + 3])):
+        out, sent = OutputText(tok.decode, ["END", "\n\n"], keep), ""
+        for i, t in enumerate(ids):
+            if out.add(t):
+                assert i == end, "the stop string ended the text at another token than the one completing it"
+                break
+            delta = out.delta()
+            assert not delta.endswith(("E", "EN", "\n")), "a stop string's first characters were sent"
+            sent += delta
+        assert out.stopped and out.text == want and sent + out.delta(final=True) == want
+    late = OutputText(tok.decode, ["END", "\n\n"])
+    stopped_at = next(i for i, t in enumerate(ids) if late.add(t, stopping=i > end))
+    assert stopped_at == blank and late.text == text[: text.index("\n\n")]
+
+
+def test_stop_strings_end_a_request_in_the_engine_streamed_or_not():
+    """The engine applies a request's stop strings (vLLM's `stop`): its text ends before the first one met from
+    min_tokens on, its reason is "stop", no token is generated after the one that completed it, and its pages go
+    back; the text deltas its callback gets, with the end's rest, add up to that text; include_stop_str_in_output
+    keeps the stop string; a stop string met before min_tokens does not end it."""
+    m, params = peaky_model("svformer")
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def decode(ids):  # a stand-in tokenizer: one letter a token
+        return "".join(letters[t % 26] for t in ids)
+
+    prompt = [5, 9, 2, 7]
+    sizes = {"cache_bytes": 2**22, "page_size": 8, "max_batch": 4, "prefill_chunk": 16, "decode_steps": 1}
+    engine = Engine(m, params, **sizes, detokenize=decode)
+    free = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
+    text = decode(free.tokens)
+    assert free.text == text and free.finish_reason == "length"
+    at = 6  # a two-letter stop string first completed by the 8th token
+    stop = next(text[j : j + 2] for j in range(at, len(text) - 2) if text[j : j + 2] not in text[: j + 1])
+    first = text.index(stop)
+    for keep in (False, True):
+        deltas: list[str] = []
+
+        def on_output(r, out, deltas=deltas):
+            deltas.append(out.text)
+
+        asked = SamplingParams(max_tokens=24, stop=(stop,), include_stop_str_in_output=keep)
+        r = engine.submit(prompt, asked, on_output)
+        while engine.busy:
+            engine.step()
+        assert r.finish_reason == "stop" and len(r.tokens) == first + 2 and r.tokens == free.tokens[: first + 2]
+        assert r.text == text[: first + 2 * keep] == "".join(deltas)
+        assert engine.pool.used == 0
+    early = text[1:3]  # met at the third token: before min_tokens it does not count
+    r = engine.generate([prompt], SamplingParams(max_tokens=24, stop=(early,), min_tokens=4))[0]
+    later = text.find(early, 2)  # ending at the fourth token or later
+    assert r.text == (text[:later] if later >= 0 else text)
+    with pytest.raises(EngineError, match="no tokenizer"):
+        Engine(m, params, cache_bytes=2**22, page_size=8).submit(prompt, SamplingParams(stop=("ab",)))
