@@ -1,5 +1,5 @@
-"""Test setup: 8 host CPU devices (must be set before jax is imported); under pytest-xdist (README's `-n 2`),
-one compilation cache per worker and tests marked `exclusive` run with no other test beside them."""
+"""Test setup: 8 host CPU devices (must be set before jax is imported); one compilation cache for every process of
+the run; under pytest-xdist (README's `-n 2`), tests marked `exclusive` run with no other test beside them."""
 
 import fcntl
 import os
@@ -17,12 +17,13 @@ from resformer_jax.runtime import configure_xla
 
 configure_xla()
 # XLA's CPU compiles dominate this suite; many tests (and their subprocesses) compile the same
-# tiny programs, so both workers and every subprocess share one persistent compilation cache. A size limit makes
-# JAX take a file lock around each read and write of it (without one it writes entries in place, and a worker
-# could read another's half-written entry).
+# tiny programs, so both workers and every subprocess share one persistent compilation cache, every compile kept
+# (the eager ops' too: sharing them beats leaving them out). No size limit: with one, JAX lists and reads every
+# entry's files at each write, under a lock both workers wait on: a cost growing with the cache (docs/architecture.md).
+# A read of an entry another process is still writing fails its decompression: JAX warns and compiles.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/resformer_jax_test_jit_cache")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
