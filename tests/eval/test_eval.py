@@ -2,13 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import run_command
+from corpus_sample import trimmed_slimpajama
 
 from resformer_jax.analysis import measures
 from resformer_jax.analysis.runs import relative_curves
@@ -119,7 +119,8 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     from resformer_jax.data_prep.prepare import prepare
     from resformer_jax.presets import tiny_config
 
-    prepare([str(shared_data / "slimpajama_sample")], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
+    sample = trimmed_slimpajama(shared_data, tmp_path / "sample", docs_per_domain=3, chars_per_doc=6000)
+    prepare([str(sample)], "train:400", str(tmp_path / "data"), seq_len=32, quiet=True)
     data = str(tmp_path / "data")
     runs = {}
     for mode in ("none", "resformer"):
@@ -128,30 +129,20 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
         c.train.steps, c.train.log_every, c.mesh.num_devices = 20, 2, 1
         runs[mode] = str(tmp_path / mode)
         assert run(c, runs[mode]) == 0
-    py = [sys.executable, "-m"]
-    r = subprocess.run(
-        py
-        + [
-            "resformer_jax",
-            "evaluate",
-            f"--workdir={runs['resformer']}",
-            f"--data={data}",
-            "--tasks=piqa,winogrande,arc_easy",
-            f"--task_data={shared_data / 'eval_samples'}",
-            "--limit=6",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "evaluate",
+        f"--workdir={runs['resformer']}",
+        f"--data={data}",
+        "--tasks=piqa,winogrande,arc_easy",
+        f"--task_data={shared_data / 'eval_samples'}",
+        "--limit=6",
     )
     assert r.returncode == 0, r.stderr
     assert "Table 5" in r.stdout and "Table 1" in r.stdout and "piqa" in r.stdout
     ev = json.load(open(os.path.join(runs["resformer"], "eval", "validation_step20.json")))
     assert "mean" in ev["loss"] and len(ev["loss"]) >= 3 and all(np.isfinite(v) for v in ev["loss"].values())
     # Table 5's losses count every validation record once, whatever --batch: the full forward's mean over them all
-    r = subprocess.run(py + ["resformer_jax", "evaluate", f"--workdir={runs['resformer']}", f"--data={data}",
-                             "--batch=5"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = run_command("evaluate", f"--workdir={runs['resformer']}", f"--data={data}", "--batch=5")
     assert r.returncode == 0, r.stderr
     by5 = json.load(open(os.path.join(runs["resformer"], "eval", "validation_step20.json")))["loss"]
     from resformer_jax.data.pipeline import validation_sets
@@ -161,31 +152,24 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     cfg, params, _ = load_run(runs["resformer"])
     meta = json.load(open(os.path.join(data, "metadata.json")))["splits"]["validation"]
     sizes = []
+    forward = jax.jit(lambda rows: Transformer(cfg.model).apply({"params": params}, rows))
     for dom, batches in validation_sets(cfg, 10**6, 0, all_records=True).items():
         (rows,) = batches
         assert len(rows) == meta[dom]["sequences"], dom
         sizes.append(len(rows))
-        logp = jax.nn.log_softmax(Transformer(cfg.model).apply({"params": params}, rows[:, :-1]).astype(jnp.float32))
+        logp = jax.nn.log_softmax(forward(rows[:, :-1]).astype(jnp.float32))
         want = -float(jnp.mean(jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1)))
         assert ev["loss"][dom] == pytest.approx(want, abs=2e-5) and by5[dom] == pytest.approx(want, abs=2e-5), dom
     assert any(n % 5 and n % 16 for n in sizes), f"{sizes}: every domain fills whole batches, so this cannot tell"
     zs = json.load(open(os.path.join(runs["resformer"], "eval", "zero_shot_step20.json")))
     assert zs["tasks"]["piqa"]["n"] == 6
-    r = subprocess.run(
-        py
-        + [
-            "resformer_jax",
-            "analyze",
-            f"--workdir={runs['resformer']}",
-            f"--workdir={runs['none']}",
-            f"--data={data}",
-            "--num_sequences=8",
-            f"--out={tmp_path / 'an'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "analyze",
+        f"--workdir={runs['resformer']}",
+        f"--workdir={runs['none']}",
+        f"--data={data}",
+        "--num_sequences=8",
+        f"--out={tmp_path / 'an'}",
     )
     assert r.returncode == 0, r.stderr
     an = json.load(open(tmp_path / "an" / "analysis.json"))
@@ -200,23 +184,8 @@ def test_three_commands_end_to_end(tmp_path, shared_data):
     assert os.path.getsize(tmp_path / "an" / "fig3_mapping_similarity.png") > 1000
     for f in ("entropy.png", "similarity.png", "spectrum.png"):
         assert os.path.getsize(tmp_path / "an" / f) > 1000
-    r = subprocess.run(
-        py
-        + [
-            "resformer_jax",
-            "compare",
-            "--baseline",
-            runs["none"],
-            runs["resformer"],
-            runs["none"],
-            "--smooth=3",
-            f"--out={tmp_path / 'cmp'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_command("compare", "--baseline", runs["none"], runs["resformer"], runs["none"], "--smooth=3",
+                    f"--out={tmp_path / 'cmp'}")  # fmt: skip
     assert r.returncode == 0, r.stderr
     rel = json.load(open(tmp_path / "cmp" / "relative_train_loss.json"))
     assert max(abs(x) for x in rel["none"]["relative"]) == 0.0

@@ -1,0 +1,82 @@
+"""`resformer COMMAND ...` called in this test process, for tests that read what a command wrote or printed and are not
+about the process boundary (exit codes of a fresh interpreter, signals and the restart stay subprocess tests).
+
+In-process, the command reuses the compiles this process already holds and pays no interpreter start. Its absl flags
+are global: two commands define --workdir, so only the called command's flags are registered while it runs, each
+command's own Flag objects kept aside between calls (absl refuses a second definition of a name)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import sys
+
+from absl import flags
+
+from resformer_jax.commands.cli import COMMANDS
+
+_MODULES = {command: f"resformer_jax.commands.{module}" for command, module, _ in COMMANDS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What subprocess.run(..., capture_output=True, text=True) gives, for the same asserts."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class _CommandFlags:
+    """Each command module's own flags, registered in absl's FLAGS only while that command runs."""
+
+    def __init__(self):
+        self.by_module: dict[str, list[flags.Flag]] = {}
+
+    def _unregister_all(self):
+        for defined in self.by_module.values():
+            for flag in defined:
+                if flag.name in flags.FLAGS and flags.FLAGS[flag.name] is flag:
+                    delattr(flags.FLAGS, flag.name)
+
+    def activate(self, module_name: str):
+        """Imports the command module with no other command's flags registered, then registers only its flags."""
+        for name in list(sys.modules):  # commands a test imported directly, before any call here
+            if name in _MODULES.values() and name not in self.by_module:
+                self.by_module[name] = list(flags.FLAGS.flags_by_module_dict().get(name, []))
+        self._unregister_all()
+        if module_name not in self.by_module:
+            importlib.import_module(module_name)
+            self.by_module[module_name] = list(flags.FLAGS.flags_by_module_dict().get(module_name, []))
+        for flag in self.by_module[module_name]:
+            if flag.name not in flags.FLAGS:
+                flags.FLAGS[flag.name] = flag
+        flags.FLAGS.unparse_flags()  # the defaults again: nothing left from an earlier call
+
+
+_FLAGS = _CommandFlags()
+
+
+def run_command(command: str, *argv: str) -> Result:
+    """`resformer COMMAND ARGV...` here: its exit status and what it printed to stdout and stderr."""
+    from resformer_jax.commands import cli
+
+    _FLAGS.activate(_MODULES[command])
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv = sys.argv
+    code: int | str | None = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.run(command, [str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+        finally:
+            sys.argv = saved_argv
+    if code is None:
+        code = 0
+    elif isinstance(code, str):  # sys.exit("message"): printed, status 1
+        err.write(code + "\n")
+        code = 1
+    return Result(code, out.getvalue(), err.getvalue())
