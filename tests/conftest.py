@@ -26,6 +26,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/resformer_jax_test_jit_
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+# Nothing in the suite downloads: lm-eval's local tasks and the Hugging Face tests read files beside the checkout.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -506,6 +506,32 @@ def test_the_openai_sdk_unchanged_streams_scores_and_chats(server):
     assert asyncio.run(async_stream()) == text
 
 
+TASK_DIR = os.path.join(ROOT, "configs", "lm_eval_tasks")
+
+
+def lm_eval_local_completions(server_url: str, model: str, tasks: str, limit: int) -> dict[str, list[dict]]:
+    """lm-eval's own `local-completions` API model, unchanged, with its defaults (tokenized requests, 4 concurrent,
+    the server's tokenizer found through /tokenizer_info and /tokenize), through `simple_evaluate` in this process:
+    lm-eval's CLI indexes its thousands of bundled tasks first (6 s a call). Each task's logged samples."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the shipped task files name ../shared/data/eval_samples relative to the repository
+    try:
+        res = simple_evaluate(
+            model="local-completions",
+            model_args=f"model={model},base_url={server_url}/v1/completions,num_concurrent=4",
+            tasks=tasks.split(","),
+            limit=limit,
+            log_samples=True,
+            task_manager=TaskManager(include_path=TASK_DIR, include_defaults=False),
+        )
+    finally:
+        os.chdir(cwd)
+    return res["samples"]
+
+
 def _lm_eval_against(server_url, run_dir, tmp_path, tasks="piqa_local,arc_easy_gen_local"):
     """lm-eval's `local-completions` with its defaults (tokenized requests, 4 concurrent, the server's tokenizer
     found by itself through /tokenizer_info and /tokenize) against the server, and `resformer harness` on the same
@@ -516,13 +542,7 @@ def _lm_eval_against(server_url, run_dir, tmp_path, tasks="piqa_local,arc_easy_g
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     task_dir = os.path.join(ROOT, "configs", "lm_eval_tasks")
     common = ["--include_path", task_dir, "--limit", "8", "--log_samples"]
-    api = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-         f"model={os.path.basename(run_dir)},base_url={server_url}/v1/completions,num_concurrent=4",
-         "--tasks", tasks, "--output_path", str(tmp_path / "api"), *common],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert api.returncode == 0, api.stderr[-3000:]
+    api = lm_eval_local_completions(server_url, os.path.basename(run_dir), tasks, limit=8)
     own = subprocess.run(
         [sys.executable, "-m", "resformer_jax", "harness", "--model", "resformer_jax", "--model_args",
          f"workdir={run_dir},batch_size=8", "--tasks", "piqa_local", "--output_path", str(tmp_path / "own"), *common],
@@ -531,6 +551,8 @@ def _lm_eval_against(server_url, run_dir, tmp_path, tasks="piqa_local,arc_easy_g
     assert own.returncode == 0, own.stderr[-3000:]
 
     def samples(folder, task):
+        if folder == "api":
+            return api[task]
         (path,) = glob.glob(str(tmp_path / folder / "**" / f"samples_{task}_*.jsonl"), recursive=True)
         return [json.loads(line) for line in open(path)]
 
@@ -599,27 +621,15 @@ def test_hellaswag_through_the_prefix_cache_scores_as_without_it(neox_run, tmp_p
     /metrics. The hit rate is bounded by the data: only the 3 later endings of a context can hit, and only its full
     pages of 16 (not the page holding the context's end): at most 0.39 of the prompt tokens here (measured 0.393)."""
     pytest.importorskip("tenacity", reason="lm-eval's api extra is not installed (pip install -e '.[lm_eval]')")
-    import glob
-
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     got = {}
     for on in ("true", "false"):
         s = Server(neox_run, "--cache_gib=0.05", f"--prefix_cache={on}")
         try:
-            out = tmp_path / on
-            r = subprocess.run(
-                [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-                 f"model=r2m,base_url={s.url}/v1/completions,num_concurrent=4", "--tasks", "hellaswag_local",
-                 "--include_path", os.path.join(ROOT, "configs", "lm_eval_tasks"), "--limit", "20", "--log_samples",
-                 "--output_path", str(out)],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-            )  # fmt: skip
-            assert r.returncode == 0, r.stderr[-3000:]
+            samples = lm_eval_local_completions(s.url, "r2m", "hellaswag_local", limit=20)["hellaswag_local"]
             hits, queries = s.metric("vllm:prefix_cache_hits_total"), s.metric("vllm:prefix_cache_queries_total")
         finally:
             s.stop()
-        (path,) = glob.glob(str(out / "**" / "samples_hellaswag_local_*.jsonl"), recursive=True)
-        got[on] = ([json.loads(line) for line in open(path)], hits, queries)
+        got[on] = (samples, hits, queries)
     (cached, hits, queries), (plain, no_hits, _) = got["true"], got["false"]
     assert len(cached) == len(plain) == 20
     for x, y in zip(cached, plain):
