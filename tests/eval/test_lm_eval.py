@@ -69,7 +69,10 @@ def test_accuracy_on_the_sample_tasks_equals_evaluate(trained, shared_data):
     os.chdir(ROOT)  # the shipped task files name ../shared/data/eval_samples relative to the repository
     try:
         res = simple_evaluate(
-            model=lm, tasks=[f"{t}_local" for t in tasks], limit=limit, task_manager=TaskManager(include_path=TASKS_DIR)
+            model=lm,
+            tasks=[f"{t}_local" for t in tasks],
+            limit=limit,
+            task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False),
         )
     finally:
         os.chdir(cwd)

@@ -76,8 +76,10 @@ def test_the_roofline_counts_the_blocks_the_pallas_kernels_skip_on_documents(bq,
     assert 4 * visited_blocks(64, 64, bq, bk) < geometric < visited_blocks(T, T, bq, bk)
 
 
-def _grads_of_each_document(m, params, docs):
-    return [jax.grad(lambda p, d=d: Transformer(m).apply({"params": p}, jnp.asarray(d)).sum())(params) for d in docs]
+def _forward_and_grad(m):
+    """The model's logits and the gradient of their sum, each one compiled program (eager: an op at a time)."""
+    forward = jax.jit(lambda p, tokens: Transformer(m).apply({"params": p}, tokens))
+    return forward, jax.jit(jax.grad(lambda p, tokens: forward(p, tokens).sum()))
 
 
 CASES = [
@@ -109,15 +111,16 @@ def test_a_packed_sequence_is_its_documents_run_alone(variant, fields, impl):
     rng = np.random.default_rng(0)
     row, docs = packed(rng, m.vocab_size)
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
-    logits = np.asarray(Transformer(m).apply({"params": params}, jnp.asarray(row)))[0]
-    alone = m.replace(document_eot=-1)
+    forward, grad = _forward_and_grad(m)
+    logits = np.asarray(forward(params, jnp.asarray(row)))[0]
+    forward_alone, grad_alone = _forward_and_grad(m.replace(document_eot=-1))
     start = 0
     for d in docs:
-        want = np.asarray(Transformer(alone).apply({"params": params}, jnp.asarray(d)))[0]
+        want = np.asarray(forward_alone(params, jnp.asarray(d)))[0]
         np.testing.assert_allclose(logits[start : start + d.shape[1]], want, rtol=2e-4, atol=2e-4)
         start += d.shape[1]
-    g_packed = jax.grad(lambda p: Transformer(m).apply({"params": p}, jnp.asarray(row)).sum())(params)
-    g_alone = jax.tree.map(lambda *g: sum(g), *_grads_of_each_document(alone, params, docs))
+    g_packed = grad(params, jnp.asarray(row))
+    g_alone = jax.tree.map(lambda *g: sum(g), *[grad_alone(params, jnp.asarray(d)) for d in docs])
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_packed), jax.tree.leaves(g_alone)):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4, err_msg=jax.tree_util.keystr(path))
 
@@ -130,8 +133,9 @@ def test_without_the_mask_the_documents_see_each_other_and_runs_are_as_before():
     assert m.document_eot == -1
     row, docs = packed(np.random.default_rng(0), m.vocab_size)
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(1), jnp.asarray(row))["params"])
-    logits = np.asarray(Transformer(m).apply({"params": params}, jnp.asarray(row)))[0]
-    second = np.asarray(Transformer(m).apply({"params": params}, jnp.asarray(docs[1])))[0]
+    forward, _ = _forward_and_grad(m)
+    logits = np.asarray(forward(params, jnp.asarray(row)))[0]
+    second = np.asarray(forward(params, jnp.asarray(docs[1])))[0]
     assert not np.allclose(logits[LENGTHS[0] : LENGTHS[0] + LENGTHS[1]], second, atol=1e-3)
 
 
@@ -221,7 +225,7 @@ def test_the_eval_step_counts_the_targets_its_mean_is_over():
     model = Transformer(m)
     params = nn.unbox(model.init(jax.random.PRNGKey(1), jnp.asarray(rows))["params"])
     step = jax.jit(make_eval_step(model, 8, document_starts=False))
-    logits = model.apply({"params": params}, jnp.asarray(rows[:, :-1]))
+    logits = jax.jit(model.apply)({"params": params}, jnp.asarray(rows[:, :-1]))
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(rows[:, 1:, None]), -1)[..., 0]
     kept = rows[:, :-1] != EOT
     for rows_B in (np.array([True, True, True]), np.array([True, False, True])):
