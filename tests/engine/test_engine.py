@@ -447,8 +447,8 @@ def test_a_bf16_engine_on_a_cpu_multiplies_the_rounded_weights_in_fp32(variant):
         assert x.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(x), np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (2, 40)))
-    want = np.asarray(Transformer(m).apply({"params": params}, tokens), np.float32)
-    got = np.asarray(Transformer(served).apply({"params": held}, tokens), np.float32)
+    want = np.asarray(jax.jit(Transformer(m).apply)({"params": params}, tokens), np.float32)
+    got = np.asarray(jax.jit(Transformer(served).apply)({"params": held}, tokens), np.float32)
     np.testing.assert_allclose(got, want, atol=4 * 2**-8 * np.abs(want).max())
     engine = Engine(m, params, cache_bytes=2**20, page_size=8, max_batch=2, prefill_chunk=16)
     assert engine.model_cfg.matmuls == "rounded"
@@ -636,9 +636,10 @@ def test_prompt_and_token_scores_equal_the_whole_forward_with_the_prefix_cache_o
     m, params = peaky_model(variant, **VARIANTS[variant])
     prompts = _shared_prefix_prompts(np.random.default_rng(7), m.vocab_size, prefixes=2, per_prefix=3)
     model = Transformer(m)
+    forward = jax.jit(lambda tokens: jax.nn.log_softmax(model.apply({"params": params}, tokens)[0], -1))
 
     def whole(ids):  # log p at every position of ids (row t predicts token t + 1), the cache-free forward
-        return np.asarray(jax.nn.log_softmax(model.apply({"params": params}, jnp.array([ids]))[0], -1))
+        return np.asarray(forward(jnp.array([ids])))
 
     runs = {}
     for on in (False, True):
