@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from commands import run_command
 
 from resformer_jax.analysis import grouping
 from resformer_jax.analysis.measures import moving_average
@@ -25,10 +26,10 @@ SWEEP = [
     "model.value_residual=none,resformer",
     "--set",
     "train.seed=0,1",
-    "--config.train.steps=30",
+    "--config.train.steps=20",
     "--config.train.log_every=1",
     "--config.train.eval_every=10",
-    "--config.checkpoint.every_steps=2",
+    "--config.checkpoint.every_steps=5",
     "--config.mesh.num_devices=1",
 ]
 NAMES = [
@@ -92,12 +93,12 @@ def test_sweep_creates_named_runs_and_manifest_and_resumes(swept):
     manifest = json.load(open(os.path.join(wd, "sweep.json")))
     assert manifest["grid"] == {"model.value_residual": ["none", "resformer"], "train.seed": [0, 1]}
     assert [r["name"] for r in manifest["runs"]] == NAMES
-    assert f"[1/4] {NAMES[0]}: finished (step 30), skipped" in out
+    assert f"[1/4] {NAMES[0]}: finished (step 20), skipped" in out
     assert "resuming from step" in out and "sweep done: 4 runs" in out
     for name in NAMES:
         cfg = json.load(open(os.path.join(wd, name, "config.json")))
         assert cfg["model"]["value_residual"] == name.split("_seed")[0].split("-")[1]
-        assert sorted(losses(os.path.join(wd, name))) == list(range(1, 31))
+        assert sorted(losses(os.path.join(wd, name))) == list(range(1, 21))
     again = sweep(wd)  # everything finished: nothing runs
     assert again.returncode == 0 and again.stdout.count("skipped") == 4
     other = sweep(wd, "--set", "model.num_layers=2,3")
@@ -107,32 +108,23 @@ def test_sweep_creates_named_runs_and_manifest_and_resumes(swept):
 def test_grouped_comparison_equals_direct_computation_and_verdict_flips(swept, tmp_path):
     wd, _ = swept
     out = str(tmp_path / "cmp")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "compare",
-            wd,
-            "--group_by",
-            "model.value_residual",
-            "--baseline",
-            "none",
-            "--smooth",
-            "5",
-            "--out",
-            out,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "compare",
+        wd,
+        "--group_by",
+        "model.value_residual",
+        "--baseline",
+        "none",
+        "--smooth",
+        "5",
+        "--out",
+        out,
     )
     assert r.returncode == 0, r.stderr
     rep = json.load(open(os.path.join(out, "grouped_comparison.json")))
     g = rep["groups"]["resformer"]
     # Direct: per seed, smoothed resformer minus smoothed vanilla (same seed: paired), then over seeds.
-    sm = {n: moving_average([losses(os.path.join(wd, n))[s] for s in range(1, 31)], 5) for n in NAMES}
+    sm = {n: moving_average([losses(os.path.join(wd, n))[s] for s in range(1, 21)], 5) for n in NAMES}
     rel = np.array([sm[NAMES[2]] - sm[NAMES[0]], sm[NAMES[3]] - sm[NAMES[1]]])
     assert g["paired"] and g["seeds"] == [0, 1] and g["band_kind"] == "min-max"
     np.testing.assert_allclose(g["relative"], rel.mean(0), atol=1e-12)
@@ -252,28 +244,19 @@ def test_compare_scaling_readout_on_runs_following_known_power_laws(tmp_path):
                     loss = 9.0 * (k_n * n) ** -0.07 * (k_d * step * tokens_per_step) ** -0.05
                     f.write(json.dumps({"step": step, "eval/loss": loss}) + "\n")
     out = tmp_path / "cmp"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "compare",
-            str(tmp_path),
-            "--group_by",
-            "model.value_residual",
-            "--baseline",
-            "none",
-            "--scaling",
-            "--scaling_loss=validation",
-            "--smooth",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "compare",
+        str(tmp_path),
+        "--group_by",
+        "model.value_residual",
+        "--baseline",
+        "none",
+        "--scaling",
+        "--scaling_loss=validation",
+        "--smooth",
+        "1",
+        "--out",
+        str(out),
     )
     assert r.returncode == 0, r.stderr
     sc = json.load(open(out / "grouped_comparison.json"))["scaling"]
@@ -301,30 +284,21 @@ def test_compare_vs_sequence_length_finds_and_predicts_critical_points(tmp_path)
                     rel = (step - at) / 100.0 if variant == "svformer" else 0.0
                     f.write(json.dumps({"step": step, "train/loss": 5.0 + rel}) + "\n")
     out = tmp_path / "cmp"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "compare",
-            str(tmp_path),
-            "--group_by",
-            "model.value_residual",
-            "--baseline",
-            "none",
-            "--vs",
-            "data.seq_len",
-            "--smooth",
-            "1",
-            "--last",
-            "20",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "compare",
+        str(tmp_path),
+        "--group_by",
+        "model.value_residual",
+        "--baseline",
+        "none",
+        "--vs",
+        "data.seq_len",
+        "--smooth",
+        "1",
+        "--last",
+        "20",
+        "--out",
+        str(out),
     )
     assert r.returncode == 0, r.stderr
     cp = json.load(open(out / "grouped_comparison.json"))["critical_points"]["svformer"]
@@ -388,9 +362,6 @@ def test_mixed_lengths_are_refused_as_one_comparison_and_grouped_with_vs(tmp_pat
                 {s: 5.0 - s / 100 + (gap if v == "svformer" else 0.0) for s in range(1, 41)},
             )
     cmd = [
-        sys.executable,
-        "-m",
-        "resformer_jax",
         "compare",
         str(tmp_path / "runs"),
         "--group_by",
@@ -402,11 +373,9 @@ def test_mixed_lengths_are_refused_as_one_comparison_and_grouped_with_vs(tmp_pat
         "--out",
         str(tmp_path / "cmp"),
     ]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_command(*cmd)
     assert r.returncode == 2 and "data.seq_len" in r.stderr and "--vs" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run(
-        cmd + ["--vs", "data.seq_len", "--last", "10"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    r = run_command(*cmd, "--vs", "data.seq_len", "--last", "10")
     assert r.returncode == 0, r.stderr
     groups = json.load(open(tmp_path / "cmp" / "grouped_comparison.json"))["groups"]
     assert groups["svformer [data.seq_len=32]"]["final_relative"] == pytest.approx(-0.2)
@@ -433,27 +402,18 @@ def test_scaling_against_parameters_uses_the_mean_training_loss_of_the_last_50_s
                     f.write(json.dumps({"step": s, "train/loss": loss, "eval/loss": loss + 1}) + "\n")
             n = model_flops(ModelConfig.of(c.model), c.data.seq_len).params_non_embedding
             want.setdefault(v, {})[n] = np.mean([train[s] for s in (160, 170, 180, 190, 200)])
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "compare",
-            str(tmp_path / "runs"),
-            "--group_by",
-            "model.value_residual",
-            "--baseline",
-            "none",
-            "--scaling",
-            "--smooth",
-            "1",
-            "--out",
-            str(tmp_path / "cmp"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "compare",
+        str(tmp_path / "runs"),
+        "--group_by",
+        "model.value_residual",
+        "--baseline",
+        "none",
+        "--scaling",
+        "--smooth",
+        "1",
+        "--out",
+        str(tmp_path / "cmp"),
     )
     assert r.returncode == 0, r.stderr
     sc = json.load(open(tmp_path / "cmp" / "grouped_comparison.json"))["scaling"]
