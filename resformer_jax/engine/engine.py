@@ -484,6 +484,8 @@ class Engine:
         k = bucket(max(steps))  # no more steps than the rows need (1, 2, 4 or 8: few compiles)
         top = TOP_LOGPROBS if any(r.params.logprobs is not None for r in rows) else 0
         tok, lp, tops = self._run(rows, [[r.tokens[-1]] for r in rows], 1, steps if k > 1 else None, k, top)
+        if top and k == 1:  # the step program's scores: at 1 the token fed's next (0: the carried state's)
+            tops = (tops[1][:, 1:2], tops[2][:, 1:2])
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += k
         self.stats.decode_readbacks += 1
