@@ -47,6 +47,19 @@ flags.DEFINE_bool(
     "Keep full pages of prompts and reuse them for prompts that start with the same tokens (vLLM's automatic "
     "prefix caching); --noprefix_cache (or --prefix_cache=false) turns it off.",
 )
+flags.DEFINE_bool(
+    "compile_at_start",
+    True,
+    "Compile every program a request without logprobs, penalties or token masks can need (each row, token and page "
+    "bucket up to --max_batch and the context) before listening: serving them compiles nothing. False: each "
+    "compiles on the first request that needs it.",
+)
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    "~/.cache/resformer_jax/xla",
+    "JAX's persistent compilation cache: a restart loads the programs compiled before ('': none; the "
+    "JAX_COMPILATION_CACHE_DIR environment variable, where set, wins).",
+)
 flags.DEFINE_string("model_name", None, "The name /v1/models gives (default: the run directory's name).")
 flags.DEFINE_float(
     "shutdown_budget_s", 30.0, "On SIGTERM: seconds the requests in flight get to finish; then they end as 'abort'."
@@ -74,6 +87,7 @@ def main(argv):
     from resformer_jax.serve.engine_thread import EngineThread
     from resformer_jax.serve.metrics import ServeMetrics
 
+    _persistent_compilation_cache(FLAGS.compilation_cache_dir)
     with cli.exit_on_user_error():
         _check_workdir(FLAGS.workdir)
         template = _chat_template(FLAGS.chat_template, FLAGS.workdir)
@@ -84,6 +98,15 @@ def main(argv):
         detokenize = tokenizer.decode if tokenizer is not None else None  # the engine ends text at stop strings
         engine = Engine(
             model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), detokenize=detokenize, **sizes
+        )
+    if FLAGS.compile_at_start:
+        print(f"compiling {len(engine.program_shapes())} programs ...", file=sys.stderr, flush=True)
+        seconds = engine.compile_all(log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(
+            f"compiled {len(engine.runner.programs)} programs in {seconds:.1f} s: requests without logprobs, "
+            "penalties or token masks compile nothing while served (/metrics: resformer:compiles_after_start)",
+            file=sys.stderr,
+            flush=True,
         )
     name = FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.workdir))
     metrics = ServeMetrics(name)
@@ -135,6 +158,17 @@ def _capacity_line(name: str, step: int | None, engine, tokenizer, trained_len: 
         )
         + ("" if tokenizer is not None else "; this run trained on token ids only: prompts must be token ids")
     )
+
+
+def _persistent_compilation_cache(folder: str) -> None:
+    """JAX's persistent compilation cache in `folder` (a restart loads what the last start compiled), unless the
+    environment names one already or `folder` is empty."""
+    if not folder or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _check_workdir(path: str) -> None:

@@ -211,6 +211,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admitted, in admission order (prefill or decode)
         self.stats = EngineStats()
+        self.programs_at_start = 0  # the runner's programs compile_all ran
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -286,6 +287,56 @@ class Engine:
                     raise EngineError("skip_prefill: the pool cannot hold every admitted prompt")
                 r.cached, r.state = len(r.to_cache), "decode"
                 r.tokens.append(r.prompt[-1])  # a stand-in first token: the next step's input
+
+    # ------------------------------------------------------------------ compiles
+    def program_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (rows, tokens, pages, k) `_run` can lay out: prefill chunks (tokens 16, 64, ... up to the chunk's
+        bucket), single decode steps (1 token, k = 1) and k-step decodes (k = 2, 4, ... up to decode_steps' bucket),
+        at every row bucket up to max_batch (prefill: prefill_rows) and every page bucket up to a full context."""
+        per_shard = -(-self.max_batch // self.shards)
+        min_rows = self.runner.form.min_rows
+
+        def buckets(n: int, at_least: int = 1, base: int = 2) -> list[int]:
+            return sorted({bucket(i, at_least, base) for i in range(1, n + 1)})
+
+        pages = min(self.pool.pages_for(self.max_len), self.pool[0].usable)
+        chunk = bucket(self.prefill_chunk)
+        prefill_T = sorted({min(T, chunk) for T in buckets(self.prefill_chunk, 16, 4)})
+        ks = [1] + [k for k in buckets(self.decode_steps) if k > 1]
+        shapes = []
+        for Pn in buckets(pages, 4):
+            for Bs in buckets(min(self.prefill_rows, per_shard), min_rows):
+                shapes += [(self.shards * Bs, T, Pn, 1) for T in prefill_T]
+            for Bs in buckets(per_shard, min_rows):
+                shapes += [(self.shards * Bs, 1, Pn, k) for k in ks]
+        return shapes
+
+    def compile_all(self, log: Callable[[str], Any] | None = None) -> float:
+        """Compiles, without running, every program `program_shapes` lists for requests without logprobs, penalties
+        or token masks, so serving them compiles nothing (the others compile their variant when first met:
+        `compiles_after_start` counts them). Returns the seconds it took. One at a time: XLA:CPU's compile of one
+        program already keeps both cores of a 2-core host busy (threads measured no faster)."""
+        t0 = last = time.perf_counter()
+        shapes = self.program_shapes()
+        for n, (B, T, Pn, k) in enumerate(shapes, 1):
+            table, zeros = np.zeros((B, Pn), np.int32), np.zeros((B,), np.int32)
+            if k == 1:
+                rows: StepRows | DecodeRows = StepRows(
+                    np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32), table, zeros
+                )
+            else:
+                rows = DecodeRows(zeros, np.full((B,), -1, np.int32), table, zeros)
+            self.runner.precompile(rows, SamplingRows.of(B, []), k)
+            if log is not None and (time.perf_counter() - last > 10 or n == len(shapes)):
+                last = time.perf_counter()
+                log(f"compiled {n}/{len(shapes)} programs, {last - t0:.0f} s")
+        self.programs_at_start = len(self.runner.programs)
+        return time.perf_counter() - t0
+
+    @property
+    def compiles_after_start(self) -> int:
+        """Programs first run after compile_all (all of them without it): each a compile while serving."""
+        return len(self.runner.programs) - self.programs_at_start
 
     # ------------------------------------------------------------------ the scheduler
     def step(self) -> list[Request]:

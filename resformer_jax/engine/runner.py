@@ -99,9 +99,26 @@ class ModelRunner:
                 return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
 
             self._jit = per_shard
-        self._step_fns: dict[int, Callable] = {}  # top: step_program, made when first run
-        self._decode_fns: dict[tuple[int, int], Callable] = {}  # (k steps a readback, top)
+        self._step_fns: dict[int, Any] = {}  # top: the jitted step_program, made when first run
+        self._decode_fns: dict[tuple[int, int], Any] = {}  # (k steps a readback, top)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
+        # every program run so far, keyed as jit keys its compiles (the arguments' tree, shapes and dtypes): a
+        # key met for the first time is a compile (or a persistent-cache load)
+        self.programs: set[tuple] = set()
+
+    def _count(self, kind: tuple, *args) -> None:
+        leaves, tree = jax.tree.flatten(args)
+        self.programs.add((kind, tree, tuple((np.shape(x), np.asarray(x).dtype.str) for x in leaves)))
+
+    def _step_fn(self, top: int) -> Any:
+        if top not in self._step_fns:  # jitted once a form; traced again for penalties or masks (another pytree)
+            self._step_fns[top] = self._jit(step_program(self.model, top), 3, 4 if top else 0)
+        return self._step_fns[top]
+
+    def _decode_fn(self, k: int, top: int) -> Any:
+        if (k, top) not in self._decode_fns:
+            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 2, 3 if top else 0)
+        return self._decode_fns[k, top]
 
     def step(
         self,
@@ -112,17 +129,27 @@ class ModelRunner:
     ):
         """step_program(top) over the step's rows; the cache replaced by the updated one. Returns the
         outputs before the cache."""
-        if top not in self._step_fns:  # jitted once a form; traced again for penalties or masks (another pytree)
-            self._step_fns[top] = self._jit(step_program(self.model, top), 3, 4 if top else 0)
-        *out, self.cache = self._step_fns[top](self.params, self.cache, rows, sampling, scored)
+        fn = self._step_fn(top)
+        self._count(("step", top), rows, sampling, scored)
+        *out, self.cache = fn(self.params, self.cache, rows, sampling, scored)
         return out
 
     def decode(self, k: int, top: int, rows: DecodeRows, sampling: SamplingRows):
         """decode_program(k, top) over the rows; as `step`."""
-        if (k, top) not in self._decode_fns:
-            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 2, 3 if top else 0)
-        *out, self.cache = self._decode_fns[k, top](self.params, self.cache, rows, sampling)
+        fn = self._decode_fn(k, top)
+        self._count(("decode", k, top), rows, sampling)
+        *out, self.cache = fn(self.params, self.cache, rows, sampling)
         return out
+
+    def precompile(self, rows: StepRows | DecodeRows, sampling: SamplingRows, k: int = 1) -> None:
+        """Compiles the program `step(0, rows, sampling)` (StepRows) or `decode(k, 0, rows, sampling)` would run,
+        without running it (the cache untouched); the later call finds it compiled in jit's cache."""
+        if isinstance(rows, StepRows):
+            self._step_fn(0).lower(self.params, self.cache, rows, sampling, None).compile()
+            self._count(("step", 0), rows, sampling, None)
+        else:
+            self._decode_fn(k, 0).lower(self.params, self.cache, rows, sampling).compile()
+            self._count(("decode", k, 0), rows, sampling)
 
 
 def engine_mesh(devices: int) -> Mesh | None:

@@ -40,6 +40,7 @@ class EngineThread:
         metrics.label(metrics.pages_total).set(engine.pool.usable)
         for counter in (metrics.prefix_queries, metrics.prefix_hits, metrics.preemptions):
             metrics.label(counter)  # exported from the start, at 0 (as vLLM's are)
+        metrics.label(metrics.compiles_after_start).set(engine.compiles_after_start)
 
     def start(self) -> None:
         self._thread.start()
@@ -138,3 +139,4 @@ class EngineThread:
         m.label(m.pages_used).set(e.pool.used)
         m.label(m.cache_usage).set(e.pool.used / e.pool.usable)
         m.label(m.most_running).set(e.stats.most_concurrent)
+        m.label(m.compiles_after_start).set(e.compiles_after_start)

@@ -25,6 +25,13 @@ class ServeMetrics:
         self.tokens_per_s = Gauge(
             "resformer:generation_tokens_per_second", "Tokens a second, last 5 s.", labels, registry=r
         )
+        self.compiles_after_start = Gauge(
+            "resformer:compiles_after_start",
+            "Programs compiled while serving (0 after --compile_at_start for requests without logprobs, penalties or "
+            "token masks).",
+            labels,
+            registry=r,
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
         self.requests = Counter("vllm:request_success", "Finished requests.", [*labels, "finished_reason"], registry=r)

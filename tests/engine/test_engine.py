@@ -14,6 +14,7 @@ from reference import model_greedy
 from resformer_jax.engine import Engine, EngineError, SamplingParams
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.transformer import cache_bytes_per_token
 from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
 
@@ -740,3 +741,47 @@ def test_stop_strings_end_a_request_in_the_engine_streamed_or_not():
     assert r.text == (text[:later] if later >= 0 else text)
     with pytest.raises(EngineError, match="no tokenizer"):
         Engine(m, params, cache_bytes=2**22, page_size=8).submit(prompt, SamplingParams(stop=("ab",)))
+
+
+@pytest.mark.slow  # 20 programs compiled, twice
+def test_after_compile_all_a_mixed_load_compiles_nothing_and_gives_the_same_tokens():
+    """#91: compile_all compiles every program plain requests can need (every row, token, page and k bucket up to
+    max_batch and the context) without touching the cache; then requests of every length up to the context,
+    greedy and sampled, arriving while others decode through a pool small enough to preempt, run no program it
+    did not compile, and give the tokens of an engine that compiled as it went."""
+    m, params = peaky_model("svformer")
+    rng = np.random.default_rng(5)
+    prompts = prompts_of(rng, 24, m.vocab_size, 1, m.max_seq_len - 24)
+    sampling = [SamplingParams(max_tokens=int(n), temperature=float(i % 2), seed=i)
+                for i, n in enumerate(rng.integers(1, 24, size=len(prompts)))]  # fmt: skip
+
+    def serve(engine):
+        reqs = []
+        for i in range(0, len(prompts), 6):  # six arrive each step
+            reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + 6], sampling[i : i + 6])]
+            engine.step()
+        while engine.busy:
+            engine.step()
+        return [r.tokens for r in reqs]
+
+    # a pool of 10 pages: one sequence of the full context takes 8, so two long rows preempt
+    sizes = dict(cache_bytes=10 * 16 * cache_bytes_per_token(m), page_size=16, max_batch=2, prefill_chunk=64,
+                 prefill_rows=2, decode_steps=4)  # fmt: skip
+    warm = Engine(m, params, **sizes)
+    shapes = warm.program_shapes()
+    warm.compile_all()
+    assert warm.compiles_after_start == 0 and len(warm.runner.programs) == len(shapes)
+    want = {(B, T, Pn, k) for B in (1, 2) for Pn in (4, 8) for T, k in ((16, 1), (64, 1), (1, 1), (1, 2), (1, 4))}
+    assert sorted(shapes) == sorted(want)
+    got = serve(warm)
+    assert warm.stats.preemptions > 0, "the pool never ran short: the test does not reach preemption"
+    assert warm.compiles_after_start == 0, warm.runner.programs
+    cold = Engine(m, params, **sizes)
+    assert serve(cold) == got
+    assert cold.compiles_after_start > 0  # the counter counts the programs a cold engine compiled as it served
+    logprobs = warm.generate([prompts[0]], SamplingParams(max_tokens=2, logprobs=2))
+    assert len(logprobs[0].tokens) == 2 and warm.compiles_after_start >= 1  # a variant compile_all leaves out
+    # its second token came from a one-step decode (k = 1, the step program): its top ids read as a k-step's are
+    for at in (len(prompts[0]), len(prompts[0]) + 1):
+        ids, lps = logprobs[0].scores.top[at]
+        assert ids.shape == lps.shape == (20,) and ids[0] == logprobs[0].tokens[at - len(prompts[0])], at

@@ -35,8 +35,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, workdir, *flags):
+    """`resformer serve` in a subprocess. compile_at_start off unless asked (the test that asks checks it): the
+    others' requests compile what they need, as the first requests of a server without it do."""
+
+    def __init__(self, workdir, *flags, compile_at_start=False):
         self.port = free_port()
+        flags = (*flags, f"--compile_at_start={str(compile_at_start).lower()}")
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "resformer_jax", "serve", f"--workdir={workdir}", f"--port={self.port}", *flags],
@@ -283,6 +287,33 @@ def test_32_concurrent_clients_get_their_single_request_outputs(server):
         got = list(pool.map(lambda p: greedy(server.client(), p, 10).text, prompts))
     assert got == [single[p] for p in prompts]
     assert server.metric("vllm:num_requests_running") == 0
+
+
+@pytest.mark.slow  # 54 programs compiled at start
+def test_a_server_that_compiled_at_start_compiles_nothing_under_a_mixed_load(run_dir):
+    """#91: with --compile_at_start (the default), streamed and whole requests of every prompt length, greedy and
+    sampled, 16 at once through 4 rows: /metrics' resformer:compiles_after_start stays 0, and the start-up line
+    says how many programs were compiled; a request with logprobs (a variant left out) counts as one compile."""
+    s = Server(run_dir, "--cache_gib=0.05", "--max_batch=4", "--decode_steps=4", compile_at_start=True)
+    try:
+        assert s.metric("resformer:compiles_after_start") == 0
+        rng = np.random.default_rng(1)
+        prompts = ["x" * int(n) for n in rng.integers(1, 200, size=16)]
+
+        def ask(i):
+            body = {"prompt": prompts[i], "max_tokens": int(rng.integers(1, 40)), "temperature": float(i % 2),
+                    "stream": bool(i % 3 == 0), "ignore_eos": True}  # fmt: skip
+            r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(ask, range(16)))
+        assert s.metric("resformer:compiles_after_start") == 0
+        greedy(s.client(), "def main():", 2, logprobs=2)
+        assert s.metric("resformer:compiles_after_start") >= 1
+    finally:
+        log = s.stop()
+    assert re.search(r"compiled \d+ programs in [0-9.]+ s", log), log[-2000:]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
