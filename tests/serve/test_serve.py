@@ -544,6 +544,8 @@ def lm_eval_local_completions(server_url: str, model: str, tasks: str, limit: in
     """lm-eval's own `local-completions` API model, unchanged, with its defaults (tokenized requests, 4 concurrent,
     the server's tokenizer found through /tokenizer_info and /tokenize), through `simple_evaluate` in this process:
     lm-eval's CLI indexes its thousands of bundled tasks first (6 s a call). Each task's logged samples."""
+    # registers local-completions: a test before may have left lm-eval's registry holding only our model
+    import lm_eval.models.openai_completions  # noqa: F401
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
