@@ -47,6 +47,13 @@ flags.DEFINE_bool(
     "Keep full pages of prompts and reuse them for prompts that start with the same tokens (vLLM's automatic "
     "prefix caching); --noprefix_cache (or --prefix_cache=false) turns it off.",
 )
+flags.DEFINE_integer(
+    "prefill_chunk",
+    256,
+    "Prompt tokens a row reads a step: a long prompt is read in chunks between the running rows' decode steps, "
+    "so it never stalls their streams for longer than one chunk (vLLM's chunked prefill).",
+)
+flags.DEFINE_integer("prefill_rows", 4, "Prompts read (a chunk each) in one step at most.")
 flags.DEFINE_bool(
     "compile_at_start",
     True,
@@ -94,7 +101,10 @@ def main(argv):
         sock = _bind(FLAGS.host, FLAGS.port)  # before the model loads: a busy port is said at once
         model_cfg, params, step, tokenizer, trained_len = load_model(FLAGS.workdir, FLAGS.step)
         cache_bytes = FLAGS.cache_gib * 2**30 if FLAGS.cache_gib else None
-        sizes = {k: FLAGS[k].value for k in ("max_batch", "page_size", "decode_steps", "prefix_cache")}
+        sizes = {
+            k: FLAGS[k].value
+            for k in ("max_batch", "page_size", "decode_steps", "prefix_cache", "prefill_chunk", "prefill_rows")
+        }
         detokenize = tokenizer.decode if tokenizer is not None else None  # the engine ends text at stop strings
         engine = Engine(
             model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), detokenize=detokenize, **sizes
