@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from commands import run_command
 
 from resformer_jax.config import validate
 from resformer_jax.model import Transformer
@@ -50,24 +51,13 @@ def test_flop_count_matches_xla_cost_analysis():
 
 @pytest.mark.slow
 def test_bench_train_prints_json_and_compare_ratios():
-    env = dict(os.environ)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "train",
-            "--config=configs/tiny.py",
-            "--steps=2",
-            "--compare=none,svformer",
-            "--config.mesh.num_devices=1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "bench",
+        "train",
+        "--config=configs/tiny.py",
+        "--steps=2",
+        "--compare=none,svformer",
+        "--config.mesh.num_devices=1",
     )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -360,22 +350,13 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
 
 
 def test_bench_data_reports_loader_throughput_against_the_step():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "data",
-            "--config=configs/demo.py",
-            "--steps=20",
-            "--step_tokens_per_s=1000",
-            "--config.mesh.num_devices=1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "bench",
+        "data",
+        "--config=configs/demo.py",
+        "--steps=20",
+        "--step_tokens_per_s=1000",
+        "--config.mesh.num_devices=1",
     )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -385,25 +366,16 @@ def test_bench_data_reports_loader_throughput_against_the_step():
 
 @pytest.mark.slow
 def test_bench_decode_matrix_reports_bytes_and_bandwidth():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "decode",
-            "--config=configs/tiny.py",
-            "--compare=none,svformer",
-            "--matrix=1,2:16",
-            "--new_tokens=3",
-            "--rounds=1",
-            "--temperature=0.7",  # every request sampled: the sampler's cost is part of the step
-            "--top_k=5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(
+        "bench",
+        "decode",
+        "--config=configs/tiny.py",
+        "--compare=none,svformer",
+        "--matrix=1,2:16",
+        "--new_tokens=3",
+        "--rounds=1",
+        "--temperature=0.7",  # every request sampled: the sampler's cost is part of the step
+        "--top_k=5",
     )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -730,23 +702,14 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
 def test_bench_train_compares_dtypes_interleaved():
     """--compare_dtypes runs fp32 and bf16 of one variant in one process, step by step, each against the matmul
     peak of its own dtype, and prints their ratio (the bf16-vs-fp32 speed-up without two runs' host drift)."""
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "train",
-            "--config=configs/demo.py",
-            "--steps=2",
-            "--profile_steps=0",
-            "--config.mesh.num_devices=1",
-            "--compare_dtypes=float32,bfloat16",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    p = run_command(
+        "bench",
+        "train",
+        "--config=configs/demo.py",
+        "--steps=2",
+        "--profile_steps=0",
+        "--config.mesh.num_devices=1",
+        "--compare_dtypes=float32,bfloat16",
     )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
@@ -854,24 +817,14 @@ def test_bench_zero_shot_scores_the_sample_tasks_at_a_configs_shape():
     shared = os.path.join(os.path.dirname(ROOT), "shared", "data")
     if not os.path.isdir(shared):
         pytest.skip("../shared/data (the sample tasks and the NeoX tokenizer) is absent")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "zero_shot",
-            "--config=configs/tiny.py",
-            f"--task_data={shared}/eval_samples",
-            f"--tokenizer={shared}/tokenizers/gpt-neox-20b.json",
-            "--items=4",
-            "--tasks=piqa",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=300,
+    r = run_command(
+        "bench",
+        "zero_shot",
+        "--config=configs/tiny.py",
+        f"--task_data={shared}/eval_samples",
+        f"--tokenizer={shared}/tokenizers/gpt-neox-20b.json",
+        "--items=4",
+        "--tasks=piqa",
     )
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(r.stdout.strip().splitlines()[-1])

@@ -11,12 +11,15 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import os
+import pathlib
 import sys
 
 from absl import flags
 
 from resformer_jax.commands.cli import COMMANDS
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _MODULES = {command: f"resformer_jax.commands.{module}" for command, module, _ in COMMANDS}
 
 
@@ -36,10 +39,15 @@ class _CommandFlags:
         self.by_module: dict[str, list[flags.Flag]] = {}
 
     def _unregister_all(self):
+        names = set()
         for defined in self.by_module.values():
             for flag in defined:
+                names.add(flag.name)
                 if flag.name in flags.FLAGS and flags.FLAGS[flag.name] is flag:
                     delattr(flags.FLAGS, flag.name)
+        for name in list(flags.FLAGS):  # a config file flag's per-field overrides, defined as it was parsed
+            if "." in name and name.split(".", 1)[0] in names:
+                delattr(flags.FLAGS, name)
 
     def activate(self, module_name: str):
         """Imports the command module with no other command's flags registered, then registers only its flags."""
@@ -60,20 +68,23 @@ _FLAGS = _CommandFlags()
 
 
 def run_command(command: str, *argv: str) -> Result:
-    """`resformer COMMAND ARGV...` here: its exit status and what it printed to stdout and stderr."""
+    """`resformer COMMAND ARGV...` here, in the repository's root (as the subprocess tests run it: relative
+    paths such as configs/tiny.py): its exit status and what it printed to stdout and stderr."""
     from resformer_jax.commands import cli
 
     _FLAGS.activate(_MODULES[command])
     out, err = io.StringIO(), io.StringIO()
-    saved_argv = sys.argv
+    saved_argv, saved_cwd = sys.argv, os.getcwd()
     code: int | str | None = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
+            os.chdir(ROOT)
             cli.run(command, [str(a) for a in argv])
         except SystemExit as e:
             code = e.code
         finally:
             sys.argv = saved_argv
+            os.chdir(saved_cwd)
     if code is None:
         code = 0
     elif isinstance(code, str):  # sys.exit("message"): printed, status 1
