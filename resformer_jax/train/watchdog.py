@@ -40,6 +40,9 @@ PHASES = {
 }
 
 
+PEER_GRACE_POLLS = 3  # polls a multi-process step's budget outlasts a data read's (each process polls on its own clock)
+
+
 @dataclasses.dataclass(frozen=True)
 class Budgets(WatchdogConfig):
     """The run's config.watchdog (its budgets and their defaults: config.WatchdogConfig) and how often to look."""
@@ -88,8 +91,14 @@ class Watchdog:
         if field != "step":
             return float(getattr(b, field))
         if not self.windows:
-            return float(b.compile_s)  # the first steps: a GPU autotunes its kernels on the first one
-        return max(float(b.min_step_s), b.step_factor * statistics.median(self.windows))
+            base = float(b.compile_s)  # the first steps: a GPU autotunes its kernels on the first one
+        else:
+            base = max(float(b.min_step_s), b.step_factor * statistics.median(self.windows))
+        if phase == "step" and self.process_count > 1:
+            # A process inside a step waits on its peers' collectives: the peer stuck outside one (the cause) fires
+            # first, as its exit would abort this one before its stacks were written.
+            return base + PEER_GRACE_POLLS * b.poll_s
+        return base
 
     # ---- the thread
     def start(self) -> Watchdog:

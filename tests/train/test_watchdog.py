@@ -40,6 +40,11 @@ def test_budgets_follow_the_phase_and_the_median_log_window():
     wd.progress(8)  # a finished step restarts the phase's clock
     assert wd.overdue(now=time.monotonic() + 9) is None
 
+    # Of two processes, the one waiting inside a step outlasts the one stuck reading data by three polls.
+    peer = Watchdog(Budgets(step_factor=3, min_step_s=10, poll_s=1.0), "x", process_index=0, process_count=2)
+    peer.window(1.0)
+    assert peer.budget("data") == 10.0 and peer.budget("step") == 13.0
+
 
 def test_injected_faults_name_the_step_and_process():
     assert Faults.from_env(0, {}) == Faults()
