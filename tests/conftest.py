@@ -81,6 +81,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
+    if _WORKER and config.getvalue("loadgroup"):
+        _name_xdist_groups(items)
+
+
+def _name_xdist_groups(items):
+    """--dist loadgroup sends the tests whose ids end in @GROUP to one worker. pytest-xdist (3.8) appends it by setting
+    item._nodeid, which pytest 9.2 no longer reads (the id is item._id): every grouped file was split over both
+    workers, its module fixtures (trained runs, emulators) built twice. Appended here where xdist's did not take."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        group = "_".join(sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                                 for m in item.iter_markers("xdist_group")}))  # fmt: skip
+        if group and not item.nodeid.endswith(f"@{group}") and hasattr(item, "_id"):
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 # A fast-tier test (not marked slow) that takes longer than this, setup and call together, is named at the end of the
