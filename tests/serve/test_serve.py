@@ -292,9 +292,11 @@ def test_32_concurrent_clients_get_their_single_request_outputs(server):
 @pytest.mark.slow  # 54 programs compiled at start
 def test_a_server_that_compiled_at_start_compiles_nothing_under_a_mixed_load(run_dir):
     """#91: with --compile_at_start (the default), streamed and whole requests of every prompt length, greedy and
-    sampled, 16 at once through 4 rows: /metrics' resformer:compiles_after_start stays 0, and the start-up line
-    says how many programs were compiled; a request with logprobs (a variant left out) counts as one compile."""
-    s = Server(run_dir, "--cache_gib=0.05", "--max_batch=4", "--decode_steps=4", compile_at_start=True)
+    sampled, 16 at once through 2 rows, prompts read in chunks of 64: /metrics' resformer:compiles_after_start stays
+    0, and the start-up line says how many programs were compiled; a request with logprobs (a variant left out)
+    counts as one compile. (2 rows, 2 decode steps, 64-token chunks: 24 programs at start, not 54.)"""
+    flags = ("--max_batch=2", "--prefill_rows=2", "--decode_steps=2", "--prefill_chunk=64")
+    s = Server(run_dir, "--cache_gib=0.05", *flags, compile_at_start=True)
     try:
         assert s.metric("resformer:compiles_after_start") == 0
         rng = np.random.default_rng(1)
