@@ -654,19 +654,20 @@ def test_hellaswag_through_the_prefix_cache_scores_as_without_it(neox_run, tmp_p
     """#75: lm-eval's hellaswag_local (4 endings a context) through `resformer serve`, the prefix cache on and off:
     every per-choice log-likelihood equal within 1e-5 (measured: bitwise), and the cache's hits counted in
     /metrics. The hit rate is bounded by the data: only the 3 later endings of a context can hit, and only its full
-    pages of 16 (not the page holding the context's end): at most 0.39 of the prompt tokens here (measured 0.393)."""
+    pages of 16 (not the page holding the context's end): at most 0.39 of the prompt tokens here (measured 0.390 on
+    the first 10 contexts)."""
     pytest.importorskip("tenacity", reason="lm-eval's api extra is not installed (pip install -e '.[lm_eval]')")
     got = {}
     for on in ("true", "false"):
         s = Server(neox_run, "--cache_gib=0.05", f"--prefix_cache={on}")
         try:
-            samples = lm_eval_local_completions(s.url, "r2m", "hellaswag_local", limit=20)["hellaswag_local"]
+            samples = lm_eval_local_completions(s.url, "r2m", "hellaswag_local", limit=10)["hellaswag_local"]
             hits, queries = s.metric("vllm:prefix_cache_hits_total"), s.metric("vllm:prefix_cache_queries_total")
         finally:
             s.stop()
         got[on] = (samples, hits, queries)
     (cached, hits, queries), (plain, no_hits, _) = got["true"], got["false"]
-    assert len(cached) == len(plain) == 20
+    assert len(cached) == len(plain) == 10
     for x, y in zip(cached, plain):
         got, want = ([float(r[0][0]) for r in z["resps"]] for z in (x, y))
         np.testing.assert_allclose(got, want, atol=1e-5)
