@@ -39,7 +39,10 @@ flags.DEFINE_integer(
     "devices", 1, "Devices the engine runs on: rows and cache pages split over them (-1: every device)."
 )
 flags.DEFINE_integer(
-    "decode_steps", 8, "Decode steps a program runs between readbacks (1: each token streamed as it is sampled)."
+    "decode_steps",
+    8,
+    "Decode steps a program runs between readbacks while every row is busy or requests wait; below that load, one "
+    "(each token streamed as it is sampled). 1: always one.",
 )
 flags.DEFINE_bool(
     "prefix_cache",
@@ -107,7 +110,13 @@ def main(argv):
         }
         detokenize = tokenizer.decode if tokenizer is not None else None  # the engine ends text at stop strings
         engine = Engine(
-            model_cfg, params, cache_bytes=cache_bytes, mesh=engine_mesh(FLAGS.devices), detokenize=detokenize, **sizes
+            model_cfg,
+            params,
+            cache_bytes=cache_bytes,
+            mesh=engine_mesh(FLAGS.devices),
+            detokenize=detokenize,
+            stream=True,
+            **sizes,
         )
     if FLAGS.compile_at_start:
         print(f"compiling {len(engine.program_shapes())} programs ...", file=sys.stderr, flush=True)

@@ -179,6 +179,7 @@ class Engine:
         mesh: Mesh | None = None,
         prefix_cache: bool = True,
         detokenize: Callable[[list[int]], str] | None = None,
+        stream: bool = False,
     ):
         self.model_cfg = serving_model(m)
         self.detokenize = detokenize
@@ -186,6 +187,7 @@ class Engine:
         self.prefill_chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.decode_steps = int(decode_steps)
         self.prefix_cache = bool(prefix_cache)  # full pages of prompts kept and shared by their tokens (pages.py)
+        self.stream = bool(stream)  # clients read tokens as sampled: decode_steps only when the load needs them
         sizes = (self.page_size, self.max_batch, self.prefill_chunk, self.prefill_rows, self.decode_steps)
         if min(sizes) < 1:
             raise EngineError("page_size, max_batch, prefill_chunk, prefill_rows and decode_steps must be >= 1")
@@ -348,13 +350,22 @@ class Engine:
             finished += self._prefill(prefill)
         decode = [r for r in self.running if r.state == "decode"]
         if decode:
-            # k steps between readbacks, or one while prompts are being read (their chunks interleave per token)
-            k = 1 if any(r.state == "prefill" for r in self.running) else self.decode_steps
+            k = self.steps_a_readback()
             decode = self._reserve_decode_pages(decode, k)
             if decode:
                 finished += self._decode(decode, k)
         self.stats.steps += 1
         return finished
+
+    def steps_a_readback(self) -> int:
+        """The decode steps this turn runs between readbacks: decode_steps, but one while a prompt is being read
+        (its chunks interleave per token) and, when streaming, one while rows are free and nobody waits: below
+        that load each token reaches its client as sampled; at it, k steps a readback buy throughput."""
+        if any(r.state == "prefill" for r in self.running):
+            return 1
+        if self.stream and len(self.running) < self.max_batch and not self.waiting:
+            return 1
+        return self.decode_steps
 
     def _admit(self, share: bool = True) -> None:
         # a shard's pages the requests still reading their prompts will take: promised, not yet handed out

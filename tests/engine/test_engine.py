@@ -229,6 +229,37 @@ def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
     assert burst_stats.decode_readbacks <= single_stats.decode_readbacks / 2  # 6 against 12
 
 
+def test_a_streaming_engine_steps_once_a_readback_until_every_row_is_busy():
+    """#91: Engine(stream=True), as `serve` builds it: with rows free and nobody waiting each decode step is read
+    back (a client sees every token as it is sampled); once every row is busy and requests wait, decode_steps a
+    readback. The tokens are those of the engine that always runs decode_steps."""
+    m, params = peaky_model("resformer")
+    rng = np.random.default_rng(6)
+    prompts = prompts_of(rng, 6, m.vocab_size, 3, 20)
+    sampling = [SamplingParams(max_tokens=5 + 2 * i, temperature=float(i % 2), seed=i) for i in range(len(prompts))]
+
+    def engine(stream):
+        return Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=3, prefill_chunk=64, decode_steps=4,
+                      stream=stream)  # fmt: skip
+
+    light = engine(True)
+    alone = light.generate(prompts[:2], sampling[:2])  # two rows of three: one step a readback throughout
+    assert light.stats.decode_readbacks == light.stats.decode_steps > 0
+    busy = engine(True)
+    reqs = [busy.submit(p, s) for p, s in zip(prompts, sampling)]  # six for three rows: three wait
+    ks = []
+    while busy.busy:
+        ks.append(busy.steps_a_readback())
+        busy.step()
+    assert 4 in ks and ks[-1] == 1  # k steps while the load needs them, one again for the last rows
+    assert busy.stats.decode_readbacks < busy.stats.decode_steps
+    fixed = engine(False)
+    want = fixed.generate(prompts, sampling)
+    assert [r.tokens for r in reqs] == [r.tokens for r in want] and [r.tokens for r in alone] == [
+        r.tokens for r in want[:2]
+    ]
+
+
 def test_a_gpus_step_form_pads_rows_and_the_lm_head_and_gives_the_same_tokens(monkeypatch):
     """A GPU's engine runs one row as two and holds the LM head padded (runner.StepForm, read off the compiled
     step): the same greedy tokens, sampled tokens and log-probabilities as the plain form, the padding's logits
