@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
-    if _WORKER and config.getvalue("loadgroup"):
+    if hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False):  # an xdist worker
         _name_xdist_groups(items)
 
 
