@@ -4,12 +4,17 @@ the run; under pytest-xdist (README's `-n 2`), tests marked `exclusive` run with
 import fcntl
 import os
 import pathlib
+import subprocess
+import sys
 
-# 8 host devices to test meshes; LLVM optimisation off because compiling, not running, dominates
-# these tiny programs (about 30% faster here; numerics are checked against references either way). XLA:CPU's
-# elemental fusion emitters (--xla_cpu_use_fusion_emitters=false) compile 3x faster still, but fuse two programs
-# that must agree bitwise (a spike-skipping step and the plain one) differently: not used.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# 8 host devices to test meshes; compiling, not running, dominates these tiny programs, so LLVM's optimisation
+# is off and XLA:CPU's elemental fusion emitters replace its fusion emitters (each a cut of the suite's time,
+# docs/architecture.md; numerics are checked against references either way). A test that compares two different
+# programs bitwise runs under XLA's own emitters instead: mark it `xla_emitters` (pytest_pyfunc_call below).
+FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 {FAST_EMITTERS}"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The project's XLA defaults, as every command sets them (runtime.py): tests compare in-process runs with
 # subprocess ones bitwise, so both must compile alike.
@@ -70,6 +75,28 @@ def pytest_runtest_protocol(item, nextitem):
         if lock == fcntl.LOCK_SH:
             fcntl.flock(gate, fcntl.LOCK_UN)  # an exclusive test may queue at the gate now
         yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `xla_emitters` asserts that two different programs agree bitwise (a step with spike skipping on
+    and the plain one; a forked cooldown and a switched schedule): the elemental emitters this suite compiles with
+    fuse such programs differently, XLA's own fusion emitters (what a user runs) alike. So the test runs in a fresh
+    pytest process without the suite's emitter flag; its failure output is this test's."""
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    if not pyfuncitem.get_closest_marker("xla_emitters") or FAST_EMITTERS not in flags_now.split():
+        return None
+    nodeid = pyfuncitem.nodeid.split("@")[0] if pyfuncitem.get_closest_marker("xdist_group") else pyfuncitem.nodeid
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["XLA_FLAGS"] = " ".join(f for f in flags_now.split() if f != FAST_EMITTERS)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", nodeid],
+        cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if r.returncode != 0:
+        pytest.fail(f"{nodeid} failed under XLA's own fusion emitters (a fresh pytest):\n{r.stdout[-6000:]}{r.stderr[-2000:]}",
+                    pytrace=False)  # fmt: skip
+    return True
 
 
 def pytest_collection_modifyitems(config, items):

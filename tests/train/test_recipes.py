@@ -159,6 +159,7 @@ def test_wsd_learning_rate_at_chosen_steps_is_its_formula(shape):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_emitters
 def test_a_cooldown_forked_from_a_checkpoint_equals_a_run_that_switched_schedule_there(tmp_path):
     steps, k = 10, 5
     wsd = {"schedule": "wsd", "wsd_fractions": (0.2, 0.6, 0.2)}
@@ -218,6 +219,7 @@ def test_z_loss_is_logged_apart_from_the_cross_entropy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_emitters
 def test_a_loss_spike_is_skipped_and_counted_and_no_spike_changes_nothing():
     from resformer_jax.resolve import resolve
     from resformer_jax.train.setup import build
