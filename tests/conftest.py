@@ -18,7 +18,7 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The project's XLA defaults, as every command sets them (runtime.py): tests compare in-process runs with
 # subprocess ones bitwise, so both must compile alike.
-from resformer_jax.runtime import configure_xla
+from resformer_jax.runtime import configure_xla  # noqa: E402
 
 configure_xla()
 # XLA's CPU compiles dominate this suite; many tests (and their subprocesses) compile the same
@@ -94,8 +94,8 @@ def pytest_pyfunc_call(pyfuncitem):
         cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if r.returncode != 0:
-        pytest.fail(f"{nodeid} failed under XLA's own fusion emitters (a fresh pytest):\n{r.stdout[-6000:]}{r.stderr[-2000:]}",
-                    pytrace=False)  # fmt: skip
+        why = f"{nodeid} failed under XLA's own fusion emitters (a fresh pytest):\n{r.stdout[-6000:]}{r.stderr[-2000:]}"
+        pytest.fail(why, pytrace=False)
     return True
 
 
