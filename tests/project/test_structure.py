@@ -3,6 +3,7 @@ one equation function, no hidden state in model/ or kernels/, folder boundaries 
 
 import ast
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -137,7 +138,7 @@ def test_a_new_variant_is_one_plan_and_one_equation_function():
 
 def _module_level_mutables(path: pathlib.Path) -> list[str]:
     """Module-level names bound to a dict/list/set (literal or constructor) or declared `global`."""
-    tree = ast.parse(path.read_text())
+    tree = _parsed(path)
     found = []
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -161,9 +162,15 @@ def test_no_module_level_mutable_state_in_model_and_kernels():
     assert not offenders, f"module-level mutable state (pass it explicitly or make it a tuple): {offenders}"
 
 
+@functools.cache
+def _parsed(path: pathlib.Path) -> ast.Module:
+    """A library file's syntax tree, parsed once a session (the import graph asks for each file many times)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     mods = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module:
             mods.add(node.module)
         elif isinstance(node, ast.Import):
@@ -173,7 +180,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def _top_level_imports(path: pathlib.Path) -> set[str]:
     """Imports outside an `if __name__ == "__main__":` block (where old command paths call their command)."""
-    tree = ast.parse(path.read_text())
+    tree = _parsed(path)
     guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     skip = {id(x) for g in guards for x in ast.walk(g)}
     mods = set()
@@ -249,6 +256,7 @@ def test_folder_boundaries():
     assert "resformer_jax.data.pipeline" not in _imports(PKG / "data" / "tfds_source.py")
 
 
+@functools.cache
 def _import_graph() -> dict[str, set[str]]:
     """Library module -> the library modules it imports (anywhere in the file, function bodies included)."""
     files = {_module_name(f): f for f in _library_files()}
@@ -267,7 +275,7 @@ def _import_graph() -> dict[str, set[str]]:
 def _imported_names(path: pathlib.Path, module: str) -> list[str]:
     return [
         a.name
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(_parsed(path))
         if isinstance(node, ast.ImportFrom) and node.module == module
         for a in node.names
     ]
