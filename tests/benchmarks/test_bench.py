@@ -742,6 +742,8 @@ def test_bench_documents_are_packed_with_the_last_id_at_their_mean_length():
     assert ends.sum(axis=1).min() > 0  # every row holds several documents
 
 
+# slow (over the fast tier's 5 s, cold, 2 cores): a decode benchmark's engine, with the prefix cache on and off
+@pytest.mark.slow
 def test_bench_decode_stream_shared_prefixes_computes_each_prefix_once():
     """`bench decode --stream --shared_prefixes=N` (the prefix benchmarks' workload through the engine, no server):
     with the prefix cache, each of the N prefixes is computed once and every later request takes its pages, so the

@@ -48,8 +48,8 @@ def prompts_of(rng, n, vocab, lo=1, hi=40):
 
 
 @pytest.mark.parametrize(
-    "variant", [v if v in ("none", "svformer") else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS]
-)
+    "variant", [v if v == "none" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS]
+)  # slow: a variant's engine and reference programs, 5-7 s cold on 2 cores; `none` stays in the fast tier
 def test_greedy_tokens_equal_the_cache_free_forward(variant):
     m, params = peaky_model(variant, **VARIANTS[variant])
     rng = np.random.default_rng(1)
@@ -189,6 +189,8 @@ def test_stop_ids_and_sampling_are_per_request_and_reproducible():
     assert engine.pool.used == 0
 
 
+# slow (over the fast tier's 5 s, cold cache, 2 cores): two engines' decode programs (1 and k steps a readback)
+@pytest.mark.slow
 def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
     """decode_steps=4 (the default is 8): greedy, seeded sampling, a stop id met inside a run of
     steps, max tokens not a multiple of 4, a request that ends at the model's last position, and requests
@@ -229,6 +231,8 @@ def test_k_decode_steps_between_readbacks_give_the_single_steps_tokens():
     assert burst_stats.decode_readbacks <= single_stats.decode_readbacks / 2  # 6 against 12
 
 
+# slow (over the fast tier's 5 s, cold cache, 2 cores): two engines' decode programs (streaming and batched readbacks)
+@pytest.mark.slow
 def test_a_streaming_engine_steps_once_a_readback_until_every_row_is_busy():
     """#91: Engine(stream=True), as `serve` builds it: with rows free and nobody waiting each decode step is read
     back (a client sees every token as it is sampled); once every row is busy and requests wait, decode_steps a
@@ -331,7 +335,9 @@ def test_a_cache_smaller_than_one_sequence_is_named():
         engine.submit([1] * 10, SamplingParams(max_tokens=10))
 
 
-@pytest.mark.parametrize("variant", ["none", pytest.param("svformer+gqa", marks=pytest.mark.slow)])
+# slow (over the fast tier's 5 s, cold, 2 cores): the paged kernel's and the gather path's programs, interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["none", "svformer+gqa"])
 def test_paged_kernel_reads_pages_in_place_and_equals_the_gather_path(variant):
     """A GPU run's engine (attention_impl=pallas) decodes through JAX's Pallas paged_attention, which reads each
     row's pages where they lie (kernels/paged_attention.py; interpreted here): the decode step's program holds the
@@ -398,7 +404,9 @@ def test_skip_prefill_puts_every_request_in_decode_with_its_pages():
     assert engine.stats.prefill_steps == 0 and all(len(r.tokens) == 3 for r in reqs) and engine.pool.used == 0
 
 
-@pytest.mark.parametrize("params_as", ["replicated", pytest.param("sharded as in training", marks=pytest.mark.slow)])
+# slow (over the fast tier's 5 s, cold cache, 2 cores): compiles the engine's programs for an 8-device mesh
+@pytest.mark.slow
+@pytest.mark.parametrize("params_as", ["replicated", "sharded as in training"])
 def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
     """On 8 host devices as data 4 x fsdp 2: each device runs its rows over its own pages (the cache split over
     the mesh), the parameters replicated or left sharded by the training rule table; requests of mixed lengths
@@ -596,7 +604,9 @@ def _shared_prefix_prompts(rng, vocab, prefixes=3, per_prefix=4, prefix_len=37, 
     ]
 
 
-@pytest.mark.parametrize("variant", ["none", "svformer", pytest.param("skipv1", marks=pytest.mark.slow)])
+# slow (over the fast tier's 5 s, cold cache, 2 cores): two engines (prefix cache on and off) through an eviction load
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["none", "svformer", "skipv1"])
 def test_prefix_cache_outputs_equal_the_cache_off_run_under_eviction(variant):
     """#75: prompts sharing prefixes, through a pool so small that cached pages are evicted and requests preempted:
     greedy tokens equal and log-probabilities within 1e-5 of the same engine with the prefix cache off; the hits
@@ -624,6 +634,8 @@ def _bytes(m):
     return cache_bytes_per_token(m)
 
 
+# slow (over the fast tier's 5 s, cold cache, 2 cores): two engines (prefix cache on and off)
+@pytest.mark.slow
 def test_a_shared_page_is_freed_only_when_both_requests_end_and_a_half_prefilled_page_is_never_cached():
     """#75: two live requests with one prefix hold the same pages (two holders each); the first to end leaves them
     held; after both they stay cached, idle. A request cancelled mid-prefill leaves only the pages it filled
@@ -659,7 +671,9 @@ def test_a_shared_page_is_freed_only_when_both_requests_end_and_a_half_prefilled
     assert d.tokens == off.generate([long], SamplingParams(max_tokens=4))[0].tokens
 
 
-@pytest.mark.parametrize("variant", ["none", "svformer", pytest.param("resformer", marks=pytest.mark.slow)])
+# slow (over the fast tier's 5 s, cold, 2 cores): scoring with the prefix cache on and off, and the whole forward
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["none", "svformer", "resformer"])
 def test_prompt_and_token_scores_equal_the_whole_forward_with_the_prefix_cache_on_or_off(variant):
     """#75: what echo and logprobs return, read in the engine's prefill and decode steps: each prompt token's
     log-probability and its 20 most likely alternatives equal the cache-free whole-sequence forward's (fp32,

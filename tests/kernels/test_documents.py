@@ -93,7 +93,7 @@ CASES = [
 ]
 
 
-FAST = {0, 4}  # the others over 12 s each on 2 cores: the slow tier
+FAST = {0}  # the others 6-12 s each on 2 cores, cold: the slow tier
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_bad_settings_are_named():
     assert "cudnn" not in candidates and "document mask" in rejected["cudnn"]
 
 
-@pytest.mark.parametrize("chunk_len", [8, 0])
+@pytest.mark.parametrize("chunk_len", [pytest.param(8, marks=pytest.mark.slow), 0])  # chunked: 8 s cold
 def test_a_packed_batchs_loss_is_the_documents_loss_run_separately(chunk_len):
     """document_start_loss=False: the target after each end-of-text token is left out and the mean is over the rest,
     so a packed row's loss is the token-weighted mean of its documents' losses run alone (fused and full-logits

@@ -145,6 +145,8 @@ def _bench_flags() -> dict[str, tuple[str, ...]]:
 BENCH_FLAGS = _bench_flags()
 
 
+# slow (over the fast tier's 5 s, cold, 2 cores): imports every command and parses its flags
+@pytest.mark.slow
 def test_every_documented_command_exists_with_its_flags_and_config_fields():
     problems = []
     checked = 0
@@ -197,6 +199,8 @@ def test_no_session_diaries_in_docs(doc):
     assert not re.search(r"\b(this|next|a (second|third|fourth|fifth|sixth)) (session|round)\b", text, re.I), doc
 
 
+# slow (over the fast tier's 5 s, cold, 2 cores): a fresh pytest collects the whole suite
+@pytest.mark.slow
 def test_readme_test_counts_are_the_suites():
     """README's "about N tests" (everything, and the fast tier) against what pytest collects here, within 15% (a
     module whose extra is not installed is skipped at collection)."""

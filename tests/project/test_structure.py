@@ -409,6 +409,8 @@ def test_each_fact_in_one_place():
             assert not walks, f"{rel} walks a dotted config path by hand ({walks}); use config.get_dotted"
 
 
+# slow (over the fast tier's 5 s, cold, 2 cores): trains a tiny run
+@pytest.mark.slow
 def test_a_training_start_validates_its_config_once(tmp_path, monkeypatch):
     """#76: a whole tiny run (start, 4 steps, validation, checkpoints) types and checks its config once: the
     Trainer's check (RunConfig.__post_init__ counted); resolve takes that typed config and sets what it resolves in
