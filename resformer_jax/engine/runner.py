@@ -8,7 +8,7 @@ donated and, on a mesh, run per shard. `engine.py` schedules requests and lays o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -78,32 +78,18 @@ class ModelRunner:
         self.form = step_form()
         self.params = serving_params(m, params, self.form.vocab_multiple)
         pools = init_pools(Transformer(m, pages=PageLayout(self.shards * num_pages, page_size)))
-        options = dict(self.form.compiler_options)
         if mesh is None:
             self.cache = pools
-            self._jit: Callable = lambda program, *_: jax.jit(program, donate_argnums=(1,), compiler_options=options)
         else:
-            kernel = paged_attention.kernel_for(m.attention_impl, m.head_dim)
-            row_spec = P(mesh.axis_names)
-            split = P(*[None] * paged_attention.pages_axis(kernel), mesh.axis_names)  # each device its rows' pages
-            cache_spec = jax.tree.map(lambda _: split, pools)
+            split = _pages_split(m, mesh)
             self.cache = jax.device_put(pools, NamedSharding(mesh, split))
             if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
-
-            def per_shard(program, groups: int, scored: int = 0):  # after (params, cache): typed row groups
-                in_specs = (P(), cache_spec) + (row_spec,) * groups  # each group's every leaf split by rows
-                scores = ((row_spec,) * scored,) if scored else ()
-                out_specs = (row_spec, row_spec, *scores, cache_spec)
-                sharded = jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-                return jax.jit(sharded, donate_argnums=(1,), compiler_options=options)
-
-            self._jit = per_shard
         self._step_fns: dict[int, Any] = {}  # top: the jitted step_program, made when first run
         self._decode_fns: dict[tuple[int, int], Any] = {}  # (k steps a readback, top)
         self.cache_bytes = int(sum(x.nbytes for x in jax.tree.leaves(self.cache)))  # every shard's together
         # every program run so far, keyed as jit keys its compiles (the arguments' tree, shapes and dtypes): a
-        # key met for the first time is a compile (or a persistent-cache load)
+        # key met for the first time is a compile (or a persistent-cache load, or one an engine of this model made)
         self.programs: set[tuple] = set()
 
     def _count(self, kind: tuple, *args) -> None:
@@ -112,12 +98,12 @@ class ModelRunner:
 
     def _step_fn(self, top: int) -> Any:
         if top not in self._step_fns:  # jitted once a form; traced again for penalties or masks (another pytree)
-            self._step_fns[top] = self._jit(step_program(self.model, top), 3, 4 if top else 0)
+            self._step_fns[top] = _jitted(self.model, self.mesh, self.form.compiler_options, ("step", top))
         return self._step_fns[top]
 
     def _decode_fn(self, k: int, top: int) -> Any:
         if (k, top) not in self._decode_fns:
-            self._decode_fns[k, top] = self._jit(decode_program(self.model, k, top), 2, 3 if top else 0)
+            self._decode_fns[k, top] = _jitted(self.model, self.mesh, self.form.compiler_options, ("decode", k, top))
         return self._decode_fns[k, top]
 
     def step(
@@ -150,6 +136,32 @@ class ModelRunner:
         else:
             self._decode_fn(k, 0).lower(self.params, self.cache, rows, sampling).compile()
             self._count(("decode", k, 0), rows, sampling)
+
+
+def _pages_split(m: ModelConfig, mesh: Mesh) -> P:
+    """A pool's spec on `mesh`: its pages split over every axis, each device its rows' pages."""
+    kernel = paged_attention.kernel_for(m.attention_impl, m.head_dim)
+    return P(*[None] * paged_attention.pages_axis(kernel), mesh.axis_names)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(model: Transformer, mesh: Mesh | None, options: tuple, program: tuple) -> Any:
+    """`program` ("step", top) or ("decode", k, top) of `model`, jitted with the cache donated (on a mesh, per
+    shard). Made once per (model, mesh, program) in a process: engines of one model share its traces and compiles
+    (an engine rebuilt over the same model, `bench` and `compile` beside `serve`)."""
+    fn, groups, scored = (
+        (step_program(model, program[1]), 3, 4 if program[1] else 0)
+        if program[0] == "step"
+        else (decode_program(model, program[1], program[2]), 2, 3 if program[2] else 0)
+    )
+    if mesh is not None:  # after (params, cache): typed row groups, each group's every leaf split by rows
+        row_spec = P(mesh.axis_names)
+        cache_spec = jax.tree.map(lambda _: _pages_split(model.cfg, mesh), pool_shapes(model))
+        in_specs = (P(), cache_spec) + (row_spec,) * groups
+        scores = ((row_spec,) * scored,) if scored else ()
+        out_specs = (row_spec, row_spec, *scores, cache_spec)
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=dict(options))
 
 
 def engine_mesh(devices: int) -> Mesh | None:

@@ -381,7 +381,13 @@ def param_counts(m: ModelConfig) -> dict:
 
 def pool_shapes(model: Transformer):
     """The cache pools of a paged model as shapes: {layer: {"k": pool, "v": ...}} as each layer's equation needs
-    them, each laid out for its kernel (kernels/paged_attention.pool_shape; nothing allocated)."""
+    them, each laid out for its kernel (kernels/paged_attention.pool_shape; nothing allocated). Traced once per
+    model (an engine, its memory plan and its byte counts each ask); each call gets its own tree."""
+    return jax.tree.map(lambda x: x, _traced_pool_shapes(model))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_pool_shapes(model: Transformer):
     one = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one, one, page_table_BxP=one))["cache"]
 
