@@ -2,6 +2,7 @@
 tests/reference.model_greedy), for requests of mixed lengths that arrive while others decode, through a pool too
 small for all of them at once; the pool ends empty; a handful of compiles; bad input named."""
 
+import functools
 import itertools
 
 import flax.linen as nn
@@ -32,10 +33,17 @@ VARIANTS = {
 
 def peaky_model(variant: str, **fields):
     """A tiny fp32 model whose next-token logits are far apart (a random init's are nearly flat, and a tie decided
-    by the last bit would make greedy comparisons flaky): the LM head scaled up."""
+    by the last bit would make greedy comparisons flaky): the LM head scaled up. Built once per (variant, fields)
+    in a worker: the engine's programs, keyed by the model, are then traced and compiled once for all its tests."""
+    m, params = _peaky_model(variant, tuple(sorted(fields.items())))
+    return m, dict(params)
+
+
+@functools.cache
+def _peaky_model(variant: str, fields: tuple):
     c = tiny_config(variant.split("+")[0])
     c.model.dtype = "float32"
-    for k, v in fields.items():
+    for k, v in fields:
         c.model[k] = v
     m = for_backend(ModelConfig.of(c.model))
     params = nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
