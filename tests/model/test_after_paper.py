@@ -4,8 +4,6 @@ identities that must hold between them and the paper's variants, decoding, KV-ca
 gradients and bad combinations."""
 
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -22,8 +20,6 @@ from resformer_jax.model.lambdas import read_lambdas
 from resformer_jax.perf import summary
 from resformer_jax.presets import tiny_config
 from resformer_jax.resolve import for_backend
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cfg(mode="resformer", lambdas="fixed", kv=4, heads=4, layers=4, **model):
@@ -222,9 +218,12 @@ def test_gradients_match_finite_differences(mode, lambdas):
     ],
 )
 def test_bad_combinations_are_one_line(tmp_path, flags, words):
+    """`resformer train` (= python -m resformer_jax.main) called in-process: the message and status, not the process
+    (a fresh interpreter's exit on a bad config: tests/commands/test_errors_commands.py)."""
+    from commands import run_command
+
     wd = tmp_path / "run"
-    cmd = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *flags]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_command("train", "--config=configs/tiny.py", f"--workdir={wd}", *flags)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr and err[-1].startswith("error:"), r.stderr[-2000:]
     assert all(w in err[-1] for w in words), err[-1]
