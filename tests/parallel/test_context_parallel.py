@@ -3,6 +3,7 @@ The partitioned program must be the whole sequence's program: logits and gradien
 every value-residual variant, with data and fsdp axes beside it and with packed documents; SVFormer's V_1
 crosses the axis once, not once a layer."""
 
+import functools
 import re
 
 import jax
@@ -51,6 +52,16 @@ def loss_and_grads(c, tokens):
     return float(value), jax.tree.map(np.asarray, grads), setup
 
 
+@functools.cache
+def one_device(variant, documents=False):
+    """(tokens, loss, gradients) of `variant` on one device: the reference every mesh of the variant is held to,
+    computed once a process (a compile each)."""
+    one = config(variant, 1, data=1, fsdp=1, num_devices=1, documents=documents)
+    t = tokens_for(one, documents=documents)
+    loss1, grads1, _ = loss_and_grads(one, t)
+    return t, loss1, grads1
+
+
 def tokens_for(c, documents=False):
     rng = np.random.default_rng(0)
     t = rng.integers(1, c.model.vocab_size, (c.train.global_batch, c.data.seq_len + 1)).astype(np.int32)
@@ -75,9 +86,7 @@ def test_a_sequence_split_over_devices_gives_one_devices_loss_and_gradients(vari
     """The balanced layout (each device two slices of the sequence, one from each end) included: the logits come
     back in the sequence's order, every query attends by its position."""
     assert len(jax.devices()) == 8
-    one = config(variant, 1, data=1, fsdp=1, num_devices=1)
-    t = tokens_for(one)
-    loss1, grads1, _ = loss_and_grads(one, t)
+    t, loss1, grads1 = one_device(variant)
     loss_n, grads_n, setup = loss_and_grads(config(variant, **mesh), t)
     want = {"data": mesh.get("data", 2), "context": mesh["context"]}
     assert dict(setup.mesh.shape) == {**want, "fsdp": mesh.get("fsdp", 8 // want["data"] // mesh["context"])}
@@ -91,9 +100,7 @@ def test_a_sequence_split_over_devices_gives_one_devices_loss_and_gradients(vari
     "variant,impl", [("resformer", "xla"), ("svformer", "xla"), ("svformer", "pallas"), ("resformer", "splash")]
 )
 def test_packed_documents_split_over_devices_match_one_device(variant, impl):
-    one = config(variant, 1, data=1, fsdp=1, num_devices=1, documents=True)
-    t = tokens_for(one, documents=True)
-    loss1, grads1, _ = loss_and_grads(one, t)
+    t, loss1, grads1 = one_device(variant, documents=True)
     context, data = (8, 1) if impl == "xla" and variant == "svformer" else (4, 2)  # context 8 once, with documents
     loss_n, grads_n, setup = loss_and_grads(config(variant, context, data=data, documents=True, impl=impl), t)
     assert setup.model.cfg.document_eot == 0  # the documents are masked
