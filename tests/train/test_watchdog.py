@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from commands import run_command
 
 from resformer_jax.errors import EXIT_STALLED
 from resformer_jax.train import goodput
@@ -137,10 +138,10 @@ def _train(wd, *flags, env=None, timeout=300):
 def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_the_same_losses(tmp_path):
     """One process whose data read blocks at step 25 (after the checkpoint at 20): the watchdog's stack file shows
     the blocked frame, the exit status is 5, the last line says which phase stalled, the checkpoints are intact,
-    and the rerun resumes from 20 to the losses of a run never interrupted, bitwise; that run, with tight budgets
-    across its compile, evaluations and saves, equals one with the watchdog off, bitwise. The ledger's parts add
-    up to each invocation's wall time, which matches the process's own within 2%; the recomputed steps are
-    counted; goodput goes to TensorBoard's scalars (metrics.jsonl mirrors them)."""
+    and the rerun resumes from 20 to the losses of a run never interrupted with the watchdog off, bitwise: the
+    watchdog, with tight budgets across both invocations' compiles, evaluations and saves, changes nothing. The
+    ledger's parts add up to each invocation's wall time, which matches the process's own within 2%; the recomputed
+    steps are counted; goodput goes to TensorBoard's scalars (metrics.jsonl mirrors them)."""
     from resformer_jax.metrics import read_jsonl
 
     flags = [
@@ -162,11 +163,10 @@ def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_th
     r, wall2 = _train(stalled, *flags, *tight)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step 20" in r.stdout + r.stderr
-    healthy, off = str(tmp_path / "healthy"), str(tmp_path / "off")
-    assert _train(healthy, *flags, *tight)[0].returncode == 0
+    off = str(tmp_path / "off")
     assert _train(off, *flags, "--config.watchdog.enabled=False")[0].returncode == 0
-    losses = {d: read_jsonl(os.path.join(d, "metrics.jsonl"), "train/loss") for d in (stalled, healthy, off)}
-    assert losses[healthy] == losses[off]  # the watchdog changes nothing it watches
+    losses = {d: read_jsonl(os.path.join(d, "metrics.jsonl"), "train/loss") for d in (stalled, off)}
+    # bitwise: the watchdog (tight budgets in both invocations) changes nothing it watches, and the resume is exact
     assert sorted(losses[stalled]) == sorted(losses[off]) == list(range(5, 41, 5))
     assert [losses[stalled][s] for s in range(5, 41, 5)] == [losses[off][s] for s in range(5, 41, 5)]
 
@@ -183,13 +183,7 @@ def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_th
     scalars = read_jsonl(os.path.join(stalled, "metrics.jsonl"), "goodput/goodput")
     assert scalars and all(0 < v < 1 for v in scalars.values())
     assert "goodput" in r.stdout + r.stderr  # printed at the end
-    table = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "compare", "--goodput", stalled],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    table = run_command("compare", "--goodput", stalled)
     assert table.returncode == 0 and "stalled" in table.stdout.splitlines()[0], table.stderr[-2000:]
     row = table.stdout.splitlines()[1]
     assert row.startswith("stalled") and row.endswith("(2 invocation(s))"), row  # the stall said so: not unknown
