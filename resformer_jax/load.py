@@ -73,11 +73,7 @@ def load_run(
                 "checkpoints (generate, serve and `resformer harness` take an export, analyze as --hf_model); give "
                 "the run's --workdir"
             )
-        what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
-        raise CheckpointError(
-            f"run directory {workdir} {what}; check --workdir (train first with "
-            f"python -m resformer_jax.main --workdir={workdir})"
-        )
+        _no_run(run, workdir)
     with run.checkpointer(read_only=True) as ck:
         steps = ck.all_steps()
         if not steps:
@@ -125,6 +121,24 @@ class LoadedModel(NamedTuple):
     step: int | None  # None: an export's one set of weights
     tokenizer: Any  # a tokenizers.Tokenizer, or None (a run trained on token ids)
     trained_len: int | None  # the sequence length the run trained at (None: an export does not say)
+
+
+def _no_run(run: RunDir, workdir: str):
+    what = "has no checkpoints/ folder" if run.path.is_dir() else "does not exist"
+    raise CheckpointError(
+        f"run directory {workdir} {what}; check --workdir (train first with "
+        f"python -m resformer_jax.main --workdir={workdir})"
+    )
+
+
+def check_model_path(path: str) -> None:
+    """load_model's error where `path` is neither a run directory nor an export, before anything is loaded (the
+    harness says so before lm-eval indexes its tasks)."""
+    from resformer_jax.hf.llama_import import is_export
+
+    run = RunDir(path)
+    if not run.checkpoints.is_dir() and not is_export(path):
+        _no_run(run, path)
 
 
 def load_model(path: str, step: int | None = None) -> LoadedModel:

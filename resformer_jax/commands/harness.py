@@ -36,6 +36,23 @@ def cli_main():
         sys.stdout.flush()
 
     import resformer_jax.eval.lm_eval_model  # noqa: F401 - registers the model "resformer_jax"
+    from resformer_jax.load import check_model_path
 
     with cli.exit_on_user_error():  # the adapter's errors (a missing run, no tokenizer) as one line
+        workdir = _model_arg(sys.argv[1:], "workdir")
+        if workdir:  # a missing run is named before lm-eval spends seconds indexing its tasks
+            check_model_path(workdir)
         cli_evaluate()
+
+
+def _model_arg(argv: list[str], key: str) -> str | None:
+    """`key`'s value in lm-eval's `--model_args k=v,k=v` (or `--model_args=...`), None where absent."""
+    for i, a in enumerate(argv):
+        if a.startswith("--model_args="):
+            value = a.split("=", 1)[1]
+        elif a == "--model_args" and i + 1 < len(argv):
+            value = argv[i + 1]
+        else:
+            continue
+        return dict(p.split("=", 1) for p in value.split(",") if "=" in p).get(key)
+    return None
