@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from commands import run_command
 
 from resformer_jax.commands.training import run
 from resformer_jax.presets import tiny_config
@@ -40,10 +41,24 @@ def _digest(folder: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def _one_line(args, cwd, env=None, bound_s=60):
+def _here(args):
+    """`python -m ARGS` as this process runs it (tests/support/commands.py): the command's status and output."""
+    if args[0] == "resformer_jax.main":
+        return run_command("train", *args[1:])
+    assert args[0] == "resformer_jax", args
+    return run_command(args[1], *args[2:])
+
+
+def _one_line(args, cwd, env=None, bound_s=60, here=False):
+    """The one `error:` line of `python -m ARGS` (exit 2, no traceback) within bound_s: in a fresh interpreter, or
+    with here=True in this process (the same command and checks, without an interpreter's start)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    if here:
+        assert cwd == ROOT and not env.keys() - os.environ.keys() - {"JAX_PLATFORMS"}, "in-process: no env of its own"
+        r = _here(args)
+    else:
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
     took = time.perf_counter() - t
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error:")]
@@ -196,7 +211,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(trained, tmp_path, name, a
             a = a.replace(k, v)
         args[i] = a
     before = _digest(runs)
-    line = _one_line(args, cwd=ROOT)
+    line = _one_line(args, cwd=ROOT, here=True)
     for w in words:
         assert w in line, f"{name}: {line!r} lacks {w!r}"
     assert _digest(runs) == before, f"{name} changed a run directory"
@@ -401,7 +416,7 @@ def _sub(args, **kw):
 def test_reading_a_missing_run_is_one_line(tmp_path, name, args, shared_data):
     if name == "harness":
         pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (CI installs it)")
-    line = _one_line(_sub(args, run=tmp_path / "nope", tmp=tmp_path), cwd=ROOT)
+    line = _one_line(_sub(args, run=tmp_path / "nope", tmp=tmp_path), cwd=ROOT, here=True)
     assert "does not exist" in line and "nope" in line, line
     assert not (tmp_path / "nope").exists()
 
@@ -466,22 +481,14 @@ def test_reading_a_run_whose_newest_checkpoint_is_damaged(two_checkpoints, tmp_p
     shutil.copytree(two_checkpoints, wd)
     _flip_bytes(wd / "checkpoints" / "4")
     before = _digest(wd / "checkpoints")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [sys.executable, "-m", *_sub(args, run=wd, tmp=tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
+    r = _here(_sub(args, run=wd, tmp=tmp_path))  # HF_*_OFFLINE: tests/conftest.py
     assert r.returncode == 0 and "Traceback" not in r.stderr, (name, r.stderr[-3000:])
     assert "checkpoint at step 4" in r.stderr and "does not restore" in r.stderr and "--step=2" in r.stderr, r.stderr
     assert _digest(wd / "checkpoints") == before, f"{name} changed the run's checkpoints"
     assert not (wd / "checkpoints_damaged").exists(), f"{name} moved a checkpoint"
     # an explicit --step that is damaged is one line naming the ones that restore
     if name == "generate":
-        line = _one_line(_sub(args, run=wd, tmp=tmp_path) + ["--step=4"], cwd=ROOT)
+        line = _one_line(_sub(args, run=wd, tmp=tmp_path) + ["--step=4"], cwd=ROOT, here=True)
         assert "step 4" in line and "available: [2]" in line, line
 
 
