@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from commands import run_command
 
 # a trained run and server processes; one worker runs this file, so its module fixtures are built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
@@ -574,14 +575,12 @@ def _lm_eval_against(server_url, run_dir, tmp_path, tasks="piqa_local,arc_easy_g
     pytest.importorskip("tenacity", reason="lm-eval's api extra is not installed (pip install -e '.[lm_eval]')")
     import glob
 
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     task_dir = os.path.join(ROOT, "configs", "lm_eval_tasks")
     common = ["--include_path", task_dir, "--limit", "8", "--log_samples"]
     api = lm_eval_local_completions(server_url, os.path.basename(run_dir), tasks, limit=8)
-    own = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "harness", "--model", "resformer_jax", "--model_args",
-         f"workdir={run_dir},batch_size=8", "--tasks", "piqa_local", "--output_path", str(tmp_path / "own"), *common],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    own = run_command(  # in this process (HF_*_OFFLINE: tests/conftest.py)
+        "harness", "--model", "resformer_jax", "--model_args", f"workdir={run_dir},batch_size=8",
+        "--tasks", "piqa_local", "--output_path", str(tmp_path / "own"), *common,
     )  # fmt: skip
     assert own.returncode == 0, own.stderr[-3000:]
 
@@ -640,17 +639,21 @@ def neox_run(tmp_path_factory):
     return wd
 
 
-def test_lm_eval_through_the_server_on_a_2m_run_trained_on_the_neox_prepared_sample(neox_run, tmp_path):
+@pytest.fixture(scope="module")
+def neox_server(neox_run):
+    """`resformer serve` on the NeoX-prepared 2M run, its prefix cache on (the default, said here)."""
+    s = Server(neox_run, "--cache_gib=0.05", "--prefix_cache=true")
+    yield s
+    s.stop()
+
+
+def test_lm_eval_through_the_server_on_a_2m_run_trained_on_the_neox_prepared_sample(neox_server, neox_run, tmp_path):
     """#74, as the issue ran it: lm-eval's local-completions through `resformer serve` on the NeoX-prepared 2M run
     equals the harness on piqa_local within 1e-4 (measured 8e-6)."""
-    s = Server(neox_run, "--cache_gib=0.05")
-    try:
-        _lm_eval_against(s.url, neox_run, tmp_path, tasks="piqa_local")
-    finally:
-        s.stop()
+    _lm_eval_against(neox_server.url, neox_run, tmp_path, tasks="piqa_local")
 
 
-def test_hellaswag_through_the_prefix_cache_scores_as_without_it(neox_run, tmp_path):
+def test_hellaswag_through_the_prefix_cache_scores_as_without_it(neox_server, neox_run, tmp_path):
     """#75: lm-eval's hellaswag_local (4 endings a context) through `resformer serve`, the prefix cache on and off:
     every per-choice log-likelihood equal within 1e-5 (measured: bitwise), and the cache's hits counted in
     /metrics. The hit rate is bounded by the data: only the 3 later endings of a context can hit, and only its full
@@ -658,13 +661,16 @@ def test_hellaswag_through_the_prefix_cache_scores_as_without_it(neox_run, tmp_p
     the first 10 contexts)."""
     pytest.importorskip("tenacity", reason="lm-eval's api extra is not installed (pip install -e '.[lm_eval]')")
     got = {}
-    for on in ("true", "false"):
-        s = Server(neox_run, "--cache_gib=0.05", f"--prefix_cache={on}")
+    for on in ("true", "false"):  # on: the module's server (its counters read before and after); off: its own
+        s = neox_server if on == "true" else Server(neox_run, "--cache_gib=0.05", "--prefix_cache=false")
+        counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        before = [s.metric(c) for c in counters]
         try:
             samples = lm_eval_local_completions(s.url, "r2m", "hellaswag_local", limit=10)["hellaswag_local"]
-            hits, queries = s.metric("vllm:prefix_cache_hits_total"), s.metric("vllm:prefix_cache_queries_total")
+            hits, queries = (s.metric(c) - b for c, b in zip(counters, before))
         finally:
-            s.stop()
+            if s is not neox_server:
+                s.stop()
         got[on] = (samples, hits, queries)
     (cached, hits, queries), (plain, no_hits, _) = got["true"], got["false"]
     assert len(cached) == len(plain) == 10
