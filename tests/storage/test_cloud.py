@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from commands import run_command
 
 from resformer_jax.presets import tiny_config
 
@@ -146,15 +147,11 @@ def reference(tmp_path_factory, corpus):
     return read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss")
 
 
-def _py(module, *args, env, timeout=300):
-    r = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _py(module, *args, env):
+    """`resformer COMMAND ARGS` in this process (the `cloud` fixture set the emulator's `env` here too): only the
+    killed training run needs a process of its own."""
+    assert module == "resformer_jax" and env.items() <= os.environ.items(), (module, env)
+    r = run_command(*args)
     assert r.returncode == 0, f"{module} {args}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
