@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from commands import run_command
 
 from resformer_jax.commands.training import run
 from resformer_jax.config import base_config
@@ -127,7 +128,7 @@ def test_a_muon_run_killed_mid_flight_resumes_bitwise(tmp_path):
     flags += ["--config.train.log_every=1", "--config.checkpoint.every_steps=3", "--config.mesh.num_devices=1"]
     flags += ["--config.train.eval_every=1000"]
     main = [sys.executable, "-m", "resformer_jax.main", *flags]
-    assert subprocess.run([*main, f"--workdir={ref_wd}"], cwd=ROOT, capture_output=True).returncode == 0
+    assert run_command("train", *flags, f"--workdir={ref_wd}").returncode == 0  # in-process: compiled as a command
     p = subprocess.Popen([*main, f"--workdir={wd}"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     t0 = time.time()
     for line in p.stdout:
@@ -136,7 +137,7 @@ def test_a_muon_run_killed_mid_flight_resumes_bitwise(tmp_path):
         assert time.time() - t0 < 300
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert subprocess.run([*main, f"--workdir={wd}"], cwd=ROOT, capture_output=True).returncode == 0
+    assert run_command("train", *flags, f"--workdir={wd}").returncode == 0
     ref, got = losses(ref_wd), losses(wd)
     assert all(got[s] == ref[s] for s in range(7, 13)), (got, ref)
 
@@ -286,8 +287,7 @@ def test_a_spike_injected_into_a_run_is_skipped_counted_logged_and_replayed_on_r
 )
 def test_bad_recipe_values_are_one_line(tmp_path, flag, words):
     wd = tmp_path / "run"
-    cmd = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *flag.split()]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_command("train", "--config=configs/tiny.py", f"--workdir={wd}", *flag.split())  # in-process
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr and err and err[-1].startswith("error:"), r.stderr
     assert all(w in err[-1] for w in words), err[-1]
@@ -303,8 +303,7 @@ def test_a_fork_from_another_shape_or_a_missing_step_is_one_line(tmp_path):
         ([f"--config.train.init_from={src}:4", "--config.model.d_model=32"], ["another model", "d_model"]),
     ):
         wd = tmp_path / "fork"
-        cmd = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}", *extra]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        r = run_command("train", "--config=configs/tiny.py", f"--workdir={wd}", *extra)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert all(w in r.stderr for w in words), r.stderr
         assert not (wd / "checkpoints").exists()
@@ -413,9 +412,7 @@ def test_validation_reports_bits_per_byte_and_in_loop_tasks_equal_evaluate(tmp_p
     want = last[f"eval/{domain}/loss"] * tokens / (math.log(2) * text_bytes)
     assert last[f"eval/{domain}/bpb"] == pytest.approx(want, rel=1e-9)
     acc = [r["tasks/piqa/acc"] for r in rec if "tasks/piqa/acc" in r][-1]
-    cmd = [sys.executable, "-m", "resformer_jax", "evaluate", f"--workdir={wd}", "--tasks=piqa"]
-    cmd += [f"--task_data={samples}", "--limit=6"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = run_command("evaluate", f"--workdir={wd}", "--tasks=piqa", f"--task_data={samples}", "--limit=6")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.load(open(os.path.join(wd, "eval", "zero_shot_step4.json")))["tasks"]["piqa"]["acc"] == acc
 
