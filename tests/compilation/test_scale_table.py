@@ -3,11 +3,10 @@ it has, and the trainer's start-up words on the compiled step's bound."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
+from commands import run_command
 
 from resformer_jax.compilation import scale_table
 from resformer_jax.compilation.roofline import step_bound_line
@@ -72,17 +71,15 @@ def test_the_ladder_prints_the_table_from_the_rows_it_has_and_refuses_unknown_na
     for file, _ in scale_table.VARIANTS:
         row = scale_table.Row("1b", file, "h100x8")
         (tmp_path / f"{row.name}.json").write_text("compiling...\n" + json.dumps(report()) + "\n")
-    cmd = [sys.executable, "-m", "resformer_jax", "compile", f"--scale_table={tmp_path}"]
-    done = subprocess.run(
-        cmd + ["--scale_sizes=1b", "--scale_clusters=h100x8"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    cmd = [f"--scale_table={tmp_path}"]
+    done = run_command("compile", *cmd, "--scale_sizes=1b", "--scale_clusters=h100x8")  # in-process: nothing compiles
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("|")]
     assert len(lines) == 2 + 3 and [ln.split("|")[2].strip() for ln in lines[2:]] == [
         "transformer", "resformer", "svformer"
     ]  # fmt: skip
     assert "+ resformer compile" not in done.stderr  # every row was there: nothing compiled
-    bad = subprocess.run(cmd + ["--scale_clusters=h100x16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = run_command("compile", *cmd, "--scale_clusters=h100x16")
     assert bad.returncode == 2 and "--scale_clusters: unknown ['h100x16']" in bad.stderr
 
 

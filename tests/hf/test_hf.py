@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 import reference as ref
+from commands import run_command
 from hf_models import TEXT, write_tiny_llama
 
 from resformer_jax.hf.llama_import import HFError, load_hf_llama
@@ -52,18 +53,9 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     write_tiny_llama(str(model))
     (tmp_path / "text.txt").write_text(TEXT)
     before = sorted(os.listdir(model))
-    cmd = [
-        sys.executable,
-        "-m",
-        "resformer_jax",
-        "analyze",
-        f"--hf_model={model}",
-        f"--text_file={tmp_path / 'text.txt'}",
-    ]
+    cmd = [f"--hf_model={model}", f"--text_file={tmp_path / 'text.txt'}"]
     stream = ["--seq_len=32", "--num_sequences=4", "--text_unit=stream"]
-    r = subprocess.run(
-        [*cmd, *stream, f"--out={tmp_path / 'an'}"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    r = run_command("analyze", *cmd, *stream, f"--out={tmp_path / 'an'}")  # in-process
     assert r.returncode == 0, r.stderr[-3000:]
     an = json.load(open(tmp_path / "an" / "analysis.json"))[0]
     assert an["source"] == "hugging face checkpoint" and an["variant"] == "tiny-llama" and an["num_sequences"] == 4
@@ -72,7 +64,7 @@ def test_analyze_a_pretrained_llama_from_local_safetensors(tmp_path):
     assert len(an["layers"]["similarity"]) == 3 and os.path.getsize(tmp_path / "an" / "entropy.png") > 1000
     assert sorted(os.listdir(model)) == before, "nothing is written into the model folder"
     # --seq_len's default (512) past this model's 256 positions: the flag named, not two config fields
-    r = subprocess.run([*cmd, f"--out={tmp_path / 'an2'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_command("analyze", *cmd, f"--out={tmp_path / 'an2'}")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         f"error: --seq_len=512 exceeds the context of {model} (256 tokens); pass --seq_len 256 or less"
     ), r.stderr[-2000:]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import run_command
 
 from resformer_jax import kernels
 from resformer_jax.config import ConfigError, validate
@@ -265,11 +266,7 @@ def test_a_run_with_document_masking_trains_records_its_token_and_resumes(tmp_pa
     kept = [r["perf/attended_fraction"] for r in rows if "train/loss" in r]  # the MFU counts the pairs kept
     assert len(kept) == len(steps) and all(0 < k <= 1 for k in kept) and min(kept) < 1, kept
     # `resformer evaluate`'s validation is the loop's: document_start_loss=False leaves the same targets out
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "resformer_jax", "evaluate", f"--workdir={wd}", f"--batch={c.train.global_batch}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = run_command("evaluate", f"--workdir={wd}", f"--batch={c.train.global_batch}")  # in-process
     assert r.returncode == 0, r.stderr[-2000:]
     table = json.loads((tmp_path / "run" / "eval" / "validation_step12.json").read_text())["loss"]
     last = [r for r in rows if "eval/loss" in r][-1]
