@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from commands import run_command
 
 from resformer_jax.data.pipeline import (
     BatchReader,
@@ -269,21 +270,8 @@ def test_bad_data_stops_with_clear_messages(slimpajama, tmp_path):
         check_compatible(meta, SEQ, 50277, "0" * 64, out)
     with pytest.raises(PrepareError, match="does not exist"):
         prepare([str(tmp_path / "missing")], "train:300", str(tmp_path / "o"), quiet=True)
-    r = subprocess.run(  # `resformer prepare`: the same command by its name
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "prepare",
-            "--input",
-            str(tmp_path / "missing"),
-            "--tokenizer",
-            "train:300",
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
+    r = run_command(  # `resformer prepare`: the same command by its name (in-process)
+        "prepare", "--input", str(tmp_path / "missing"), "--tokenizer", "train:300", "--out", str(tmp_path / "o")
     )
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 

@@ -1,10 +1,9 @@
 """KV-cache decoding and generation."""
 
 import os
-import subprocess
-import sys
 
 import pytest
+from commands import run_command
 from decoding import assert_decode_equals_forward, pool_bytes
 
 from resformer_jax.config import validate
@@ -69,21 +68,12 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     c.mesh.num_devices = 1
     wd = str(tmp_path / "run")
     assert run(c, wd) == 0
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "generate",
-            f"--workdir={wd}",
-            "--prompt=the cat sat on the mat",
-            "--max_new_tokens=24",
-            "--devices=2",  # the engine on a mesh of two host devices: rows and pages split
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(  # in-process, as the two below
+        "generate",
+        f"--workdir={wd}",
+        "--prompt=the cat sat on the mat",
+        "--max_new_tokens=24",
+        "--devices=2",  # the engine on a mesh of two host devices: rows and pages split
     )
     assert r.returncode == 0, r.stderr
     assert "the cat sat on the mat and the dog ate the bone. the cat sat" in r.stdout, r.stdout
@@ -94,10 +84,10 @@ def test_greedy_generation_reproduces_repetitive_text(tmp_path):
     from resformer_jax.rundir import RunDir
 
     export_run(RunDir(wd), load_run(wd), str(tmp_path / "hf"))
-    cmd = [sys.executable, "-m", "resformer_jax", "generate", f"--workdir={tmp_path / 'hf'}", "--max_new_tokens=24"]
-    e = subprocess.run([*cmd, "--prompt=the cat sat on the mat"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = ["generate", f"--workdir={tmp_path / 'hf'}", "--max_new_tokens=24"]
+    e = run_command(*cmd, "--prompt=the cat sat on the mat")
     assert e.returncode == 0 and e.stdout == r.stdout and '"step": null' in e.stderr, e.stderr[-2000:]
     # stop strings (vLLM's `stop`): the engine ends the text before the first one met
     stops = ["--prompt=the cat sat on the mat", "--stop= dog", "--stop=bone"]
-    s = subprocess.run([*cmd, *stops], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    s = run_command(*cmd, *stops)
     assert s.returncode == 0 and s.stdout.startswith("the cat sat on the mat and the\n" + "-" * 40), s.stdout
