@@ -1,11 +1,10 @@
 """lm-evaluation-harness on this project's checkpoints: the adapter agrees with resformer_jax.evaluate."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from commands import run_command
 
 # end-to-end: runs, commands, processes or compilers; one worker runs this file, so its module fixtures are built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lm_eval")]
@@ -123,29 +122,18 @@ def test_rolling_and_generation(trained):
 def test_harness_command_line(trained, shared_data):
     # shared_data: the shipped piqa_local task reads ../shared/data/eval_samples (skips where it is absent)
     wd, _ = trained
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "harness",
-            "--model",
-            "resformer_jax",
-            "--model_args",
-            f"workdir={wd},batch_size=4",
-            "--tasks",
-            "piqa_local,arc_easy_gen_local",  # a multiple-choice task and a generation task (the engine)
-            "--include_path",
-            TASKS_DIR,
-            "--limit",
-            "4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = run_command(  # lm-eval's command line, in this process (HF_*_OFFLINE: tests/conftest.py)
+        "harness",
+        "--model",
+        "resformer_jax",
+        "--model_args",
+        f"workdir={wd},batch_size=4",
+        "--tasks",
+        "piqa_local,arc_easy_gen_local",  # a multiple-choice task and a generation task (the engine)
+        "--include_path",
+        TASKS_DIR,
+        "--limit",
+        "4",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "piqa_local" in r.stdout and "acc" in r.stdout

@@ -5,12 +5,11 @@ the continuation's positions."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
+from commands import run_command
 from demo_runs import tokenized_tiny_config
 
 from resformer_jax.eval.loglik import ContinuationScorer, buckets, prepare, rows_per_batch
@@ -96,21 +95,12 @@ def test_contexts_longer_than_the_model_are_cut_from_the_left_and_batches_sized_
 def test_evaluate_prints_progress_per_task(trained, shared_data, tmp_path):
     """The command: a line per task with items/s, the Table 1 layout, the same accuracies as the library call."""
     wd, cfg, params, _ = trained
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "evaluate",
-            f"--workdir={wd}",
-            "--tasks=piqa,arc_easy",
-            f"--task_data={shared_data / 'eval_samples'}",
-            "--limit=12",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_command(  # in-process
+        "evaluate",
+        f"--workdir={wd}",
+        "--tasks=piqa,arc_easy",
+        f"--task_data={shared_data / 'eval_samples'}",
+        "--limit=12",
     )
     assert r.returncode == 0, r.stderr
     assert "piqa: 12 items in" in r.stderr and "items/s" in r.stderr and "arc_easy: 12 items" in r.stderr, r.stderr
