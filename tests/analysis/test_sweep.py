@@ -99,9 +99,9 @@ def test_sweep_creates_named_runs_and_manifest_and_resumes(swept):
         cfg = json.load(open(os.path.join(wd, name, "config.json")))
         assert cfg["model"]["value_residual"] == name.split("_seed")[0].split("-")[1]
         assert sorted(losses(os.path.join(wd, name))) == list(range(1, 21))
-    again = sweep(wd)  # everything finished: nothing runs
+    again = run_command("sweep", f"--workdir={wd}", *SWEEP)  # everything finished: nothing runs (in-process)
     assert again.returncode == 0 and again.stdout.count("skipped") == 4
-    other = sweep(wd, "--set", "model.num_layers=2,3")
+    other = run_command("sweep", f"--workdir={wd}", *SWEEP, "--set", "model.num_layers=2,3")
     assert other.returncode == 2 and "another grid" in other.stderr and "Traceback" not in other.stderr
 
 
@@ -427,23 +427,10 @@ def test_a_tuple_field_sweeps_with_plus_joined_items_that_the_runs_accept(tmp_pa
     """Fig. 14's anchors: `--set model.svformer_anchors=none,5,3+5+7` gives three runs whose flags the training
     command parses back to (), (5,) and (3, 5, 7)."""
     wd = tmp_path / "fig14"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "sweep",
-            "--config=configs/svformer_82m.py",
-            f"--workdir={wd}",
-            "--set",
-            "model.svformer_anchors=none,5,3+5+7",
-            "--slurm",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_command(  # in-process, as the summaries below: --slurm writes the script and runs nothing
+        "sweep", "--config=configs/svformer_82m.py", f"--workdir={wd}", "--set", "model.svformer_anchors=none,5,3+5+7",
+        "--slurm",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     runs = json.load(open(wd / "sweep.json"))["runs"]
     assert [x["name"] for x in runs] == ["svformer_anchors-none", "svformer_anchors-5", "svformer_anchors-3+5+7"]
@@ -453,13 +440,7 @@ def test_a_tuple_field_sweeps_with_plus_joined_items_that_the_runs_accept(tmp_pa
             for k, v in x["values"].items()
         )
         assert f"'{flag}'" in (wd / "sweep.sbatch").read_text()
-        s = subprocess.run(
-            [sys.executable, "-m", "resformer_jax.main", "--config=configs/svformer_82m.py", flag, "--mode=summary"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        s = run_command("train", "--config=configs/svformer_82m.py", flag, "--mode=summary")
         assert json.loads(s.stdout.strip().splitlines()[-1])["model"]["svformer_anchors"] == want, s.stderr
 
 
@@ -513,14 +494,10 @@ def test_compare_against_a_categorical_field_gives_each_value_its_comparison(tmp
             with open(run / "metrics.jsonl", "w") as f:
                 for step in range(10, 210, 10):
                     f.write(json.dumps({"step": step, "train/loss": base - step / 1000 - gap}) + "\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "compare", str(tmp_path), "--group_by", "model.value_residual"]
-        + ["--baseline", "none", "--vs", "train.optimizer", "--smooth", "20", f"--out={tmp_path / 'cmp'}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = run_command(
+        "compare", str(tmp_path), "--group_by", "model.value_residual", "--baseline", "none",
+        "--vs", "train.optimizer", "--smooth", "20", f"--out={tmp_path / 'cmp'}",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resformer [train.optimizer=adamw]" in r.stdout and "resformer [train.optimizer=muon]" in r.stdout
     assert "resformer at train.optimizer=muon" in r.stdout and "exp(" not in r.stdout, r.stdout
