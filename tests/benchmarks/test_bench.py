@@ -387,30 +387,9 @@ def test_bench_decode_matrix_reports_bytes_and_bandwidth():
     assert sv["kv_bytes_read_per_step"] == none["kv_bytes_read_per_step"]
     assert sv["weight_bytes_per_step"] < none["weight_bytes_per_step"]  # no W_V in layers >= 2
     assert all(x["fraction_of_bandwidth"] > 0 and x["decode_tokens_per_s"] > 0 for x in rows)
-    bad = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "bench", "decode", "--config=configs/tiny.py", "--matrix=1:x"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bad = run_command("bench", "decode", "--config=configs/tiny.py", "--matrix=1:x")
     assert bad.returncode == 2 and "BATCHES:CONTEXTS" in bad.stderr and "Traceback" not in bad.stderr
-    knob = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "decode",
-            "--config=configs/tiny.py",
-            "--matrix=1:16",
-            "--top_p=0",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    knob = run_command("bench", "decode", "--config=configs/tiny.py", "--matrix=1:16", "--top_p=0")
     assert knob.returncode == 2 and "top_p=0.0: must be in (0, 1]" in knob.stderr and "Traceback" not in knob.stderr
 
 
@@ -801,14 +780,7 @@ def test_each_benchmark_reads_the_flags_its_table_names_and_refuses_another_s():
     for bench, names in table.items():
         missing = set(names) - reads(f"run_{bench}", set())
         assert not missing, f"bench {bench} lists flags its runner does not read: {missing}"
-    r = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "bench", "train", "--config=configs/tiny.py", "--cache_gib=1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=120,
-    )
+    r = run_command("bench", "train", "--config=configs/tiny.py", "--cache_gib=1")
     assert r.returncode != 0 and "--cache_gib is not a flag of bench train" in r.stderr, r.stderr[-800:]
     assert "read by bench decode" in r.stderr and "Traceback" not in r.stderr
 
