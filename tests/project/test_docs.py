@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from commands import command_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -75,8 +76,8 @@ def entry(tokens: list[str]) -> tuple[str, list[str]] | None:
 
 @functools.cache
 def flags_of(module: str) -> frozenset[str] | None:
-    """The flags a command accepts: absl's registry after importing the command (in a fresh process: several
-    commands define the same flag names), or data_prep.prepare's argparse options."""
+    """The flags a command accepts: absl's registry with only that command's flags in it (tests/support/commands.py:
+    several commands define the same flag names), lm-eval's options for harness, data_prep.prepare's argparse ones."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RESFORMER_NO_XLA_DEFAULTS": "1"}
     if module == "commands.harness":  # lm-eval's own CLI: its `run` subcommand's options (the legacy form inserts it)
         if importlib.util.find_spec("lm_eval") is None:
@@ -95,12 +96,8 @@ def flags_of(module: str) -> frozenset[str] | None:
             "argparse.ArgumentParser.parse_args = grab\n"
             "m.main([])\n"
         )
-    else:
-        code = (
-            f"import json, resformer_jax.{module} as m\n"
-            "from absl import flags\n"
-            "print(json.dumps(['--' + n for n in flags.FLAGS]))\n"
-        )
+    else:  # in this process, as run_command registers a command's flags (absl's own beside them)
+        return command_flags(f"resformer_jax.{module}")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
     assert r.returncode == 0, f"importing {module} failed: {r.stderr[-1500:]}"
     return frozenset(json.loads(r.stdout.strip().splitlines()[-1]))

@@ -91,3 +91,12 @@ def run_command(command: str, *argv: str) -> Result:
         err.write(code + "\n")
         code = 1
     return Result(code, out.getvalue(), err.getvalue())
+
+
+def command_flags(module_name: str) -> frozenset[str]:
+    """`--NAME` of every flag command module `module_name` (resformer_jax.commands.X) accepts: its own, as
+    run_command registers them, and absl's (--help, --flagfile, logging's)."""
+    _FLAGS.activate(module_name)
+    by_module = flags.FLAGS.flags_by_module_dict()
+    own = [f for m, defined in by_module.items() if m == module_name or m.startswith("absl.") for f in defined]
+    return frozenset("--" + f.name for f in own)
