@@ -57,7 +57,7 @@ def test_ablation_matches_its_equation(name):
     c = tiny(name)
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
-    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
+    params = ref.init_params(model, tokens)
     # Mixing weights start at values that hide their equation (one-hot DenseFormer weights, equal
     # logits); move every non-matrix scalar so the test sees the whole formula.
     rng = np.random.default_rng(0)
@@ -96,7 +96,7 @@ def test_scanned_ablations_equal_unrolled(name):
         Transformer(for_backend(ModelConfig.of(c_sc.model))),
     )
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c_un.model.vocab_size)
-    params = nn.unbox(jax.jit(model_un.init)(jax.random.PRNGKey(0), tokens)["params"])
+    params = ref.init_params(model_un, tokens)
     stacked = ref.stack_unrolled(params, c_un.model.num_layers)
     np.testing.assert_allclose(
         jax.jit(model_un.apply)({"params": params}, tokens),
@@ -151,7 +151,7 @@ def test_every_ablation_decodes_through_the_engine_as_its_cache_free_forward(nam
     c = c.replace(model=c.model.replace(dtype="float32"))
     m = for_backend(ModelConfig.of(c.model))
     model = Transformer(m)
-    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = ref.init_params(model, jnp.zeros((1, 8), jnp.int32))
     params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 40.0})  # far-apart logits: no ties
     rng = np.random.default_rng(2)
     prompts = [[int(t) for t in rng.integers(0, m.vocab_size, size=k)] for k in (3, 9, 14)]

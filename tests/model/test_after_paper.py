@@ -5,11 +5,11 @@ gradients and bad combinations."""
 
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from decoding import assert_decode_equals_forward, pool_bytes
 
 from resformer_jax.config import validate
@@ -32,9 +32,7 @@ def cfg(mode="resformer", lambdas="fixed", kv=4, heads=4, layers=4, **model):
 
 
 def init(c, tokens):
-    return nn.unbox(
-        jax.jit(Transformer(for_backend(ModelConfig.of(c.model))).init)(jax.random.PRNGKey(0), tokens)["params"]
-    )
+    return ref.init_params(Transformer(for_backend(ModelConfig.of(c.model))), tokens)
 
 
 def logits(c, params, tokens):

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +34,7 @@ def make(mode, kv_heads=0, scan=False, **model_overrides):
 def init(c, T=16, seed=0):
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (2, T), 0, c.model.vocab_size)
-    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"])
+    params = ref.init_params(model, tokens, seed)
     return model, params, tokens
 
 

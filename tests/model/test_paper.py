@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from reference import init_params
 
 from resformer_jax.analysis.measures import mean_spectrum, value_spectrum
 from resformer_jax.model.config import ModelConfig
@@ -105,7 +106,6 @@ def test_critical_point_found_or_predicted_and_exponential_fit():
 def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     """Fig. 12 c/d: model.arch=gpt2 against tests/support/reference.py's GPT-2, unrolled and scanned (tied, GPT-2's
     form, and untied, paper Table 4's)."""
-    import flax.linen as nn
     import jax
     import reference as ref
 
@@ -118,7 +118,7 @@ def test_gpt2_architecture_matches_a_plain_jnp_gpt2(mode, tie):
     validate(c)
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, c.model.vocab_size)
-    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
+    params = ref.init_params(model, tokens)
     # biases start at zero; move them so the test sees them
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: (
@@ -200,7 +200,7 @@ def test_gpt2_scaled_output_init_and_dropout():
     c.model.d_model, c.model.ffn_dim = 128, 512
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, c.model.vocab_size)
-    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"])
+    params = init_params(model, tokens[:, :-1])
     want = c.model.init_std / np.sqrt(2 * c.model.num_layers)
     for n in range(1, c.model.num_layers + 1):
         for w in (params[f"layer_{n}"]["attn"]["out"]["kernel"], params[f"layer_{n}"]["mlp"]["down"]["kernel"]):

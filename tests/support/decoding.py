@@ -1,10 +1,10 @@
 """The decode checks several rooms share: the engine's paged steps against the cache-free forward, and the bytes of
 the engine's cache pools."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from reference import init_params
 
 from resformer_jax.config import validate
 from resformer_jax.engine import Engine, SamplingParams
@@ -23,7 +23,7 @@ def assert_decode_equals_forward(c):
     m = for_backend(ModelConfig.of(c.model))
     model = Transformer(m)
     toks = jax.random.randint(jax.random.PRNGKey(0), (1, 12), 0, c.model.vocab_size)
-    p = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(1), toks)["params"])
+    p = init_params(model, toks, seed=1)
     engine = Engine(m, p, cache_bytes=2**22, page_size=4, max_batch=2, prefill_chunk=5, decode_steps=4)
     (r,) = engine.generate([toks[0].tolist()], SamplingParams(max_tokens=6, logprobs=1, prompt_logprobs=1))
     ids = toks[0].tolist() + r.tokens
