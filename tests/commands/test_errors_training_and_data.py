@@ -282,6 +282,7 @@ def test_a_step_that_cannot_fit_in_host_memory_stops_before_running(tmp_path):
     assert not (tmp_path / "w").exists(), os.listdir(tmp_path / "w")  # checked before anything is written
 
 
+@pytest.mark.slow  # trains: 5-6 s cold on 2 cores
 def test_read_only_workdir(tmp_path):
     r = cmd(*TRAIN, "--workdir=/sys/kernel/resformer_run")
     assert_one_line(r, "/sys/kernel")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from tiers import fast_few
 
 from resformer_jax.commands.cli import COMMANDS
 
@@ -37,7 +38,11 @@ def usage_line(module_name: str) -> str:
     return ast.get_docstring(ast.parse((COMMANDS_DIR / f"{module_name}.py").read_text())).splitlines()[0]
 
 
-@pytest.mark.parametrize("name,module", [(c, m) for c, m, _ in COMMANDS])
+# the fast tier: the headline command, an absl reader of runs, argparse's prepare and lm-eval's harness
+FAST_HELP = [("train", "main"), ("evaluate", "evaluate"), ("prepare", "prepare"), ("harness", "harness")]
+
+
+@pytest.mark.parametrize("name,module", fast_few([(c, m) for c, m, _ in COMMANDS], FAST_HELP, True))
 def test_help_lists_every_flag_and_exits_0(name, module):
     """Through the console script's dispatcher (`python -m resformer_jax COMMAND`): exit 0, no traceback, the
     command's own usage and every flag it defines with its help; harness (lm-eval's own CLI) names lm_eval."""

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import model_greedy
+from tiers import fast_few
 
 from resformer_jax.engine import Engine, EngineError, SamplingParams
 from resformer_jax.model import Transformer
@@ -55,9 +56,8 @@ def prompts_of(rng, n, vocab, lo=1, hi=40):
     return [[int(t) for t in rng.integers(0, vocab, size=int(k))] for k in rng.integers(lo, hi, size=n)]
 
 
-@pytest.mark.parametrize(
-    "variant", [v if v == "none" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS]
-)  # slow: a variant's engine and reference programs, 5-7 s cold on 2 cores; `none` stays in the fast tier
+@pytest.mark.slow  # a variant's engine and reference programs, 5-7 s cold on 2 cores; the fast tier's greedy rows
+@pytest.mark.parametrize("variant", list(VARIANTS))  # are those beside the penalized and masked ones below
 def test_greedy_tokens_equal_the_cache_free_forward(variant):
     m, params = peaky_model(variant, **VARIANTS[variant])
     rng = np.random.default_rng(1)
@@ -70,7 +70,7 @@ def test_greedy_tokens_equal_the_cache_free_forward(variant):
     assert engine.pool.used == 0
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("decode_steps", fast_few([1, 4], [4]))
 def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalties(decode_steps):
     """A logit bias (OpenAI's), then presence, frequency and repetition penalties (vLLM's), as
     tests/reference.penalize applies them to the cache-free forward's logits, give the engine's greedy tokens,
@@ -103,7 +103,7 @@ def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalti
         engine.submit([1, 2], SamplingParams(repetition_penalty=0.0))
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("decode_steps", fast_few([1, 4], [1]))
 def test_masked_greedy_tokens_equal_the_cache_free_forward_with_the_masked_ids_ruled_out(decode_steps):
     """min_tokens (vLLM's): a row's stop ids cannot come before its min_tokens-th new token (the oracle rules them
     out there), the request then ending at its stop id as usual; allowed_token_ids (vLLM's): every id outside them
@@ -476,7 +476,7 @@ def _paged_reference(q, k_pool, v_pool, table, lengths, K):
     return out
 
 
-@pytest.mark.parametrize("variant", ["none", "svformer"])
+@pytest.mark.parametrize("variant", fast_few(["none", "svformer"], ["svformer"]))
 def test_a_bf16_engine_on_a_cpu_multiplies_the_rounded_weights_in_fp32(variant):
     """On a CPU a bf16 model's engine holds its weights rounded to bf16 once, stored as fp32, and multiplies them
     in fp32 ("rounded" matmuls: XLA:CPU's bf16 matrix-vector products made one row's step 7x slower): the

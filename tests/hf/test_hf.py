@@ -12,6 +12,7 @@ import pytest
 import reference as ref
 from commands import run_command
 from hf_models import TEXT, write_tiny_llama
+from tiers import fast_few
 
 from resformer_jax.hf.llama_import import HFError, load_hf_llama
 from resformer_jax.model import Transformer
@@ -112,7 +113,12 @@ def _model_and_params(fields, scan=True):
     return c, model, params
 
 
-@pytest.mark.parametrize("case", sorted(EXPORT_CASES))
+@pytest.mark.parametrize(
+    "case",
+    fast_few(
+        sorted(EXPORT_CASES), ["none", "resformer_gated_gqa", "skipv1", "svformer_gqa", "resformer_value_embeddings"]
+    ),
+)
 def test_export_round_trip_is_bitwise_and_logits_match_hf_llama(tmp_path, case):
     from resformer_jax.hf.export import export_params
     from resformer_jax.model.transformer import unrolled_params as unrolled
@@ -236,7 +242,7 @@ def _cache_bytes(case_cache):
     return sum(a.size for layer in case_cache for a in layer.values())
 
 
-@pytest.mark.parametrize("case", CACHE_CASES)
+@pytest.mark.parametrize("case", fast_few(CACHE_CASES, ["skipv1", "resformer_gated_gqa"]))
 def test_twin_cache_greedy_equals_the_engine_and_holds_what_each_layer_needs(tmp_path, case):
     """The cache logic of modeling_resformer.py, in the numpy reference (tests/support/reference.py): cached greedy
     decoding gives the engine's tokens; an SVFormer's cache holds (L+1)/(2L) of a vanilla Llama's elements, a

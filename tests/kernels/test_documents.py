@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from commands import run_command
+from tiers import fast_few
 
 from resformer_jax import kernels
 from resformer_jax.config import ConfigError, validate
@@ -94,7 +95,7 @@ CASES = [
 ]
 
 
-FAST = {0}  # the others 6-12 s each on 2 cores, cold: the slow tier
+FAST: set[int] = set()  # 6-12 s each on 2 cores, cold: the slow tier; the fast tier's documents tests are below
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ def test_splash_masks_documents_interpreted():
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("block", fast_few([8, 16], [8]))
 def test_pallas_skips_blocks_outside_a_blocks_documents_and_stays_exact(block):
     """The GPU kernel (interpreted) with blocks smaller than a document: the key blocks before a query block's
     first document are skipped (forward and dQ), the query blocks after a key block's last document too (dK/dV);
@@ -192,7 +193,8 @@ def test_bad_settings_are_named():
     assert "cudnn" not in candidates and "document mask" in rejected["cudnn"]
 
 
-@pytest.mark.parametrize("chunk_len", [pytest.param(8, marks=pytest.mark.slow), 0])  # chunked: 8 s cold
+@pytest.mark.slow  # 8-10 s cold on 2 cores either way
+@pytest.mark.parametrize("chunk_len", [8, 0])
 def test_a_packed_batchs_loss_is_the_documents_loss_run_separately(chunk_len):
     """document_start_loss=False: the target after each end-of-text token is left out and the mean is over the rest,
     so a packed row's loss is the token-weighted mean of its documents' losses run alone (fused and full-logits

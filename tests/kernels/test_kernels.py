@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import fast_few
 
 from resformer_jax import kernels
 from resformer_jax.commands.training import run
@@ -52,7 +53,10 @@ def rel(a, b):
     return np.linalg.norm(a - b) / nb if nb > 1e-6 else np.linalg.norm(a)
 
 
-@pytest.mark.parametrize("T,H,K,D", SHAPES)
+# the fast tier: a decode row, a short odd length in MHA, a long one in MQA, and the padded head width
+@pytest.mark.parametrize(
+    "T,H,K,D", fast_few(SHAPES, [(1, 8, 2, 64), (7, 4, 4, 64), (128, 8, 1, 64), (70, 4, 2, 80)], True)
+)
 def test_fp32_outputs_and_grads_match_reference(T, H, K, D):
     args = inputs(T, H, K, D, jnp.float32)
     want = fwd_bwd("reference", *args)
@@ -63,7 +67,7 @@ def test_fp32_outputs_and_grads_match_reference(T, H, K, D):
             assert rel(g, w) < 1e-5, f"{impl} {name} at T={T} H/K={H}/{K} D={D}: {rel(g, w):.2e}"
 
 
-@pytest.mark.parametrize("T,H,K,D", BF16_SHAPES)
+@pytest.mark.parametrize("T,H,K,D", fast_few(BF16_SHAPES, [(7, 4, 4, 64)], True))
 def test_bf16_inputs_against_fp32_reference(T, H, K, D):
     args16 = inputs(T, H, K, D, jnp.bfloat16)
     want = fwd_bwd("reference", *[x.astype(jnp.float32) for x in args16])
@@ -74,15 +78,18 @@ def test_bf16_inputs_against_fp32_reference(T, H, K, D):
             assert rel(g, w) < 2e-2, f"{impl} {name} bf16 at T={T}: {rel(g, w):.2e}"
 
 
+VALUE_MIX_CASES = [
+    (7, 4, 4, 64, False, True),
+    (130, 8, 2, 64, False, True),
+    (300, 4, 4, 128, True, False),
+    (70, 2, 1, 32, True, True),
+    (33, 2, 1, 80, True, True),
+]
+
+
 @pytest.mark.parametrize(
     "T,H,K,D,documents,lambda_grads",
-    [
-        (7, 4, 4, 64, False, True),
-        (130, 8, 2, 64, False, True),
-        (300, 4, 4, 128, True, False),
-        (70, 2, 1, 32, True, True),
-        (33, 2, 1, 80, True, True),
-    ],
+    fast_few(VALUE_MIX_CASES, [(7, 4, 4, 64, False, True), (70, 2, 1, 32, True, True)], True),
 )
 def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, documents, lambda_grads):
     """ResFormer's Eq. 7 formed inside the kernels (value_mix): the output and the gradients of q, k, V_n, V_1 and
@@ -114,7 +121,10 @@ def test_pallas_value_mix_equals_attention_over_the_mixed_value(T, H, K, D, docu
         assert rel(g, w) < 1e-5, f"{name} at T={T} H/K={H}/{K} D={D} documents={documents}: {rel(g, w):.2e}"
 
 
-@pytest.mark.parametrize("T,H,K,D,documents", [(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 32, False)])
+@pytest.mark.parametrize(
+    "T,H,K,D,documents",
+    fast_few([(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 32, False)], [(7, 4, 4, 64, False)], True),
+)
 def test_pallas_gated_value_mix_equals_attention_over_the_gated_value(T, H, K, D, documents):
     """resformer_lambdas=gated inside the kernels: a gate g per key row and kv head, g V_1 + (1 - g) V_n formed
     as each block of V loads; the output and the gradients of q, k, V_n, V_1 and g equal attention over the mix
@@ -207,7 +217,18 @@ def test_auto_probe_on_cpu_chooses_chunked_with_reasons():
 
 @pytest.mark.parametrize(
     "T,S,block,causal",
-    [(7, 7, 3, True), (300, 300, 64, True), (64, 64, 16, True), (5, 12, 2, True), (1, 9, 1, True), (9, 9, 4, False)],
+    fast_few(
+        [
+            (7, 7, 3, True),
+            (300, 300, 64, True),
+            (64, 64, 16, True),
+            (5, 12, 2, True),
+            (1, 9, 1, True),
+            (9, 9, 4, False),
+        ],
+        [(7, 7, 3, True), (5, 12, 2, True), (9, 9, 4, False)],
+        True,
+    ),
 )
 def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal):
     """Many query blocks (each seeing only its key prefix), ragged last block, queries aligned
@@ -231,7 +252,9 @@ def test_chunked_blocks_and_decode_alignment_match_reference(T, S, block, causal
         assert rel(g, w) < 1e-5, f"chunked {name} T={T} S={S} block={block}: {rel(g, w):.2e}"
 
 
-@pytest.mark.parametrize("T,S,block,pairs", [(300, 300, 64, 1), (64, 64, 16, 3), (5, 12, 2, 2)])
+@pytest.mark.parametrize(
+    "T,S,block,pairs", fast_few([(300, 300, 64, 1), (64, 64, 16, 3), (5, 12, 2, 2)], [(5, 12, 2, 2)], True)
+)
 def test_chunked_pairs_loop_matches_the_batched_form(T, S, block, pairs):
     """The CPU path runs the blocks a few (batch, kv-head) pairs at a time (lax.map; 3 of 4 pairs leaves a
     remainder step): the same ops per pair, so output and gradients equal the all-at-once form up to the
@@ -286,7 +309,7 @@ def test_tiny_model_trains_the_same_with_pallas_and_xla(tmp_path, lambdas, scan)
         np.testing.assert_allclose(out["pallas"][s], out["xla"][s], rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,H,K", [(128, 4, 2), (200, 4, 4)])
+@pytest.mark.parametrize("T,H,K", fast_few([(128, 4, 2), (200, 4, 4)], [(200, 4, 4)], True))
 def test_splash_tpu_kernel_matches_reference_interpreted(T, H, K):
     """JAX's TPU splash kernel behind impl='splash' (interpreted here): GQA and a length padded to 128."""
     ks = jax.random.split(jax.random.PRNGKey(T), 4)
@@ -333,7 +356,11 @@ def _plain_rms_norm(h, scale, eps, dtype):
 
 @pytest.mark.parametrize(
     "shape,dtype,outputs",
-    [((2, 37, 64), jnp.float32, 1), ((3, 128, 128), jnp.bfloat16, 2), ((1, 5, 16), jnp.float32, 3)],
+    fast_few(
+        [((2, 37, 64), jnp.float32, 1), ((3, 128, 128), jnp.bfloat16, 2), ((1, 5, 16), jnp.float32, 3)],
+        [((2, 37, 64), jnp.float32, 1)],
+        True,
+    ),
 )
 def test_pallas_rms_norm_and_its_gradients_equal_the_plain_norm(shape, dtype, outputs):
     """The norm kernels (interpreted) against the plain norm: y, and the gradients of h (the residual stream's own
@@ -392,7 +419,10 @@ def test_norm_impl_auto_is_the_kernels_on_a_gpu_where_they_apply_and_a_named_one
         assert "auto or xla" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("T,H,K,D,documents", [(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 128, False)])
+@pytest.mark.parametrize(
+    "T,H,K,D,documents",
+    fast_few([(7, 4, 4, 64, False), (130, 8, 2, 64, True), (70, 2, 1, 128, False)], [(7, 4, 4, 64, False)], True),
+)
 def test_pallas_rope_inside_the_kernel_equals_rotating_q_and_k_first(T, H, K, D, documents):
     """rope: the kernel takes q and k before RoPE, rotates them, and its dQ and dK/dV kernels rotate the gradients
     back (by the head's halves): output and dQ/dK/dV as RoPE by kernels/rope.py and then the reference attention."""

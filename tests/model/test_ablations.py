@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 import reference as ref
+from tiers import fast_few
 
 from resformer_jax.config import validate
 from resformer_jax.model import Transformer
@@ -52,7 +53,15 @@ def test_every_ablation_config_is_valid_at_82m():
         assert c.model.d_model == 512 and c.model.num_layers == 8
 
 
-@pytest.mark.parametrize("name", NAMES)
+# the fast tier: one config of each family (cross-layer KV, DenseFormer, GQA, the value mappings, NeuTRENO, the
+# value gates, SkipV1, sharing, value embeddings, value sources, residuals on Q/K, learnable lambdas)
+FAST_EQUATIONS = [
+    "cla2", "denseformer", "gqa_half", "mapping_cross_layer", "neutreno", "resformer_gated", "skipv1",
+    "svformer_share_k", "value_embeddings_gated", "value_source_previous", "residual_on_q", "resformer_learnable_plus",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", fast_few(NAMES, FAST_EQUATIONS))
 def test_ablation_matches_its_equation(name):
     c = tiny(name)
     model = Transformer(for_backend(ModelConfig.of(c.model)))
@@ -78,16 +87,19 @@ def test_ablation_matches_its_equation(name):
 
 @pytest.mark.parametrize(
     "name",
-    [
-        "value_source_previous",
-        "residual_on_k",
-        "resformer_learnable_plus",
-        "resformer_sparse",
-        "svformer_share_k",
-        "resformer_convex",
-        "resformer_gated_gqa",
-        "skipv1_gqa",
-    ],
+    fast_few(
+        [
+            "value_source_previous",
+            "residual_on_k",
+            "resformer_learnable_plus",
+            "resformer_sparse",
+            "svformer_share_k",
+            "resformer_convex",
+            "resformer_gated_gqa",
+            "skipv1_gqa",
+        ],
+        ["value_source_previous", "resformer_gated_gqa", "skipv1_gqa"],
+    ),
 )
 def test_scanned_ablations_equal_unrolled(name):
     c_un, c_sc = tiny(name, scan=False), tiny(name, scan=True)
@@ -138,10 +150,7 @@ def test_every_ablation_trains_a_few_steps_on_its_tiny_override(name):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
 
 
-FAST_DECODE = ("mapping_cross_layer", "svformer_share_k", "cla2", "resformer_gated")  # the fast tier's few
-
-
-@pytest.mark.parametrize("name", [n if n in FAST_DECODE else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
+@pytest.mark.parametrize("name", fast_few(NAMES, ["cla2", "resformer_gated"]))
 def test_every_ablation_decodes_through_the_engine_as_its_cache_free_forward(name):
     """#73: each ablation and after-paper variant on the tiny model, greedy through the paged engine, equals greedy
     decoding by the full forward over the whole prefix each token (no cache at all)."""

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from tiers import fast_few
 
 from resformer_jax.config import ConfigError, validate
 from resformer_jax.model import Transformer
@@ -32,7 +33,7 @@ def preset(file: str, size: str, cluster: str | None = None):
     return mod.get_config() if cluster is None else mod.get_config(cluster)
 
 
-@pytest.mark.parametrize("size", sorted(SCALE_MODELS))
+@pytest.mark.parametrize("size", fast_few(sorted(SCALE_MODELS), ["1b"]))
 def test_each_preset_counts_the_parameters_of_the_model_it_copies(size):
     """Vanilla within 1% of the published count (RMSNorm weights are all it adds; OLMo's norms have none),
     ResFormer the same, SVFormer less by exactly its layers >= 2's value projections; SVFormer's KV cache a token

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiers import fast_few
 
 from resformer_jax.config import ConfigError, RunConfig, validate
 from resformer_jax.parallel.mesh import MeshError, make_mesh
@@ -234,7 +235,7 @@ def test_the_pallas_kernel_attends_from_a_devices_slices_of_the_sequence(documen
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("documents", (False, True))
+@pytest.mark.parametrize("documents", fast_few([False, True], [False]))
 def test_splash_attends_from_a_devices_slices_of_the_sequence(documents):
     """TPU splash under a context axis of 4 (interpreted), data 2 beside it: each device's queries (two slices, one
     from each end) against every key, its block tables cut over the axis, equal the whole sequence's attention,

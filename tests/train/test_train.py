@@ -31,6 +31,7 @@ def test_schedule_matches_paper():
     assert float(s(mid)) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5), rel=1e-3)  # cosine midpoint
 
 
+@pytest.mark.slow  # an optimizer step over every parameter kind: 5 s cold on 2 cores
 def test_weight_decay_skips_norms_and_mixing_scalars():
     c = tiny_config("resformer")
     c.model.resformer_lambdas = "learnable"
