@@ -125,19 +125,20 @@ def _name_xdist_groups(items):
             item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
-# A fast-tier test (not marked slow) that takes longer than this, setup and call together, is named at the end of the
-# run, and fails a fast-tier run (-m "not slow"): mark it slow with the reason, or make it cheaper.
+# A fast-tier test (not marked slow) whose call takes longer than this is named at the end of the run, and fails a
+# fast-tier run (-m "not slow"): mark it slow with the reason, or make it cheaper. Its call alone: a module fixture's
+# setup is shared by the module's tests, whichever runs first.
 FAST_TIER_LIMIT_S = 5.0
 
 
 class FastTierClock:
-    """Adds up each fast-tier test's setup and call time (under xdist the reports reach the controller too)."""
+    """Each fast-tier test's call time (under xdist the reports reach the controller too)."""
 
     def __init__(self, config):
         self.config, self.spent = config, {}
 
     def pytest_runtest_logreport(self, report):
-        if report.when in ("setup", "call") and "slow" not in report.keywords:
+        if report.when == "call" and "slow" not in report.keywords:
             self.spent[report.nodeid] = self.spent.get(report.nodeid, 0.0) + report.duration
 
     def over(self):

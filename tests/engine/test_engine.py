@@ -70,7 +70,7 @@ def test_greedy_tokens_equal_the_cache_free_forward(variant):
     assert engine.pool.used == 0
 
 
-@pytest.mark.parametrize("decode_steps", fast_few([1, 4], [4]))
+@pytest.mark.parametrize("decode_steps", fast_few([1, 4], [1]))
 def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalties(decode_steps):
     """A logit bias (OpenAI's), then presence, frequency and repetition penalties (vLLM's), as
     tests/reference.penalize applies them to the cache-free forward's logits, give the engine's greedy tokens,
