@@ -96,7 +96,7 @@ def run_command(command: str, *argv: str) -> Result:
 def command_flags(module_name: str) -> frozenset[str]:
     """`--NAME` of every flag command module `module_name` (resformer_jax.commands.X) accepts: its own, as
     run_command registers them, and absl's (--help, --flagfile, logging's)."""
-    _FLAGS.activate(module_name)
+    _FLAGS.activate(module_name)  # absl's module table forgets a flag once unregistered: the kept Flag objects
     by_module = flags.FLAGS.flags_by_module_dict()
-    own = [f for m, defined in by_module.items() if m == module_name or m.startswith("absl.") for f in defined]
-    return frozenset("--" + f.name for f in own)
+    absl_own = [f for m, defined in by_module.items() if m.startswith("absl.") for f in defined]
+    return frozenset("--" + f.name for f in [*_FLAGS.by_module[module_name], *absl_own])
