@@ -141,7 +141,7 @@ def test_every_ablation_trains_a_few_steps_on_its_tiny_override(name):
     c = tiny(name, scan=True)  # typed: tiny_config's 3 layers
     model = Transformer(for_backend(c.model.replace(attention_impl="xla")))
     tx = optax.sgd(0.05)  # plain SGD: the point is the ablation's forward and backward, compiled fast
-    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
+    state = nn.unbox(init_state(model, tx, jax.random.PRNGKey(0), 16))  # op by op: reference.init_params
     step = jax.jit(make_train_step(model, tx, 1))
     losses = []
     for _ in range(3):

@@ -157,7 +157,7 @@ def test_every_value_residual_mode_trains_and_decodes_on_gpt2(mode):
     c.model.arch = "gpt2"
     model, _ = assert_decode_equals_forward(c)
     tx = optax.adam(3e-3)
-    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
+    state = nn.unbox(init_state(model, tx, jax.random.PRNGKey(0), 16))  # op by op: reference.init_params
     step = jax.jit(make_train_step(model, tx, 1))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 256)
     losses = []
@@ -217,7 +217,7 @@ def test_gpt2_scaled_output_init_and_dropout():
         c.model.dropout = dropout
         m = Transformer(for_backend(ModelConfig.of(c.model)))
         tx = optax.adam(3e-3)
-        state = nn.unbox(jax.jit(lambda r: init_state(m, tx, r, 16))(jax.random.PRNGKey(0)))
+        state = nn.unbox(init_state(m, tx, jax.random.PRNGKey(0), 16))  # op by op: reference.init_params
         step = jax.jit(make_train_step(m, tx, 2, dropout_seed=7))
         out = []
         for _ in range(3):

@@ -38,7 +38,7 @@ def test_weight_decay_skips_norms_and_mixing_scalars():
     c.model.scan_layers = False
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tx = make_optimizer(c.train)
-    state = jax.jit(lambda r: init_state(model, tx, r, 8))(jax.random.PRNGKey(0))
+    state = init_state(model, tx, jax.random.PRNGKey(0), 8)  # op by op: reference.init_params
     params = nn.unbox(state.params)
     opt = tx.init(params)
     # Several steps with zero gradients: only weight decay moves parameters.
@@ -60,7 +60,7 @@ def test_accumulation_equals_big_batch(mode):
     c = tiny_config(mode)
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tx = make_optimizer(c.train)
-    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
+    state = nn.unbox(init_state(model, tx, jax.random.PRNGKey(0), 16))  # op by op: reference.init_params
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)
     s1, m1 = jax.jit(make_train_step(model, tx, 1))(state, tokens)
     s4, m4 = jax.jit(make_train_step(model, tx, 4))(state, tokens)
@@ -141,7 +141,7 @@ def test_train_step_same_with_fused_and_full_logits_loss():
     c = tiny_config("svformer")
     model = Transformer(for_backend(ModelConfig.of(c.model)))
     tx = make_optimizer(c.train)
-    state = nn.unbox(jax.jit(lambda r: init_state(model, tx, r, 16))(jax.random.PRNGKey(0)))
+    state = nn.unbox(init_state(model, tx, jax.random.PRNGKey(0), 16))  # op by op: reference.init_params
     tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, c.model.vocab_size)
     s0, m0 = jax.jit(make_train_step(model, tx, 1, loss_chunk_len=0))(state, tokens)
     s5, m5 = jax.jit(make_train_step(model, tx, 1, loss_chunk_len=5))(state, tokens)
