@@ -95,12 +95,10 @@ CASES = [
 ]
 
 
-FAST: set[int] = set()  # 6-12 s each on 2 cores, cold: the slow tier; the fast tier's documents tests are below
-
-
+@pytest.mark.slow  # 6-12 s a case on 2 cores, cold; the fast tier's documents tests are below
 @pytest.mark.parametrize(
     "variant,fields,impl",
-    [pytest.param(*c, marks=() if i in FAST else pytest.mark.slow) for i, c in enumerate(CASES)],
+    CASES,
     ids=[f"{v}-{i}-{'+'.join(f)}" for v, f, i in CASES],
 )
 def test_a_packed_sequence_is_its_documents_run_alone(variant, fields, impl):
