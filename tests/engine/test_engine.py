@@ -82,7 +82,8 @@ def test_penalized_greedy_tokens_equal_the_cache_free_forward_with_vllms_penalti
     plain = [model_greedy(m, params, p, 12) for p in prompts]
     ban = ((plain[4][0], -100.0), (plain[4][1], -100.0), (3, 2.5))  # the plain first tokens ruled out
     settings = [(0.0, 0.0, 1.0, ()), (0.0, 2.0, 1.0, ()), (1.5, 0.0, 1.0, ()), (0.5, 0.5, 1.8, ()), (0, 0, 1, ban)]
-    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16,
+    # every row prefilled at once, so one row bucket (8) a program: 2 compiles instead of 5
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16, prefill_rows=8,
                     decode_steps=decode_steps)  # fmt: skip
     params_of = [SamplingParams(max_tokens=12, presence_penalty=p, frequency_penalty=f, repetition_penalty=r,
                                 logit_bias=bias) for p, f, r, bias in settings]  # fmt: skip
@@ -119,7 +120,7 @@ def test_masked_greedy_tokens_equal_the_cache_free_forward_with_the_masked_ids_r
     words = ((plain[2][1], plain[2][2]), (plain[2][5], plain[2][6], plain[2][7]))  # greedy's own
     params_of.append(SamplingParams(max_tokens=10, bad_words_ids=words))
     prompts += [prompts[2], prompts[2]]
-    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=4, prefill_chunk=16,
+    engine = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=8, prefill_chunk=16, prefill_rows=8,
                     decode_steps=decode_steps)  # fmt: skip
     got = engine.generate(prompts, params_of)
     for p, s, r in zip(prompts, params_of, got):
