@@ -415,12 +415,11 @@ def test_skip_prefill_puts_every_request_in_decode_with_its_pages():
 
 # slow (over the fast tier's 5 s, cold cache, 2 cores): compiles the engine's programs for an 8-device mesh
 @pytest.mark.slow
-@pytest.mark.parametrize("params_as", ["replicated", "sharded as in training"])
-def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
+def test_the_engine_on_a_mesh_gives_the_single_device_tokens():
     """On 8 host devices as data 4 x fsdp 2: each device runs its rows over its own pages (the cache split over
-    the mesh), the parameters replicated or left sharded by the training rule table; requests of mixed lengths
+    the mesh), the parameters replicated, then left sharded by the training rule table; requests of mixed lengths
     arriving while others decode, through pools small enough to preempt, four decode steps a readback, give the
-    single-device greedy tokens (one step a readback)."""
+    single-device greedy tokens (one step a readback, computed once for both placements)."""
     from jax.sharding import Mesh
 
     from resformer_jax.parallel.mesh import logical_shardings
@@ -429,12 +428,9 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
         pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
     m, params = peaky_model("svformer", num_kv_heads=2)
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "fsdp"))
-    placed = params
-    if params_as != "replicated":
-        c = tiny_config("svformer")
-        boxed = Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-        placed = jax.device_put(params, nn.unbox(logical_shardings(boxed, mesh, c.mesh)))
-        assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
+    boxed = Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    sharded = jax.device_put(params, nn.unbox(logical_shardings(boxed, mesh, tiny_config("svformer").mesh)))
+    assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
     rng = np.random.default_rng(3)
     prompts = prompts_of(rng, 32, m.vocab_size, 10, 40)
     # every other request with penalties: the penalized programs run per shard too
@@ -442,23 +438,24 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens(params_as):
                 for i in range(len(prompts))]  # fmt: skip
     one = Engine(m, params, cache_bytes=2**22, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=1)
     want = [r.tokens for r in one.generate(prompts, sampling)]
-    # 7 usable pages of 8 tokens a device: a sequence takes up to 6, two rows a device must preempt
-    engine = Engine(
-        m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=4, mesh=mesh
-    )
-    assert engine.bytes_per_token == 512 and engine.pool[0].usable == 7
-    pool = jax.tree.leaves(engine.runner.cache)[0]
-    assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"
-    reqs = []
-    for i in range(0, len(prompts), 8):  # eight arrive each step
-        reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + 8], sampling[i : i + 8])]
-        engine.step()
-    while engine.busy:
-        engine.step()
-    assert [r.tokens for r in reqs] == want
-    assert len({r.shard for r in reqs}) >= 4, "the rows were not spread over the devices"
-    assert engine.stats.preemptions > 0
-    assert engine.pool.used == 0
+    for params_as, placed in (("replicated", params), ("sharded as in training", sharded)):
+        # 7 usable pages of 8 tokens a device: a sequence takes up to 6, two rows a device must preempt
+        engine = Engine(
+            m, placed, cache_bytes=8 * 8 * 512, page_size=8, max_batch=16, prefill_chunk=16, decode_steps=4, mesh=mesh
+        )
+        assert engine.bytes_per_token == 512 and engine.pool[0].usable == 7
+        pool = jax.tree.leaves(engine.runner.cache)[0]
+        assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"
+        reqs = []
+        for i in range(0, len(prompts), 8):  # eight arrive each step
+            reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + 8], sampling[i : i + 8])]
+            engine.step()
+        while engine.busy:
+            engine.step()
+        assert [r.tokens for r in reqs] == want, params_as
+        assert len({r.shard for r in reqs}) >= 4, f"{params_as}: the rows were not spread over the devices"
+        assert engine.stats.preemptions > 0, params_as
+        assert engine.pool.used == 0, params_as
 
 
 def _paged_reference(q, k_pool, v_pool, table, lengths, K):
