@@ -52,6 +52,18 @@ def _peaky_model(variant: str, fields: tuple):
     return m, params
 
 
+def arrive_while_decoding(engine, prompts, sampling, per_step):
+    """Submit `per_step` requests before each engine step (the earlier ones decoding meanwhile), then step until
+    every request has ended. Returns the requests in submission order."""
+    reqs = []
+    for i in range(0, len(prompts), per_step):
+        reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + per_step], sampling[i : i + per_step])]
+        engine.step()
+    while engine.busy:
+        engine.step()
+    return reqs
+
+
 def prompts_of(rng, n, vocab, lo=1, hi=40):
     return [[int(t) for t in rng.integers(0, vocab, size=int(k))] for k in rng.integers(lo, hi, size=n)]
 
@@ -446,12 +458,7 @@ def test_the_engine_on_a_mesh_gives_the_single_device_tokens():
         assert engine.bytes_per_token == 512 and engine.pool[0].usable == 7
         pool = jax.tree.leaves(engine.runner.cache)[0]
         assert pool.addressable_shards[0].data.shape[1] == engine.pool[0].num_pages, "the pages are not split"
-        reqs = []
-        for i in range(0, len(prompts), 8):  # eight arrive each step
-            reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + 8], sampling[i : i + 8])]
-            engine.step()
-        while engine.busy:
-            engine.step()
+        reqs = arrive_while_decoding(engine, prompts, sampling, 8)
         assert [r.tokens for r in reqs] == want, params_as
         assert len({r.shard for r in reqs}) >= 4, f"{params_as}: the rows were not spread over the devices"
         assert engine.stats.preemptions > 0, params_as
@@ -807,13 +814,7 @@ def test_after_compile_all_a_mixed_load_compiles_nothing_and_gives_the_same_toke
                 for i, n in enumerate(rng.integers(1, 24, size=len(prompts)))]  # fmt: skip
 
     def serve(engine):
-        reqs = []
-        for i in range(0, len(prompts), 6):  # six arrive each step
-            reqs += [engine.submit(p, s) for p, s in zip(prompts[i : i + 6], sampling[i : i + 6])]
-            engine.step()
-        while engine.busy:
-            engine.step()
-        return [r.tokens for r in reqs]
+        return [r.tokens for r in arrive_while_decoding(engine, prompts, sampling, 6)]
 
     # a pool of 10 pages: one sequence of the full context takes 8, so two long rows preempt
     sizes = dict(cache_bytes=10 * 16 * cache_bytes_per_token(m), page_size=16, max_batch=2, prefill_chunk=64,
