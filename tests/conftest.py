@@ -158,6 +158,41 @@ class FastTierClock:
                 terminalreporter.write_line(f"{t:6.1f} s  {name}")
 
 
+class CrashedOnce:
+    """A worker that dies in a test (a segmentation fault; seen inside JAX's write of an executable to the
+    compilation cache, 2 whole-suite runs in 6, never alone) fails that test the first time it happens in a run only
+    as a rerun: pytest-xdist gives the test's group to a fresh worker, which runs it again, and a second crash of
+    the same test, or any crash past the first, fails the run: pyproject's `--max-worker-restart=1` allows one rerun
+    a run (with more, a test that always crashes hangs pytest-xdist 3.8's loadgroup). Each crash is named at the end
+    of the run, with the worker's stack (pytest's faulthandler) above it in the log."""
+
+    def __init__(self, config):
+        restarts = config.getoption("maxworkerrestart", None)  # xdist's default where unset: 4 per worker
+        self.restarts = int(restarts) if restarts is not None else 4 * int(config.getoption("numprocesses") or 0)
+        self.crashed = []
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem, report, sched):
+        # Past the restarts allowed xdist stops the run, the test's rerun not guaranteed: then it stays a failure.
+        rerun = crashitem not in [name for name, _ in self.crashed] and len(self.crashed) < self.restarts
+        if rerun:
+            report.outcome = "rerun"
+        self.crashed.append((crashitem, "ran again in a fresh worker" if rerun else "failed"))
+
+    def pytest_report_teststatus(self, report):
+        if report.outcome == "rerun":
+            return "rerun", "R", ("RERUN", {"yellow": True})
+        return None
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.crashed:
+            terminalreporter.section("tests whose worker crashed ('Fatal Python error' above: the stack)", yellow=True)
+            for name, outcome in self.crashed:
+                terminalreporter.write_line(f"{name}: {outcome}")
+
+
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) gathers the reports
         config.pluginmanager.register(FastTierClock(config), "fast_tier_clock")
+        if config.pluginmanager.hasplugin("xdist"):
+            config.pluginmanager.register(CrashedOnce(config), "crashed_once")

@@ -1,0 +1,58 @@
+"""The suite's own harness (tests/conftest.py) under README's command: a worker that crashes once in a test runs it
+again in a fresh worker and the run passes, saying so; a test that crashes every time fails the run, which ends."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+CRASHING_TESTS = """
+import os, pathlib, pytest
+
+@pytest.mark.parametrize("times", [{times}])
+def test_crashes(times, tmp_path_factory):
+    count = pathlib.Path(os.environ["CRASH_COUNT_FILE"])
+    crashed = len(count.read_text()) if count.exists() else 0
+    if crashed < times:
+        count.write_text("x" * (crashed + 1))
+        os.kill(os.getpid(), 11)
+
+@pytest.mark.xdist_group("group")
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(i):
+    pass
+"""
+
+
+def _run_suite_with_a_crashing_test(tmp_path, times):
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_crash.py").write_text(CRASHING_TESTS.format(times=times))
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(PYTHONPATH=str(ROOT), CRASH_COUNT_FILE=str(tmp_path / "crashes"))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-o", f"addopts={addopts}",
+         "--rootdir", str(tmp_path), str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_worker_crash_reruns_the_test_once_and_a_second_crash_fails_the_run(tmp_path):
+    (tmp_path / "once").mkdir()
+    once = _run_suite_with_a_crashing_test(tmp_path / "once", 1)
+    assert once.returncode == 0, once.stdout[-3000:]
+    assert "5 passed, 1 rerun" in once.stdout, once.stdout[-3000:]
+    assert "test_crash.py::test_crashes[1]: ran again in a fresh worker" in once.stdout
+    assert "Fatal Python error: Segmentation fault" in once.stdout + once.stderr  # the worker's stack is in the log
+
+    (tmp_path / "always").mkdir()
+    always = _run_suite_with_a_crashing_test(tmp_path / "always", 99)
+    assert always.returncode == 1, always.stdout[-3000:]
+    assert "FAILED test_crash.py::test_crashes[99]" in always.stdout, always.stdout[-3000:]
+    assert "test_crash.py::test_crashes[99]: failed" in always.stdout
