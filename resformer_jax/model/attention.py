@@ -31,12 +31,14 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels import paged_attention
 from resformer_jax.kernels import rope as kernel_rope
 from resformer_jax.model.config import ModelConfig
+from resformer_jax.model.lambdas import fixed_lambdas
 from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
 
 # ----------------------------------------------------------------------------- the plan
@@ -77,6 +79,9 @@ class LayerPlan:
     value_table: int = -1  # the value-embedding table added to V_n (model.value_embeddings), -1: none
     value_table_gate: bool = False  # added through a gate of the layer input instead of two scalars
     mix_in_kernel: bool = False  # Eq. 7 (or the gated mix) formed by the attention kernel as it loads V (pallas)
+    # Eq. 7's fixed weights applied in the values' dtype where it holds them exactly (1/2 in bf16): the same mix,
+    # without fp32 copies of V_1 and V_n (docs/scaling-out.md: the 7B's step bound)
+    lambdas_in_value_dtype: bool = False
     rope_in_kernel: bool = False  # RoPE's gradients rotated back by the dQ and dK/dV kernels as they write (pallas)
 
     @property
@@ -167,7 +172,17 @@ def plan_layer(m: ModelConfig, layer: int | None) -> LayerPlan:
         rope_in_kernel=_rope_in_kernel(m),
         value_table=m.value_table(layer),
         value_table_gate=m.value_embedding_gate,
+        lambdas_in_value_dtype=resformer and _fixed_lambdas_exact_in(m),
     )
+
+
+def _fixed_lambdas_exact_in(m: ModelConfig) -> bool:
+    """Whether Eq. 7's (l1, l2) are constants that the model's dtype holds exactly (so a mix in it is the fp32 mix
+    rounded once, as the fp32 mix is when cast back)."""
+    if m.learns_lambdas:
+        return False
+    fixed = fixed_lambdas(m)
+    return bool(np.array_equal(fixed.astype(jnp.dtype(m.dtype)).astype(np.float32), fixed))
 
 
 # ----------------------------------------------------------------------------- what flows between layers
@@ -440,6 +455,8 @@ class Attention(nn.Module):
         dtype = jnp.dtype(m.dtype)
         first: Any = ctx.first  # layer 1's tensors (None in layer 1, whose plan reads nothing of them)
         l1, l2 = lam_2[0], lam_2[1]
+        if p.lambdas_in_value_dtype:
+            l1, l2 = l1.astype(dtype), l2.astype(dtype)
 
         q_BxTxHxD, k_BxTxKxD, v_BxTxKxD = self._project(x_BxTxE, x_kv, ctx, carry)
 

@@ -233,3 +233,35 @@ def test_every_paper_config_loads():
             c = validate(mod.get_config())
             assert c.model.value_residual == mode and c.model.vocab_size == 50277
     assert base_config().model.rope_theta == 10000.0
+
+
+def test_fixed_lambdas_mix_in_the_value_dtype_only_where_it_holds_them_and_the_mix_is_the_fp32_ones():
+    """Eq. 7 with l1 = l2 = 1/2 in bf16 is the fp32 mix rounded once, values and gradients bitwise; the plan mixes
+    in the values' dtype only for constant weights that dtype holds exactly (learned ones and 0.3 stay fp32)."""
+    from resformer_jax.model.attention import eq7_resformer_mix, plan_layer
+
+    def plan(**fields):
+        return plan_layer(ModelConfig(value_residual="resformer", num_layers=4, dtype="bfloat16", **fields), 2)
+
+    assert plan().lambdas_in_value_dtype and plan(lambda_init=(1.0, 0.25)).lambdas_in_value_dtype
+    assert not plan(lambda_init=(0.3, 0.7)).lambdas_in_value_dtype
+    assert not plan(resformer_lambdas="learnable").lambdas_in_value_dtype
+    assert not plan_layer(
+        ModelConfig(value_residual="svformer", num_layers=4, dtype="bfloat16"), 2
+    ).lambdas_in_value_dtype
+
+    rng = np.random.default_rng(0)
+    v1, vn, du = (jnp.asarray(rng.standard_normal((2, 64, 4, 32)), jnp.bfloat16) for _ in range(3))
+    half = jnp.float32(0.5)
+
+    def mix_and_grads(lam):
+        f = lambda a, b: jnp.vdot(eq7_resformer_mix(a, b, lam, lam, jnp.bfloat16), du).astype(jnp.float32)
+        return jax.jit(lambda a, b: (eq7_resformer_mix(a, b, lam, lam, jnp.bfloat16), jax.grad(f, (0, 1))(a, b)))(
+            v1, vn
+        )
+
+    (mix32, grads32), (mix16, grads16) = mix_and_grads(half), mix_and_grads(half.astype(jnp.bfloat16))
+    assert mix16.dtype == mix32.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(mix16, np.float32), np.asarray(mix32, np.float32))
+    for g16, g32 in zip(grads16, grads32):
+        np.testing.assert_array_equal(np.asarray(g16, np.float32), np.asarray(g32, np.float32))
