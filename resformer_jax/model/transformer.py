@@ -222,6 +222,13 @@ class Transformer(nn.Module):
             return False
         return batch % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]) == 0
 
+    def batch_split(self, batch: int) -> bool:
+        """Whether the rows are split over the mesh's batch axes (training and evaluation on a mesh; not over the
+        paged cache, whose engine splits its rows itself, nor a batch that does not divide, as model.init's)."""
+        if self.mesh is None or self.pages is not None:
+            return False
+        return batch % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]) == 0
+
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT=None, return_hidden: bool = False, page_table_BxP=None):
         """return_hidden: stop before the LM head and return RMSNorm(H_N) [B, T, E]
@@ -252,8 +259,11 @@ class Transformer(nn.Module):
             )
             h_BxTxE = h_BxTxE + jnp.take(pos_PxE, positions_BxT, axis=0).astype(dtype)
         h_BxTxE = dropout(self, m, h_BxTxE)
-        if context:  # each device keeps its slices of the sequence from here on (mesh.context)
-            h_BxTxE = kernels.on_context(h_BxTxE, self.mesh)
+        # Each device keeps its rows (and under mesh.context its slices of the sequence) from here on: the lookup
+        # inherits the table's fsdp-split E, and without this layer 1 ran on every row with E split (partial sums
+        # of the whole batch all-reduced: docs/scaling-out.md).
+        if self.batch_split(B):
+            h_BxTxE = kernels.on_context(h_BxTxE, self.mesh, split=context)
         if m.value_embeddings:  # one lookup a table, [B, T, K, D], read by the layers that add it to their value
             K, D = m.kv_heads, m.head_dim
             table = lambda j: Embed(m.vocab_size, K * D, m.init_std, dtype, name=f"value_embed_{j}")
