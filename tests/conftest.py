@@ -173,6 +173,28 @@ class CrashedOnce:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_handlecrashitem(self, crashitem, report, sched):
+        # pytest-xdist 3.8's loadgroup hangs the run here in two ways (tests/project/test_harness.py has both). It
+        # queues the dead worker's finished units again with its unfinished ones: the replacement is handed a
+        # finished one (nothing to run) and never asks for more. And it hands the replacement one unit: a worker holds
+        # its last test until it has another or is told to stop, so a unit of one test waits forever once no other
+        # worker is left. Its first schedule gives each worker two units for this reason; so does its replacement's.
+        queue = getattr(sched, "workqueue", None)
+        if queue is None:
+            return self._record(crashitem, report)
+        for scope in [scope for scope, unit in queue.items() if all(unit.values())]:
+            del queue[scope]
+        schedule = sched.schedule
+        if not getattr(schedule, "gives_two_units", False):
+
+            def schedule_two_units():
+                schedule()
+                schedule()
+
+            schedule_two_units.gives_two_units = True
+            sched.schedule = schedule_two_units
+        self._record(crashitem, report)
+
+    def _record(self, crashitem, report):
         # Past the restarts allowed xdist stops the run, the test's rerun not guaranteed: then it stays a failure.
         rerun = crashitem not in [name for name, _ in self.crashed] and len(self.crashed) < self.restarts
         if rerun:
