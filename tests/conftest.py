@@ -160,11 +160,10 @@ class FastTierClock:
 
 class CrashedOnce:
     """A worker that dies in a test (a segmentation fault; seen inside JAX's write of an executable to the
-    compilation cache, 2 whole-suite runs in 6, never alone) fails that test the first time it happens in a run only
-    as a rerun: pytest-xdist gives the test's group to a fresh worker, which runs it again, and a second crash of
-    the same test, or any crash past the first, fails the run: pyproject's `--max-worker-restart=1` allows one rerun
-    a run (with more, a test that always crashes hangs pytest-xdist 3.8's loadgroup). Each crash is named at the end
-    of the run, with the worker's stack (pytest's faulthandler) above it in the log."""
+    compilation cache, in 3 whole-suite runs of 8, CI's included, never alone) is replaced and the test run again: the
+    first crash of a test is reported as a rerun; a second crash of the same test, or a crash past pyproject's
+    `--max-worker-restart=2`, fails the run (a test that always crashes: three tries, then the run ends). Each crash
+    is named at the end of the run, with the worker's stack (pytest's faulthandler) above it in the log."""
 
     def __init__(self, config):
         restarts = config.getoption("maxworkerrestart", None)  # xdist's default where unset: 4 per worker
