@@ -169,6 +169,7 @@ class CrashedOnce:
         restarts = config.getoption("maxworkerrestart", None)  # xdist's default where unset: 4 per worker
         self.restarts = int(restarts) if restarts is not None else 4 * int(config.getoption("numprocesses") or 0)
         self.crashed = []
+        self.replacements_get_two_units = False
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_handlecrashitem(self, crashitem, report, sched):
@@ -178,22 +179,13 @@ class CrashedOnce:
         # its last test until it has another or is told to stop, so a unit of one test waits forever once no other
         # worker is left. Its first schedule gives each worker two units for this reason; so does its replacement's.
         queue = getattr(sched, "workqueue", None)
-        if queue is None:
-            return self._record(crashitem, report)
-        for scope in [scope for scope, unit in queue.items() if all(unit.values())]:
-            del queue[scope]
-        schedule = sched.schedule
-        if not getattr(schedule, "gives_two_units", False):
-
-            def schedule_two_units():
-                schedule()
-                schedule()
-
-            schedule_two_units.gives_two_units = True
-            sched.schedule = schedule_two_units
-        self._record(crashitem, report)
-
-    def _record(self, crashitem, report):
+        if queue is not None:
+            for scope in [scope for scope, unit in queue.items() if all(unit.values())]:
+                del queue[scope]
+            if not self.replacements_get_two_units:
+                schedule = sched.schedule
+                sched.schedule = lambda: (schedule(), schedule())
+                self.replacements_get_two_units = True
         # Past the restarts allowed xdist stops the run, the test's rerun not guaranteed: then it stays a failure.
         rerun = crashitem not in [name for name, _ in self.crashed] and len(self.crashed) < self.restarts
         if rerun:
