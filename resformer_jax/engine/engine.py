@@ -314,10 +314,11 @@ class Engine:
         return shapes
 
     def compile_all(self, log: Callable[[str], Any] | None = None) -> float:
-        """Compiles, without running, every program `program_shapes` lists for requests without logprobs, penalties
-        or token masks, so serving them compiles nothing (the others compile their variant when first met:
-        `compiles_after_start` counts them). Returns the seconds it took. One at a time: XLA:CPU's compile of one
-        program already keeps both cores of a 2-core host busy (threads measured no faster)."""
+        """Compiles and runs once, on padding rows, every program `program_shapes` lists for requests without
+        logprobs, penalties or token masks, so serving them compiles nothing and meets no program's costlier first
+        run (the others compile their variant when first met: `compiles_after_start` counts them). Returns the
+        seconds it took. One at a time: XLA:CPU's compile of one program already keeps both cores of a 2-core host
+        busy (threads measured no faster)."""
         t0 = last = time.perf_counter()
         shapes = self.program_shapes()
         for n, (B, T, Pn, k) in enumerate(shapes, 1):
@@ -328,7 +329,7 @@ class Engine:
                 )
             else:
                 rows = DecodeRows(zeros, np.full((B,), -1, np.int32), table, zeros)
-            self.runner.precompile(rows, SamplingRows.of(B, []), k)
+            self.runner.warm(rows, SamplingRows.of(B, []), k)
             if log is not None and (time.perf_counter() - last > 10 or n == len(shapes)):
                 last = time.perf_counter()
                 log(f"compiled {n}/{len(shapes)} programs, {last - t0:.0f} s")

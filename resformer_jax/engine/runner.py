@@ -127,15 +127,12 @@ class ModelRunner:
         *out, self.cache = fn(self.params, self.cache, rows, sampling)
         return out
 
-    def precompile(self, rows: StepRows | DecodeRows, sampling: SamplingRows, k: int = 1) -> None:
-        """Compiles the program `step(0, rows, sampling)` (StepRows) or `decode(k, 0, rows, sampling)` would run,
-        without running it (the cache untouched); the later call finds it compiled in jit's cache."""
-        if isinstance(rows, StepRows):
-            self._step_fn(0).lower(self.params, self.cache, rows, sampling, None).compile()
-            self._count(("step", 0), rows, sampling, None)
-        else:
-            self._decode_fn(k, 0).lower(self.params, self.cache, rows, sampling).compile()
-            self._count(("decode", k, 0), rows, sampling)
+    def warm(self, rows: StepRows | DecodeRows, sampling: SamplingRows, k: int = 1) -> None:
+        """Compiles the program `step(0, rows, sampling)` (StepRows) or `decode(k, 0, rows, sampling)` would run
+        and runs it once on `rows`, padding rows (position -1: they write page 0 alone, no sequence's): a
+        program's first run costs a one-off 10-40x its later runs on XLA:CPU (docs/evaluation.md), paid here."""
+        out = self.step(0, rows, sampling) if isinstance(rows, StepRows) else self.decode(k, 0, rows, sampling)
+        jax.block_until_ready(out)
 
 
 def _pages_split(m: ModelConfig, mesh: Mesh) -> P:

@@ -803,10 +803,10 @@ def test_stop_strings_end_a_request_in_the_engine_streamed_or_not():
 
 @pytest.mark.slow  # 20 programs compiled, twice
 def test_after_compile_all_a_mixed_load_compiles_nothing_and_gives_the_same_tokens():
-    """#91: compile_all compiles every program plain requests can need (every row, token, page and k bucket up to
-    max_batch and the context) without touching the cache; then requests of every length up to the context,
-    greedy and sampled, arriving while others decode through a pool small enough to preempt, run no program it
-    did not compile, and give the tokens of an engine that compiled as it went."""
+    """#91: compile_all compiles (and runs once, on padding rows) every program plain requests can need (every
+    row, token, page and k bucket up to max_batch and the context); then requests of every length up to the
+    context, greedy and sampled, arriving while others decode through a pool small enough to preempt, run no
+    program it did not compile, and give the tokens of an engine that compiled as it went."""
     m, params = peaky_model("svformer")
     rng = np.random.default_rng(5)
     prompts = prompts_of(rng, 24, m.vocab_size, 1, m.max_seq_len - 24)

@@ -316,7 +316,7 @@ def test_a_server_that_compiled_at_start_compiles_nothing_under_a_mixed_load(run
         assert s.metric("resformer:compiles_after_start") >= 1
     finally:
         log = s.stop()
-    assert re.search(r"compiled \d+ programs in [0-9.]+ s", log), log[-2000:]
+    assert re.search(r"compiled and ran once \d+ programs in [0-9.]+ s, holding \d+ MiB", log), log[-2000:]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
