@@ -292,6 +292,7 @@ def test_a_spilling_block_choice_is_reported_from_ptxas(monkeypatch):
 
 
 @needs_aot
+@pytest.mark.slow  # six Pallas kernels compiled for an H100: 3.6 s alone, over the fast tier's 5 s beside a worker
 def test_value_mix_kernels_compile_for_h100_in_their_registers_and_count_as_the_plain_ones():
     """ResFormer's mix inside the kernels (value_mix, learned lambdas: the dK/dV kernel's extra outputs) at the
     468M's attention shape: every kernel, plain and mixed (each reported by its own name), in its registers, and the
