@@ -17,9 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize(
     "mode,kv",
-    fast_few(
-        [(m, 2) for m in MODES] + [("svformer", 0), ("none", 0)], [("resformer", 2), ("svformer", 0)], True
-    ),
+    fast_few([(m, 2) for m in MODES] + [("svformer", 0), ("none", 0)], [("resformer", 2), ("svformer", 0)], True),
 )
 def test_prefill_plus_decode_equals_full_forward(mode, kv):
     c = tiny_config(mode)
