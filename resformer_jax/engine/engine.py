@@ -301,17 +301,26 @@ class Engine:
         def buckets(n: int, at_least: int = 1, base: int = 2) -> list[int]:
             return sorted({bucket(i, at_least, base) for i in range(1, n + 1)})
 
-        pages = min(self.pool.pages_for(self.max_len), self.pool[0].usable)
         chunk = bucket(self.prefill_chunk)
         prefill_T = sorted({min(T, chunk) for T in buckets(self.prefill_chunk, 16, 4)})
         ks = [1] + [k for k in buckets(self.decode_steps) if k > 1]
         shapes = []
-        for Pn in buckets(pages, 4):
+        for Pn in buckets(self._most_pages(), 4):
             for Bs in buckets(min(self.prefill_rows, per_shard), min_rows):
                 shapes += [(self.shards * Bs, T, Pn, 1) for T in prefill_T]
-            for Bs in buckets(per_shard, min_rows):
-                shapes += [(self.shards * Bs, 1, Pn, k) for k in ks]
+            if Pn == self._decode_pages(Pn):  # one-token steps at this table width
+                for Bs in buckets(per_shard, min_rows):
+                    shapes += [(self.shards * Bs, 1, Pn, k) for k in ks]
         return shapes
+
+    def _most_pages(self) -> int:
+        """The most pages a row holds: a full context's, or the pool's."""
+        return min(self.pool.pages_for(self.max_len), self.pool[0].usable)
+
+    def _decode_pages(self, Pn: int) -> int:
+        """The page-table width a one-token step of rows holding at most `Pn` pages (a bucket) runs at: that, or
+        where the step form says its cost does not grow with the width, the widest (one program for every Pn)."""
+        return max(Pn, bucket(self._most_pages(), at_least=4)) if self.runner.form.decode_table_full else Pn
 
     def compile_all(self, log: Callable[[str], Any] | None = None) -> float:
         """Compiles and runs once, on padding rows, every program `program_shapes` lists for requests without
@@ -593,6 +602,7 @@ class Engine:
         slot = [r.shard * Bs + j for r, j in zip(rows, slot)]
         B = self.shards * Bs
         Pn = bucket(max(len(r.pages) for r in rows), at_least=4)
+        Pn = self._decode_pages(Pn) if T == 1 else Pn
         tokens, positions = np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32)
         last, table = np.zeros((B,), np.int32), np.zeros((B, Pn), np.int32)
         for i, r, new in zip(slot, rows, new_tokens):

@@ -75,7 +75,7 @@ class ModelRunner:
         self.shards = 1 if mesh is None else int(mesh.devices.size)
         self.layout = PageLayout(num_pages, page_size)  # a shard's pages: the model runs per shard
         self.model = Transformer(m, pages=self.layout)
-        self.form = step_form()
+        self.form = step_form(m)
         self.params = serving_params(m, params, self.form.vocab_multiple)
         pools = init_pools(Transformer(m, pages=PageLayout(self.shards * num_pages, page_size)))
         if mesh is None:
@@ -181,17 +181,24 @@ class StepForm:
     min_rows: int = 1  # rows a step runs at least (a padding row attends over nothing and writes nothing)
     vocab_multiple: int = 1  # the LM head's columns held padded with zeros to a multiple of this, cut after
     compiler_options: tuple[tuple[str, Any], ...] = ()  # XLA options for every program the engine compiles
+    # one page-table width (a full context's) for every one-token step: its cost does not grow with the width
+    # there, so no compile per page bucket (a CPU's paged kernels read each row's pages up to its length)
+    decode_table_full: bool = False
 
 
-def step_form() -> StepForm:
+def step_form(m: ModelConfig | None = None) -> StepForm:
     """The form for the backend the engine is traced for (kernels.names.target_backend). A GPU (read off the
     compiled 468M step, docs/kernels-and-compile.md): two rows at least, as XLA:GPU makes a one-row matmul an
     elementwise product and a reduction (2.7x the weight's bytes); the LM head padded once to 128 columns, which
     XLA would pad with a copy of the weight every step; and no dot merger, which concatenates each MLP's gate and
     up weights into one operand every step (a training step amortizes that copy over its tokens, a decode step
-    cannot)."""
+    cannot). A CPU: one-token steps read each row's pages in place up to its length (a native kernel, or XLA's loop
+    over blocks of pages), so one table width serves them all, except Eq. 2's cross-layer mapping (`m`), whose
+    one-token steps gather every page the table holds."""
     if target_backend() == "gpu":
         return StepForm(min_rows=2, vocab_multiple=128, compiler_options=(("xla_gpu_dot_merger_threshold_mb", 0),))
+    if target_backend() == "cpu":
+        return StepForm(decode_table_full=m is not None and m.mapping != "cross_layer")
     return StepForm()
 
 

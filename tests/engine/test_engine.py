@@ -2,6 +2,7 @@
 tests/reference.model_greedy), for requests of mixed lengths that arrive while others decode, through a pool too
 small for all of them at once; the pool ends empty; a handful of compiles; bad input named."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -14,6 +15,7 @@ from reference import model_greedy
 from tiers import fast_few
 
 from resformer_jax.engine import Engine, EngineError, SamplingParams
+from resformer_jax.engine import runner as runner_module
 from resformer_jax.model import Transformer
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.transformer import cache_bytes_per_token
@@ -289,7 +291,6 @@ def test_a_gpus_step_form_pads_rows_and_the_lm_head_and_gives_the_same_tokens(mo
     """A GPU's engine runs one row as two and holds the LM head padded (runner.StepForm, read off the compiled
     step): the same greedy tokens, sampled tokens and log-probabilities as the plain form, the padding's logits
     never sampled. Run here on a CPU with the GPU's shapes, without its XLA:GPU option."""
-    from resformer_jax.engine import runner as runner_module
     from resformer_jax.kernels.names import compiling_for
 
     with compiling_for("cuda"):
@@ -307,7 +308,8 @@ def test_a_gpus_step_form_pads_rows_and_the_lm_head_and_gives_the_same_tokens(mo
         return engine, [engine.generate([prompt], s)[0] for s in settings]  # one row at a time
 
     plain_engine, plain = run()
-    monkeypatch.setattr(runner_module, "step_form", lambda: runner_module.StepForm(min_rows=2, vocab_multiple=100))
+    padded_form = runner_module.StepForm(min_rows=2, vocab_multiple=100)
+    monkeypatch.setattr(runner_module, "step_form", lambda m=None: padded_form)
     padded_engine, padded = run()
     assert padded_engine.runner.params["lm_head"]["kernel"].shape[-1] == -(-m.vocab_size // 100) * 100 > m.vocab_size
     assert {shape[0] for shape in padded_engine.stats.compiled_shapes} == {2}
@@ -823,14 +825,22 @@ def test_after_compile_all_a_mixed_load_compiles_nothing_and_gives_the_same_toke
     shapes = warm.program_shapes()
     warm.compile_all()
     assert warm.compiles_after_start == 0 and len(warm.runner.programs) == len(shapes)
-    want = {(B, T, Pn, k) for B in (1, 2) for Pn in (4, 8) for T, k in ((16, 1), (64, 1), (1, 1), (1, 2), (1, 4))}
+    # a CPU's one-token steps read pages up to each row's length: they run at the full context's table width alone
+    assert warm.runner.form.decode_table_full
+    want = {(B, T, Pn, 1) for B in (1, 2) for Pn in (4, 8) for T in (16, 64)}
+    want |= {(B, 1, 8, k) for B in (1, 2) for k in (1, 2, 4)}
     assert sorted(shapes) == sorted(want)
     got = serve(warm)
     assert warm.stats.preemptions > 0, "the pool never ran short: the test does not reach preemption"
     assert warm.compiles_after_start == 0, warm.runner.programs
     cold = Engine(m, params, **sizes)
+    cold.runner.form = dataclasses.replace(cold.runner.form, decode_table_full=False)  # a table width per bucket
     assert serve(cold) == got
+    assert {Pn for _, T, Pn, _ in cold.stats.compiled_shapes if T == 1} == {4, 8}  # both widths met, same tokens
     assert cold.compiles_after_start > 0  # the counter counts the programs a cold engine compiled as it served
+    # Eq. 2's one-token steps gather every page of the table
+    cross = dataclasses.replace(m, value_residual="resformer", mapping="cross_layer")
+    assert not runner_module.step_form(cross).decode_table_full
     logprobs = warm.generate([prompts[0]], SamplingParams(max_tokens=2, logprobs=2))
     assert len(logprobs[0].tokens) == 2 and warm.compiles_after_start >= 1  # a variant compile_all leaves out
     # its second token came from a one-step decode (k = 1, the step program): its top ids read as a k-step's are
