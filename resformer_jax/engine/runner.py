@@ -78,12 +78,15 @@ class ModelRunner:
         self.form = step_form(m)
         self.params = serving_params(m, params, self.form.vocab_multiple)
         pools = init_pools(Transformer(m, pages=PageLayout(self.shards * num_pages, page_size)))
+        # the parameters on the device once: host arrays (an export's numpy) would be copied into every step
         if mesh is None:
             self.cache = pools
+            self.params = jax.device_put(self.params)
         else:
             split = _pages_split(m, mesh)
             self.cache = jax.device_put(pools, NamedSharding(mesh, split))
-            if all(isinstance(x, jax.Array) and x.sharding.is_fully_replicated for x in jax.tree.leaves(self.params)):
+            leaves = jax.tree.leaves(self.params)
+            if all(not isinstance(x, jax.Array) or x.sharding.is_fully_replicated for x in leaves):
                 self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
         self._step_fns: dict[int, Any] = {}  # top: the jitted step_program, made when first run
         self._decode_fns: dict[tuple[int, int], Any] = {}  # (k steps a readback, top)
