@@ -147,11 +147,13 @@ def load_model(path: str, step: int | None = None) -> LoadedModel:
     from resformer_jax.hf.llama_import import is_export, load_hf_llama
 
     if is_export(path):
+        import jax
         from tokenizers import Tokenizer
 
         if step is not None:
             raise CheckpointError(f"--step={step}: {path} is an exported folder with one set of weights; drop --step")
         model, params = load_hf_llama(path, dtype="auto")  # a bfloat16 export decodes (and caches) in bfloat16
+        params = jax.device_put(params)  # numpy as read: a jitted step would copy every weight in on every call
         model = for_backend(model)  # no trained length to probe `auto` at: the backend's unprobed choice
         tok = epath.Path(path) / "tokenizer.json"  # local or on object storage, as the weights
         return LoadedModel(model, params, None, Tokenizer.from_str(tok.read_text()) if tok.is_file() else None, None)

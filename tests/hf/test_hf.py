@@ -332,6 +332,8 @@ def test_export_command_on_a_run(tmp_path):
     exported, fp32 = load_model(str(tmp_path / "hf")), load_model(str(tmp_path / "run"))
     assert (exported.model.dtype, fp32.model.dtype, exported.step, fp32.step) == ("bfloat16", "float32", None, 3)
     assert cache_bytes_per_token(exported.model) == cache_bytes_per_token(fp32.model) // 2
+    for loaded in (exported, fp32):  # on the device once, not host arrays copied into every step
+        assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(loaded.params))
     bad = subprocess.run(
         [sys.executable, "-m", "resformer_jax", "export", f"--workdir={tmp_path / 'nope'}", f"--out={tmp_path / 'x'}"],
         cwd=ROOT,
