@@ -87,8 +87,9 @@ def markdown(reports: dict[Row, dict | None]) -> list[str]:
             share += f"; {coll_bytes / INTER_NODE_BYTES_PER_S / bound:.0%} were all of it between nodes"
         share += ")" if bound else ""
         verdict = "" if fits_with_headroom(rep) else " **does not fit with 10% free**"
+        layers = "" if SCALE_SETTINGS[row.size, row.cluster].scan_layers else ", layers unrolled"
         out.append(
-            f"{lead} {mesh['data']} x {mesh['fsdp']} | {per_device} | {rep['remat']} | {mem / 2**30:.1f} GiB "
+            f"{lead} {mesh['data']} x {mesh['fsdp']} | {per_device} | {rep['remat']}{layers} | {mem / 2**30:.1f} GiB "
             f"({1 - mem / hbm:.0%} of {hbm / 2**30:.0f}){verdict} | {bound:.2f} s | "
             f"{r.get('mfu_ceiling_model') or 0:.3f} | {share} | {b.get('tokens_per_s', 0):,.0f} | "
             f"{b.get('days', 0):.1f} ({b.get('days_at_0_6', 0):.1f}) |"

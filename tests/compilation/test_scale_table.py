@@ -65,6 +65,9 @@ def test_a_row_says_mesh_memory_headroom_bound_and_days():
     multi = scale_table.markdown({scale_table.Row("1b", "svformer", "4xh100x8"): report(data=4)})[2]
     assert f"{30e9 / scale_table.INTER_NODE_BYTES_PER_S / 2.0:.0%} were all of it between nodes" in multi
     assert "not compiled" in scale_table.markdown({row: None})[2]
+    # a cluster whose setting unrolls the layers says so beside its remat policy
+    unrolled = scale_table.markdown({scale_table.Row("1b", "svformer", "v6e-64"): report()})[2]
+    assert "| dots, layers unrolled |" in unrolled and "unrolled" not in line
 
 
 def test_the_ladder_prints_the_table_from_the_rows_it_has_and_refuses_unknown_names(tmp_path):
