@@ -162,7 +162,7 @@ SCALE_SETTINGS: types.MappingProxyType = types.MappingProxyType(
         ("3b", "h100x8"): ClusterSetting("h100x8", 1, 1, 8, 32, "dots", True, "8x H100 80GB"),
         ("3b", "4xh100x8"): ClusterSetting("h100x8", 4, 4, 8, 128, "dots", True, "32x H100 80GB (4 nodes)"),
         ("3b", "v5p-128"): ClusterSetting("v5p-128", 1, 1, 64, 128, "none", True, "64x TPU v5p"),
-        ("3b", "v6e-64"): ClusterSetting("v6e-64", 1, 1, 64, 64, "dots", True, "64x TPU v6e"),
+        ("3b", "v6e-64"): ClusterSetting("v6e-64", 1, 1, 64, 64, "dots", False, "64x TPU v6e"),
         ("7b", "h100x8"): ClusterSetting("h100x8", 1, 1, 8, 32, "dots", True, "8x H100 80GB"),
         ("7b", "4xh100x8"): ClusterSetting("h100x8", 4, 4, 8, 128, "dots", True, "32x H100 80GB (4 nodes)"),
         ("7b", "v5p-128"): ClusterSetting("v5p-128", 1, 1, 64, 256, "dots", True, "64x TPU v5p"),
