@@ -5,6 +5,7 @@
 #
 #   launch/local_multiprocess.sh N CONFIG WORKDIR [--config.x=v ...]
 #   DEVICES_PER_PROCESS=2 PORT=12355 launch/local_multiprocess.sh 2 configs/tiny.py runs/mp
+# Your XLA_FLAGS reach every process, with the device count appended (XLA keeps a flag's last value).
 set -uo pipefail
 if [ $# -lt 3 ]; then
   echo "usage: $0 N CONFIG WORKDIR [--config.field=value ...]" >&2
@@ -22,7 +23,7 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; }
 trap cleanup TERM INT
 for ((i = 0; i < N; i++)); do
-  XLA_FLAGS="--xla_force_host_platform_device_count=$DEVICES" JAX_PLATFORMS=cpu \
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$DEVICES" JAX_PLATFORMS=cpu \
     $PYTHON -m resformer_jax.main --config="$CONFIG" --workdir="$WORKDIR" \
     --coordinator_address="127.0.0.1:$PORT" --num_processes="$N" --process_id="$i" "$@" \
     >"$WORKDIR/logs/process_$i.log" 2>&1 &

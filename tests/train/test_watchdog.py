@@ -210,7 +210,6 @@ def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes
     ]
     wd = str(tmp_path / "mp")
     env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
-    env.pop("XLA_FLAGS", None)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     t0 = time.time()
     r = subprocess.run(
@@ -236,7 +235,7 @@ def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes
     r1, _ = _train(
         one,
         *[f for f in flags if "distributed" not in f],
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
+        env={"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"},
     )
     assert r1.returncode == 0, r1.stderr[-2000:]
     want = read_jsonl(os.path.join(one, "metrics.jsonl"), "train/loss")
