@@ -633,10 +633,11 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
             "bench",
             "train",
             "--config=configs/demo.py",
-            "--steps=5",
-            "--profile_steps=5",
+            "--steps=3",
+            "--profile_steps=3",
             f"--profile_dir={tmp_path}",
             "--config.mesh.num_devices=1",
+            "--config.model.dtype=bfloat16",  # not the dtype probe (tests/kernels/test_precision.py)
             # twice the demo's batch: the profiler's own cost per op (~8% of the demo's 0.25 s step,
             # which runs ~1,000 ops) then weighs half as much
             "--config.train.global_batch=32",
