@@ -450,25 +450,17 @@ def wandb_history(path):
 
 
 @pytest.mark.slow
-def test_weights_and_biases_offline_holds_the_scalars_and_a_resumed_run_keeps_its_id(tmp_path):
+def test_weights_and_biases_offline_holds_the_scalars_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install -e '.[wandb]'); CI installs it")
     wd = str(tmp_path / "run")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    base = [sys.executable, "-m", "resformer_jax.main", "--config=configs/tiny.py", f"--workdir={wd}"]
-    base += ["--config.train.log_every=1", "--config.train.wandb_project=resformer-test", "--config.mesh.num_devices=1"]
-    first = subprocess.run(
-        [*base, "--config.train.steps=4", "--config.train.stop_at=2"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    base = ["train", "--config=configs/tiny.py", f"--workdir={wd}", "--config.train.log_every=1"]
+    base += ["--config.train.wandb_project=resformer-test", "--config.mesh.num_devices=1"]
+    first = run_command(*base, "--config.train.steps=4", "--config.train.stop_at=2")  # in-process: as a command
     assert first.returncode == 0, first.stderr[-2000:]
     run_id = open(os.path.join(wd, "wandb_run_id")).read().strip()
-    second = subprocess.run(
-        [*base, "--config.train.steps=4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    second = run_command(*base, "--config.train.steps=4")
     assert second.returncode == 0, second.stderr[-2000:]
     runs = sorted(glob_wandb(wd))
     assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), runs
