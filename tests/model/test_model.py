@@ -1,8 +1,6 @@
 """The value-residual decoder against the paper's equations."""
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -193,29 +191,15 @@ def test_impossible_config_names_field_and_fix(field, value, needle):
     assert "Fix:" in str(e.value)
 
 
-@pytest.mark.slow  # over 12 s in the fast tier
 def test_summary_cli_prints_json_and_bad_config_exits_cleanly():
-    out = subprocess.run(
-        [sys.executable, "-m", "resformer_jax.main", "--config=configs/resformer_468m.py", "--mode=summary"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    from commands import run_command  # in-process: the exit code and output a command gives
+
+    out = run_command("train", "--config=configs/resformer_468m.py", "--mode=summary")
+    assert out.returncode == 0, out.stderr[-2000:]
     s = json.loads(out.stdout)
     assert s["params_total"] == summary(paper_config("468m", "resformer"))["params_total"]
     assert s["model"]["value_residual"] == "resformer"
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax.main",
-            "--config=configs/resformer_82m.py",
-            "--config.model.num_heads=7",
-            "--mode=summary",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    bad = run_command("train", "--config=configs/resformer_82m.py", "--config.model.num_heads=7", "--mode=summary")
     assert bad.returncode != 0
     assert "config.model.num_heads" in bad.stderr and "Traceback" not in bad.stderr
 
