@@ -308,14 +308,7 @@ def test_accelerator_check_runs_end_to_end_on_cpu(tmp_path):
     """`bench accelerator` on CPU: reduced shapes, GPU/TPU-only rows marked, the Pallas kernels' correctness
     checked interpreted, one train step per runnable impl, decode for vanilla and SVFormer."""
     out = tmp_path / "report.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "bench", "accelerator", f"--out={out}"],
-        cwd=ROOT,
-        env=dict(os.environ),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = run_command("bench", "accelerator", f"--out={out}")  # in-process, as the command runs
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1]) == rep
@@ -624,28 +617,18 @@ def test_bench_train_step_breakdown_sums_to_the_step_time(tmp_path):
     measured step time within 10%; the trace is written where --profile_dir says."""
     from resformer_jax.benchmarks.step_profile import GROUPS
 
-    # A subprocess: resformer_jax bench defines absl flags that other tests' imports (resformer_jax.main) also do.
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "resformer_jax",
-            "bench",
-            "train",
-            "--config=configs/demo.py",
-            "--steps=3",
-            "--profile_steps=3",
-            f"--profile_dir={tmp_path}",
-            "--config.mesh.num_devices=1",
-            "--config.model.dtype=bfloat16",  # not the dtype probe (tests/kernels/test_precision.py)
-            # twice the demo's batch: the profiler's own cost per op (~8% of the demo's 0.25 s step,
-            # which runs ~1,000 ops) then weighs half as much
-            "--config.train.global_batch=32",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    p = run_command(  # in-process, as the command runs
+        "bench",
+        "train",
+        "--config=configs/demo.py",
+        "--steps=3",
+        "--profile_steps=3",
+        f"--profile_dir={tmp_path}",
+        "--config.mesh.num_devices=1",
+        "--config.model.dtype=bfloat16",  # not the dtype probe (tests/kernels/test_precision.py)
+        # twice the demo's batch: the profiler's own cost per op (~8% of the demo's 0.25 s step,
+        # which runs ~1,000 ops) then weighs half as much
+        "--config.train.global_batch=32",
     )
     assert p.returncode == 0, p.stderr[-3000:]
     (r,) = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]

@@ -425,14 +425,10 @@ def test_sigterm_lets_8_streams_in_flight_finish_and_exits_0(run_dir):
 def test_bench_serve_loads_the_server_and_reads_its_cache_gauges(server):
     """`resformer bench serve` with Poisson arrivals: every request served, latency percentiles, and the server's
     own count of the most sequences its cache held (at least 2 at once: requests overlap at 50 a second)."""
-    r = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "bench", "serve", f"--url={server.url}", "--requests=12"]
-        + ["--rate=50", "--prompt_min=4", "--context=24", "--new_tokens=6"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_command(  # in-process: an HTTP client, as the command is
+        "bench", "serve", f"--url={server.url}", "--requests=12", "--rate=50", "--prompt_min=4", "--context=24",
+        "--new_tokens=6",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     (out,) = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert (out["requests"], out["failed"]) == (12, 0), out
@@ -446,13 +442,7 @@ def test_bench_serve_loads_the_server_and_reads_its_cache_gauges(server):
 def test_an_exported_folder_serves_the_runs_greedy_text(server, run_dir, tmp_path):
     """`resformer serve --workdir=EXPORT` on what `resformer export` wrote: the same greedy text as the run."""
     hf = str(tmp_path / "hf")
-    e = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "export", f"--workdir={run_dir}", f"--out={hf}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    e = run_command("export", f"--workdir={run_dir}", f"--out={hf}")
     assert e.returncode == 0, e.stderr[-2000:]
     s = Server(hf, "--cache_gib=0.02")
     try:
@@ -741,10 +731,7 @@ def test_a_busy_port_and_a_workdir_that_is_a_file_are_refused_before_the_model_l
 def test_bench_serve_check_reports_each_part_of_the_api_the_server_answers(server):
     """#74: `resformer bench serve --check` against the server (with its chat template): every check passes, one line
     each."""
-    r = subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "bench", "serve", f"--url={server.url}", "--check"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    r = run_command("bench", "serve", f"--url={server.url}", "--check")
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith(("ok", "FAIL"))]
     assert len(lines) == 14 and all(x.startswith("ok") for x in lines), r.stdout
@@ -779,10 +766,7 @@ def test_bench_serve_check_names_what_a_server_lacks_and_exits_1():
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{stub.server_address[1]}"
-        r = subprocess.run(
-            [sys.executable, "-m", "resformer_jax", "bench", "serve", f"--url={url}", "--check"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        r = run_command("bench", "serve", f"--url={url}", "--check")
     finally:
         stub.shutdown()
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
