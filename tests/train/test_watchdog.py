@@ -165,7 +165,8 @@ def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_th
     assert "resumed from step 20" in r.stdout + r.stderr
     off = str(tmp_path / "off")
     # the reference run in-process (the same compiled code as the subprocesses: tests/conftest.py)
-    ref = run_command("train", "--config=configs/tiny.py", f"--workdir={off}", *flags, "--config.watchdog.enabled=0")
+    off_flags = [*flags, "--config.watchdog.enabled=False"]
+    ref = run_command("train", "--config=configs/tiny.py", f"--workdir={off}", *off_flags)
     assert ref.returncode == 0, ref.stderr[-2000:]
     losses = {d: read_jsonl(os.path.join(d, "metrics.jsonl"), "train/loss") for d in (stalled, off)}
     # bitwise: the watchdog (tight budgets in both invocations) changes nothing it watches, and the resume is exact
