@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from commands import multiprocess_env
 from tb_losses import losses
 
 from resformer_jax.commands.training import run
@@ -113,7 +114,7 @@ def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same
         "--config.distributed.heartbeat_timeout_s=5",
     ]
     wd = str(tmp_path / "mp")
-    env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
+    env = multiprocess_env(tmp_path)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt = os.path.join(wd, "checkpoints", str(every))
@@ -172,7 +173,7 @@ def test_in_loop_tasks_of_a_multi_host_run_equal_evaluate(tmp_path):
         f"--config.eval.task_data={samples}",
         "--config.eval.task_limit=8",
     ]
-    env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
+    env = multiprocess_env(tmp_path)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

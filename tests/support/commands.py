@@ -100,3 +100,15 @@ def command_flags(module_name: str) -> frozenset[str]:
     by_module = flags.FLAGS.flags_by_module_dict()
     absl_own = [f for m, defined in by_module.items() if m.startswith("absl.") for f in defined]
     return frozenset("--" + f.name for f in [*_FLAGS.by_module[module_name], *absl_own])
+
+
+def multiprocess_env(tmp_path: pathlib.Path) -> dict[str, str]:
+    """The environment of a test's launch/local_multiprocess.sh: 2 CPU devices a process, this process's XLA flags
+    (the launcher appends the device count) and a compilation cache of the launch's own, as JAX's cache key leaves the
+    device count out: a single process must never read a program compiled for several."""
+    return dict(
+        os.environ,
+        PYTHON=sys.executable,
+        DEVICES_PER_PROCESS="2",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "multiprocess_jit_cache"),
+    )

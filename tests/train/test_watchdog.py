@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from commands import run_command
+from commands import multiprocess_env, run_command
 
 from resformer_jax.errors import EXIT_STALLED
 from resformer_jax.train import goodput
@@ -212,7 +212,7 @@ def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes
         "--config.watchdog.step_factor=2",
     ]
     wd = str(tmp_path / "mp")
-    env = dict(os.environ, PYTHON=sys.executable, DEVICES_PER_PROCESS="2")
+    env = multiprocess_env(tmp_path)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     t0 = time.time()
     r = subprocess.run(
