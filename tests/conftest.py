@@ -162,7 +162,7 @@ class CrashedOnce:
     """A worker that dies in a test (a segmentation fault; seen inside JAX's write of an executable to the
     compilation cache, in 4 whole-suite runs of 9, CI's included, never alone) is replaced and the test run again: the
     first crash of a test is reported as a rerun; a second crash of the same test, or a crash past pyproject's
-    `--max-worker-restart=2`, fails the run (a test that always crashes: three tries, then the run ends). Each crash
+    `--max-worker-restart=4`, fails the run (a test that always crashes: five tries, then the run ends). Each crash
     is named at the end of the run, with the worker's stack (pytest's faulthandler) above it in the log."""
 
     def __init__(self, config):
