@@ -159,8 +159,8 @@ class FastTierClock:
 
 
 class CrashedOnce:
-    """A worker that dies in a test (a segmentation fault; seen inside JAX's write of an executable to the
-    compilation cache, in 4 whole-suite runs of 9, CI's included, never alone) is replaced and the test run again: the
+    """A worker that dies in a test (a segmentation fault: XLA past the kernel's map limit, see MAPS_BEFORE_CLEARING;
+    or any other native crash) is replaced and the test run again: the
     first crash of a test is reported as a rerun; a second crash of the same test, or a crash past pyproject's
     `--max-worker-restart=4`, fails the run (a test that always crashes: five tries, then the run ends). Each crash
     is named at the end of the run, with the worker's stack (pytest's faulthandler) above it in the log."""
@@ -202,6 +202,39 @@ class CrashedOnce:
             terminalreporter.section("tests whose worker crashed ('Fatal Python error' above: the stack)", yellow=True)
             for name, outcome in self.crashed:
                 terminalreporter.write_line(f"{name}: {outcome}")
+
+
+def _memory_maps(path: str = "/proc/self/maps") -> int:
+    """How many memory mappings this process holds (0 where /proc cannot tell)."""
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _map_limit(path: str = "/proc/sys/vm/max_map_count") -> int:
+    try:
+        return int(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+# Each executable XLA:CPU compiles or loads from the cache maps its code (about 3 mappings), and a worker keeps every
+# one in JAX's caches: a whole-suite worker passed 24,000 in 9 minutes. At the kernel's limit (vm.max_map_count,
+# 65,530 by default) the next map fails inside XLA, a segmentation fault. Past half of it, the worker drops JAX's
+# caches between tests (the persistent cache still holds the programs).
+MAPS_BEFORE_CLEARING = _map_limit() // 2
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "jax" in sys.modules and _memory_maps() > MAPS_BEFORE_CLEARING:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_configure(config):

@@ -1,6 +1,8 @@
 """The suite's own harness (tests/conftest.py) under README's command: a worker that crashes once in a test runs it
-again in a fresh worker and the run passes, saying so; a test that crashes every time fails the run, which ends."""
+again in a fresh worker and the run passes, saying so; a test that crashes every time fails the run, which ends; a
+worker past half the kernel's map limit drops JAX's caches."""
 
+import itertools
 import os
 import pathlib
 import subprocess
@@ -63,3 +65,41 @@ def test_a_worker_crash_reruns_the_test_once_and_a_second_crash_fails_the_run(tm
     assert always.returncode == 1, always.stdout[-3000:]
     assert "FAILED test_crash.py::test_crashes[99]" in always.stdout, always.stdout[-3000:]
     assert "test_crash.py::test_crashes[99]: failed" in always.stdout
+
+
+MAP_TESTS = """
+import jax, jax.numpy as jnp, pytest, conftest
+
+BASE = conftest._memory_maps()
+conftest.MAPS_BEFORE_CLEARING = BASE + 600  # the kernel's limit stands in: 65,530 would take thousands of compiles
+KEPT = []  # functions that live on, as a module's jitted functions do: JAX's caches keep their executables
+
+@pytest.mark.parametrize("i", range(8))
+def test_compiles(i):
+    for k in range(60):  # 60 programs: about 180 mappings
+        KEPT.append(jax.jit(lambda x, k=k: jnp.sin(x) * k + jnp.cos(x) ** i))
+        KEPT[-1](jnp.ones(k + 1)).block_until_ready()
+    with open("maps.txt", "a") as f:
+        f.write(f"{BASE} {conftest._memory_maps()}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_past_half_the_map_limit_drops_jaxs_caches_between_tests(tmp_path):
+    """Every executable XLA:CPU keeps maps its code; at vm.max_map_count the next compile dies (a segmentation fault).
+    Past MAPS_BEFORE_CLEARING the harness drops JAX's caches after the test: the mappings fall back, and never climb
+    more than one test's worth past the line (without it, 8 tests x 60 programs: 1,716 past the start, measured)."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_maps.py").write_text(MAP_TESTS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(PYTHONPATH=str(ROOT), JAX_ENABLE_COMPILATION_CACHE="false")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp_path),
+         str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    rows = [tuple(map(int, line.split())) for line in (tmp_path / "maps.txt").read_text().splitlines()]
+    base, after = rows[0][0], [a for _, a in rows]
+    assert len(after) == 8 and max(after) - base < 600 + 400, after  # the line, plus one test's programs
+    assert any(b < a for a, b in itertools.pairwise(after)), after  # dropped: the caches were cleared
