@@ -6,6 +6,7 @@ Its notes (the reasons, what was measured): docs/modules.md.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib.util
 import re
@@ -17,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -357,6 +359,21 @@ def _refusal(e: Exception, what: str, target: Target, knobs: str) -> Exception:
     return CompileError(f"{what} does not compile for {target.hardware}: {type(e).__name__}: {first[:400]}")
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """JAX's persistent compilation cache cannot hold a compile-only client's program (reading it back fails:
+    "PjRtCompiler must be constructed with a Client"), so writing one costs time and megabytes of disk. JAX decides
+    once per process whether the cache is used, so the decision is reset on the way in and on the way out."""
+    was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        jax_compilation_cache.reset_cache()
+
+
 def compile_step(
     name: str,
     jitted,
@@ -371,15 +388,11 @@ def compile_step(
     """Lowers and compiles one step for the target; the memory verdict as the trainer's precheck gives it."""
     t0 = time.perf_counter()
     knobs = DECODE_KNOBS if name.startswith("decode") else memory_knobs(cfg, target.num_devices)
-    # JAX's persistent compilation cache cannot hold these: a compile-only client cannot load an entry back
-    # ("PjRtCompiler must be constructed with a Client"), so writing one only costs time.
-    cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
-    jax.config.update("jax_enable_compilation_cache", False)
     # GPU: XLA writes the program's PTX here, for ptxas' report of the Triton kernels' registers
     dump = tempfile.mkdtemp(prefix="resformer_ptx_") if target.platform == "cuda" else None
     try:
         try:
-            with compiling_for(target.platform, target.kind):
+            with compiling_for(target.platform, target.kind), _without_persistent_cache():
                 compiled = jitted.lower(*args, **(kwargs or {})).compile({"xla_dump_to": dump} if dump else None)
         except UserError:
             raise
@@ -389,8 +402,6 @@ def compile_step(
                 log(f"{name}: {err}")
                 return CompiledStep(name, time.perf_counter() - t0, None, {}, "not compiled", False, str(err))
             raise err from None
-        finally:
-            jax.config.update("jax_enable_compilation_cache", cache_was)
         seconds, mem, hlo = time.perf_counter() - t0, perf.step_memory(compiled), compiled.as_text()
         calls = dict(collections.Counter(_CUSTOM_CALL.findall(hlo)))
         machine_code = _machine_code(compiled, target.platform)

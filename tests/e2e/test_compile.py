@@ -12,6 +12,7 @@ tracing, before any compiler runs; see the last tests) and autotuning (no device
 says how fast a step is: `resformer bench accelerator` does on a real device.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -37,14 +38,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @needs_aot
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("variant", ["none", "resformer", "svformer"])
-def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, variant):
+def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, variant, tmp_path):
     from resformer_jax.compilation.aot import compile_for_target
     from resformer_jax.compilation.targets import parse_target
 
     target = parse_target(TARGETS[platform])
     # decode once per platform, for SVFormer, whose cache differs most (no V cache past layer 1)
     steps = ("train", "eval", "decode") if variant == "svformer" else ("train", "eval")
-    report = compile_for_target(accelerator_config(variant, platform), target, steps=steps, log=lambda s: None)
+    with _persistent_cache_in(tmp_path / "jax_cache") as written:
+        report = compile_for_target(accelerator_config(variant, platform), target, steps=steps, log=lambda s: None)
+        # a compile-only client's programs cannot be read back, so none is written; this process's own still are
+        assert not any(f.startswith(("jit_train_step", "jit_eval_step")) for f in written()), written()
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+        assert any(f.startswith("jit__lambda") for f in written()), written()
     assert report.attention_impl == {"cuda": "pallas", "tpu": "splash"}[platform]
     assert report.mesh == {"data": 2, "fsdp": target.num_devices // 2, "context": 1} and report.dtype == "bfloat16"
     by = {s.name: s for s in report.steps}
@@ -66,6 +72,21 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
     assert '"fits": true' in line
     if (variant, platform) == ("resformer", "cuda"):  # one optimizer beside AdamW is enough: its state's layout
         _muon_state_is_sharded_over_fsdp_and_smaller_than_adamws(target, by["train"].memory.arguments)
+
+
+@contextlib.contextmanager
+def _persistent_cache_in(path):
+    """JAX's persistent compilation cache in `path` for the block (yields a lister of its entries); as it was after."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    compilation_cache.reset_cache()
+    try:
+        yield lambda: sorted(os.listdir(path)) if os.path.isdir(path) else []
+    finally:
+        jax.config.update("jax_compilation_cache_dir", was)
+        compilation_cache.reset_cache()
 
 
 def _muon_state_is_sharded_over_fsdp_and_smaller_than_adamws(target, adamw_arguments):
