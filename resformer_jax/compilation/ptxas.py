@@ -5,6 +5,7 @@ is spent."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import glob
 import importlib.util
@@ -70,14 +71,18 @@ def kernel_resources(dump_dir: str, kernels: set[str], arch: str, ptxas: str | N
     def named(entry: str) -> bool:  # XLA names a second kernel of the same name NAME__1, NAME__2, ...
         return re.sub(r"__\d+$", "", entry) in kernels
 
-    out = []
+    paths = []
     for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
         with open(path, errors="replace") as f:
-            entries = set(re.findall(r"\.entry\s+([\w$]+)", f.read()))
-        if not any(named(e) for e in entries):
-            continue
+            if any(named(e) for e in re.findall(r"\.entry\s+([\w$]+)", f.read())):
+                paths.append(path)
+
+    def report(path: str) -> str:
         r = subprocess.run(
             [ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull], capture_output=True, text=True, timeout=300
         )
-        out += [k for k in parse_ptxas(r.stdout + r.stderr) if named(k.kernel)]
-    return out
+        return r.stdout + r.stderr
+
+    # one ptxas per file, on every core: a program's files are independent
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        return [k for text in pool.map(report, paths) for k in parse_ptxas(text) if named(k.kernel)]
