@@ -122,6 +122,48 @@ def finished_checkpoint_steps(directory) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
+class NotRestored:
+    """What an item's restore raised on this process, returned instead of raised: every process then reaches
+    Orbax's barrier after a restore, and they decide together (`_agreed`) whether the step restored. A file only
+    one process reads (its array metadata, its shards) can fail on that process alone; raised, it left the others
+    waiting inside Orbax's barrier while it went on to the previous step, and the run lost sync and hung."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _returning_failures(handler):
+    """`handler` with a restore that returns a NotRestored instead of raising. Its type is kept (Orbax matches a
+    handler to its arguments by type and writes the type's name into a checkpoint's metadata), so checkpoints read
+    and write as before."""
+    restore = handler.restore
+
+    def restore_returning_failures(*args, **kwargs):
+        try:
+            return restore(*args, **kwargs)
+        except Exception as e:
+            return NotRestored(e)
+
+    handler.restore = restore_returning_failures
+    return handler
+
+
+def _agreed(step: int, items: dict) -> None:
+    """Raises on every process if any item failed on any process (this process's own error where it failed);
+    returns on every process otherwise."""
+    failed = [x.error for x in items.values() if isinstance(x, NotRestored)]
+    where = [0] if failed else []
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.asarray(1 if failed else 0, np.int32))
+        where = [i for i, f in enumerate(np.asarray(flags).reshape(-1)) if f]
+    if failed:
+        raise failed[0]
+    if where:
+        raise DamagedCheckpoint(f"process {where[0]} of this multi-host run could not read its part of step {step}")
+
+
 class Checkpointer:
     def __init__(self, run, ckpt_cfg, create: bool = True):
         """`run`: the RunDir (rundir.py) whose checkpoints these are; RunDir.checkpointer() makes one."""
@@ -149,12 +191,13 @@ class Checkpointer:
             # Every item's handler is registered, the data iterator's (grain) included: Orbax then knows each item
             # when it reads a checkpoint's metadata or restores only some items (it warned that "data could not
             # be restored" otherwise, although the data position is restored, through its own restore call).
+            # Each restore returns its failure (NotRestored) rather than raising it: see `_agreed`.
             item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "data": grain.checkpoint.CheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler(),
-                "progress": ocp.JsonCheckpointHandler(),
-                "fingerprints": ocp.JsonCheckpointHandler(),
+                "state": _returning_failures(ocp.StandardCheckpointHandler()),
+                "data": _returning_failures(grain.checkpoint.CheckpointHandler()),
+                "config": _returning_failures(ocp.JsonCheckpointHandler()),
+                "progress": _returning_failures(ocp.JsonCheckpointHandler()),
+                "fingerprints": _returning_failures(ocp.JsonCheckpointHandler()),
             },
         )
 
@@ -227,6 +270,7 @@ class Checkpointer:
 
     def read_config(self, step: int) -> dict:
         r = self.mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        _agreed(step, {"config": r["config"]})
         return dict(r["config"])
 
     def restore(self, step: int, abstract_state):
@@ -240,6 +284,7 @@ class Checkpointer:
                 progress=ocp.args.JsonRestore(),
             ),
         )
+        _agreed(step, {k: r[k] for k in ("state", "config", "progress")})
         self._check_fingerprints(step, r["state"])
         return r["state"], dict(r["config"]), dict(r["progress"])
 
@@ -255,6 +300,7 @@ class Checkpointer:
             is_leaf=lambda a: hasattr(a, "shape") and hasattr(a, "dtype"),
         )
         state = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        _agreed(step, {"state": state})
         self._check_fingerprints(step, state)
         return state["params"]
 
@@ -262,9 +308,9 @@ class Checkpointer:
         """DamagedCheckpoint if a restored array's bits differ from the fingerprint saved with it, or the arrays
         are not those saved."""
         try:
-            saved = dict(
-                self.mngr.restore(step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))["fingerprints"]
-            )
+            saved = self.mngr.restore(step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))
+            _agreed(step, {"fingerprints": saved["fingerprints"]})
+            saved = dict(saved["fingerprints"])
         except Exception:
             return  # checkpoints written before fingerprints existed
         now = fingerprints(restored)
@@ -278,7 +324,9 @@ class Checkpointer:
     def restore_data(self, step: int, data_iter, warn=print) -> None:
         """The data iterator at the position saved with `step`."""
         try:
-            self.mngr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iter)))
+            r = self.mngr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iter)))
+            if isinstance(r["data"], NotRestored):  # this process's own position: nothing to agree on
+                raise r["data"].error
         except Exception as e:
             # Data order is a function of the step, so the position is recoverable.
             warn(
