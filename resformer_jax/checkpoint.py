@@ -311,8 +311,10 @@ class Checkpointer:
             saved = self.mngr.restore(step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))
             _agreed(step, {"fingerprints": saved["fingerprints"]})
             saved = dict(saved["fingerprints"])
-        except Exception:
-            return  # checkpoints written before fingerprints existed
+        except Exception as e:
+            if not (self.dir / str(step) / "fingerprints").exists():
+                return  # checkpoints written before fingerprints existed
+            raise DamagedCheckpoint(f"the fingerprints saved with it do not read ({one_line(e)})") from None
         now = fingerprints(restored)
         bad = [p for p in saved if now.get(p) != saved[p]]
         if bad or set(now) != set(saved):

@@ -110,7 +110,9 @@ def test_sigterm_saves_at_the_stopped_step_and_resumes(tmp_path, reference):
     assert_bitwise_from(losses(wd), reference, stopped + 1)
 
 
-def test_truncated_newest_checkpoint_falls_back(tmp_path, reference, capsys):
+def test_damaged_checkpoints_fall_back_a_truncated_array_and_unreadable_fingerprints(tmp_path, reference, capsys):
+    """Step 9's largest array file cut in half, step 6's fingerprints overwritten (a checkpoint whose fingerprints
+    do not read is damaged, not one written before fingerprints existed): both set aside, the run resumes from 3."""
     wd = str(tmp_path)
     c = cfg()
     c.train.stop_at = 9
@@ -121,12 +123,17 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, reference, capsys):
     biggest = max(files, key=os.path.getsize)
     with open(biggest, "r+b") as f:
         f.truncate(os.path.getsize(biggest) // 2)
+    with open(os.path.join(wd, "checkpoints", "6", "fingerprints", "metadata"), "r+b") as f:
+        f.seek(40)
+        f.write(b"#" * 16)
     assert run(cfg(), wd) == 0
     err = capsys.readouterr()
     assert "checkpoint at step 9" in err.err and "does not restore" in err.err
-    assert "resumed from step 6" in err.out
-    assert os.path.isdir(os.path.join(wd, "checkpoints_damaged", "9")), "the damaged checkpoint is kept aside"
-    assert_bitwise_from(losses(wd), reference, 7)
+    assert "checkpoint at step 6" in err.err and "the fingerprints saved with it do not read" in err.err, err.err
+    assert "resumed from step 3" in err.out
+    for step in ("9", "6"):
+        assert os.path.isdir(os.path.join(wd, "checkpoints_damaged", step)), "the damaged checkpoint is kept aside"
+    assert_bitwise_from(losses(wd), reference, 4)
 
 
 def test_save_on_2x4_mesh_resume_on_one_device(tmp_path, reference):
