@@ -197,7 +197,9 @@ def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes
     """2 processes x 2 CPU devices; process 1's main thread blocks reading step 15's data (after the checkpoint at
     10) while its other threads, JAX's heartbeats among them, run on. Both processes end within the budget plus a
     margin, each with the watchdog's line or a collective failure's; the launcher's last line names process 1 as
-    stalled; the rerun resumes to the losses of a run never interrupted."""
+    stalled; the rerun resumes to the losses of a run never interrupted, process 0's saved data position damaged
+    before it (read by that process alone: it is positioned from the step number, and the other process, which read
+    its own, must not wait for it inside Orbax's barrier: that rerun had hung)."""
     from resformer_jax.metrics import read_jsonl
 
     steps, every = 30, 10
@@ -230,9 +232,12 @@ def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes
     stall_started = json.loads(open(os.path.join(wd, "goodput.json")).read())["invocations"][0]["started_unix"]
     assert time.time() - t0 < 300 and stall_started > 0
 
+    with open(os.path.join(wd, "checkpoints", "10", "data", "process_0-of-2.json"), "r+b") as f:
+        f.write(b"#" * 8)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "resumed from step 10" in r.stdout
+    assert "data iterator state of step 10 not restored" in r.stdout, r.stdout[-2000:]
     resumed = read_jsonl(os.path.join(wd, "metrics.jsonl"), "train/loss")
     one = str(tmp_path / "one")
     r1, _ = _train(
