@@ -92,7 +92,6 @@ def test_bad_mesh_and_batch_messages(tmp_path, capsys):
     assert "model.d_model=68 does not divide" in capsys.readouterr().err
 
 
-@pytest.mark.exclusive  # the survivor must stop within the heartbeat timeout
 def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same_losses(tmp_path):
     """2 processes x 2 CPU devices; process 1 SIGKILLed after the first checkpoint. Process 0 is stopped by JAX's
     coordination service within the (shortened) heartbeat timeout, the launcher's last line names the process that

@@ -192,7 +192,7 @@ def test_a_blocked_data_read_is_named_with_its_stack_and_the_rerun_resumes_to_th
     assert row.startswith("stalled") and row.endswith("(2 invocation(s))"), row  # the stall said so: not unknown
 
 
-@pytest.mark.exclusive  # timing: both processes must end within the budget plus a margin
+@pytest.mark.slow  # two processes launched twice, and a reference run
 def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes(tmp_path):
     """2 processes x 2 CPU devices; process 1's main thread blocks reading step 15's data (after the checkpoint at
     10) while its other threads, JAX's heartbeats among them, run on. Both processes end within the budget plus a
