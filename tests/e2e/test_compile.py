@@ -16,12 +16,11 @@ import contextlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from commands import run_command
 from compile_targets import MOSAIC, TARGETS, TRITON, accelerator_config, needs_aot
 
 from resformer_jax import kernels
@@ -258,22 +257,12 @@ def test_a_program_over_the_tpus_hbm_is_refused_by_its_compiler_with_the_prechec
     assert "remat=full" in problem and "config.mesh.fsdp" not in problem
 
 
-def _compile_command(*args, env=None):
-    e = dict(os.environ, **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "resformer_jax", "compile", *args],
-        cwd=ROOT,
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 @needs_aot
-def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
+def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit(monkeypatch):
+    """The command in-process (its output and exit status are the point, not the interpreter's start)."""
     cfg = os.path.join(ROOT, "configs", "tiny.py")
-    r = _compile_command(
+    r = run_command(
+        "compile",
         f"--config={cfg}",
         "--target=h100x8",
         "--steps=train,eval",
@@ -288,9 +277,9 @@ def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
     assert "running the GPU kernel in Pallas interpret mode" not in r.stderr
     assert "Traceback" not in r.stderr
     # the same run on cards whose allocator may use almost nothing: one line naming the numbers and the knobs
-    r = _compile_command(
-        f"--config={cfg}", "--target=h100x8", "--steps=train", env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.0000001"}
-    )
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.0000001")
+    r = run_command("compile", f"--config={cfg}", "--target=h100x8", "--steps=train")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     # tiny.py's 8 sequences are one a GPU already: the advice leaves microbatch out and names remat and fsdp
@@ -298,7 +287,7 @@ def test_compile_command_reports_json_and_refuses_a_run_that_does_not_fit():
     assert "config.train.microbatch" not in errors[0] and "config.mesh.fsdp (now 1 of 8)" in errors[0], errors
     assert json.loads(r.stdout.strip().splitlines()[-1])["fits"] is False
     assert "Traceback" not in r.stderr
-    r = _compile_command(f"--config={cfg}", "--target=v5e-7")
+    r = run_command("compile", f"--config={cfg}", "--target=v5e-7")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: v5e-7: no v5e slice has 7")
 
 
