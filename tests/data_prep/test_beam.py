@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+from corpus_sample import trimmed_slimpajama
 
 from resformer_jax.data.records import DomainSource, load_metadata
 from resformer_jax.data_prep.prepare import PrepareError, prepare
@@ -31,7 +32,9 @@ def both(tmp_path_factory):
         pytest.skip(f"{SHARED_DATA} is absent: these tests need ../shared/data beside the checkout")
     _beam_or_skip()
     root = tmp_path_factory.mktemp("beam")
-    args = ([str(SHARED_DATA / "slimpajama_sample")], str(SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"))
+    # every domain and split of the sample, fewer and shorter documents: the runners' equality is the point, not size
+    sample = trimmed_slimpajama(SHARED_DATA, root / "sample", docs_per_domain=8, chars_per_doc=4000)
+    args = ([str(sample)], str(SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"))
     prepare(*args, str(root / "threads"), seq_len=SEQ, quiet=True, shuffle_docs=True, seed=3)
     prepare(
         *args,
