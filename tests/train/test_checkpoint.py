@@ -131,6 +131,9 @@ def test_damaged_checkpoints_fall_back_a_truncated_array_and_unreadable_fingerpr
     assert "checkpoint at step 9" in err.err and "does not restore" in err.err
     assert "checkpoint at step 6" in err.err and "the fingerprints saved with it do not read" in err.err, err.err
     assert "resumed from step 3" in err.out
+    # the one field changed, as asked (model.matmuls=auto, resolved on this machine at each start, is no change)
+    changed = [ln for ln in err.out.splitlines() if "changed on resume" in ln]
+    assert changed == ["note: config.train.stop_at changed on resume: 9 -> 0"], changed
     for step in ("9", "6"):
         assert os.path.isdir(os.path.join(wd, "checkpoints_damaged", step)), "the damaged checkpoint is kept aside"
     assert_bitwise_from(losses(wd), reference, 4)
