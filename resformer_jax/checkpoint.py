@@ -125,8 +125,8 @@ def finished_checkpoint_steps(directory) -> list[int]:
 class NotRestored:
     """What an item's restore raised on this process, returned instead of raised: every process then reaches
     Orbax's barrier after a restore, and they decide together (`_agreed`) whether the step restored. A file only
-    one process reads (its array metadata, its shards) can fail on that process alone; raised, it left the others
-    waiting inside Orbax's barrier while it went on to the previous step, and the run lost sync and hung."""
+    one process reads (its data position) or a read that fails on one host alone fails on that process alone;
+    raised, it left the others waiting inside Orbax's barrier while it went on, and the run lost sync and hung."""
 
     def __init__(self, error: Exception):
         self.error = error
