@@ -75,16 +75,19 @@ def test_sharded_train_eval_and_decode_steps_compile_for_the_target(platform, va
 
 @contextlib.contextmanager
 def _persistent_cache_in(path):
-    """JAX's persistent compilation cache in `path` for the block (yields a lister of its entries); as it was after."""
+    """JAX's persistent compilation cache on, in `path`, for the block (yields a lister of its entries); as it was
+    after (a run with JAX_ENABLE_COMPILATION_CACHE=false, as the coverage command's, included)."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    was = jax.config.jax_compilation_cache_dir
+    was = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_enable_compilation_cache", True)
     compilation_cache.reset_cache()
     try:
         yield lambda: sorted(os.listdir(path)) if os.path.isdir(path) else []
     finally:
-        jax.config.update("jax_compilation_cache_dir", was)
+        jax.config.update("jax_compilation_cache_dir", was[0])
+        jax.config.update("jax_enable_compilation_cache", was[1])
         compilation_cache.reset_cache()
 
 
