@@ -15,7 +15,7 @@ from resformer_jax.checkpoint import (
     no_fresh_start,
     params_layout,
 )
-from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, run_record, with_defaults
+from resformer_jax.config import RUNTIME_MODEL_FIELDS, get_dotted, parse_init_from, with_defaults
 from resformer_jax.errors import UserError, one_line
 from resformer_jax.resolve import fork_point
 from resformer_jax.rundir import RunDir
@@ -72,15 +72,13 @@ class Resume:
         with self.run.checkpointer(read_only=True) as ck:
             newest = ck.newest_config()
         if newest is not None:
-            self.check_resumed_config(newest[1], cfg, corpus, quiet=True)
+            self.check_resumed_config(newest[1], cfg.to_dict(), corpus, quiet=True)
 
-    def check_resumed_config(self, old: dict, cfg, corpus, quiet: bool = False, asked=None):
-        """`old` (a checkpoint's record) against this run's config. `asked` (the config as the user asked it): the
-        run compared as it records itself (what was asked, the recorded resolutions in place), so a field resolved
-        on each machine and not recorded (model.matmuls, model.norm_impl) is compared as asked, not as this
-        machine resolved it."""
-        new = with_defaults(run_record(asked.to_dict(), cfg)) if asked is not None else cfg.to_dict()
-        diff = config_diff(with_defaults(old), new)  # a field added since the run started is not a change
+    def check_resumed_config(self, old: dict, new: dict, corpus, quiet: bool = False):
+        """`old` (a checkpoint's record) against `new` (this run's record, or its config as asked), both as the run
+        records itself: a field resolved on each machine and not recorded (model.matmuls, model.norm_impl) is
+        compared as asked, not as this machine resolved it."""
+        diff = config_diff(with_defaults(old), with_defaults(new))  # a field added since the run started is no change
         model = {f: ab for f, ab in diff.items() if f.startswith("model.") and f not in RUNTIME_MODEL_FIELDS}
         if model:
             raise CheckpointError(
@@ -139,7 +137,7 @@ class Resume:
             self.enter("start-up")  # nothing restored: a new state is start-up work
             return setup.init_state(), 0, {}
         step, state, old_cfg, progress = restored
-        self.check_resumed_config(old_cfg, cfg, corpus, asked=setup.run.asked)
+        self.check_resumed_config(old_cfg, setup.run.record(), corpus)
         self.say(f"resumed from step {step} ({ckpt.dir}/{step})")
         return state, step, progress
 
@@ -155,7 +153,7 @@ class Resume:
             steps = src.all_steps()
             if step not in steps:
                 raise CheckpointError(f"train.init_from: no checkpoint at step {step} in {src.dir}; available: {steps}")
-            self.check_resumed_config(src.read_config(step), cfg, corpus, quiet=True)
+            self.check_resumed_config(src.read_config(step), cfg.to_dict(), corpus, quiet=True)
 
     def fork(self, cfg, setup: TrainSetup, data, corpus) -> tuple[Any, int, dict]:
         """A new run from another run's checkpoint (train.init_from=RUN:STEP): its parameters, optimizer state and
