@@ -113,7 +113,7 @@ def test_a_dead_process_is_named_by_the_launcher_and_a_rerun_resumes_to_the_same
         "--config.distributed.heartbeat_timeout_s=5",
     ]
     wd = str(tmp_path / "mp")
-    env = multiprocess_env(tmp_path)
+    env = multiprocess_env(2)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt = os.path.join(wd, "checkpoints", str(every))
@@ -172,7 +172,7 @@ def test_in_loop_tasks_of_a_multi_host_run_equal_evaluate(tmp_path):
         f"--config.eval.task_data={samples}",
         "--config.eval.task_limit=8",
     ]
-    env = multiprocess_env(tmp_path)
+    env = multiprocess_env(2)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

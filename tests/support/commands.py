@@ -102,13 +102,16 @@ def command_flags(module_name: str) -> frozenset[str]:
     return frozenset("--" + f.name for f in [*_FLAGS.by_module[module_name], *absl_own])
 
 
-def multiprocess_env(tmp_path: pathlib.Path) -> dict[str, str]:
-    """The environment of a test's launch/local_multiprocess.sh: 2 CPU devices a process, this process's XLA flags
-    (the launcher appends the device count) and a compilation cache of the launch's own, as JAX's cache key leaves the
-    device count out: a single process must never read a program compiled for several."""
+def multiprocess_env(processes: int = 2) -> dict[str, str]:
+    """The environment of a test's `launch/local_multiprocess.sh PROCESSES ...`: 2 CPU devices a process, this
+    process's XLA flags (the launcher appends the device count) and a compilation cache shared by every launch of
+    that layout, beside the suite's: JAX's cache key leaves the device count out, so a single process must never read
+    a program compiled for several (a launch's programs compiled once a layout, not once a test)."""
+    devices = 2
+    single = os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/resformer_jax_test_jit_cache").rstrip("/")
     return dict(
         os.environ,
         PYTHON=sys.executable,
-        DEVICES_PER_PROCESS="2",
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "multiprocess_jit_cache"),
+        DEVICES_PER_PROCESS=str(devices),
+        JAX_COMPILATION_CACHE_DIR=f"{single}_{processes}_processes_of_{devices}_devices",
     )

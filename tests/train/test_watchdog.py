@@ -214,7 +214,7 @@ def test_a_stalled_process_of_two_is_named_by_the_launcher_and_the_rerun_resumes
         "--config.watchdog.step_factor=2",
     ]
     wd = str(tmp_path / "mp")
-    env = multiprocess_env(tmp_path)
+    env = multiprocess_env(2)
     cmd = ["bash", os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "configs/tiny.py", wd, *flags]
     t0 = time.time()
     r = subprocess.run(
