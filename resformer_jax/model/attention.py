@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 from resformer_jax.kernels import attention as dispatch
 from resformer_jax.kernels import paged_attention
@@ -40,6 +41,9 @@ from resformer_jax.kernels import rope as kernel_rope
 from resformer_jax.model.config import ModelConfig
 from resformer_jax.model.lambdas import fixed_lambdas
 from resformer_jax.model.layers import DenseGeneral, rope, rope_frequencies
+
+# The remat name of the value a layer attends over where it forms one (LayerPlan.forms_value).
+VALUE_MIX = "value_mix"
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -83,6 +87,12 @@ class LayerPlan:
     # without fp32 copies of V_1 and V_n (docs/scaling-out.md: the 7B's step bound)
     lambdas_in_value_dtype: bool = False
     rope_in_kernel: bool = False  # RoPE's gradients rotated back by the dQ and dK/dV kernels as they write (pallas)
+
+    @property
+    def forms_value(self) -> bool:
+        """Whether the value A_n is applied to is a tensor this layer forms (Eq. 7, Eq. 5, the gate's mix,
+        SkipV1Former's heads) rather than a projection's output (Eq. 1) or layer 1's (Eq. 10)."""
+        return self.mix not in (eq1_own_value, eq10_svformer_value)
 
     @property
     def owns(self) -> tuple[bool, bool, bool]:
@@ -476,6 +486,8 @@ class Attention(nn.Module):
         # Eq. 7 (and RoPE) in the attention kernel where the plan says so for this mode (LayerPlan.in_mode)
         in_kernel, rope_in_kernel = p.mix_in_kernel, p.rope_in_kernel
         v_att_BxTxKxD = None if in_kernel else p.mix(mix_in)
+        if v_att_BxTxKxD is not None and p.forms_value:  # kept by remat=dots: a recompute would read V_1 again
+            v_att_BxTxKxD = checkpoint_name(v_att_BxTxKxD, VALUE_MIX)
 
         # RoPE on q and k (Llama); GPT-2 adds learned positions to the embeddings instead. The kernel that rotates
         # them itself takes them as they are.

@@ -27,6 +27,7 @@ from resformer_jax import kernels
 from resformer_jax.kernels import cpu_matmul, names
 from resformer_jax.kernels.names import ATTENTION_RESIDUALS
 from resformer_jax.model.attention import (
+    VALUE_MIX,
     Attention,
     Carry,
     Context,
@@ -103,7 +104,12 @@ log = logging.getLogger(__name__)
 def remat_policy(name: str):
     """The named rematerialisation policies (config.model.remat): what the backward may keep."""
     return {
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # matmul outputs kept
+        # matmul outputs kept, and the value a layer forms (Eq. 7's mix): its recompute would read V_1 again, the
+        # dearest part of Eq. 7 on a TPU, whose kernel does not form the mix (docs/scaling-out.md)
+        "dots": jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(VALUE_MIX),
+        ),
         "full": jax.checkpoint_policies.nothing_saveable,  # everything recomputed
         # the attention kernel's inputs, output and log-sum-exp kept; the projections and the MLP recomputed
         "attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS),
