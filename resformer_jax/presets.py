@@ -171,6 +171,14 @@ SCALE_SETTINGS: types.MappingProxyType = types.MappingProxyType(
 )
 
 
+def cluster_for(target: str, nodes: int = 1, slices: int = 1) -> str | None:
+    """The cluster of CLUSTERS that `resformer compile --target=TARGET --nodes=NODES` compiles for, None where none."""
+    if slices != 1:
+        return None
+    asked = (target.strip().lower(), nodes)
+    return next((c for c in CLUSTERS if (SCALE_SETTINGS["1b", c].target, SCALE_SETTINGS["1b", c].nodes) == asked), None)
+
+
 def scale_config(size: str, variant: str = "none", cluster: str = "h100x8") -> ml_collections.ConfigDict:
     """A scale-out preset: the shapes of the published model SCALE_MODELS[size] copies, the paper's recipe (AdamW
     betas, weight decay, clipping, warmup then cosine) with that model's learning rate, batch and warmup, a token

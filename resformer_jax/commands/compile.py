@@ -94,12 +94,45 @@ def main(argv):
         if FLAGS.tune:
             return run_tune(target, log)
         sizes = dict(decode_batch=FLAGS.decode_batch, prompt_len=FLAGS.prompt_len, document_len=FLAGS.documents)
-        report = compile_for_target(FLAGS.config, target, steps=tuple(FLAGS.steps), log=log, **sizes)
+        config = config_for_target(FLAGS["config"], target, log)
+        report = compile_for_target(config, target, steps=tuple(FLAGS.steps), log=log, **sizes)
         for line in report.lines():
             print(line, file=sys.stderr)
         print(json.dumps(report.to_json()), flush=True)
         if not report.fits:
             common.fail(report.first_problem)
+
+
+def config_for_target(flag, target, log):
+    """--config as given; a scale-out preset named without its cluster (`--config=configs/svformer_7b.py`) compiles
+    with the setting chosen for --target where it has one, as `configs/svformer_7b.py:v5p-128` would (for
+    `--target=h100x8 --nodes=4`: `:4xh100x8`), the --config.* overrides applied after."""
+    import importlib.util
+    import inspect
+
+    from resformer_jax.presets import cluster_for
+
+    path = flag.config_filename
+    cluster = cluster_for(target.name, target.nodes, target.num_slices)
+    if cluster is None or ":" in path or not path.endswith(".py") or not os.path.isfile(path):
+        return flag.value
+    spec = importlib.util.spec_from_file_location("resformer_compile_preset", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    given = inspect.signature(module.get_config).parameters.get("cluster")
+    if given is None or given.default == cluster:
+        return flag.value
+    config = module.get_config(cluster)
+    for dotted, value in config_flags.get_override_values(flag).items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    setting = f"compiling its {cluster} setting (mesh, microbatch, remat), as {path}:{cluster}"
+    log(f"{path} is sized for {given.default}; {setting}")
+    return config
 
 
 def run_tune(target, log):

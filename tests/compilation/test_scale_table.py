@@ -3,6 +3,7 @@ it has, and the trainer's start-up words on the compiled step's bound."""
 
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +110,52 @@ def test_each_preset_row_names_a_config_file_and_its_cluster():
     for row in scale_table.rows():
         path, _, cluster = row.config.partition(":")
         assert os.path.exists(os.path.join(ROOT, path)) and cluster == row.cluster
+
+
+def test_a_preset_named_without_its_cluster_compiles_with_the_targets_setting(monkeypatch):
+    """#92's check as written (`resformer compile --config=configs/svformer_7b.py --target=v5p-128`, and
+    `--target=h100x8 --nodes=4`): the preset's setting for that cluster, as `:v5p-128` would give, with the
+    --config.* overrides applied after; a cluster named, a target no preset is sized for, or the preset's own
+    default cluster leave the config as given."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from resformer_jax.commands.compile import config_for_target
+    from resformer_jax.compilation.targets import parse_target
+    from resformer_jax.presets import scale_config
+
+    def resolved(config, target, nodes=1):
+        argv = ["resformer compile", f"--config={config}", "--config.train.steps=7"]
+        fv = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True)
+        saved, sys.argv = sys.argv, argv  # ml_collections finds the --config.* overrides in sys.argv
+        try:
+            fv(argv)
+        finally:
+            sys.argv = saved
+        said = []
+        return config_for_target(fv["config"], parse_target(target, nodes=nodes), said.append), said
+
+    def setting(c):
+        return c.mesh.data, c.mesh.fsdp, c.train.microbatch, c.model.remat, c.model.scan_layers, c.mesh.target
+
+    monkeypatch.chdir(ROOT)
+    for target, nodes, cluster in (("v5p-128", 1, "v5p-128"), ("h100x8", 4, "4xh100x8"), ("v6e-64", 1, "v6e-64")):
+        c, said = resolved("configs/svformer_7b.py", target, nodes)
+        assert setting(c) == setting(scale_config("7b", "svformer", cluster)), (target, setting(c))
+        assert c.train.steps == 7 and c.model.value_residual == "svformer"
+        assert said == [
+            f"configs/svformer_7b.py is sized for h100x8; compiling its {cluster} setting (mesh, microbatch, remat), "
+            f"as configs/svformer_7b.py:{cluster}"
+        ]
+    h100 = setting(scale_config("7b", "svformer", "h100x8"))
+    for config, target in (
+        ("configs/svformer_7b.py:v6e-64", "v5p-128"),  # a cluster named: as named
+        ("configs/svformer_7b.py", "v5p-64"),  # no preset is sized for it: as given (the mesh check then says so)
+        ("configs/svformer_7b.py", "h100x8"),  # its default
+    ):
+        c, said = resolved(config, target)
+        want = setting(scale_config("7b", "svformer", "v6e-64")) if ":" in config else h100
+        assert setting(c) == want and c.train.steps == 7 and said == [], (config, target)
+    c, said = resolved("configs/resformer_82m.py", "v5p-128")  # not a scale-out preset
+    assert said == [] and c.train.steps == 7
