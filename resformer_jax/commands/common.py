@@ -78,6 +78,16 @@ def load_config_file(path: str):
     arg = None
     if not os.path.isfile(path) and ":" in path and os.path.isfile(path.rsplit(":", 1)[0]):
         path, arg = path.rsplit(":", 1)  # ml_collections' FILE:ARGUMENT form, passed to get_config(ARGUMENT)
+    mod = load_config_module(path)
+    try:
+        return mod.get_config() if arg is None else mod.get_config(arg)
+    except Exception as e:
+        raise ConfigFlagError(f"--config {path}: get_config() fails ({type(e).__name__}: {e}); fix the file") from None
+
+
+def load_config_module(path: str):
+    """A config file's module, its get_config() checked present; ConfigFlagError for a missing file, a syntax error
+    or an error while it runs."""
     if not os.path.isfile(path):
         raise ConfigFlagError(f"--config file {path!r} does not exist; give a file like configs/resformer_82m.py")
     spec = importlib.util.spec_from_file_location("_resformer_config", path)
@@ -91,10 +101,7 @@ def load_config_file(path: str):
         raise ConfigFlagError(f"--config {path} fails while loading ({type(e).__name__}: {e}); fix the file") from None
     if not callable(getattr(mod, "get_config", None)):
         raise ConfigFlagError(f"--config {path} has no get_config() function; define one returning a ConfigDict")
-    try:
-        return mod.get_config() if arg is None else mod.get_config(arg)
-    except Exception as e:
-        raise ConfigFlagError(f"--config {path}: get_config() fails ({type(e).__name__}: {e}); fix the file") from None
+    return mod
 
 
 def check_config_flags(argv: list[str], default_config: str | None = None, name: str = "config"):

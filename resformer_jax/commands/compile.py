@@ -107,29 +107,21 @@ def config_for_target(flag, target, log):
     """--config as given; a scale-out preset named without its cluster (`--config=configs/svformer_7b.py`) compiles
     with the setting chosen for --target where it has one, as `configs/svformer_7b.py:v5p-128` would (for
     `--target=h100x8 --nodes=4`: `:4xh100x8`), the --config.* overrides applied after."""
-    import importlib.util
     import inspect
 
+    from resformer_jax.commands import common
     from resformer_jax.presets import cluster_for
 
     path = flag.config_filename
     cluster = cluster_for(target.name, target.nodes, target.num_slices)
     if cluster is None or ":" in path or not path.endswith(".py") or not os.path.isfile(path):
         return flag.value
-    spec = importlib.util.spec_from_file_location("resformer_compile_preset", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = common.load_config_module(path)
     given = inspect.signature(module.get_config).parameters.get("cluster")
     if given is None or given.default == cluster:
         return flag.value
     config = module.get_config(cluster)
-    for dotted, value in config_flags.get_override_values(flag).items():
-        *parents, leaf = dotted.split(".")
-        node = config
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
+    config.update_from_flattened_dict(config_flags.get_override_values(flag))
     setting = f"compiling its {cluster} setting (mesh, microbatch, remat), as {path}:{cluster}"
     log(f"{path} is sized for {given.default}; {setting}")
     return config
