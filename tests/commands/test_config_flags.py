@@ -4,12 +4,10 @@ exit 2 in every section, and the ablation configs' own spellings (MIDDLE, LAST3)
 
 import dataclasses
 import os
-import sys
 import typing
 
 import pytest
-from absl import flags
-from ml_collections import config_flags
+from commands import parsed_config_flag
 
 from resformer_jax.commands import common
 from resformer_jax.config import SECTIONS, validate
@@ -25,14 +23,7 @@ def parse(*overrides: str):
     first (it exits 2 with one line on what it refuses), then absl's parse of the flags (a FlagValues of its own)."""
     argv = ["resformer train", f"--config={TINY}", *overrides]
     common.check_config_flags(argv)
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", TINY, flag_values=values, lock_config=True)
-    saved, sys.argv = sys.argv, argv  # ml_collections finds the --config.* overrides in sys.argv
-    try:
-        values(argv)
-    finally:
-        sys.argv = saved
-    return values.config
+    return parsed_config_flag(argv, TINY).value
 
 
 def typed(*overrides: str):

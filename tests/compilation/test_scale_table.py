@@ -3,11 +3,10 @@ it has, and the trainer's start-up words on the compiled step's bound."""
 
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
-from commands import run_command
+from commands import parsed_config_flag, run_command
 
 from resformer_jax.compilation import scale_table
 from resformer_jax.compilation.roofline import step_bound_line
@@ -117,24 +116,14 @@ def test_a_preset_named_without_its_cluster_compiles_with_the_targets_setting(mo
     `--target=h100x8 --nodes=4`): the preset's setting for that cluster, as `:v5p-128` would give, with the
     --config.* overrides applied after; a cluster named, a target no preset is sized for, or the preset's own
     default cluster leave the config as given."""
-    from absl import flags
-    from ml_collections import config_flags
-
     from resformer_jax.commands.compile import config_for_target
     from resformer_jax.compilation.targets import parse_target
     from resformer_jax.presets import scale_config
 
     def resolved(config, target, nodes=1):
-        argv = ["resformer compile", f"--config={config}", "--config.train.steps=7"]
-        fv = flags.FlagValues()
-        config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True)
-        saved, sys.argv = sys.argv, argv  # ml_collections finds the --config.* overrides in sys.argv
-        try:
-            fv(argv)
-        finally:
-            sys.argv = saved
+        flag = parsed_config_flag(["resformer compile", f"--config={config}", "--config.train.steps=7"])
         said = []
-        return config_for_target(fv["config"], parse_target(target, nodes=nodes), said.append), said
+        return config_for_target(flag, parse_target(target, nodes=nodes), said.append), said
 
     def setting(c):
         return c.mesh.data, c.mesh.fsdp, c.train.microbatch, c.model.remat, c.model.scan_layers, c.mesh.target

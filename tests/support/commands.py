@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 from absl import flags
+from ml_collections import config_flags
 
 from resformer_jax.commands.cli import COMMANDS
 
@@ -115,3 +116,15 @@ def multiprocess_env(processes: int = 2) -> dict[str, str]:
         DEVICES_PER_PROCESS=str(devices),
         JAX_COMPILATION_CACHE_DIR=f"{single}_{processes}_processes_of_{devices}_devices",
     )
+
+
+def parsed_config_flag(argv: list[str], default: str | None = None):
+    """The `--config` flag of `argv` as absl parses it in a FlagValues of its own, --config.* overrides applied."""
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", default, flag_values=values, lock_config=True)
+    saved, sys.argv = sys.argv, argv  # ml_collections finds the --config.* overrides in sys.argv
+    try:
+        values(argv)
+    finally:
+        sys.argv = saved
+    return values["config"]
